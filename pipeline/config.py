@@ -1,0 +1,119 @@
+"""Configuration schema of the data pipeline: sources, tokenizer, shards, Ray and the loader.
+
+`configs/*.yaml` are instances of `PrepareConfig`; `LoaderConfig` is embedded by the
+trainer's config. See `pipeline.configure` for how YAML and overrides are merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+SAMPLE_KINDS = ("causal_lm", "mlm", "translation")
+SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext")
+
+
+@dataclass
+class SourceConfig:
+    # text: one document per line or per blank-line-separated paragraph (`text_split`);
+    # jsonl: a document in `text_field` (a pair when `target_field` is set too);
+    # tsv: (source, target) pairs in `source_column` and `target_column`;
+    # gettext: compiled .mo or source .po catalogs, msgid -> msgstr pairs.
+    format: str = "gettext"
+    # Files or globs; `.gz` files are read decompressed. The default is the system's
+    # English->German message catalogs, which every Debian or Ubuntu machine has.
+    paths: List[str] = field(
+        default_factory=lambda: ["/usr/share/locale/${source.target_lang}/LC_MESSAGES/*.mo"]
+    )
+    source_lang: str = "en"
+    target_lang: str = "de"
+    text_split: str = "line"  # line | paragraph
+    text_field: str = "text"
+    target_field: str = ""
+    source_column: int = 0
+    target_column: int = 1
+    # Longer monolingual documents are cut into pieces of at most this many characters,
+    # so one pathological line never holds a whole file's worth of memory downstream.
+    max_doc_chars: int = 20000
+
+
+@dataclass
+class SplitConfig:
+    # Fractions of the distinct (normalized) texts; train gets the rest. A pair's split is
+    # decided by its source side, and both sides of a pair inherit it when used as
+    # monolingual text, so a test sentence is never seen in pretraining.
+    valid: float = 0.02
+    test: float = 0.02
+    salt: str = "split-v1"
+
+
+@dataclass
+class TokenizerConfig:
+    # Reuse an existing SentencePiece model instead of training one (fine-tuning data must
+    # be made with the pretraining tokenizer).
+    model_path: str = ""
+    model_type: str = "unigram"  # unigram | bpe
+    vocab_size: int = 8000
+    character_coverage: float = 0.9995
+    byte_fallback: bool = True
+    # Size cap of the training sample: the texts with the smallest salted hashes, so the
+    # sample is reproducible, independent of input order and drawn in one streaming pass.
+    sample_texts: int = 200000
+    max_sentence_length: int = 4192
+    # Extra control symbols such as target-language tags ("<2de>").
+    lang_tags: List[str] = field(default_factory=list)
+    num_threads: int = 2
+
+
+@dataclass
+class ShardConfig:
+    max_samples: int = 4096
+    # Texts are hash-partitioned into this many buckets; one Ray task encodes one
+    # (split, bucket). Output depends on this number, never on the number of workers.
+    buckets: int = 8
+
+
+@dataclass
+class TranslationFilterConfig:
+    min_tokens: int = 1
+    max_tokens: int = 128
+    max_ratio: float = 3.0  # longer side / shorter side, in tokens
+    # false: source_lang -> target_lang; true: the reverse direction.
+    reverse: bool = False
+
+
+@dataclass
+class RayConfig:
+    # "" starts a local Ray; "auto" or "host:port" joins an existing cluster.
+    address: str = ""
+    # Tasks in flight at once (and CPUs of a local Ray).
+    num_workers: int = 2
+
+
+@dataclass
+class PrepareConfig:
+    output_dir: str = "data/gettext-en-de"
+    overwrite: bool = False
+    kinds: List[str] = field(default_factory=lambda: list(SAMPLE_KINDS))
+    seq_len: int = 128  # tokens per packed causal_lm / mlm block
+    source: SourceConfig = field(default_factory=SourceConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    translation: TranslationFilterConfig = field(default_factory=TranslationFilterConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    progress: bool = True
+
+
+@dataclass
+class LoaderConfig:
+    """How the trainer streams a prepared dataset (embedded in the training config)."""
+
+    data_dir: str = "data/gettext-en-de"
+    micro_batch_size: int = 8
+    num_workers: int = 1
+    seed: int = 0
+    mlm_probability: float = 0.15
+    # Of the selected tokens: replaced by <mask>, by a random token, or kept (BERT's 80/10/10).
+    mlm_mask_fraction: float = 0.8
+    mlm_random_fraction: float = 0.1

@@ -1,0 +1,132 @@
+"""The on-disk contract between `pipeline.prepare` and everything that reads its output.
+
+A prepared dataset directory holds:
+
+    manifest.json                      written last; its presence marks the directory complete
+    tokenizer.model                    the SentencePiece model (sha256 in the manifest)
+    config.yaml                        the resolved PrepareConfig
+    packed/{split}/{bucket:04d}-{part:04d}.tar        causal_lm and mlm blocks
+    translation/{split}/{bucket:04d}-{part:04d}.tar   (source, target) pairs
+
+Each tar is a WebDataset shard: samples are consecutive members sharing a key
+(`{bucket:04d}_{index:08d}`), one `.npy` member per field (integer arrays, never pickle).
+`packed` samples have `input_ids` (exactly `seq_len` tokens: documents joined with `</s>`);
+`translation` samples have `src_ids` and `tgt_ids` (no special tokens added).
+
+The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
+`path`, `samples`, `tokens`, `bytes` and `sha256`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.configure import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.model"
+SPLITS = ("train", "valid", "test")
+
+# Sample kind -> the shard set that serves it: causal_lm and mlm read the same packed
+# blocks (masks are drawn at load time, so every epoch sees new ones).
+DATASET_FOR_KIND = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
+FIELDS = {"packed": ("input_ids",), "translation": ("src_ids", "tgt_ids")}
+
+# Reserved ids, the same in every tokenizer this project trains.
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>", "<sep>")
+PAD_ID, UNK_ID, BOS_ID, EOS_ID, MASK_ID, SEP_ID = range(len(SPECIAL_TOKENS))
+
+
+def sample_key(bucket: int, index: int) -> str:
+    return f"{bucket:04d}_{index:08d}"
+
+
+def shard_name(dataset: str, split: str, bucket: int, part: int) -> str:
+    return f"{dataset}/{split}/{bucket:04d}-{part:04d}.tar"
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def decode_array(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(data_dir: str | os.PathLike) -> dict:
+    """The manifest of a prepared dataset; a clear error if it is missing or unreadable."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: unreadable manifest: {err}") from err
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def shard_entries(manifest: dict, kind: str, split: str) -> list[dict]:
+    """The manifest's shard records for a sample kind and split."""
+    if kind not in DATASET_FOR_KIND:
+        raise UserError(f"unknown sample kind {kind!r}; expected one of {sorted(DATASET_FOR_KIND)}")
+    name = DATASET_FOR_KIND[kind]
+    dataset = manifest.get("datasets", {}).get(name)
+    if dataset is None:
+        raise UserError(f"the dataset has no {name!r} shards (needed by {kind}); prepare it with kinds including {kind}")
+    if split not in dataset["splits"]:
+        raise UserError(f"the {name!r} shards have no split {split!r}")
+    return dataset["splits"][split]["shards"]
+
+
+def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str, np.ndarray]]) -> dict:
+    """Write one WebDataset tar shard, byte-reproducibly (fixed mtime, owner and mode).
+
+    Returns the shard's manifest record, with `path` as given. The file appears under its
+    final name only once complete.
+    """
+    import webdataset as wds
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    tokens = 0
+    with open(partial, "wb") as fh:
+        writer = wds.TarWriter(fh, encoder=False, mtime=0, user="", group="", mode=0o444)
+        for key, sample in zip(keys, samples, strict=True):
+            record = {"__key__": key}
+            for field_name, array in sample.items():
+                record[f"{field_name}.npy"] = encode_array(array)
+                tokens += int(array.size)
+            writer.write(record)
+        writer.close()
+    os.replace(partial, path)
+    return {
+        "path": str(path),
+        "samples": len(keys),
+        "tokens": tokens,
+        "bytes": path.stat().st_size,
+        "sha256": file_sha256(path),
+    }
