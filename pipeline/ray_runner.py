@@ -1,0 +1,91 @@
+"""Runs the pipeline's pure work functions as Ray tasks: the only module that imports Ray.
+
+A local Ray is started by default (`ray.address: ""`, with `num_workers` CPUs); `auto` or
+`host:port` joins a running cluster such as the one `slurm/prepare.sbatch` starts. Tasks
+are kept `num_workers` in flight, results are returned in submission order whatever order
+they finish in, so the output never depends on scheduling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from tqdm import tqdm
+
+from pipeline.config import RayConfig
+from pipeline.configure import UserError
+
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@contextlib.contextmanager
+def ray_session(cfg: RayConfig) -> Iterator[None]:
+    """Connect to (or start) Ray for the duration of a prepare run."""
+    import ray
+
+    if cfg.num_workers < 1:
+        raise UserError(f"ray.num_workers: must be at least 1, got {cfg.num_workers}")
+    started = not ray.is_initialized()
+    if started:
+        # Workers import this project by path: that works on one machine and on a cluster
+        # whose nodes share the file system (as SLURM clusters do) without uploading code.
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p),
+               "OMP_NUM_THREADS": "1"}
+        kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
+                                      log_to_driver=True, logging_level="WARNING")
+        if cfg.address:
+            kwargs["address"] = cfg.address
+        else:
+            kwargs["num_cpus"] = cfg.num_workers
+        try:
+            ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise UserError(f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}") from err
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_tasks(
+    fn: Callable[..., Any],
+    arguments: Sequence[tuple],
+    *,
+    num_workers: int,
+    desc: str,
+    progress: bool = True,
+    shared: dict[str, Any] | None = None,
+) -> list[Any]:
+    """`[fn(*args, **shared) for args in arguments]`, computed as Ray tasks, in order.
+
+    `shared` values (a tokenizer, a config) are put in the object store once rather than
+    pickled into every task.
+    """
+    import ray
+
+    remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+    shared_refs = {name: ray.put(value) for name, value in (shared or {}).items()}
+    results: list[Any] = [None] * len(arguments)
+    pending: dict[Any, int] = {}
+    next_index = 0
+    with tqdm(total=len(arguments), desc=desc, disable=not progress, unit="task", dynamic_ncols=True) as bar:
+        while next_index < len(arguments) or pending:
+            while next_index < len(arguments) and len(pending) < num_workers:
+                pending[remote.remote(*arguments[next_index], **shared_refs)] = next_index
+                next_index += 1
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                index = pending.pop(ref)
+                try:
+                    results[index] = ray.get(ref)
+                except ray.exceptions.RayTaskError as err:
+                    cause = getattr(err, "cause", None)
+                    if isinstance(cause, UserError):
+                        raise UserError(str(cause.args[0])) from None
+                    raise
+                bar.update(1)
+    return results

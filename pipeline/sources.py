@@ -1,0 +1,329 @@
+"""Corpus readers: plain text, JSON Lines, TSV pairs and gettext catalogs (.mo and .po).
+
+Every reader yields `(source, target)` tuples: `target` is None for monolingual documents.
+Readers never crash on bad bytes: they decode with replacement and count the replaced
+bytes in a `Counter` the caller passes in, together with other reasons a record was
+skipped. Whitespace (newlines included) is collapsed to single spaces, because
+SentencePiece and the packers treat one text as one line.
+
+The gettext reader follows the GNU .mo layout (gettext manual, "The Format of GNU MO
+Files"): a header of five 32-bit words, then tables of (length, offset) for originals and
+translations; an original is `[msgctxt \\x04] msgid [\\x00 msgid_plural]` and a
+translation holds the plural forms separated by NUL. `.po` files are parsed with polib.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import re
+import struct
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from typing import IO, Iterator, Optional
+
+from pipeline.config import SOURCE_FORMATS, SourceConfig
+from pipeline.configure import UserError
+
+Record = tuple[str, Optional[str]]
+
+_WHITESPACE = re.compile(r"\s+")
+_CHARSET = re.compile(rb"charset\s*=\s*([A-Za-z0-9_.:-]+)")
+MO_MAGIC_LE = 0x950412DE
+
+
+# ---------------------------------------------------------------- text helpers
+
+
+def decode_counting(data: bytes, encoding: str = "utf-8") -> tuple[str, int]:
+    """Decode `data`, replacing each undecodable sequence with U+FFFD; also return how many bytes were replaced."""
+    try:
+        return data.decode(encoding), 0
+    except UnicodeDecodeError:
+        pass
+    parts, bad, pos = [], 0, 0
+    while pos < len(data):
+        try:
+            parts.append(data[pos:].decode(encoding))
+            break
+        except UnicodeDecodeError as err:
+            parts.append(data[pos : pos + err.start].decode(encoding))
+            parts.append("\ufffd")
+            bad += err.end - err.start
+            pos += err.end
+    return "".join(parts), bad
+
+
+def clean_text(text: str) -> str:
+    """NFC, whitespace runs (newlines included) collapsed to one space, stripped."""
+    return _WHITESPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
+
+
+def normalize_key(text: str) -> str:
+    """The form under which two texts count as the same (dedup) and share a split."""
+    return _WHITESPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+
+
+def text_hash(text: str, salt: str) -> int:
+    """A stable 64-bit hash of a normalized text (independent of PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(normalize_key(text).encode("utf-8"), digest_size=8, person=salt.encode()[:16])
+    return int.from_bytes(digest.digest(), "little")
+
+
+# ---------------------------------------------------------------- work units
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Ray task's share of the input: a whole file, or a byte range of a large text file."""
+
+    path: str
+    start: int = 0
+    end: int = -1  # -1: to the end of the file
+
+
+def expand_paths(cfg: SourceConfig) -> list[str]:
+    """The sorted, de-duplicated list of input files; a clear error for a path that matches nothing."""
+    if cfg.format not in SOURCE_FORMATS:
+        raise UserError(f"source.format: {cfg.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+    if not cfg.paths:
+        raise UserError("source.paths: no input files given")
+    files: set[str] = set()
+    for pattern in cfg.paths:
+        if glob.has_magic(pattern):
+            matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+            if not matched:
+                raise UserError(f"source.paths: no file matches {pattern!r}")
+            files.update(matched)
+        elif os.path.isfile(pattern):
+            files.add(pattern)
+        else:
+            raise UserError(f"source.paths: file not found: {pattern}")
+    return sorted(files)
+
+
+def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int) -> list[Unit]:
+    """Split the inputs into work units. Only uncompressed line-oriented files are cut into
+    byte ranges (a reader can start mid-file at the next newline); the rest are whole."""
+    units = []
+    for path in files:
+        size = os.path.getsize(path)
+        splittable = (
+            cfg.format in ("text", "jsonl", "tsv")
+            and not path.endswith(".gz")
+            and not (cfg.format == "text" and cfg.text_split == "paragraph")
+        )
+        if not splittable or size <= chunk_bytes:
+            units.append(Unit(path))
+            continue
+        for start in range(0, size, chunk_bytes):
+            units.append(Unit(path, start, min(start + chunk_bytes, size)))
+    return units
+
+
+def _open_binary(path: str) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _lines(unit: Unit) -> Iterator[bytes]:
+    """Raw lines of a unit. A range owns the lines that start inside it."""
+    with _open_binary(unit.path) as fh:
+        if unit.start > 0:
+            fh.seek(unit.start - 1)
+            # Whatever line the previous byte belongs to is the previous unit's.
+            fh.readline()
+        pos = fh.tell()
+        for line in fh:
+            if unit.end >= 0 and pos >= unit.end:
+                break
+            pos += len(line)
+            yield line
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _read_text(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    if cfg.text_split not in ("line", "paragraph"):
+        raise UserError(f"source.text_split: {cfg.text_split!r} is not 'line' or 'paragraph'")
+    paragraph: list[str] = []
+    for raw in _lines(unit):
+        text, bad = decode_counting(raw)
+        stats["bad_bytes_replaced"] += bad
+        if cfg.text_split == "line":
+            yield text, None
+        elif text.strip():
+            paragraph.append(text)
+        elif paragraph:
+            yield " ".join(paragraph), None
+            paragraph = []
+    if paragraph:
+        yield " ".join(paragraph), None
+
+
+def _read_jsonl(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    for raw in _lines(unit):
+        if not raw.strip():
+            continue
+        text, bad = decode_counting(raw)
+        stats["bad_bytes_replaced"] += bad
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            stats["malformed_records"] += 1
+            continue
+        source = record.get(cfg.text_field) if isinstance(record, dict) else None
+        target = record.get(cfg.target_field) if cfg.target_field and isinstance(record, dict) else None
+        if not isinstance(source, str) or (cfg.target_field and not isinstance(target, str)):
+            stats["malformed_records"] += 1
+            continue
+        yield source, target
+
+
+def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    need = max(cfg.source_column, cfg.target_column) + 1
+    for raw in _lines(unit):
+        text, bad = decode_counting(raw.rstrip(b"\r\n"))
+        stats["bad_bytes_replaced"] += bad
+        if not text.strip():
+            continue
+        columns = text.split("\t")
+        if len(columns) < need:
+            stats["malformed_records"] += 1
+            continue
+        yield columns[cfg.source_column], columns[cfg.target_column]
+
+
+def _catalog_charset(header: bytes) -> str:
+    match = _CHARSET.search(header)
+    name = match.group(1).decode("ascii") if match else "utf-8"
+    try:
+        "".encode(name)
+    except LookupError:
+        return "utf-8"
+    return name
+
+
+def _gettext_pairs(msgid: str, plural: str | None, forms: list[str]) -> Iterator[Record]:
+    """(msgid, first form) and, for plural entries, (msgid_plural, second form): untranslated forms are skipped."""
+    if forms and forms[0]:
+        yield msgid, forms[0]
+    if plural and len(forms) > 1 and forms[1]:
+        yield plural, forms[1]
+
+
+def read_mo(data: bytes, stats: Counter) -> Iterator[Record]:
+    """Pairs of a compiled catalog. msgfmt leaves fuzzy entries out unless told otherwise."""
+    if len(data) < 20:
+        raise ValueError("too short for a .mo file")
+    (magic,) = struct.unpack("<I", data[:4])
+    order = "<" if magic == MO_MAGIC_LE else ">"
+    if struct.unpack(order + "I", data[:4])[0] != MO_MAGIC_LE:
+        raise ValueError("bad .mo magic number")
+    _, count, originals_at, translations_at = struct.unpack(order + "4I", data[4:20])
+    table = struct.Struct(order + "2I")
+
+    def entry(base: int, index: int) -> bytes:
+        length, offset = table.unpack_from(data, base + 8 * index)
+        if offset + length > len(data):
+            raise ValueError("string table points past the end of the file")
+        return data[offset : offset + length]
+
+    charset = "utf-8"
+    for index in range(count):
+        original, translation = entry(originals_at, index), entry(translations_at, index)
+        if not original:  # the header entry (msgid "") names the charset
+            charset = _catalog_charset(translation)
+            continue
+        if b"\x04" in original:  # msgctxt EOT msgid: the context is not part of the text
+            original = original.split(b"\x04", 1)[1]
+        msgid_raw, _, plural_raw = original.partition(b"\x00")
+        msgid, bad1 = decode_counting(msgid_raw, charset)
+        forms_text, bad2 = decode_counting(translation, charset)
+        plural = None
+        if plural_raw:
+            plural, bad3 = decode_counting(plural_raw, charset)
+            stats["bad_bytes_replaced"] += bad3
+        stats["bad_bytes_replaced"] += bad1 + bad2
+        if not forms_text.replace("\x00", ""):
+            stats["untranslated"] += 1
+            continue
+        yield from _gettext_pairs(msgid, plural, forms_text.split("\x00"))
+
+
+def read_po(data: bytes, stats: Counter) -> Iterator[Record]:
+    """Pairs of a source catalog: header, obsolete, fuzzy and untranslated entries are skipped."""
+    import polib
+
+    text, bad = decode_counting(data, _catalog_charset(data[:4096]))
+    stats["bad_bytes_replaced"] += bad
+    catalog = polib.pofile(text)
+    for entry in catalog:
+        if entry.obsolete or not entry.msgid:
+            continue
+        if "fuzzy" in entry.flags:
+            stats["fuzzy"] += 1
+            continue
+        if entry.msgid_plural:
+            forms = [entry.msgstr_plural[k] for k in sorted(entry.msgstr_plural)]
+        else:
+            forms = [entry.msgstr]
+        if not any(forms):
+            stats["untranslated"] += 1
+            continue
+        yield from _gettext_pairs(entry.msgid, entry.msgid_plural or None, forms)
+
+
+def _read_gettext(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    with _open_binary(unit.path) as fh:
+        data = fh.read()
+    reader = read_po if unit.path.endswith((".po", ".po.gz", ".pot")) else read_mo
+    try:
+        yield from reader(data, stats)
+    except (ValueError, struct.error, OSError) as err:
+        # One broken catalog among thousands is data, not a reason to stop: counted and reported.
+        stats["unreadable_files"] += 1
+        stats[f"unreadable: {os.path.basename(unit.path)}: {err}"] += 1
+
+
+_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext}
+
+
+def is_parallel(cfg: SourceConfig) -> bool:
+    """Whether the source yields (source, target) pairs."""
+    return cfg.format in ("tsv", "gettext") or (cfg.format == "jsonl" and bool(cfg.target_field))
+
+
+def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    """Cleaned records of one unit; empty texts are dropped and counted."""
+    parallel = is_parallel(cfg)
+    try:
+        for source, target in _READERS[cfg.format](unit, cfg, stats):
+            source = clean_text(source)
+            target = clean_text(target) if target is not None else None
+            if not source or (parallel and not target):
+                stats["empty"] += 1
+                continue
+            stats["records"] += 1
+            yield source, target
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise UserError(f"cannot read {unit.path}: {err}") from err
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """Cut an over-long document at spaces into pieces of at most `max_chars` characters."""
+    if len(text) <= max_chars:
+        return [text]
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(start + max_chars, len(text))
+        if end < len(text):
+            space = text.rfind(" ", start + 1, end)
+            end = space if space > start else end
+        pieces.append(text[start:end].strip())
+        start = end
+    return [p for p in pieces if p]

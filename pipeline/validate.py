@@ -1,0 +1,84 @@
+"""`python -m pipeline.validate DIR`: re-check a prepared dataset against its manifest.
+
+Every shard must exist with the recorded size and sha256, read as a WebDataset with the
+recorded sample and token counts and the dataset's fields, and the tokenizer file must
+match its recorded hash. Each problem is printed on its own line; any problem exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline.configure import UserError, run_main
+from pipeline.format import FIELDS, decode_array, file_sha256, read_manifest
+
+USAGE = "usage: python -m pipeline.validate DATA_DIR"
+
+
+def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
+    """(samples, tokens) of a shard read with WebDataset; raises on a malformed sample."""
+    import webdataset as wds
+
+    samples = tokens = 0
+    expected = {f"{name}.npy" for name in fields}
+    for sample in wds.WebDataset(str(path), shardshuffle=False, empty_check=False):
+        present = {k for k in sample if not k.startswith("__")}
+        if present != expected:
+            raise ValueError(f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}")
+        samples += 1
+        tokens += sum(int(decode_array(sample[name]).size) for name in expected)
+    return samples, tokens
+
+
+def validate(data_dir: str | Path) -> list[str]:
+    """The list of problems found (empty when the dataset is intact)."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    problems = []
+    tokenizer = data_dir / manifest["tokenizer"]["file"]
+    if not tokenizer.is_file():
+        problems.append(f"{tokenizer}: missing")
+    elif file_sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
+        problems.append(f"{tokenizer}: sha256 differs from the manifest")
+    for name, dataset in manifest["datasets"].items():
+        for split, entry in dataset["splits"].items():
+            if entry["samples"] != sum(s["samples"] for s in entry["shards"]):
+                problems.append(f"{name}/{split}: split total differs from the sum over its shards")
+            for shard in entry["shards"]:
+                path = data_dir / shard["path"]
+                if not path.is_file():
+                    problems.append(f"{shard['path']}: missing")
+                    continue
+                if path.stat().st_size != shard["bytes"]:
+                    problems.append(f"{shard['path']}: {path.stat().st_size} bytes, manifest says {shard['bytes']}")
+                if file_sha256(path) != shard["sha256"]:
+                    problems.append(f"{shard['path']}: sha256 differs from the manifest")
+                try:
+                    samples, tokens = _count_samples(path, FIELDS[name])
+                except Exception as err:  # any decoding failure is a finding, not a crash
+                    problems.append(f"{shard['path']}: unreadable: {str(err).splitlines()[0]}")
+                    continue
+                if (samples, tokens) != (shard["samples"], shard["tokens"]):
+                    problems.append(f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not Path(argv[0]).is_dir():
+        raise UserError(f"not a directory: {argv[0]}")
+    manifest = read_manifest(argv[0])
+    problems = validate(argv[0])
+    shards = sum(len(e["shards"]) for d in manifest["datasets"].values() for e in d["splits"].values())
+    for problem in problems:
+        print(f"FAIL {problem}")
+    print(f"{argv[0]}: {shards} shards checked, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    run_main(main)
