@@ -1,0 +1,71 @@
+"""Shared test data: a tiny synthetic English->German corpus made in the test, and a prepared dataset of it."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EN_DE = {
+    "the": "die", "red": "rote", "green": "grüne", "small": "kleine", "old": "alte", "cat": "Katze",
+    "house": "Haus", "file": "Datei", "window": "Fenster", "opens": "öffnet", "closes": "schließt",
+    "sees": "sieht", "a": "eine", "door": "Tür", "list": "Liste", "new": "neue", "and": "und",
+}
+SUBJECTS = ["cat", "file", "window", "house", "list", "door"]
+ADJECTIVES = ["red", "green", "small", "old", "new"]
+VERBS = ["opens", "closes", "sees"]
+
+
+def synthetic_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Word-for-word translatable sentences: learnable by a tiny model, varied enough for a tokenizer."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        words = ["the", rng.choice(ADJECTIVES), rng.choice(SUBJECTS), rng.choice(VERBS), "a", rng.choice(ADJECTIVES), rng.choice(SUBJECTS)]
+        if rng.random() < 0.5:
+            words += ["and", "the", rng.choice(SUBJECTS)]
+        english = " ".join(words) + f" {i % 97}"
+        german = " ".join(EN_DE[w] for w in words) + f" {i % 97}"
+        pairs.append((english, german))
+    return pairs
+
+
+def write_tsv(path: Path, pairs) -> Path:
+    path.write_text("".join(f"{en}\t{de}\n" for en, de in pairs), encoding="utf-8")
+    return path
+
+
+def prepare_args(corpus: Path, out: Path, **overrides) -> list[str]:
+    """Command-line overrides for a tiny prepare of a TSV corpus."""
+    settings = {
+        "output_dir": str(out), "source.format": "tsv", "source.paths": f"[{corpus}]", "seq_len": 32,
+        "tokenizer.vocab_size": 400, "tokenizer.sample_texts": 5000, "shard.max_samples": 40,
+        "shard.buckets": 3, "split.valid": 0.1, "split.test": 0.1, "progress": "false",
+    }
+    settings.update({k: str(v) for k, v in overrides.items()})
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+def run_prepare(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.prepare", str(ROOT / "configs/prepare_gettext_en_de.yaml"), *args],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """600 synthetic pairs with some exact duplicates mixed in."""
+    pairs = synthetic_pairs(600)
+    pairs += pairs[:30]
+    return write_tsv(tmp_path_factory.mktemp("corpus") / "pairs.tsv", pairs)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
+    """The tiny corpus prepared with 2 Ray workers (shared by the data and training tests)."""
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    run = run_prepare(prepare_args(tiny_corpus, out, **{"ray.num_workers": 2}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out

@@ -1,0 +1,65 @@
+"""The configuration contract: YAML + overrides into typed dataclasses, and clear one-line errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import PrepareConfig
+from pipeline.configure import UserError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seq_len: 64\nshard:\n  buckets: 3\n")
+    cfg = load_config(PrepareConfig, path, ["shard.buckets=5"])
+    assert cfg.seq_len == 64  # YAML over default (128)
+    assert cfg.shard.buckets == 5  # command line over YAML
+    assert cfg.shard.max_samples == PrepareConfig().shard.max_samples  # default kept
+    assert cfg.source.paths == ["/usr/share/locale/de/LC_MESSAGES/*.mo"]  # interpolation resolved
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, expected",
+    [
+        ("shard:\n  bukets: 3\n", [], "shard.bukets: unknown key"),
+        ("seq_len: many\n", [], "seq_len"),
+        ("", ["tokenizer.vocab_sise=10"], "tokenizer.vocab_sise: unknown key"),
+        ("", ["ray.num_workers=two"], "ray.num_workers"),
+        ("", ["seq_len"], "not of the form"),
+        ("seq_len: [1\n", [], "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(UserError) as err:
+        load_config(PrepareConfig, path, overrides)
+    message = str(err.value)
+    assert expected in message and "\n" not in message
+    if not overrides:
+        assert str(path) in message
+
+
+def test_cli_bad_key_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'out'}\nshard:\n  bukets: 3\n")
+    run = subprocess.run([sys.executable, "-m", "pipeline.prepare", str(path)], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0
+    assert "shard.bukets" in run.stderr and str(path) in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(PrepareConfig, tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("prepare*.yaml")), ids=lambda p: p.name)
+def test_every_prepare_config_validates(path):
+    cfg = load_config(PrepareConfig, path)
+    assert cfg.kinds

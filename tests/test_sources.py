@@ -1,0 +1,179 @@
+"""Corpus readers: edge cases, and the .mo reader against Python's own gettext parser."""
+
+import gettext
+import glob
+import gzip
+import json
+from collections import Counter
+
+import polib
+import pytest
+
+from pipeline.config import PrepareConfig
+from pipeline.configure import UserError, load_config
+from pipeline.sources import Unit, chunk_text, decode_counting, expand_paths, plan_units, read_mo, read_po, read_unit
+
+
+def source_cfg(**overrides):
+    return load_config(PrepareConfig, None, [f"source.{k}={v}" for k, v in overrides.items()]).source
+
+
+def read_all(path, **overrides):
+    cfg = source_cfg(paths=f"[{path}]", **overrides)
+    stats = Counter()
+    records = [r for unit in plan_units(expand_paths(cfg), cfg, 1 << 20) for r in read_unit(unit, cfg, stats)]
+    return records, stats
+
+
+def test_decode_counting_replaces_and_counts():
+    assert decode_counting(b"ok") == ("ok", 0)
+    text, bad = decode_counting(b"a\xffb\xc3\x28c\xe2\x82")
+    assert text == "a\ufffdb\ufffd(c\ufffd"
+    assert bad == 4
+
+
+def test_text_bad_bytes_empty_lines_and_whitespace(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"Hello\tworld \n\n   \ncaf\xe9 au lait\n\xc3\xa9t\xc3\xa9\n")
+    records, stats = read_all(path, format="text")
+    assert records == [("Hello world", None), ("caf\ufffd au lait", None), ("\u00e9t\u00e9", None)]
+    assert stats["bad_bytes_replaced"] == 1 and stats["empty"] == 2
+
+
+def test_empty_file_and_paragraph_mode_and_gzip(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert read_all(tmp_path / "empty.txt", format="text")[0] == []
+    with gzip.open(tmp_path / "p.txt.gz", "wb") as fh:
+        fh.write(b"first para\nline two\n\nsecond\n\n\nthird\n")
+    records, _ = read_all(tmp_path / "p.txt.gz", format="text", text_split="paragraph")
+    assert [r[0] for r in records] == ["first para line two", "second", "third"]
+
+
+def test_very_long_line_is_cut_not_lost(tmp_path):
+    words = [f"w{i}" for i in range(200_000)]
+    (tmp_path / "long.txt").write_text(" ".join(words) + "\nshort\n")
+    records, _ = read_all(tmp_path / "long.txt", format="text")
+    assert len(records) == 2 and records[1][0] == "short"
+    pieces = chunk_text(records[0][0], 20_000)
+    assert all(len(p) <= 20_000 for p in pieces)
+    assert " ".join(pieces).split() == words
+
+
+def test_byte_ranges_cover_each_line_exactly_once(tmp_path):
+    lines = [f"line number {i} " + "x" * (i % 37) for i in range(3000)]
+    path = tmp_path / "big.txt"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = source_cfg(paths=f"[{path}]", format="text")
+    units = plan_units([str(path)], cfg, chunk_bytes=4096)
+    assert len(units) > 10
+    stats = Counter()
+    got = [r[0] for unit in units for r in read_unit(unit, cfg, stats)]
+    assert got == [l.strip() for l in lines]
+
+
+def test_jsonl_fields_and_malformed_records(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [json.dumps({"text": "one", "de": "eins"}), "{not json", json.dumps({"other": 1}), json.dumps({"text": "two", "de": "zwei"})]
+    path.write_text("\n".join(rows) + "\n")
+    records, stats = read_all(path, format="jsonl")
+    assert records == [("one", None), ("two", None)] and stats["malformed_records"] == 2
+    records, _ = read_all(path, format="jsonl", target_field="de")
+    assert records == [("one", "eins"), ("two", "zwei")]
+
+
+def test_tsv_pairs(tmp_path):
+    path = tmp_path / "p.tsv"
+    path.write_bytes(b"a\tA\nonly-one-column\n\nb\tB\textra\n")
+    records, stats = read_all(path, format="tsv")
+    assert records == [("a", "A"), ("b", "B")] and stats["malformed_records"] == 1
+
+
+PO = r'''
+msgid ""
+msgstr ""
+"Content-Type: text/plain; charset=UTF-8\n"
+"Plural-Forms: nplurals=2; plural=(n != 1);\n"
+
+msgid "Open file"
+msgstr "Datei öffnen"
+
+msgctxt "menu"
+msgid "Quit"
+msgstr "Beenden"
+
+msgid "Untranslated"
+msgstr ""
+
+#, fuzzy
+msgid "Maybe"
+msgstr "Vielleicht"
+
+msgid "%d file"
+msgid_plural "%d files"
+msgstr[0] "%d Datei"
+msgstr[1] "%d Dateien"
+
+msgid "Multi"
+"line"
+msgstr "Mehr"
+"zeilig\n"
+
+#~ msgid "Old"
+#~ msgstr "Alt"
+'''
+
+EXPECTED = {("Open file", "Datei öffnen"), ("Quit", "Beenden"), ("%d file", "%d Datei"), ("%d files", "%d Dateien"), ("Multiline", "Mehrzeilig")}
+
+
+def test_po_skips_header_fuzzy_untranslated_obsolete_and_handles_plurals(tmp_path):
+    stats = Counter()
+    pairs = {(s, t.strip()) for s, t in read_po(PO.encode(), stats)}
+    assert pairs == EXPECTED
+    assert stats["fuzzy"] == 1 and stats["untranslated"] == 1
+
+
+def test_mo_written_by_polib_reads_back(tmp_path):
+    catalog = polib.pofile(PO)
+    catalog.save_as_mofile(str(tmp_path / "x.mo"))
+    records, stats = read_all(tmp_path / "x.mo", format="gettext")
+    # A compiled catalog has no fuzzy entries (msgfmt and polib leave them out).
+    assert set(records) == EXPECTED
+    stats2 = Counter()
+    with pytest.raises(ValueError):
+        list(read_mo(b"\x00" * 40, stats2))
+
+
+def test_corrupt_mo_is_counted_not_fatal(tmp_path):
+    (tmp_path / "bad.mo").write_bytes(b"this is not a catalog at all")
+    records, stats = read_all(tmp_path / "bad.mo", format="gettext")
+    assert records == [] and stats["unreadable_files"] == 1
+
+
+def test_mo_reader_agrees_with_python_gettext_on_system_catalogs():
+    catalogs = sorted(glob.glob("/usr/share/locale/de/LC_MESSAGES/*.mo"))[:15]
+    if not catalogs:
+        pytest.skip("no system catalogs on this machine")
+    for path in catalogs:
+        with open(path, "rb") as fh:
+            reference = gettext.GNUTranslations(fh)._catalog
+        expected = set()
+        for key, value in reference.items():
+            if isinstance(key, tuple):
+                continue  # plural forms: checked through the singular below
+            if key and value:
+                expected.add((key.split("\x04")[-1], value))
+        stats = Counter()
+        with open(path, "rb") as fh:
+            ours = set(read_mo(fh.read(), stats))
+        singular = {p for p in ours if p in expected or p[0].split("\x04")[-1] in {k for k, _ in expected}}
+        assert expected <= ours, path
+        assert len(ours) >= len(expected) and singular
+
+
+def test_missing_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(UserError, match="file not found"):
+        expand_paths(source_cfg(paths=f"[{tmp_path}/nope.txt]", format="text"))
+    with pytest.raises(UserError, match="no file matches"):
+        expand_paths(source_cfg(paths=f"[{tmp_path}/*.nope]", format="text"))
+    with pytest.raises(UserError, match="source.format"):
+        expand_paths(source_cfg(format="csv"))

@@ -1,0 +1,64 @@
+"""The shared SentencePiece tokenizer: reserved ids, round trip, reproducible sample."""
+
+import random
+
+import pytest
+
+from pipeline.config import TokenizerConfig
+from pipeline.configure import UserError
+from pipeline.format import SPECIAL_TOKENS
+from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
+
+from conftest import synthetic_pairs
+
+
+@pytest.fixture(scope="module")
+def trained():
+    texts = [t for pair in synthetic_pairs(400) for t in pair]
+    cfg = TokenizerConfig(vocab_size=400, lang_tags=["<2de>", "<2en>"], num_threads=1)
+    model = train_tokenizer(texts, cfg)
+    return model, processor_from_bytes(model)
+
+
+def test_reserved_ids_and_language_tags(trained):
+    model, sp = trained
+    assert [sp.id_to_piece(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
+    info = tokenizer_info(sp, model, ["<2de>", "<2en>"])
+    assert info["lang_tags"] == {"<2de>": 6, "<2en>": 7}
+    assert info["special_ids"] == [0, 1, 2, 3, 4, 5, 6, 7]
+    # Control symbols never come out of encoding ordinary text, even if it spells them.
+    assert 4 not in sp.encode("the <mask> cat")
+
+
+def test_round_trip_including_unseen_characters(trained):
+    _, sp = trained
+    for text in ["the red cat opens a new door 42", "die grüne Katze schließt", "ünïcødé ☃ 漢字"]:
+        assert sp.decode(sp.encode(text)) == text  # byte fallback: nothing becomes <unk>
+        assert 1 not in sp.encode(text)
+
+
+def test_training_is_deterministic(trained):
+    model, _ = trained
+    texts = [t for pair in synthetic_pairs(400) for t in pair]
+    assert train_tokenizer(texts, TokenizerConfig(vocab_size=400, lang_tags=["<2de>", "<2en>"], num_threads=1)) == model
+
+
+def test_bottom_k_sample_is_order_independent_and_capped():
+    items = [(random.Random(i).getrandbits(64), f"text {i}") for i in range(1000)]
+    a, b = BottomKSample(50), BottomKSample(50)
+    a.merge(items)
+    shuffled = items[:] + items[:100]  # duplicates count once
+    random.Random(1).shuffle(shuffled)
+    for chunk in range(0, len(shuffled), 77):  # merged piecewise, as from several workers
+        part = BottomKSample(50)
+        part.merge(shuffled[chunk : chunk + 77])
+        b.merge(part.items())
+    assert a.items() == b.items() and len(a.items()) == 50
+    assert a.items() == sorted(items)[:50]
+
+
+def test_foreign_model_and_bad_type_are_refused():
+    with pytest.raises(UserError, match="not a SentencePiece model"):
+        processor_from_bytes(b"garbage")
+    with pytest.raises(UserError, match="model_type"):
+        train_tokenizer(["a"], TokenizerConfig(model_type="wordpiece"))
