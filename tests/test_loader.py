@@ -1,0 +1,303 @@
+"""The streaming loader: every sample once per epoch over ranks x workers, equal batch counts,
+seeded order, exact resume without decoding what was already seen, corrupt shards, collation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import loader as loader_module
+from pipeline.config import LoaderConfig
+from pipeline.configure import UserError
+from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
+from pipeline.loader import ShardLoader
+from tests.shardtools import (
+    FIRST_ID,
+    TOKENIZER_SHA256,
+    VOCAB_SIZE,
+    batch_ids,
+    make_dataset,
+    save_manifest,
+    shard_ids,
+)
+
+UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
+
+
+def epoch_batches(data_dir, kind="causal_lm", **kw):
+    return list(ShardLoader(str(data_dir), kind, "train", **kw))
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+@pytest.mark.parametrize(
+    "sizes, num_workers", [(UNEVEN, 2), (UNEVEN, 0), ([5, 17, 2], 2)], ids=["uneven-2w", "uneven-0w", "few-shards-2w"]
+)
+def test_every_sample_once_across_ranks_and_workers(tmp_path, sizes, num_workers):
+    make_dataset(tmp_path, packed=sizes)
+    world, micro = 2, 4
+    seen, counts = [], []
+    for rank in range(world):
+        loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=micro, rank=rank,
+                             world_size=world, num_workers=num_workers, seed=3)
+        batches = list(loader)
+        assert all(b["input_ids"].shape == (micro, 8) for b in batches)
+        counts.append(len(batches))
+        assert len(batches) == len(loader)
+        seen += [i for b in batches for i in batch_ids(b)]
+        assert loader.stats["samples_dropped_remainder"] == sum(sizes) % (world * micro)
+        assert loader.epoch == 1
+    assert counts[0] == counts[1] == sum(sizes) // (world * micro)
+    assert len(seen) == len(set(seen)) == sum(sizes) - sum(sizes) % (world * micro)
+    assert set(seen) <= set(range(sum(sizes)))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_batches_do_not_depend_on_num_workers(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+    kw = dict(kind="mlm", micro_batch_size=3, rank=1, world_size=2, seed=5)
+    assert_same_batches(epoch_batches(tmp_path, num_workers=0, **kw), epoch_batches(tmp_path, num_workers=3, **kw))
+
+
+def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+
+    def order(**kw):
+        return [i for b in epoch_batches(tmp_path, micro_batch_size=4, **kw) for i in batch_ids(b)]
+
+    assert order(seed=1, epoch=2) == order(seed=1, epoch=2)
+    assert order(seed=1, epoch=2) != order(seed=1, epoch=3)
+    assert order(seed=1, epoch=2) != order(seed=2, epoch=2)
+
+    # Iterating again serves the next epoch, as a loader built at that epoch would.
+    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1, epoch=2)
+    list(loader)
+    assert_same_batches(list(loader), epoch_batches(tmp_path, micro_batch_size=4, seed=1, epoch=3))
+
+
+@pytest.mark.parametrize("kind", ["mlm", "translation"])
+def test_resume_yields_exactly_the_remaining_batches(tmp_path, kind):
+    make_dataset(tmp_path, packed=UNEVEN, translation=UNEVEN)
+    kw = dict(micro_batch_size=3, rank=1, world_size=2, seed=7)
+    uninterrupted = ShardLoader(str(tmp_path), kind, "train", num_workers=2, **kw)
+    full = list(uninterrupted) + list(uninterrupted)  # epochs 0 and 1
+
+    interrupted = ShardLoader(str(tmp_path), kind, "train", num_workers=2, **kw)
+    taken = []
+    for batch in interrupted:  # the workers have prefetched beyond this point
+        taken.append(batch)
+        if len(taken) == 5:
+            break
+    state = json.loads(json.dumps(interrupted.state_dict()))
+    assert state["epoch"] == 0 and state["batches_consumed"] == 5
+
+    # Another process, another num_workers, another rank's copy of the state: the same batches.
+    resumed = ShardLoader(str(tmp_path), kind, "train", num_workers=0, **kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert resumed.epoch == 1
+    assert_same_batches(taken + rest + list(resumed), full)
+
+
+def test_resume_at_epoch_end_starts_the_next_epoch(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+    batches = iter(loader)
+    for _ in range(len(loader)):
+        next(batches)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (1, 0)
+    resumed = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+    resumed.load_state_dict(state)
+    assert_same_batches(list(resumed), epoch_batches(tmp_path, micro_batch_size=4, epoch=1))
+
+
+def test_resume_skips_shards_without_decoding_them(tmp_path, monkeypatch):
+    manifest = make_dataset(tmp_path, packed=UNEVEN)
+    opened = []
+    read_shard = loader_module._read_shard
+
+    def counting_read(shard, fields, wanted):
+        opened.append(os.path.relpath(shard.path, tmp_path))
+        return read_shard(shard, fields, wanted)
+
+    monkeypatch.setattr(loader_module, "_read_shard", counting_read)
+    kw = dict(micro_batch_size=4, seed=11)
+    full = epoch_batches(tmp_path, **kw)
+    assert len(opened) == len(UNEVEN)
+    start = len(full) - 3
+
+    opened.clear()
+    resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
+    resumed.load_state_dict({**resumed.state_dict(), "batches_consumed": start})
+    rest = list(resumed)
+    assert_same_batches(rest, full[start:])
+
+    remaining = {i for b in rest for i in batch_ids(b)}
+    needed = {path for path, ids in shard_ids(manifest).items() if ids & remaining}
+    assert set(opened) == needed and len(opened) == len(needed) < len(UNEVEN)
+    assert resumed.stats["samples_decoded"] == 3 * 4
+
+
+CORRUPT_SIZES = [9, 14, 10, 12, 11, 13, 9, 16, 10]
+UNREADABLE = (1, 2, 3, 4)  # shards skipped whole; shard 5 holds one sample with a bad token id
+
+
+def make_corrupt_dataset(data_dir):
+    sizes = CORRUPT_SIZES
+    manifest = make_dataset(data_dir, packed=sizes)
+    records = manifest["datasets"]["packed"]["splits"]["train"]["shards"]
+    paths = [data_dir / r["path"] for r in records]
+    # 1: cut short, manifest size stale; 2: cut short at a member boundary, manifest size updated
+    # (so the tar reader must notice); 3: garbage over its middle; 4: gone; 5: a token id outside the vocabulary.
+    data = paths[1].read_bytes()
+    paths[1].write_bytes(data[: len(data) // 2])
+    data = paths[2].read_bytes()
+    paths[2].write_bytes(data[: 512 * 7])
+    records[2]["bytes"] = 512 * 7
+    data = bytearray(paths[3].read_bytes())
+    data[1024:3072] = np.random.default_rng(0).integers(0, 256, 2048, dtype=np.uint8).tobytes()
+    paths[3].write_bytes(bytes(data))
+    paths[4].unlink()
+    first = sum(sizes[:5])
+    ids = np.arange(FIRST_ID + first, FIRST_ID + first + sizes[5], dtype=np.int64)
+    ids[3] = VOCAB_SIZE + 5
+    records[5].update(write_shard(paths[5], [f"x_{i:08d}" for i in range(sizes[5])],
+                                  [{"input_ids": np.full(8, v, dtype=np.int32)} for v in ids]))
+    records[5]["path"] = os.path.relpath(paths[5], data_dir)
+    save_manifest(data_dir, manifest)
+    good = set().union(*(ids for path, ids in shard_ids(manifest).items()
+                         if path not in {records[i]["path"] for i in UNREADABLE}))
+    return paths, good - {first + 3}
+
+
+def test_corrupt_shards_are_skipped_and_ranks_stay_equal(tmp_path, caplog):
+    sizes = CORRUPT_SIZES
+    paths, good_ids = make_corrupt_dataset(tmp_path)
+    skipped, fillers = set(), 0
+    with caplog.at_level(logging.WARNING, logger="pipeline.loader"):
+        for rank in range(2):
+            loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, rank=rank, world_size=2,
+                                 num_workers=2)
+            batches = list(loader)
+            assert len(batches) == len(loader) == sum(sizes) // 8
+            # A filler repeats a readable batch of the epoch; every other batch is new.
+            unique = {tuple(batch_ids(b)) for b in batches}
+            assert len(unique) + loader.stats["filler_batches"] == len(batches)
+            ids = [i for b in unique for i in b]
+            assert len(ids) == len(set(ids)) and set(ids) <= good_ids
+            skipped |= {s["path"] for s in loader.skipped_shards}
+            assert loader.stats["shards_skipped"] == len(loader.skipped_shards)
+            fillers += loader.stats["filler_batches"]
+    assert skipped == {str(paths[i]) for i in UNREADABLE}
+    assert fillers > 0
+    assert any("outside the vocabulary" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_repeats_the_same_fillers(tmp_path, rank):
+    make_corrupt_dataset(tmp_path)
+    kw = dict(micro_batch_size=4, rank=rank, world_size=2, seed=4)
+    full = epoch_batches(tmp_path, **kw)
+    for start in range(1, len(full)):
+        resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
+        resumed.load_state_dict({**resumed.state_dict(), "batches_consumed": start})
+        assert_same_batches(list(resumed), full[start:])
+
+
+def test_all_shards_unreadable_is_a_clear_error(tmp_path):
+    manifest = make_dataset(tmp_path, packed=[4, 4])
+    for record in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:
+        (tmp_path / record["path"]).write_bytes(b"not a tar" * 100)
+    with pytest.raises(RuntimeError, match="none of the 2 batches is readable"):
+        epoch_batches(tmp_path, micro_batch_size=4)
+
+
+def test_mlm_masks_15_percent_80_10_10_and_never_special_tokens(tmp_path):
+    make_dataset(tmp_path, packed=[64], seq_len=128)
+    (batch,) = epoch_batches(tmp_path, kind="mlm", micro_batch_size=64, seed=1)
+    labels, inputs = batch["labels"], batch["input_ids"]
+    original = inputs.where(labels == -100, labels)
+    special = original < 6
+    selected = labels != -100
+    assert special.sum() > 500
+    assert not (selected & special).any()
+    assert torch.equal(inputs[special], original[special])
+    rate = selected.sum().item() / (~special).sum().item()
+    assert abs(rate - 0.15) < 0.02
+    masked = (inputs == MASK_ID) & selected
+    kept = (inputs == original) & selected
+    randomized = selected & ~masked & ~kept
+    n = selected.sum().item()
+    assert abs(masked.sum().item() / n - 0.8) < 0.05
+    assert abs(randomized.sum().item() / n - 0.1) < 0.04
+    assert abs(kept.sum().item() / n - 0.1) < 0.04
+    assert (inputs[randomized] >= 6).all()
+    assert torch.equal(batch["attention_mask"], torch.ones_like(inputs))
+
+
+def test_causal_lm_collation_pads_and_ignores_padding(tmp_path):
+    manifest = make_dataset(tmp_path, packed=[2])
+    record = manifest["datasets"]["packed"]["splits"]["train"]["shards"][0]
+    rows = [{"input_ids": np.array([7, 8, 9], np.uint16)}, {"input_ids": np.array([10], np.uint16)}]
+    record.update(write_shard(tmp_path / record["path"], ["a", "b"], rows))
+    record["path"] = os.path.relpath(record["path"], tmp_path)
+    save_manifest(tmp_path, manifest)
+    (batch,) = epoch_batches(tmp_path, micro_batch_size=2)
+    rows = sorted(range(2), key=lambda r: -int(batch["attention_mask"][r].sum()))
+    assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, PAD_ID, PAD_ID]]
+    assert batch["attention_mask"][rows].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"][rows].tolist() == [[7, 8, 9], [10, -100, -100]]
+    assert batch["input_ids"].dtype == torch.long
+
+
+def test_translation_collation(tmp_path):
+    manifest = make_dataset(tmp_path, translation=[2])
+    record = manifest["datasets"]["translation"]["splits"]["train"]["shards"][0]
+    pairs = [{"src_ids": np.array([10, 11, 12], np.uint16), "tgt_ids": np.array([20], np.uint16)},
+             {"src_ids": np.array([13], np.uint16), "tgt_ids": np.array([21, 22, 23], np.uint16)}]
+    record.update(write_shard(tmp_path / record["path"], ["a", "b"], pairs))
+    record["path"] = os.path.relpath(record["path"], tmp_path)
+    save_manifest(tmp_path, manifest)
+    (batch,) = epoch_batches(tmp_path, kind="translation", micro_batch_size=2)
+    rows = [0, 1] if batch["src_ids"][0, 0] == 10 else [1, 0]
+    b = {key: value[rows].tolist() for key, value in batch.items()}
+    assert b["src_ids"] == [[10, 11, 12, EOS_ID], [13, EOS_ID, PAD_ID, PAD_ID]]
+    assert b["src_mask"] == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert b["decoder_input_ids"] == [[BOS_ID, 20, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23]]
+    assert b["decoder_mask"] == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert b["labels"] == [[20, EOS_ID, -100, -100], [21, 22, 23, EOS_ID]]
+    assert all(value.dtype == torch.long for value in batch.values())
+
+
+def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
+    make_dataset(tmp_path, packed=[8])
+    cfg = LoaderConfig(data_dir=str(tmp_path), micro_batch_size=4, num_workers=0)
+    ShardLoader.from_config(cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256=TOKENIZER_SHA256)
+    with pytest.raises(UserError, match="tokenizer sha256"):
+        ShardLoader.from_config(cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64)
+    with pytest.raises(UserError, match="manifest"):
+        ShardLoader(str(tmp_path / "nowhere"), "causal_lm", "train", micro_batch_size=4)
+    with pytest.raises(UserError, match="translation"):
+        ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4)
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=4)
+
+
+def test_state_from_another_plan_is_refused(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+    state = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2).state_dict()
+    other = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=3)
+    with pytest.raises(UserError, match="world_size: saved 2, now 3"):
+        other.load_state_dict(state)
