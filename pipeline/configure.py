@@ -66,6 +66,14 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
         raise UserError(f"{path or 'config'}: {_describe(err)}") from err
 
 
+def config_from_dict(schema: type[T], values: dict, source: str = "config") -> T:
+    """A `schema` instance from a plain dict (a saved config), validated like a YAML file."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except OmegaConfBaseException as err:
+        raise UserError(f"{source}: {_describe(err)}") from err
+
+
 def config_to_dict(cfg: Any) -> dict:
     """A plain, JSON-serialisable dict of a (resolved) config dataclass."""
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))

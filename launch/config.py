@@ -1,0 +1,135 @@
+"""Configuration schema of a training run (`python -m launch.train CONFIG [key=value ...]`).
+
+The run config embeds the model's (`model.config.ModelConfig`) and the loader's
+(`pipeline.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
+(`launch.engine.deepspeed_config`), with the batch arithmetic done once in `BatchPlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.config import ModelConfig
+from pipeline.config import LoaderConfig
+from pipeline.configure import UserError
+
+TASKS = ("causal_lm", "mlm", "translation")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # never on norms, biases or embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2  # 0, 1, 2 or 3
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
+    offload_params: bool = False  # parameters to CPU (stage 3)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only)
+    initial_scale_power: int = 16
+    # A user's own DeepSpeed JSON, merged over the derived dict (its batch keys must agree).
+    config_file: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # 0: only at the end
+    keep_last: int = 2
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "pretrain-pipeline"
+    entity: str = ""
+    name: str = ""
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class InitConfig:
+    """Warm start of a translation model from exported pretraining checkpoints (launch.export)."""
+
+    encoder: str = ""  # exported BERT (or GPT) directory; "" = random
+    decoder: str = ""  # exported GPT (or BERT) directory; "" = random
+
+
+@dataclass
+class TrainConfig:
+    task: str = "causal_lm"  # causal_lm | mlm | translation
+    run_dir: str = "runs/default"
+    seed: int = 1234
+    max_steps: int = 1000  # optimizer steps
+    grad_accum: int = 1
+    eval_every: int = 200  # 0: only at the end
+    eval_batches: int = 50  # per rank; 0 = the whole split
+    log_every: int = 10
+    # auto: continue from run_dir's latest complete checkpoint if there is one;
+    # none: start fresh (refused if run_dir already holds checkpoints); or a checkpoint path.
+    resume: str = "auto"
+    # Threads per rank for torch on CPU; 0 = cores / local ranks.
+    threads_per_rank: int = 0
+    # A rank that stops answering fails the job after this long instead of hanging it.
+    dist_timeout_s: int = 600
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: LoaderConfig = field(default_factory=LoaderConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """micro batch x accumulation x world size, computed once for the loop and DeepSpeed."""
+
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Cross-field checks the types cannot express; each failure names its key."""
+    checks = [
+        (cfg.task in TASKS, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
+        (cfg.max_steps > 0, "max_steps: must be positive"),
+        (cfg.grad_accum > 0, "grad_accum: must be positive"),
+        (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
+        (cfg.deepspeed.zero_stage in (0, 1, 2, 3), f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3"),
+        (cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}"),
+        (not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3, "deepspeed.offload_params: needs zero_stage 3"),
+        (not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1, "deepspeed.offload_optimizer: needs zero_stage >= 1"),
+        (cfg.schedule.decay in ("cosine", "linear", "constant"), f"schedule.decay: {cfg.schedule.decay!r} is not cosine, linear or constant"),
+        (cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode: {cfg.wandb.mode!r} is not offline, online or disabled"),
+        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
+    ]
+    expected_arch = {"causal_lm": "gpt", "mlm": "bert", "translation": "seq2seq"}.get(cfg.task)
+    checks.append((cfg.model.arch == expected_arch, f"model.arch: task {cfg.task} trains {expected_arch}, not {cfg.model.arch}"))
+    checks.append((cfg.task == "translation" or not (cfg.init.encoder or cfg.init.decoder), "init: warm starting is for task translation"))
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    try:
+        cfg.model.validate()
+    except ValueError as err:
+        raise UserError(str(err)) from err

@@ -1,0 +1,116 @@
+"""`python -m launch.export CHECKPOINT OUT`: a DeepSpeed checkpoint to a self-contained model directory.
+
+CHECKPOINT is a run directory, its `checkpoints/` directory (the latest complete checkpoint
+is taken) or one `step_*` checkpoint, of any ZeRO stage. OUT receives:
+
+    model.safetensors   consolidated fp32 weights (tied tensors stored once)
+    config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256", "source"}
+    tokenizer.model     the SentencePiece model the weights were trained with
+
+Fine-tuning (`init.encoder` / `init.decoder`), evaluation and the Hugging Face converters
+(`model.hf`) read this directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from launch.checkpoint import checkpoint_root, latest_tag
+from model import ModelConfig, build_model
+from pipeline.configure import UserError, config_from_dict, load_config, run_main
+from pipeline.format import file_sha256
+
+USAGE = "usage: python -m launch.export CHECKPOINT OUT_DIR"
+WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.model"
+
+
+def locate_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoints root, tag) for a run dir, a checkpoints dir or a step_* dir."""
+    path = Path(path)
+    for root in (checkpoint_root(path), path):
+        tag = latest_tag(root)
+        if tag:
+            return root, tag
+    if path.is_dir() and path.name.startswith("step_"):
+        return path.parent, path.name
+    raise UserError(f"no complete checkpoint at {path}")
+
+
+def save_model_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path, meta: dict) -> None:
+    """Write weights, config and tokenizer; the directory appears complete only at the end."""
+    from safetensors.torch import save_model
+
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model = build_model(model_cfg)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if missing or unexpected:
+        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    # save_model stores each tied tensor once and records the alias.
+    save_model(model, str(partial / WEIGHTS))
+    shutil.copyfile(tokenizer, partial / TOKENIZER)
+    config = {"model": dataclasses.asdict(model_cfg), "tokenizer_sha256": file_sha256(tokenizer), **meta}
+    (partial / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+
+
+def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
+    """The model of an exported directory (in eval mode) and its config.json."""
+    from safetensors.torch import load_model
+
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise UserError(f"{directory} is not an exported model directory (run launch.export)")
+    meta = json.loads((directory / CONFIG).read_text())
+    model_cfg = config_from_dict(ModelConfig, meta["model"], source=str(directory / CONFIG))
+    model = build_model(model_cfg)
+    load_model(model, str(directory / WEIGHTS), strict=True)
+    model.eval()
+    meta["model_config"] = model_cfg
+    return model, meta
+
+
+def export(checkpoint: str | Path, out: str | Path) -> dict:
+    from launch.engine import consolidated_state_dict
+
+    root, tag = locate_checkpoint(checkpoint)
+    run_dir = root.parent
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
+    from launch.config import TrainConfig
+
+    run_cfg = load_config(TrainConfig, config_file)
+    tokenizer = run_dir / TOKENIZER
+    if not tokenizer.is_file():
+        raise UserError(f"{tokenizer} not found")
+    state = consolidated_state_dict(root, tag)
+    client = json.loads((root / tag / "client_state.json").read_text()) if (root / tag / "client_state.json").is_file() else {}
+    meta = {"task": run_cfg.task, "step": client.get("step"), "tokens_seen": client.get("tokens_seen"),
+            "source": str((root / tag).resolve())}
+    save_model_dir(out, state, run_cfg.model, tokenizer, meta)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print(USAGE)
+        return 2
+    meta = export(argv[0], argv[1])
+    print(f"exported {meta['task']} step {meta['step']} from {meta['source']} to {argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

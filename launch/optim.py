@@ -1,0 +1,45 @@
+"""AdamW parameter groups and the learning-rate schedule (warmup, then cosine or linear decay).
+
+Weight decay applies to the weight matrices of linear layers only: never to norms, biases or
+embeddings (as in GPT-2/BERT practice and Loshchilov and Hutter 2019). A tied embedding that
+doubles as the output layer is one parameter and counts as an embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from launch.config import OptimConfig, ScheduleConfig
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
+    """The factor on the peak lr after `step` optimizer steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

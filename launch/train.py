@@ -1,0 +1,330 @@
+"""`python -m launch.train CONFIG [key=value ...]`: one training loop for causal_lm, mlm and translation.
+
+The same command runs alone, under `torchrun`, under the `deepspeed` launcher and under
+`srun` (see `launch.distributed`). The loop is plain functions, in the order a batch meets
+them: `setup` (config, process group, data, model, engine, resume) -> `fit` (train_step,
+evaluate, save_checkpoint) -> the end-of-run checkpoint. DeepSpeed is reached only through
+`launch.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launch import checkpoint as ckpt
+from launch import distributed as dist
+from launch.config import BatchPlan, TrainConfig, check_config
+from launch.engine import Engine, deepspeed_config
+from launch.metrics import memory_mb, peak_flops
+from launch.optim import build_optimizer, build_scheduler
+from launch.tasks import TASKS, Task, masked_accuracy
+from launch.tracking import Tracker, git_commit, new_run_id
+from model import Pretrained, build_model, training_flops, warm_start
+from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config
+from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
+from pipeline.loader import ShardLoader
+
+USAGE = "usage: python -m launch.train CONFIG.yaml [key.sub=value ...]"
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    denv: dist.DistEnv
+    task: Task
+    plan: BatchPlan
+    engine: Engine
+    train_loader: ShardLoader
+    eval_loader: ShardLoader | None
+    tracker: Tracker
+    tokenizer_sha256: str
+    run_id: str
+    peak: tuple[float, str]
+    step: int = 0
+    tokens_seen: int = 0
+    history: list = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def _dataset_info(cfg: TrainConfig) -> tuple[dict, str]:
+    manifest = read_manifest(cfg.data.data_dir)
+    tokenizer = manifest["tokenizer"]
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer["vocab_size"]
+    elif cfg.model.vocab_size != tokenizer["vocab_size"]:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} but the tokenizer of {cfg.data.data_dir} has "
+                        f"{tokenizer['vocab_size']} pieces (set model.vocab_size=0 to take it from the data)")
+    return manifest, tokenizer["sha256"]
+
+
+def _build_model(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch.nn.Module:
+    if cfg.task != "translation" or not (cfg.init.encoder or cfg.init.decoder):
+        return build_model(cfg.model)
+    from launch.export import load_model_dir
+    from model import WarmStartError
+
+    sides = {}
+    for side, directory in (("encoder", cfg.init.encoder), ("decoder", cfg.init.decoder)):
+        if directory:
+            pretrained, meta = load_model_dir(directory)
+            sides[side] = Pretrained(pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"])
+    try:
+        model, report = warm_start(cfg.model, tokenizer_sha256, **sides)
+    except WarmStartError as err:
+        raise UserError(f"init: {err}") from err
+    if is_main:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "warm_start.txt").write_text(str(report) + "\n")
+        print(f"warm start: {report.summary()} (details in {cfg.run_dir}/warm_start.txt)", file=sys.stderr)
+    return model
+
+
+def setup(cfg: TrainConfig) -> Run:
+    denv = dist.read_env()
+    dist.set_threads(cfg.threads_per_rank, denv)
+    manifest, tokenizer_sha256 = _dataset_info(cfg)
+    check_config(cfg)
+    task = TASKS[cfg.task]
+    plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
+    ds_config = deepspeed_config(cfg, plan)
+    run_dir = Path(cfg.run_dir)
+    dist.init_process_group(denv, cfg.dist_timeout_s)
+    resume = ckpt.resolve_resume(cfg.resume, run_dir) if denv.is_main else None
+    resume = dist.broadcast_object(resume)
+
+    train_loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
+                                           expected_tokenizer_sha256=tokenizer_sha256)
+    try:
+        eval_loader = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
+                                              expected_tokenizer_sha256=tokenizer_sha256)
+    except UserError as err:  # e.g. a valid split smaller than one global batch
+        eval_loader = None
+        if denv.is_main:
+            print(f"warning: no evaluation: {err}", file=sys.stderr)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = _build_model(cfg, tokenizer_sha256, denv.is_main)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+    engine = Engine(model, optimizer, scheduler, ds_config)
+
+    step = tokens_seen = 0
+    run_id = None
+    if resume is not None:
+        root, tag = resume
+        client = engine.load(root, tag)
+        if client.get("world_size") != denv.world_size:
+            raise UserError(f"checkpoint {root / tag} was written by {client.get('world_size')} ranks, this job has "
+                            f"{denv.world_size}: ZeRO checkpoints are tied to their world size (export it and start anew)")
+        if client.get("tokenizer_sha256") != tokenizer_sha256:
+            raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than {cfg.data.data_dir}'s")
+        step, tokens_seen, run_id = client["step"], client["tokens_seen"], client.get("wandb_run_id")
+        train_loader.load_state_dict(client["loader"])
+        _set_rng_state(client["rng"][denv.rank])
+        if denv.is_main:
+            print(f"resumed from {root / tag} at step {step}", file=sys.stderr)
+    else:
+        torch.manual_seed(cfg.seed + denv.rank)  # dropout differs across ranks
+        np.random.seed(cfg.seed + denv.rank)
+        random.seed(cfg.seed + denv.rank)
+    run_id = dist.broadcast_object(run_id or (new_run_id() if denv.is_main else None))
+
+    if denv.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        shutil.copyfile(Path(cfg.data.data_dir) / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+    peak = peak_flops(cfg.deepspeed.precision) if denv.is_main else (float("nan"), "")
+    summary = {"git_commit": git_commit(), "data_manifest_sha256": file_sha256(Path(cfg.data.data_dir) / MANIFEST),
+               "tokenizer_sha256": tokenizer_sha256, "world_size": denv.world_size,
+               "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
+               "parameters": sum(p.numel() for p in model.parameters())}
+    tracker = Tracker(enabled=denv.is_main, mode=cfg.wandb.mode, project=cfg.wandb.project, entity=cfg.wandb.entity,
+                      name=cfg.wandb.name, tags=cfg.wandb.tags, run_dir=run_dir, run_id=run_id,
+                      config=config_to_dict(cfg), summary=summary)
+    if denv.is_main:
+        print(f"{cfg.task}: {summary['parameters']:,} parameters, world {denv.world_size}, global batch "
+              f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
+              f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(train_loader)} batches/epoch per rank, "
+              f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
+    return Run(cfg, denv, task, plan, engine, train_loader, eval_loader, tracker, tokenizer_sha256, run_id, peak, step, tokens_seen)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _batches(loader: ShardLoader):
+    """Batches forever, epoch after epoch (the loader advances its epoch at the end of each)."""
+    while True:
+        yield from loader
+
+
+def _step_flops(cfg: TrainConfig, batch: dict) -> float:
+    if cfg.task == "translation":
+        return training_flops(cfg.model, batch["src_ids"].shape[1], batch["decoder_input_ids"].shape[1]) * batch["src_ids"].shape[0]
+    return training_flops(cfg.model, batch["input_ids"].shape[1]) * batch["input_ids"].shape[0]
+
+
+def train_step(run: Run, batches) -> dict:
+    """One optimizer step: grad_accum micro batches, forward and backward through the engine."""
+    loss_sum, tokens, flops, samples = 0.0, 0, 0.0, 0
+    for _ in range(run.plan.grad_accum):
+        batch = next(batches)
+        output = run.engine(**run.task.model_inputs(batch, run.engine.device))
+        run.engine.backward(output.loss)
+        run.engine.step()
+        loss_sum += float(output.loss.detach())
+        tokens += run.task.tokens(batch)
+        flops += _step_flops(run.cfg, batch)
+        samples += next(iter(batch.values())).shape[0]
+    loss_sum, tokens, flops, samples = dist.all_reduce_sum([loss_sum, tokens, flops, samples])
+    loss = loss_sum / (run.plan.grad_accum * run.denv.world_size)
+    if not math.isfinite(loss):  # every rank sees the same reduced value, so all stop together
+        raise RuntimeError(f"non-finite training loss ({loss}) at step {run.step + 1}; stopping")
+    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples}
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Token-weighted loss (and perplexity; masked-token accuracy for mlm) on the valid split.
+    Every rank runs the same number of forwards, which ZeRO-3 needs."""
+    if run.eval_loader is None:
+        return {}
+    run.engine.train(False)
+    run.eval_loader.load_state_dict({**run.eval_loader.state_dict(), "epoch": 0, "batches_consumed": 0})
+    loss_sum = count = correct = scored = 0.0
+    for index, batch in enumerate(run.eval_loader):
+        if run.cfg.eval_batches and index >= run.cfg.eval_batches:
+            break
+        output = run.engine(**run.task.model_inputs(batch, run.engine.device))
+        n = int(run.task.target_mask(batch).sum())
+        loss_sum += float(output.loss) * n
+        count += n
+        if run.task.name == "mlm":
+            c, s = masked_accuracy(output.logits.float().cpu(), batch["labels"])
+            correct, scored = correct + c, scored + s
+    run.engine.train(True)
+    loss_sum, count, correct, scored = dist.all_reduce_sum([loss_sum, count, correct, scored])
+    loss = loss_sum / max(count, 1)
+    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/tokens": count}
+    if run.task.name == "mlm":
+        metrics["eval/accuracy"] = correct / max(scored, 1)
+    return metrics
+
+
+def save_checkpoint(run: Run) -> Path:
+    """Every rank writes its part; the `latest` pointer moves once all have finished."""
+    root = ckpt.checkpoint_root(run.cfg.run_dir)
+    tag = ckpt.tag_for(run.step)
+    client_state = {
+        "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.train_loader.state_dict(),
+        "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
+        "tokenizer_sha256": run.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
+    }
+    run.engine.save(root, tag, client_state)
+    dist.barrier()
+    if run.denv.is_main:
+        info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size")}
+        (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
+        ckpt.move_pointer(root, tag)
+        ckpt.prune(root, run.cfg.checkpoint.keep_last)
+    dist.barrier()
+    return root / tag
+
+
+def _log(run: Run, metrics: dict) -> None:
+    if run.denv.is_main:
+        run.tracker.log(metrics, step=run.step)
+        run.tracker.progress(run.step, run.cfg.max_steps, metrics)
+        with open(Path(run.cfg.run_dir) / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": run.step, **metrics}) + "\n")
+
+
+def fit(run: Run) -> dict:
+    cfg = run.cfg
+    batches = _batches(run.train_loader)
+    window_tokens = window_flops = window_samples = 0.0
+    window_start = time.perf_counter()
+    last_eval: dict = {}
+    last_saved = run.step
+    while run.step < cfg.max_steps:
+        result = train_step(run, batches)
+        run.step += 1
+        run.tokens_seen += int(result["tokens"])
+        window_tokens += result["tokens"]
+        window_flops += result["flops"]
+        window_samples += result["samples"]
+        metrics: dict = {}
+        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+            elapsed = time.perf_counter() - window_start
+            achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
+            metrics.update({
+                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": run.engine.grad_norm(),
+                "train/tokens_seen": run.tokens_seen, "train/epoch": run.train_loader.epoch,
+                "perf/tokens_per_s": window_tokens / elapsed,
+                "perf/samples_per_s": window_samples / elapsed,
+                "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
+                **memory_mb(),
+            })
+            window_tokens = window_flops = window_samples = 0.0
+            window_start = time.perf_counter()
+        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == cfg.max_steps:
+            last_eval = evaluate(run)
+            metrics.update(last_eval)
+        if metrics:
+            _log(run, metrics)
+        if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < cfg.max_steps:
+            save_checkpoint(run)
+            last_saved = run.step
+    if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
+        save_checkpoint(run)
+    return {"step": run.step, "tokens_seen": run.tokens_seen, **last_eval}
+
+
+def train(cfg: TrainConfig) -> dict:
+    run = setup(cfg)
+    try:
+        final = fit(run)
+        run.tracker.finish({f"final/{k}": v for k, v in final.items()})
+        if run.denv.is_main:
+            (Path(cfg.run_dir) / "final.json").write_text(json.dumps(final, indent=1) + "\n")
+        return final
+    finally:
+        run.tracker.finish()
+        dist.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(TrainConfig, argv, usage=USAGE)
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
