@@ -1,0 +1,46 @@
+"""BERT: a bidirectional encoder with a masked-language-model head.
+
+Devlin et al. 2019, "BERT"; pretrained RoBERTa-style (Liu et al. 2019): masked LM only, no
+next-sentence task and no token types. The head has Hugging Face `BertForMaskedLM`'s shape
+(dense, activation, LayerNorm, decoder tied to the token embeddings, output bias) so that
+`model.hf` converts it both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from model.blocks import ModelOutput, Transformer, cross_entropy, init_weights, make_activation
+from model.config import ModelConfig
+
+
+class MLMHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.act = make_activation(cfg.activation)
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.decoder = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.decoder.weight = token_embedding.weight  # tied; the bias is the head's own
+        init_weights(self.dense, cfg.init_std)
+        nn.init.zeros_(self.decoder.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.decoder(self.norm(self.act(self.dense(h))))  # (B, T, V)
+
+
+class BERT(Transformer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, causal=False)
+        self.head = MLMHead(cfg, self.embed.tok)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
+    ) -> ModelOutput:
+        """input_ids (B, T) with masked positions replaced; attention_mask (B, T) 1 = real;
+        labels (B, T): the original token at masked positions, -100 elsewhere."""
+        logits = self.head(super().forward(input_ids, attention_mask))  # (B, T, V)
+        loss = None if labels is None else cross_entropy(logits, labels)
+        return ModelOutput(logits=logits, loss=loss)

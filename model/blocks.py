@@ -1,0 +1,369 @@
+"""The one set of blocks that GPT, BERT and Seq2Seq are built from.
+
+`Attention` (self or cross, causal or bidirectional, padding masks, key/value cache) runs on
+torch's `scaled_dot_product_attention`; `MLP`; `Block` (pre- or post-LN residual
+sublayers); `DecoderBlock` (a Block plus a cross-attention submodule with its own keys);
+`Embeddings`; and `Transformer`, the stack of embeddings, blocks and one norm. The three
+models subclass or compose `Transformer` and differ only in masks and heads, so every stack
+has the same parameter names (`embed.*`, `blocks.{i}.attn`, `.attn_norm`, `.mlp`,
+`.mlp_norm`, `norm`) and a pretrained GPT or BERT loads into a Seq2Seq unchanged.
+
+References: Vaswani et al. 2017, "Attention Is All You Need" (post-LN, sinusoidal positions);
+Radford et al. 2019, GPT-2 (pre-LN, residual init scaling); Devlin et al. 2019, BERT;
+karpathy/nanoGPT `model.py`; torchtune `modules/transformer.py` (blocks by composition).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, T, V)
+    loss: Optional[Tensor] = None
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean cross-entropy over targets that are not -100; 0 (not NaN) when there are none."""
+    total = F.cross_entropy(
+        logits.flatten(0, 1).float(),  # (B*T, V); a bf16 log-softmax over the vocabulary loses precision
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def make_activation(name: str) -> nn.Module:
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
+
+
+# --- key/value cache -------------------------------------------------------------------
+
+
+@dataclass
+class KV:
+    """Keys and values an attention layer has computed so far, (B, H, S, Dh) each."""
+
+    k: Optional[Tensor] = None
+    v: Optional[Tensor] = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+@dataclass
+class LayerCache:
+    self_attn: KV = field(default_factory=KV)
+    cross_attn: KV = field(default_factory=KV)
+
+
+class KVCache:
+    """The cache of one stack during decoding: one `LayerCache` per block."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [LayerCache() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        """How many positions the self-attention cache holds."""
+        k = self.layers[0].self_attn.k
+        return 0 if k is None else k.shape[2]
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep (and duplicate) batch rows `rows` of the self-attention cache, for beam search.
+
+        The cross-attention cache is left alone: beam search only moves rows among the
+        beams of one source, whose encoder keys and values are identical.
+        """
+        for layer in self.layers:
+            kv = layer.self_attn
+            if kv.k is not None:
+                kv.k, kv.v = kv.k.index_select(0, rows), kv.v.index_select(0, rows)
+
+
+# --- masks and positions -------------------------------------------------------------------
+
+
+def self_attention_mask(
+    key_mask: Optional[Tensor], q_len: int, k_len: int, causal: bool, device: torch.device
+) -> tuple[Optional[Tensor], bool]:
+    """The (attn_mask, is_causal) pair for SDPA, True = may attend.
+
+    `key_mask` (B, k_len) is 1 for real tokens, 0 for padding; the last `q_len` keys are the
+    queries' own positions (the rest are cached). Returns None with is_causal=True when SDPA's
+    built-in causal mask is exact, because fused kernels run fastest without an explicit mask.
+    """
+    if key_mask is None:
+        if not causal or q_len == 1:
+            return None, False
+        if q_len == k_len:
+            return None, True
+    mask = None
+    if causal:
+        # Bottom-right aligned: query i sits at key position k_len - q_len + i.
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)  # (T, S)
+    if key_mask is not None:
+        keys = key_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
+        mask = keys if mask is None else keys & mask  # (B, 1, T, S)
+    return _never_empty(mask), False
+
+
+def padding_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """A (B, 1, 1, S) SDPA mask from a (B, S) padding mask (1 = real), for cross-attention."""
+    return None if key_mask is None else _never_empty(key_mask.bool()[:, None, None, :])
+
+
+def _never_empty(mask: Tensor) -> Tensor:
+    # A query row with no key to attend to (a left pad under a causal mask, an all-padding
+    # source) makes softmax return NaN, which then spreads through the backward pass. Such a
+    # row is padding itself, so letting it attend everywhere changes no real output.
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def positions_from_mask(key_mask: Optional[Tensor], past: int, length: int, device: torch.device) -> Tensor:
+    """Position ids of the last `length` tokens, counted from each row's first real token.
+
+    Counting from the first real token makes a left-padded prompt see the same positions as
+    the unpadded one, as Hugging Face does for batched generation.
+    """
+    if key_mask is None:
+        return torch.arange(past, past + length, device=device)[None]  # (1, T)
+    return (key_mask.long().cumsum(dim=-1) - 1).clamp(min=0)[:, -length:]  # (B, T)
+
+
+# --- layers ------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head attention; keys and values from `x` itself or from encoder `memory`."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        return x.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+        cache: Optional[KV] = None,
+    ) -> Tensor:
+        B, T, C = x.shape
+        q = self._heads(self.q_proj(x))  # (B, H, T, Dh)
+        if memory is None:
+            k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))  # (B, H, T, Dh)
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, H, past + T, Dh)
+        elif cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v  # the memory is fixed while decoding: project it once
+        else:
+            k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))  # (B, H, S, Dh)
+            if cache is not None:
+                cache.k, cache.v = k, v
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+        )  # (B, H, T, Dh)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, activation: str):
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff)
+        self.act = make_activation(activation)
+        self.proj = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Self-attention and MLP sublayers, each a residual branch with its own LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.attn_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.activation)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
+        if self.pre_norm:
+            return x + self.drop(sublayer(norm(x)))
+        return norm(x + self.drop(sublayer(x)))
+
+    def residual_projections(self) -> List[nn.Linear]:
+        """The layers that write into the residual stream (GPT-2 scales their init)."""
+        return [self.attn.out_proj, self.mlp.proj]
+
+    def forward(
+        self, x: Tensor, mask: Optional[Tensor], is_causal: bool, cache: Optional[LayerCache] = None
+    ) -> Tensor:
+        kv = None if cache is None else cache.self_attn
+        x = self.residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv))
+        return self.residual(x, self.mlp_norm, self.mlp)
+
+
+class DecoderBlock(Block):
+    """A Block plus cross-attention to the encoder memory, between self-attention and MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.cross_attn_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
+
+    def residual_projections(self) -> List[nn.Linear]:
+        return super().residual_projections() + [self.cross_attn.out_proj]
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Optional[Tensor],
+        is_causal: bool,
+        cache: Optional[LayerCache] = None,
+        memory: Optional[Tensor] = None,
+        memory_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        kv = None if cache is None else cache.self_attn
+        x = self.residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv))
+        cross_kv = None if cache is None else cache.cross_attn
+        x = self.residual(
+            x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory=memory, mask=memory_mask, cache=cross_kv)
+        )
+        return self.residual(x, self.mlp_norm, self.mlp)
+
+
+def sinusoids(length: int, d_model: int) -> Tensor:
+    """The (length, d_model) sinusoidal position table of Vaswani et al. 2017, section 3.5."""
+    position = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
+    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(length, d_model)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency)
+    return table
+
+
+class Embeddings(nn.Module):
+    """Token embeddings plus learned or sinusoidal position embeddings."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.learned = cfg.positions == "learned"
+        if self.learned:
+            self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.scale = 1.0
+        else:
+            # Not a parameter and not saved: a sinusoidal stack has no position keys.
+            self.register_buffer("pos_table", sinusoids(cfg.max_seq_len, cfg.d_model), persistent=False)
+            # Vaswani et al. scale token embeddings by sqrt(d_model) so that the fixed,
+            # unit-amplitude sinusoids do not drown them.
+            self.scale = math.sqrt(cfg.d_model)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        pos = self.pos(positions) if self.learned else self.pos_table[positions]  # (B or 1, T, C)
+        return self.tok(input_ids) * self.scale + pos  # (B, T, C)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """GPT-2 / BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorms."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class Transformer(nn.Module):
+    """A stack: embeddings, blocks and one LayerNorm; returns hidden states (B, T, C).
+
+    `norm` sits where the blocks' own norms leave the stream unnormalised: after the last
+    block in pre-LN (GPT-2's ln_f), after the embeddings in post-LN (BERT's embedding
+    LayerNorm). Either way the key is `norm`, so a stack's keys do not depend on the choice.
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool, cross_attention: bool = False):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.causal = causal
+        self.cross_attention = cross_attention
+        self.pre_norm = cfg.norm_position == "pre"
+        self.embed = Embeddings(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        block = DecoderBlock if cross_attention else Block
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.apply(lambda m: init_weights(m, cfg.init_std))
+        if self.pre_norm:
+            # GPT-2: each residual branch adds variance to a stream that is never
+            # renormalised, so scale their output layers by 1/sqrt(number of branches).
+            projections = [p for b in self.blocks for p in b.residual_projections()]
+            for proj in projections:
+                nn.init.normal_(proj.weight, mean=0.0, std=cfg.init_std / math.sqrt(len(projections)))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        *,
+        memory: Optional[Tensor] = None,
+        memory_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Tensor:
+        """input_ids (B, T); attention_mask (B, past + T), 1 = real token, covering cached
+        positions too; memory (B, S, C) and memory_mask (B, S) for cross-attention."""
+        if (memory is not None) != self.cross_attention:
+            raise ValueError("encoder memory is required by, and only by, a stack with cross-attention")
+        B, T = input_ids.shape
+        past = 0 if cache is None else cache.length
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"{past + T} positions exceed max_seq_len={self.cfg.max_seq_len}")
+        if attention_mask is not None and attention_mask.shape != (B, past + T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}")
+
+        x = self.embed(input_ids, positions_from_mask(attention_mask, past, T, input_ids.device))  # (B, T, C)
+        if not self.pre_norm:
+            x = self.norm(x)
+        x = self.drop(x)
+        mask, is_causal = self_attention_mask(attention_mask, T, past + T, self.causal, x.device)
+        cross = (memory, padding_mask(memory_mask)) if self.cross_attention else ()
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache.layers[i]
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, mask, is_causal, layer_cache, *cross, use_reentrant=False)
+            else:
+                x = block(x, mask, is_causal, layer_cache, *cross)
+        return self.norm(x) if self.pre_norm else x  # (B, T, C)

@@ -1,0 +1,131 @@
+"""Configuration schema of the three networks (GPT, BERT, Seq2Seq) and its validation.
+
+`ModelConfig` is an OmegaConf structured config (plain str/int/float/bool fields, nested
+dataclasses, Optional), embedded as `model:` in the trainer's YAML. One config describes one
+stack of blocks; a Seq2Seq has two stacks, and its `encoder` / `decoder` sub-configs override
+the shared fields per stack, so that an encoder taken from a post-LN BERT and a decoder taken
+from a pre-LN GPT (Rothe et al. 2020) fit one config. `for_stack` resolves them into the
+flat config each stack is built from.
+
+This module imports nothing but the standard library: `launch` reads it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+ARCHS = ("gpt", "bert", "seq2seq")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+NORM_POSITIONS = ("pre", "post")
+POSITIONS = ("learned", "sinusoidal")
+STACKS = ("encoder", "decoder")
+
+
+@dataclass
+class StackConfig:
+    """Per-stack overrides of a Seq2Seq's encoder or decoder; None keeps the shared value."""
+
+    n_heads: Optional[int] = None
+    d_ff: Optional[int] = None
+    activation: Optional[str] = None
+    norm_position: Optional[str] = None
+    positions: Optional[str] = None
+    layer_norm_eps: Optional[float] = None
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"  # gpt | bert | seq2seq
+    vocab_size: int = 8000
+    d_model: int = 512
+    n_layers: int = 6  # seq2seq: encoder layers
+    n_decoder_layers: int = 0  # seq2seq only; 0 = n_layers
+    n_heads: int = 8
+    d_ff: int = 0  # 0 = 4 * d_model
+    max_seq_len: int = 512
+    dropout: float = 0.1  # embeddings, attention probabilities and residual branches
+    activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new) | relu
+    # pre: x + f(norm(x)) with a final norm after the last block (GPT-2);
+    # post: norm(x + f(x)) with a norm after the embeddings instead (BERT, Vaswani et al.).
+    # Pre-LN stacks also get GPT-2's 1/sqrt(number of residual branches) scaling of the
+    # residual projections at init: post-LN renormalises every branch, so BERT has none.
+    norm_position: str = "pre"
+    positions: str = "learned"  # learned | sinusoidal
+    layer_norm_eps: float = 1e-5
+    activation_checkpointing: bool = False
+    label_smoothing: float = 0.1  # seq2seq only
+    init_std: float = 0.02
+    # Reserved ids of pipeline/format.py's tokenizers.
+    pad_id: int = 0
+    bos_id: int = 2
+    eos_id: int = 3
+    mask_id: int = 4
+    encoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
+    decoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def for_stack(self, stack: str) -> "ModelConfig":
+        """The flat config of a Seq2Seq's `encoder` or `decoder` stack, overrides applied
+        (arch stays "seq2seq"; the stack's own overrides are cleared)."""
+        if stack not in STACKS:
+            raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+        overrides = {k: v for k, v in dataclasses.asdict(getattr(self, stack)).items() if v is not None}
+        if stack == "decoder":
+            overrides["n_layers"] = self.n_decoder_layers or self.n_layers
+        return dataclasses.replace(
+            self, **overrides, n_decoder_layers=0, encoder=StackConfig(), decoder=StackConfig()
+        )
+
+    def validate(self) -> "ModelConfig":
+        """Raise ValueError naming the first bad field; returns self for chaining."""
+        _check(self.arch in ARCHS, f"arch={self.arch!r}: expected one of {ARCHS}")
+        for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
+            _check(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be positive")
+        _check(self.n_decoder_layers >= 0, f"n_decoder_layers={self.n_decoder_layers}: must be >= 0")
+        _check(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}: must be in [0, 1)")
+        _check(0.0 <= self.label_smoothing < 1.0, f"label_smoothing={self.label_smoothing}: must be in [0, 1)")
+        _check(self.init_std > 0, f"init_std={self.init_std}: must be positive")
+        for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
+            value = getattr(self, name)
+            _check(0 <= value < self.vocab_size, f"{name}={value}: outside the vocabulary [0, {self.vocab_size})")
+        if self.arch == "seq2seq":
+            for stack in STACKS:
+                _check_stack(self.for_stack(stack), self, stack)
+        else:
+            _check(
+                self.n_decoder_layers == 0,
+                f"n_decoder_layers={self.n_decoder_layers}: only arch=seq2seq has a decoder",
+            )
+            for stack in STACKS:
+                for name, value in dataclasses.asdict(getattr(self, stack)).items():
+                    _check(value is None, f"{stack}.{name}={value!r}: per-stack overrides only apply to arch=seq2seq")
+            _check_stack(self, self, "")
+        return self
+
+
+def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
+    """Check one stack's resolved fields; a message names `stack.field` when it was overridden."""
+
+    def named(name: str) -> str:
+        overridden = stack and getattr(getattr(parent, stack), name) is not None
+        return f"{stack}.{name}={getattr(cfg, name)!r}" if overridden else f"{name}={getattr(cfg, name)!r}"
+
+    _check(cfg.n_heads > 0, f"{named('n_heads')}: must be positive")
+    _check(cfg.d_model % cfg.n_heads == 0, f"d_model={cfg.d_model} is not divisible by {named('n_heads')}")
+    _check(cfg.d_ff >= 0, f"{named('d_ff')}: must be >= 0 (0 means 4 * d_model)")
+    _check(cfg.activation in ACTIVATIONS, f"{named('activation')}: expected one of {ACTIVATIONS}")
+    _check(cfg.norm_position in NORM_POSITIONS, f"{named('norm_position')}: expected one of {NORM_POSITIONS}")
+    _check(cfg.positions in POSITIONS, f"{named('positions')}: expected one of {POSITIONS}")
+    _check(cfg.layer_norm_eps > 0, f"{named('layer_norm_eps')}: must be positive")
+    if cfg.positions == "sinusoidal":
+        _check(cfg.d_model % 2 == 0, f"d_model={cfg.d_model}: sinusoidal positions need an even d_model")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"model config: {message}")

@@ -1,0 +1,62 @@
+"""Training FLOPs of GPT, BERT and Seq2Seq, for model FLOPs utilisation (MFU).
+
+Counts matrix multiplications only, 2 FLOPs per multiply-add, and training = 3 x forward
+(the backward pass costs twice the forward), as Kaplan et al. 2020 ("Scaling Laws for Neural
+Language Models") and Chowdhery et al. 2022 (PaLM, appendix B) do. For GPT and BERT, per
+token of a sequence of T tokens through L layers of width d:
+
+    6 N + 12 L T d
+
+where N = `matmul_params(cfg)`: the weights of every matmul a token goes through, that is
+4 d^2 (q, k, v, out) + 2 d d_ff (MLP) per block, plus the output layer d V (counted though
+it is tied to the embeddings: it is a matmul, while the input lookup is not), plus BERT's
+head dense layer d^2. Biases, norms, softmax and embedding lookups, O(d) per token, are left
+out. 12 L T d is QK^T and AV (2 T d multiply-adds per token and layer, times 3), counted over
+all T keys even under a causal mask, as PaLM does.
+
+A Seq2Seq pair of S source and T target tokens costs 6 x (encoder matmul params) x S +
+12 L_enc S^2 d for the encoder; for the decoder 6 x (decoder self-attention, cross-attention
+q and out, MLP, LM head) x T + 6 x 2 d^2 x S per layer (cross-attention keys and values of
+the memory) + 12 L_dec (T + S) T d (self- and cross-attention).
+"""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+
+def _block_params(cfg: ModelConfig) -> int:
+    return 4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.ffn_dim
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """All weights that take part in matmuls (N of 6N for GPT and BERT); see the module doc."""
+    head = cfg.d_model * cfg.vocab_size
+    if cfg.arch == "gpt":
+        return cfg.n_layers * _block_params(cfg) + head
+    if cfg.arch == "bert":
+        return cfg.n_layers * _block_params(cfg) + cfg.d_model**2 + head
+    enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
+    cross = 4 * cfg.d_model**2
+    return enc.n_layers * _block_params(enc) + dec.n_layers * (_block_params(dec) + cross) + head
+
+
+def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> int:
+    """Forward + backward FLOPs of one sequence of seq_len tokens (Seq2Seq: one pair with a
+    source of seq_len and a target of tgt_len tokens)."""
+    d = cfg.d_model
+    if cfg.arch in ("gpt", "bert"):
+        T, L = seq_len, cfg.n_layers
+        return 6 * matmul_params(cfg) * T + 12 * L * T * T * d
+    S, T = seq_len, tgt_len
+    enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
+    encoder = 6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * d
+    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * cfg.vocab_size
+    memory_kv = dec.n_layers * 2 * d * d * S
+    attention = 12 * dec.n_layers * (T + S) * T * d
+    return encoder + 6 * per_target_token * T + 6 * memory_kv + attention
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> float:
+    """`training_flops` divided by the tokens of the sequence (Seq2Seq: seq_len + tgt_len)."""
+    return training_flops(cfg, seq_len, tgt_len) / (seq_len + (tgt_len if cfg.arch == "seq2seq" else 0))

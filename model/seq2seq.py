@@ -1,0 +1,60 @@
+"""Seq2Seq: an encoder-decoder Transformer for translation.
+
+Vaswani et al. 2017; laid out for warm starting as Rothe, Narayan and Severyn 2020
+("Leveraging Pre-trained Checkpoints for Sequence Generation Tasks"): `encoder` is a bare
+`Transformer` stack with BERT's keys, `decoder` is a `GPT` whose blocks add cross-attention,
+its LM head tied to the decoder's token embeddings. A GPT or BERT state dict therefore loads
+into `encoder.*` or `decoder.*` with its keys unchanged; see `model.warm_start`.
+The two stacks may differ in norm position, activation, heads and so on (`ModelConfig.encoder`
+and `.decoder`), but share d_model and the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from model.blocks import ModelOutput, Transformer, cross_entropy
+from model.config import ModelConfig
+from model.generation import Hypotheses, generate_seq2seq
+from model.gpt import GPT
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = Transformer(cfg.for_stack("encoder"), causal=False)
+        self.decoder = GPT(cfg.for_stack("decoder"), cross_attention=True)
+
+    def forward(
+        self,
+        src_ids: Tensor,
+        src_mask: Optional[Tensor],
+        decoder_input_ids: Tensor,
+        decoder_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+    ) -> ModelOutput:
+        """src_ids, src_mask (B, S); decoder_input_ids = <s> + target (B, T); labels =
+        target + </s>, padded with -100 (already aligned: no shift here)."""
+        memory = self.encoder(src_ids, src_mask)  # (B, S, C)
+        logits = self.decoder(decoder_input_ids, decoder_mask, memory=memory, memory_mask=src_mask).logits  # (B, T, V)
+        loss = None if labels is None else cross_entropy(logits, labels, self.cfg.label_smoothing)
+        return ModelOutput(logits=logits, loss=loss)
+
+    def generate(
+        self,
+        src_ids: Tensor,
+        src_mask: Optional[Tensor] = None,
+        max_len: int = 128,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
+        synced: bool = False,
+    ) -> Hypotheses:
+        """Translate a batch; see `model.generation.generate_seq2seq`."""
+        return generate_seq2seq(
+            self, src_ids, src_mask, max_len=max_len, beam_size=beam_size, length_penalty=length_penalty, synced=synced
+        )
+

@@ -1,0 +1,235 @@
+"""Warm-starting a Seq2Seq from pretrained GPT and BERT weights.
+
+Rothe, Narayan and Severyn 2020, "Leveraging Pre-trained Checkpoints for Sequence Generation
+Tasks" (Hugging Face's `EncoderDecoderModel` does the same): the encoder takes a BERT's
+embeddings and blocks, the decoder a GPT's (or a BERT's, then run with a causal mask), and
+the decoder's cross-attention starts new. Any side may start from scratch. Both sides must
+share the Seq2Seq's tokenizer, checked by its sha256, so that embeddings transfer.
+
+Nothing is loaded silently. The report accounts for every tensor of the Seq2Seq (copied
+from a named source key, resized, or new) and for every source tensor the Seq2Seq does not
+use (dropped: BERT's MLM head, GPT's LM head on the encoder side). A different tokenizer, a
+vocabulary or shape mismatch, a missing or unknown source key, or a source config whose
+architecture differs from its stack's raises `WarmStartError` with a one-line message.
+Position embeddings are the one tensor that may differ in size: they are truncated or
+extended (new rows keep their fresh initialisation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from model.bert import BERT
+from model.config import STACKS, ModelConfig, StackConfig
+from model.gpt import GPT
+from model.seq2seq import Seq2Seq
+
+SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
+# Fields a source must share with the stack it fills; max_seq_len may differ (resized).
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "activation", "norm_position",
+    "positions", "layer_norm_eps", "pad_id", "bos_id", "eos_id", "mask_id",
+)  # fmt: skip
+RESIZABLE = "embed.pos.weight"
+
+
+class WarmStartError(ValueError):
+    """Pretrained weights that do not fit the Seq2Seq; the message is one line."""
+
+
+@dataclass
+class Pretrained:
+    """One side's source: a GPT or BERT state dict, its config, and its tokenizer's sha256."""
+
+    state_dict: Mapping[str, Tensor]
+    config: ModelConfig
+    tokenizer_sha256: str
+
+
+@dataclass
+class TensorOrigin:
+    status: str  # copied | resized | new
+    source: str = ""  # "{side}:{key of the source state dict}"
+    note: str = ""
+
+
+@dataclass
+class WarmStartReport:
+    tensors: Dict[str, TensorOrigin] = field(default_factory=dict)  # every key of the Seq2Seq
+    dropped: List[str] = field(default_factory=list)  # "{side}:{key}" of unused source tensors
+
+    def keys(self, status: str) -> List[str]:
+        return [key for key, origin in self.tensors.items() if origin.status == status]
+
+    def summary(self) -> str:
+        counts = Counter(origin.status for origin in self.tensors.values())
+        parts = [f"{status} {counts[status]}" for status in ("copied", "resized", "new")]
+        return ", ".join(parts + [f"dropped {len(self.dropped)}"])
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        for key, origin in self.tensors.items():
+            detail = " ".join(part for part in (origin.source, origin.note) if part)
+            lines.append(f"{origin.status:8} {key}" + (f" <- {detail}" if detail else ""))
+        lines += [f"dropped  {key}" for key in self.dropped]
+        return "\n".join(lines)
+
+
+def seq2seq_config(
+    encoder_config: Optional[ModelConfig] = None, decoder_config: Optional[ModelConfig] = None, **overrides
+) -> ModelConfig:
+    """The Seq2Seq config whose encoder and decoder stacks match the given source configs.
+
+    Shared fields (dropout, init, ids, ...) come from the encoder source, else the decoder
+    source, else the defaults; max_seq_len is the larger of the sources'; `overrides`
+    (any ModelConfig field, e.g. max_seq_len, dropout, label_smoothing) are applied last.
+    """
+    encoder, decoder = encoder_config, decoder_config
+    sources = [c for c in (encoder, decoder) if c is not None]
+    for name in ("vocab_size", "d_model", "pad_id", "bos_id", "eos_id", "mask_id"):
+        values = {getattr(c, name) for c in sources}
+        if len(values) > 1:
+            raise WarmStartError(f"encoder and decoder sources differ in {name}: {sorted(values)}")
+    base = sources[0] if sources else ModelConfig()
+
+    def stack(c: Optional[ModelConfig]) -> StackConfig:
+        if c is None:
+            return StackConfig()
+        return StackConfig(c.n_heads, c.ffn_dim, c.activation, c.norm_position, c.positions, c.layer_norm_eps)
+
+    cfg = dataclasses.replace(
+        base,
+        arch="seq2seq",
+        n_layers=(encoder or base).n_layers,
+        n_decoder_layers=(decoder or base).n_layers,
+        max_seq_len=max(c.max_seq_len for c in sources) if sources else base.max_seq_len,
+        encoder=stack(encoder),
+        decoder=stack(decoder),
+    )
+    return dataclasses.replace(cfg, **overrides).validate()
+
+
+def warm_start(
+    cfg: ModelConfig,
+    tokenizer_sha256: str,
+    encoder: Optional[Pretrained] = None,
+    decoder: Optional[Pretrained] = None,
+) -> tuple[Seq2Seq, WarmStartReport]:
+    """A new Seq2Seq for `cfg`, its stacks filled from `encoder` and `decoder` sources."""
+    if cfg.arch != "seq2seq":
+        raise WarmStartError(f"warm_start builds a seq2seq model, got arch={cfg.arch!r}")
+    model = Seq2Seq(cfg)
+    report = WarmStartReport()
+    origins: Dict[str, TensorOrigin] = {}
+    target = model.state_dict(keep_vars=True)
+    target_aliases = _tied_aliases(model)
+    with torch.no_grad():
+        for side, source in zip(STACKS, (encoder, decoder)):
+            if source is not None:
+                _check_config(side, source, cfg.for_stack(side), tokenizer_sha256)
+                _load_side(side, source, target, target_aliases, origins, report)
+    for key in target:
+        owner = target_aliases.get(key)
+        origin = origins.get(key) or origins.get(owner) or TensorOrigin("new")
+        report.tensors[key] = dataclasses.replace(origin, note=f"tied to {owner}") if owner else origin
+    return model, report
+
+
+def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_sha256: str) -> None:
+    if source.tokenizer_sha256 != tokenizer_sha256:
+        raise WarmStartError(
+            f"{side} source tokenizer sha256 {source.tokenizer_sha256[:12]}... differs from the "
+            f"Seq2Seq's {tokenizer_sha256[:12]}...: embeddings would not mean the same tokens"
+        )
+    src = source.config
+    if src.arch not in SOURCE_CLASSES:
+        raise WarmStartError(f"{side} source has arch={src.arch!r}; expected one of {sorted(SOURCE_CLASSES)}")
+    if src.vocab_size != stack.vocab_size:
+        raise WarmStartError(
+            f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq vocab_size={stack.vocab_size}"
+        )
+    for name in ARCHITECTURE_FIELDS:
+        if getattr(src, name) != getattr(stack, name):
+            raise WarmStartError(
+                f"{side} source has {name}={getattr(src, name)!r} but the Seq2Seq {side} has {getattr(stack, name)!r}"
+                " (derive the config with seq2seq_config)"
+            )
+
+
+def _load_side(
+    side: str,
+    source: Pretrained,
+    target: Mapping[str, Tensor],
+    target_aliases: Mapping[str, str],
+    origins: Dict[str, TensorOrigin],
+    report: WarmStartReport,
+) -> None:
+    # The source model's own keys, from a copy built on the meta device (no memory).
+    with torch.device("meta"):
+        reference = SOURCE_CLASSES[source.config.arch](source.config)
+    expected = reference.state_dict()
+    source_aliases = _tied_aliases(reference)
+    state = source.state_dict
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise WarmStartError(
+            f"{side} source has {len(unknown)} unknown keys, e.g. {unknown[0]!r}: not a {source.config.arch} state dict"
+        )
+    prefix = f"{side}."
+    for key in expected:
+        name = prefix + key
+        if key in source_aliases:
+            # A tied duplicate of another source tensor: checked, never loaded by itself.
+            if key in state:
+                owner = source_aliases[key]
+                if owner in state and not torch.equal(state[key], state[owner]):
+                    raise WarmStartError(f"{side} source {key} should be tied to {owner} but differs from it")
+                if name in target:
+                    origins[name] = TensorOrigin("copied", f"{side}:{key}")
+                else:
+                    report.dropped.append(f"{side}:{key}")
+            continue
+        if name not in target:
+            if key in state:
+                report.dropped.append(f"{side}:{key}")
+            continue
+        if key not in state:
+            raise WarmStartError(f"{side} source state dict lacks {key!r}: refusing a partial load")
+        origins[name] = _copy(side, key, state[key], target[name])
+
+
+def _copy(side: str, key: str, value: Tensor, param: Tensor) -> TensorOrigin:
+    origin = f"{side}:{key}"
+    if value.shape == param.shape:
+        param.copy_(value)
+        return TensorOrigin("copied", origin)
+    if key == RESIZABLE and value.shape[1:] == param.shape[1:]:
+        rows = min(value.shape[0], param.shape[0])
+        param[:rows].copy_(value[:rows])
+        what = "extended, new rows initialised" if param.shape[0] > rows else "truncated"
+        return TensorOrigin("resized", origin, f"{value.shape[0]} -> {param.shape[0]} positions ({what})")
+    if key == "embed.tok.weight":
+        raise WarmStartError(
+            f"vocabulary mismatch: {side} source {key} has {value.shape[0]} rows, the Seq2Seq {param.shape[0]}"
+        )
+    raise WarmStartError(
+        f"shape mismatch: {side} source {key} is {tuple(value.shape)}, the Seq2Seq's is {tuple(param.shape)}"
+    )
+
+
+def _tied_aliases(module: nn.Module) -> Dict[str, str]:
+    """Keys whose tensor is an earlier key's (tied weights): alias -> first key holding it."""
+    first: Dict[int, str] = {}
+    aliases = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[key] = first[id(tensor)]
+        else:
+            first[id(tensor)] = key
+    return aliases

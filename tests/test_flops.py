@@ -1,0 +1,57 @@
+"""Training FLOPs: the formula against a hand count on a tiny config, and against torch's
+FLOP counter on a real forward and backward of each model."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import ModelConfig, build_model, flops_per_token, matmul_params, training_flops
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gpt_hand_count():
+    cfg = ModelConfig(arch="gpt", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    # Matmul weights a token passes through: q, k, v, out 4 * 4*4 = 64; MLP 4*8 + 8*4 = 64;
+    # LM head 4*10 = 40.
+    assert matmul_params(cfg) == 64 + 64 + 40
+    # Forward, per sequence of T=3: 2 FLOPs per weight per token = 2*168*3 = 1008; attention
+    # QK^T and AV: 2 * (2*T*T*d) = 2 * 72 = 144. Training = 3 x forward = 3 * 1152.
+    assert training_flops(cfg, seq_len=3) == 3 * (1008 + 144) == 3456
+    # Per token: 6N + 12 L T d = 6*168 + 12*1*3*4.
+    assert flops_per_token(cfg, seq_len=3) == 6 * 168 + 12 * 1 * 3 * 4 == 1152
+
+
+def test_bert_and_seq2seq_hand_count():
+    bert = ModelConfig(arch="bert", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    assert matmul_params(bert) == 168 + 16  # the MLM head's dense layer
+    s2s = ModelConfig(arch="seq2seq", vocab_size=10, d_model=4, n_layers=1, n_decoder_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    encoder = 6 * 128 * 5 + 12 * 1 * 5 * 5 * 4  # S=5: blocks only, no head
+    decoder_tokens = 6 * (128 + 2 * 16 + 40) * 3  # T=3: block, cross-attention q and out, LM head
+    memory_kv = 6 * 2 * 16 * 5  # cross-attention keys and values of the 5 memory positions
+    attention = 12 * 1 * (3 + 5) * 3 * 4  # self (T keys) and cross (S keys) attention of T queries
+    assert training_flops(s2s, seq_len=5, tgt_len=3) == encoder + decoder_tokens + memory_kv + attention
+    assert flops_per_token(s2s, 5, 3) == training_flops(s2s, 5, 3) / 8
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert", "seq2seq"])
+def test_formula_equals_torch_flop_counter(arch):
+    cfg = ModelConfig(arch=arch, vocab_size=50, d_model=16, n_layers=2, n_heads=2, d_ff=24, max_seq_len=16,
+                      dropout=0.0, n_decoder_layers=3 if arch == "seq2seq" else 0)
+    model = build_model(cfg)
+    src = torch.randint(5, 50, (1, 7))
+    tgt = torch.randint(5, 50, (1, 5))
+    counter = FlopCounterMode(display=False)
+    # The math backend runs attention as counted matmuls (the fused CPU kernel is not counted).
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        out = model(src, None, tgt, labels=tgt) if arch == "seq2seq" else model(src, labels=src)
+        out.loss.backward()
+    assert counter.get_total_flops() == training_flops(cfg, 7, 5)

@@ -1,0 +1,379 @@
+"""GPT, BERT and Seq2Seq on tiny CPU configs: config validation, shared key names, causality,
+padding invariance, losses, initialisation, checkpointing, overfitting one batch, and that
+`import model` pulls in neither deepspeed nor ray."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import BERT, GPT, ModelConfig, Seq2Seq, StackConfig, build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls gain nothing from threads, and on a busy 2-core machine spinning intra-op
+    # threads slow them down by an order of magnitude.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(arch: str = "gpt", **overrides) -> ModelConfig:
+    base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=24, dropout=0.0)
+    return ModelConfig(**{**base, **overrides})
+
+
+def ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+VARIANTS = {
+    "pre-learned": {},
+    "post-sinusoidal-relu": dict(norm_position="post", positions="sinusoidal", activation="relu"),
+}
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(arch="t5"), "arch='t5'"),
+        (dict(d_model=30), "d_model=30 is not divisible by n_heads=4"),
+        (dict(n_heads=0), "n_heads=0"),
+        (dict(activation="swish"), "activation='swish'"),
+        (dict(norm_position="middle"), "norm_position='middle'"),
+        (dict(positions="rotary"), "positions='rotary'"),
+        (dict(dropout=1.0), "dropout=1.0"),
+        (dict(vocab_size=0), "vocab_size=0"),
+        (dict(bos_id=V), f"bos_id={V}"),
+        (dict(layer_norm_eps=0.0), "layer_norm_eps=0.0"),
+        (dict(n_decoder_layers=2), "only arch=seq2seq has a decoder"),
+        (dict(encoder=StackConfig(norm_position="post")), "encoder.norm_position='post': per-stack overrides"),
+        (dict(arch="seq2seq", decoder=StackConfig(n_heads=5)), "not divisible by decoder.n_heads=5"),
+        (dict(arch="seq2seq", encoder=StackConfig(activation="tanh")), "encoder.activation='tanh'"),
+        (dict(arch="seq2seq", label_smoothing=1.0), "label_smoothing=1.0"),
+    ],
+)
+def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match="^model config: ") as err:
+        build_model(tiny(**overrides))
+    assert message in str(err.value)
+
+
+def test_config_is_an_omegaconf_structured_config():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    base = OmegaConf.structured(ModelConfig)
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["arch=seq2seq", "decoder.norm_position=post", "d_ff=128"]))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, ModelConfig) and isinstance(cfg.decoder, StackConfig)
+    assert cfg.for_stack("decoder").norm_position == "post" and cfg.for_stack("encoder").norm_position == "pre"
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(base, OmegaConf.from_dotlist(["n_layers=many"]))
+
+
+def test_for_stack_resolves_overrides():
+    cfg = tiny("seq2seq", n_layers=3, n_decoder_layers=1, decoder=StackConfig(n_heads=2, activation="gelu_tanh"))
+    enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
+    assert (enc.n_layers, enc.n_heads, enc.activation) == (3, 4, "gelu")
+    assert (dec.n_layers, dec.n_heads, dec.activation) == (1, 2, "gelu_tanh")
+    assert tiny(d_ff=0).ffn_dim == 4 * 32
+
+
+def test_build_model_dispatches_on_arch():
+    assert type(build_model(tiny("gpt"))) is GPT
+    assert type(build_model(tiny("bert"))) is BERT
+    assert type(build_model(tiny("seq2seq"))) is Seq2Seq
+
+
+# --- one set of names ------------------------------------------------------------------------
+
+
+def test_all_stacks_share_key_names():
+    gpt, bert, s2s = build_model(tiny("gpt")), build_model(tiny("bert")), build_model(tiny("seq2seq"))
+    gpt_keys, bert_keys = set(gpt.state_dict()), set(bert.state_dict())
+    stack_keys = {k for k in gpt_keys if not k.startswith("lm_head")}
+    assert stack_keys == {k for k in bert_keys if not k.startswith("head.")}
+    assert "blocks.1.attn.q_proj.weight" in stack_keys and "blocks.0.mlp_norm.bias" in stack_keys
+    assert "norm.weight" in stack_keys and "embed.tok.weight" in stack_keys
+
+    decoder = s2s.decoder.state_dict()
+    assert {k for k in decoder if "cross_attn" not in k} == gpt_keys
+    assert {k for k in decoder if "cross_attn" in k} >= {"blocks.0.cross_attn.q_proj.weight", "blocks.0.cross_attn_norm.weight"}
+    missing, unexpected = s2s.decoder.load_state_dict(gpt.state_dict(), strict=False)
+    assert all("cross_attn" in k for k in missing) and not unexpected
+    missing, unexpected = s2s.encoder.load_state_dict(bert.state_dict(), strict=False)
+    assert not missing and all(k.startswith("head.") for k in unexpected)
+
+
+def test_sinusoidal_stack_has_no_position_parameters():
+    model = build_model(tiny(positions="sinusoidal"))
+    assert not any("pos" in k for k in model.state_dict())
+
+
+def test_output_embeddings_are_tied():
+    gpt, bert, s2s = build_model(tiny("gpt")), build_model(tiny("bert")), build_model(tiny("seq2seq"))
+    assert gpt.lm_head.weight is gpt.embed.tok.weight
+    assert bert.head.decoder.weight is bert.embed.tok.weight
+    assert s2s.decoder.lm_head.weight is s2s.decoder.embed.tok.weight
+
+
+# --- masks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpt_is_causal(variant):
+    torch.manual_seed(0)
+    model = build_model(tiny("gpt", **VARIANTS[variant])).eval()
+    x = ids(2, 10)
+    y = x.clone()
+    y[:, 6] = 5 + (x[:, 6] - 4) % (V - 5)
+    a, b = model(x).logits, model(y).logits
+    torch.testing.assert_close(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_bert_is_bidirectional():
+    model = build_model(tiny("bert")).eval()
+    x = ids(1, 8)
+    y = x.clone()
+    y[0, 6] = 5 + (x[0, 6] - 4) % (V - 5)
+    assert not torch.allclose(model(x).logits[:, :6], model(y).logits[:, :6])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_seq2seq_decoder_is_causal(variant):
+    torch.manual_seed(0)
+    model = build_model(tiny("seq2seq", **VARIANTS[variant])).eval()
+    src, tgt = ids(2, 7, seed=1), ids(2, 9, seed=2)
+    changed = tgt.clone()
+    changed[:, 4] = 5 + (tgt[:, 4] - 4) % (V - 5)
+    a = model(src, None, tgt).logits
+    b = model(src, None, changed).logits
+    torch.testing.assert_close(a[:, :4], b[:, :4])
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def _padded(x: torch.Tensor, pad: int, left: bool, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (1, T) padded with `pad` garbage tokens (not pad_id, to prove the mask does the work)."""
+    garbage = ids(1, pad, seed=seed)
+    parts = [garbage, x] if left else [x, garbage]
+    masks = [torch.zeros(1, pad, dtype=torch.long), torch.ones_like(x)]
+    return torch.cat(parts, 1), torch.cat(masks if left else masks[::-1], 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch, left", [("gpt", False), ("gpt", True), ("bert", False), ("bert", True)])
+def test_padding_does_not_change_real_outputs(arch, left, variant):
+    torch.manual_seed(0)
+    model = build_model(tiny(arch, **VARIANTS[variant])).eval()
+    x = ids(1, 6)
+    alone = model(x).logits  # (1, 6, V)
+    padded, mask = _padded(x, 4, left)
+    other = ids(1, 10, seed=9)  # a second, unpadded row in the same batch
+    out = model(torch.cat([padded, other]), torch.cat([mask, torch.ones_like(mask)])).logits
+    assert torch.isfinite(out).all()
+    real = out[0, 4:] if left else out[0, :6]
+    torch.testing.assert_close(real, alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], model(other).logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_seq2seq_padding_does_not_change_real_outputs(variant):
+    torch.manual_seed(0)
+    model = build_model(tiny("seq2seq", **VARIANTS[variant])).eval()
+    src, tgt = ids(1, 5, seed=1), ids(1, 6, seed=2)
+    alone = model(src, None, tgt).logits
+    src_padded, src_mask = _padded(src, 3, left=False)
+    tgt_padded, tgt_mask = _padded(tgt, 2, left=False, seed=4)
+    out = model(src_padded, src_mask, tgt_padded, tgt_mask).logits
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0, :6], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_all_padding_rows_give_finite_outputs_and_gradients():
+    model = build_model(tiny("seq2seq"))
+    src, tgt = ids(2, 5), ids(2, 4)
+    src_mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    labels = tgt.clone()
+    labels[1] = -100
+    out = model(src, src_mask, tgt, labels=labels)
+    out.loss.backward()
+    assert torch.isfinite(out.logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# --- losses ----------------------------------------------------------------------------------
+
+
+def test_gpt_loss_shifts_labels_and_ignores_minus_100():
+    model = build_model(tiny("gpt")).eval()
+    x = ids(2, 8)
+    labels = x.clone()
+    labels[0, 5:] = -100
+    out = model(x, labels=labels)
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_bert_loss_counts_only_masked_positions():
+    model = build_model(tiny("bert")).eval()
+    x = ids(2, 8)
+    labels = torch.full_like(x, -100)
+    labels[0, 2], labels[1, 5] = 7, 9
+    out = model(x, labels=labels)
+    expected = (F.cross_entropy(out.logits[0, 2], torch.tensor(7)) + F.cross_entropy(out.logits[1, 5], torch.tensor(9))) / 2
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_seq2seq_loss_is_label_smoothed_and_unshifted():
+    model = build_model(tiny("seq2seq", label_smoothing=0.1)).eval()
+    src, tgt = ids(2, 5), ids(2, 6)
+    labels = tgt.clone()
+    labels[1, 4:] = -100
+    out = model(src, None, tgt, labels=labels)
+    keep = labels.reshape(-1) != -100
+    logp = out.logits.reshape(-1, V)[keep].log_softmax(-1)
+    target = labels.reshape(-1)[keep]
+    expected = (0.9 * -logp.gather(1, target[:, None]).squeeze(1) + 0.1 * -logp.mean(-1)).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_loss_with_no_targets_is_zero_not_nan():
+    model = build_model(tiny("gpt"))
+    x = ids(1, 4)
+    out = model(x, labels=torch.full_like(x, -100))
+    assert out.loss.item() == 0.0
+
+
+# --- initialisation and checkpointing --------------------------------------------------------
+
+
+def test_init_follows_gpt2_and_bert():
+    n_layers = 2
+    gpt = build_model(tiny("gpt", d_model=128, n_heads=4, d_ff=128, n_layers=n_layers))
+    bert = build_model(tiny("bert", d_model=128, n_heads=4, d_ff=128, n_layers=n_layers, norm_position="post"))
+    scaled = 0.02 / math.sqrt(2 * n_layers)
+    assert gpt.blocks[0].attn.out_proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert gpt.blocks[1].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert gpt.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert bert.blocks[0].attn.out_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert gpt.embed.tok.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert gpt.blocks[0].attn.q_proj.bias.abs().max() == 0 and bert.head.decoder.bias.abs().max() == 0
+    assert torch.equal(bert.blocks[0].attn_norm.weight, torch.ones(128))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "seq2seq"])
+def test_activation_checkpointing_gives_the_same_gradients(arch):
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(tiny(arch, activation_checkpointing=checkpointing, dropout=0.1)).train()
+        x = ids(2, 6)
+        torch.manual_seed(1)
+        out = model(x, None, x, labels=x) if arch == "seq2seq" else model(x, labels=x)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_dropout_is_off_in_eval_mode():
+    model = build_model(tiny("gpt", dropout=0.5))
+    x = ids(1, 6)
+    model.train()
+    assert not torch.equal(model(x).logits, model(x).logits)
+    model.eval()
+    assert torch.equal(model(x).logits, model(x).logits)
+
+
+# --- overfitting one batch -------------------------------------------------------------------
+
+
+def _overfit(model, batch: dict, steps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    first = None
+    for _ in range(steps):
+        loss = model(**batch).loss
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return first, loss.item()
+
+
+def test_gpt_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny("gpt"))
+    x = ids(4, 12)
+    first, last = _overfit(model, dict(input_ids=x, labels=x), 300)
+    assert first > 3.0 and last < 0.05
+
+
+def test_bert_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny("bert", norm_position="post", layer_norm_eps=1e-12))
+    x = ids(4, 12)
+    masked = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.25
+    first, last = _overfit(model, dict(input_ids=x.masked_fill(masked, 4), labels=x.masked_fill(~masked, -100)), 300)
+    assert first > 3.0 and last < 0.05
+
+
+def test_seq2seq_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny("seq2seq", label_smoothing=0.0, decoder=StackConfig(norm_position="post")))
+    src, tgt = ids(4, 8, seed=1), ids(4, 7, seed=2)
+    bos, eos = torch.full((4, 1), 2), torch.full((4, 1), 3)
+    batch = dict(src_ids=src, src_mask=torch.ones_like(src), decoder_input_ids=torch.cat([bos, tgt], 1), labels=torch.cat([tgt, eos], 1))
+    first, last = _overfit(model, batch, 300)
+    assert first > 3.0 and last < 0.05
+
+
+# --- import hygiene --------------------------------------------------------------------------
+
+
+def test_import_model_loads_neither_deepspeed_nor_ray():
+    code = (
+        "import sys, model\n"
+        "from model import ModelConfig, build_model\n"
+        "for arch in ('gpt', 'bert', 'seq2seq'):\n"
+        "    build_model(ModelConfig(arch=arch, vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_seq_len=8))\n"
+        "import model.hf, model.warm_start, model.flops, model.generation\n"
+        "bad = [m for m in ('deepspeed', 'ray', 'wandb', 'transformers', 'launch', 'pipeline') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_model_sources_import_no_forbidden_package():
+    forbidden = ("deepspeed", "ray", "wandb", "launch", "pipeline")
+    for path in (ROOT / "model").glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:1] in (["import"], ["from"]) and len(words) > 1:
+                assert words[1].split(".")[0] not in forbidden, f"{path.name}: {line.strip()}"
+
+
+def test_config_dataclass_fields_are_plain_types():
+    allowed = {"str", "int", "float", "bool", "Optional[int]", "Optional[str]", "Optional[float]", "StackConfig"}
+    for cls in (ModelConfig, StackConfig):
+        for f in dataclasses.fields(cls):
+            assert f.type in allowed, f"{cls.__name__}.{f.name}: {f.type}"

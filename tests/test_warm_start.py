@@ -1,0 +1,217 @@
+"""Warm starting a Seq2Seq from GPT and BERT (Rothe et al. 2020): every tensor accounted
+for, copied tensors exactly the pretrained ones, the stacks computing what the pretrained
+models computed, and clear refusals of anything that does not fit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from model import GPT, ModelConfig, Pretrained, StackConfig, WarmStartError, build_model, seq2seq_config, warm_start
+from model.blocks import Transformer
+
+V = 40
+SHA = "a" * 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def bert_config(**overrides) -> ModelConfig:
+    base = dict(arch="bert", vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16, dropout=0.0,
+                norm_position="post", layer_norm_eps=1e-12, activation="gelu")
+    return ModelConfig(**{**base, **overrides})
+
+
+def gpt_config(**overrides) -> ModelConfig:
+    base = dict(arch="gpt", vocab_size=V, d_model=32, n_layers=3, n_heads=2, d_ff=48, max_seq_len=24, dropout=0.0,
+                norm_position="pre", activation="gelu_tanh")
+    return ModelConfig(**{**base, **overrides})
+
+
+def pretrained(cfg: ModelConfig, seed: int, sha: str = SHA) -> Pretrained:
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():  # move LayerNorms and biases off their initial values, so copies show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return Pretrained(model.state_dict(), cfg, sha)
+
+
+def ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return pretrained(bert_config(), seed=1)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return pretrained(gpt_config(), seed=2)
+
+
+def test_seq2seq_config_matches_each_source(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config, label_smoothing=0.2)
+    assert cfg.arch == "seq2seq" and cfg.label_smoothing == 0.2 and cfg.max_seq_len == 24
+    enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
+    assert (enc.n_layers, enc.n_heads, enc.ffn_dim, enc.norm_position, enc.activation, enc.layer_norm_eps) == (2, 4, 64, "post", "gelu", 1e-12)
+    assert (dec.n_layers, dec.n_heads, dec.ffn_dim, dec.norm_position, dec.activation, dec.layer_norm_eps) == (3, 2, 48, "pre", "gelu_tanh", 1e-5)
+
+
+def test_bert_encoder_gpt_decoder_accounts_for_every_tensor(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config, max_seq_len=32)
+    model, report = warm_start(cfg, SHA, encoder=bert, decoder=gpt)
+    state = model.state_dict()
+    assert list(report.tensors) == list(state)
+
+    sources = {"encoder": bert.state_dict, "decoder": gpt.state_dict}
+    for key, origin in report.tensors.items():
+        if origin.status == "copied":
+            side, source_key = origin.source.split(":")
+            assert key.startswith(side + ".")
+            assert torch.equal(state[key], sources[side][source_key]), key
+        elif origin.status == "resized":
+            side, source_key = origin.source.split(":")
+            rows = sources[side][source_key].shape[0]
+            assert source_key == "embed.pos.weight" and state[key].shape[0] == 32
+            assert torch.equal(state[key][:rows], sources[side][source_key])
+
+    assert sorted(report.keys("resized")) == ["decoder.embed.pos.weight", "encoder.embed.pos.weight"]
+    new = report.keys("new")
+    assert new and all(".cross_attn." in k or ".cross_attn_norm." in k for k in new)
+    assert len(new) == 3 * (8 + 2)  # 3 decoder layers x (q, k, v, out weights and biases + norm)
+    assert sorted(report.dropped) == sorted(f"encoder:{k}" for k in bert.state_dict if k.startswith("head."))
+    assert report.tensors["decoder.lm_head.weight"].source == "decoder:lm_head.weight"
+    assert report.summary() == f"copied {len(state) - 2 - len(new)}, resized 2, new {len(new)}, dropped 6"
+    assert "new      decoder.blocks.0.cross_attn.q_proj.weight" in str(report)
+
+
+def test_warm_started_stacks_compute_what_the_sources_computed(bert, gpt):
+    model, _ = warm_start(seq2seq_config(bert.config, gpt.config), SHA, encoder=bert, decoder=gpt)
+    model.eval()
+    source_bert = build_model(bert.config).eval()
+    source_bert.load_state_dict(bert.state_dict)
+    source_gpt = build_model(gpt.config).eval()
+    source_gpt.load_state_dict(gpt.state_dict)
+
+    src, tgt = ids(2, 7, seed=3), ids(2, 5, seed=4)
+    src_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    memory = model.encoder(src, src_mask)
+    torch.testing.assert_close(memory, Transformer.forward(source_bert, src, src_mask))
+    # With the new cross-attention silenced, a pre-LN decoder is exactly the GPT.
+    with torch.no_grad():
+        for block in model.decoder.blocks:
+            block.cross_attn.out_proj.weight.zero_()
+            block.cross_attn.out_proj.bias.zero_()
+    torch.testing.assert_close(model(src, src_mask, tgt).logits, source_gpt(tgt).logits)
+
+
+def test_bert_decoder_and_gpt_encoder(bert, gpt):
+    cfg = seq2seq_config(gpt.config, bert.config)
+    model, report = warm_start(cfg, SHA, encoder=gpt, decoder=bert)
+    assert "encoder:lm_head.weight" in report.dropped
+    assert {k for k in report.dropped if k.startswith("decoder:")} == {f"decoder:{k}" for k in bert.state_dict if k.startswith("head.")}
+    origin = report.tensors["decoder.lm_head.weight"]
+    assert (origin.status, origin.source, origin.note) == ("copied", "decoder:embed.tok.weight", "tied to decoder.embed.tok.weight")
+    assert torch.equal(model.decoder.lm_head.weight, bert.state_dict["embed.tok.weight"])
+    # The BERT decoder runs with a causal mask.
+    assert model.decoder.causal and model.decoder.cfg.norm_position == "post"
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_one_side_only(bert, gpt, side):
+    source = bert if side == "encoder" else gpt
+    cfg = seq2seq_config(**{f"{side}_config": source.config})
+    model, report = warm_start(cfg, SHA, **{side: source})
+    other = "decoder" if side == "encoder" else "encoder"
+    assert all(report.tensors[k].status == "new" for k in report.tensors if k.startswith(other + "."))
+    assert any(report.tensors[k].status == "copied" for k in report.tensors if k.startswith(side + "."))
+
+
+def test_no_sources_gives_an_all_new_model():
+    model, report = warm_start(seq2seq_config(), SHA)
+    assert set(report.keys("new")) == set(model.state_dict()) and not report.dropped
+
+
+def test_our_own_models_of_any_config(bert):
+    other_bert = pretrained(bert_config(norm_position="pre", positions="sinusoidal", activation="relu", layer_norm_eps=1e-5), seed=5)
+    other_gpt = pretrained(gpt_config(norm_position="post", n_layers=1), seed=6)
+    model, report = warm_start(seq2seq_config(other_bert.config, other_gpt.config), SHA, encoder=other_bert, decoder=other_gpt)
+    assert not report.keys("resized")
+    assert torch.isfinite(model(ids(1, 5), None, ids(1, 4)).logits).all()
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def _error(*args, **kwargs) -> str:
+    with pytest.raises(WarmStartError) as err:
+        warm_start(*args, **kwargs)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_tokenizer_hash_mismatch(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config)
+    message = _error(cfg, "b" * 64, encoder=bert, decoder=gpt)
+    assert "encoder source tokenizer sha256 aaaaaaaaaaaa" in message
+    message = _error(cfg, SHA, encoder=bert, decoder=dataclasses.replace(gpt, tokenizer_sha256="c" * 64))
+    assert message.startswith("decoder source tokenizer")
+
+
+def test_vocab_size_mismatch(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config)
+    bigger = pretrained(gpt_config(vocab_size=V + 8), seed=7)
+    assert "vocabulary mismatch" in _error(cfg, SHA, decoder=bigger)
+    with pytest.raises(WarmStartError, match="differ in vocab_size"):
+        seq2seq_config(bert.config, bigger.config)
+    # A config that lies about its state dict is caught by the tensor's shape.
+    lying = Pretrained(bigger.state_dict, gpt.config, SHA)
+    assert _error(cfg, SHA, decoder=lying).startswith("vocabulary mismatch: decoder source embed.tok.weight has 48 rows")
+
+
+def test_architecture_mismatch(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config, decoder=StackConfig(n_heads=4))
+    assert "decoder source has n_heads=2 but the Seq2Seq decoder has 4" in _error(cfg, SHA, decoder=gpt)
+    cfg = seq2seq_config(bert.config, gpt.config, n_decoder_layers=4)
+    assert "n_layers=3" in _error(cfg, SHA, decoder=gpt)
+
+
+def test_missing_and_unknown_keys(bert, gpt):
+    cfg = seq2seq_config(bert.config, gpt.config)
+    partial = dict(gpt.state_dict)
+    del partial["blocks.2.mlp.fc.weight"]
+    assert "lacks 'blocks.2.mlp.fc.weight'" in _error(cfg, SHA, decoder=dataclasses.replace(gpt, state_dict=partial))
+    extra = {**gpt.state_dict, "blocks.3.attn.q_proj.weight": torch.zeros(32, 32)}
+    assert "unknown keys" in _error(cfg, SHA, decoder=dataclasses.replace(gpt, state_dict=extra))
+
+
+def test_tied_duplicates_may_be_absent_but_not_different(gpt):
+    cfg = seq2seq_config(decoder_config=gpt.config)
+    without = {k: v for k, v in gpt.state_dict.items() if k != "lm_head.weight"}
+    model, report = warm_start(cfg, SHA, decoder=dataclasses.replace(gpt, state_dict=without))
+    assert report.tensors["decoder.lm_head.weight"].source == "decoder:embed.tok.weight"
+    untied = {**gpt.state_dict, "lm_head.weight": torch.zeros(V, 32)}
+    assert "should be tied" in _error(cfg, SHA, decoder=dataclasses.replace(gpt, state_dict=untied))
+
+
+def test_source_must_be_gpt_or_bert(gpt):
+    s2s = seq2seq_config(decoder_config=gpt.config)
+    assert "arch='seq2seq'" in _error(s2s, SHA, decoder=Pretrained({}, s2s, SHA))
+    assert "builds a seq2seq model" in _error(gpt.config, SHA)
+
+
+def test_source_state_dict_from_a_gpt_instance_loads_directly():
+    source = GPT(gpt_config())
+    cfg = seq2seq_config(decoder_config=source.cfg)
+    model, report = warm_start(cfg, SHA, decoder=Pretrained(source.state_dict(), source.cfg, SHA))
+    assert torch.equal(model.decoder.blocks[0].attn.q_proj.weight, source.blocks[0].attn.q_proj.weight)
