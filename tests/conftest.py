@@ -54,6 +54,14 @@ def run_prepare(args: list[str]) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and the machine's other cores serve subprocesses."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """600 synthetic pairs with some exact duplicates mixed in."""

@@ -1,0 +1,410 @@
+"""Throughput of the data pipeline against the bare libraries it is built on; prints figures, asserts nothing.
+
+    python benchmarks/bench_data.py [--data DIR] [--repeats N] [--prepare-repeats N] [--quick]
+
+1. Loader: `pipeline.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
+   `webdataset.WebDataset` read of the same shards (np.load of `input_ids.npy`, stacked into a
+   (B, T) int64 batch, no shuffle, no checks), both through a torch DataLoader with the same
+   `num_workers`. One run is one epoch of the train split, timed from `iter()` to the last batch
+   (worker start-up included: ShardLoader starts fresh workers every epoch). The runs alternate
+   ours, bare, ours, bare... after one untimed warm-up of each; the table gives medians. Target:
+   ours >= 0.9x bare.
+2. Prepare: `pipeline.prepare.prepare(cfg)` with the dataset's own resolved config
+   (`DIR/config.yaml`), `ray.num_workers=1` and `=2`, `progress=false`, output to a temporary
+   directory and `tokenizer.model_path=DIR/tokenizer.model`, so no tokenizer is trained and the
+   shards must come out byte-identical to DIR's (checked). Stage times come from wrapping
+   `pipeline.ray_runner.ray_session` / `run_tasks` for the run, not from editing the pipeline.
+   One more run trains the tokenizer as shipped (2 workers) to show what training adds. The
+   baseline is one process encoding the same texts the encode stage encodes (found with the
+   pipeline's own scan and dedup functions) with `sp.encode(texts, num_threads=1)`.
+
+Data: DIR defaults to data/gettext-en-de. The script does not prepare it (a benchmark should not
+write into data/ behind your back): without DIR/manifest.json it prints how to make it and
+exits 2. `--quick` is a smoke run: two repeats, num_workers 0 and 1, 40 batches per loader run,
+prepare on the first 8 catalogs only, no tokenizer-training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+# Run as a plain script from any directory: the project is imported from the checkout, not installed.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
+MICRO_BATCH = 32
+KIND, SPLIT = "causal_lm", "train"
+
+
+# ---------------------------------------------------------------- loader
+
+
+def _decode_input_ids(sample: dict) -> np.ndarray:
+    return np.load(io.BytesIO(sample["input_ids.npy"]), allow_pickle=False)
+
+
+def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.stack(arrays).astype(np.int64))  # (B, T), the dtype ShardLoader hands out
+
+
+def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
+    """The plain WebDataset recipe: shards split over workers, decode, batch; nothing else."""
+    import webdataset as wds
+
+    dataset = (
+        # Its default workersplitter hands each DataLoader worker whole shards: no shard is read twice.
+        wds.WebDataset(urls, shardshuffle=False)
+        .map(_decode_input_ids)
+        .batched(MICRO_BATCH, collation_fn=_stack, partial=False)
+    )
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers)
+
+
+def our_loader(data_dir: Path, num_workers: int):
+    from pipeline.loader import ShardLoader
+
+    return ShardLoader(str(data_dir), KIND, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0)
+
+
+def time_epoch(loader, max_batches: int | None) -> dict:
+    """Tokens/s of one pass (worker start-up included) and the time to the first batch."""
+    tokens = batches = 0
+    started = time.perf_counter()
+    first = None
+    for batch in loader:
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        tokens += ids.numel()
+        batches += 1
+        if first is None:
+            first = time.perf_counter() - started
+        if max_batches is not None and batches >= max_batches:
+            break
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "batches": batches, "seconds": seconds, "first_batch_s": first,
+            "tokens_per_s": tokens / seconds}
+
+
+def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: int | None) -> list[dict]:
+    from pipeline.format import read_manifest, shard_entries
+
+    entries = shard_entries(read_manifest(data_dir), KIND, SPLIT)
+    urls = [str(data_dir / entry["path"]) for entry in entries if entry["samples"] > 0]
+    rows = []
+    for num_workers in workers:
+        makers = {"ours": lambda: our_loader(data_dir, num_workers), "bare": lambda: bare_loader(urls, num_workers)}
+        for make in makers.values():  # warm-up: page cache, lazy imports
+            time_epoch(make(), max_batches)
+        runs: dict[str, list[dict]] = {name: [] for name in makers}
+        for _ in range(repeats):
+            for name, make in makers.items():  # alternate, so drift in machine load hits both alike
+                runs[name].append(time_epoch(make(), max_batches))
+        row = {"num_workers": num_workers, "shards": len(urls)}
+        for name, results in runs.items():
+            row[name] = statistics.median(r["tokens_per_s"] for r in results)
+            row[f"{name}_first_ms"] = 1000 * statistics.median(r["first_batch_s"] for r in results)
+            row[f"{name}_epoch_s"] = statistics.median(r["seconds"] for r in results)
+            row[f"{name}_tokens"] = results[0]["tokens"]
+            row[f"{name}_spread"] = (min(r["tokens_per_s"] for r in results), max(r["tokens_per_s"] for r in results))
+        row["ratio"] = row["ours"] / row["bare"]
+        # Best against best: on a shared machine the fastest run is the one least disturbed by others.
+        row["ratio_best"] = row["ours_spread"][1] / row["bare_spread"][1]
+        rows.append(row)
+        print(f"loader num_workers={num_workers}: ours {row['ours'] / 1e6:.3f} M tok/s "
+              f"(min {row['ours_spread'][0] / 1e6:.3f}, max {row['ours_spread'][1] / 1e6:.3f}), "
+              f"bare {row['bare'] / 1e6:.3f} M tok/s (min {row['bare_spread'][0] / 1e6:.3f}, "
+              f"max {row['bare_spread'][1] / 1e6:.3f}), ours/bare {row['ratio']:.2f}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def prepare_config(data_dir: Path, output_dir: Path, num_workers: int, fixed_tokenizer: bool,
+                   source_paths: list[str] | None):
+    from pipeline.config import PrepareConfig
+    from pipeline.configure import load_config
+
+    overrides = [f"output_dir={output_dir}", "overwrite=true", "progress=false", f"ray.num_workers={num_workers}"]
+    if fixed_tokenizer:
+        overrides.append(f"tokenizer.model_path={data_dir / 'tokenizer.model'}")
+    if source_paths is not None:
+        overrides.append("source.paths=[" + ",".join(f"'{p}'" for p in source_paths) + "]")
+    return load_config(PrepareConfig, data_dir / "config.yaml", overrides)
+
+
+@contextlib.contextmanager
+def stage_timer(timings: dict):
+    """Time Ray start/stop and each `run_tasks` stage of one prepare run by wrapping, not editing, the runner."""
+    from pipeline import ray_runner
+
+    session, run_tasks = ray_runner.ray_session, ray_runner.run_tasks
+
+    @contextlib.contextmanager
+    def timed_session(cfg):
+        started = time.perf_counter()
+        with session(cfg):
+            timings["ray_start"] = time.perf_counter() - started
+            yield
+            stopping = time.perf_counter()
+        timings["ray_stop"] = time.perf_counter() - stopping
+
+    def timed_run_tasks(fn, arguments, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run_tasks(fn, arguments, **kwargs)
+        finally:
+            timings[kwargs.get("desc", fn.__name__)] = time.perf_counter() - started
+
+    # prepare() imports these names from the module at call time, so patching the module suffices.
+    ray_runner.ray_session, ray_runner.run_tasks = timed_session, timed_run_tasks
+    try:
+        yield timings
+    finally:
+        ray_runner.ray_session, ray_runner.run_tasks = session, run_tasks
+
+
+def shard_digests(manifest: dict) -> dict[str, str]:
+    return {
+        shard["path"]: shard["sha256"]
+        for dataset in manifest["datasets"].values()
+        for split in dataset["splits"].values()
+        for shard in split["shards"]
+    }
+
+
+def run_prepare(cfg) -> dict:
+    from pipeline.prepare import prepare
+
+    timings: dict = {}
+    with stage_timer(timings):
+        started = time.perf_counter()
+        manifest = prepare(cfg)
+        timings["wall"] = time.perf_counter() - started
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)
+    return {"timings": timings, "manifest": manifest}
+
+
+def encode_work_texts(cfg, work_dir: Path) -> list[str]:
+    """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
+    from pipeline.format import DATASET_FOR_KIND, SPLITS
+    from pipeline.prepare import CHUNK_BYTES
+    from pipeline.sources import expand_paths, plan_units
+    from pipeline.work import MONO, PAIRS, _bucket_records, _unique, scan_unit
+
+    units = plan_units(expand_paths(cfg.source), cfg.source, CHUNK_BYTES)
+    for index, unit in enumerate(units):
+        scan_unit(index, unit, cfg, str(work_dir))
+    texts: list[str] = []
+    for dataset in sorted({DATASET_FOR_KIND[kind] for kind in cfg.kinds}):
+        for split in SPLITS:
+            for bucket in range(cfg.shard.buckets):
+                if dataset == "packed":
+                    records = _unique(_bucket_records(str(work_dir), len(units), MONO, split, bucket), Counter())
+                    texts.extend(record[0] for record in records)
+                else:
+                    pairs = _unique(_bucket_records(str(work_dir), len(units), PAIRS, split, bucket), Counter())
+                    texts.extend(source for source, _ in pairs)
+                    texts.extend(target for _, target in pairs)
+    return texts
+
+
+def bench_encode(texts: list[str], model_path: Path, num_threads: int, repeats: int) -> dict:
+    from pipeline.tokenizer import load_tokenizer
+
+    processor = load_tokenizer(model_path)
+    processor.encode(texts[:1000], num_threads=num_threads)  # warm-up
+    seconds = []
+    tokens = 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        ids = processor.encode(texts, num_threads=num_threads)
+        seconds.append(time.perf_counter() - started)
+        tokens = sum(len(piece_ids) for piece_ids in ids)
+    return {"seconds": statistics.median(seconds), "tokens": tokens, "texts": len(texts)}
+
+
+def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: bool,
+                  source_paths: list[str] | None, tmp: Path) -> dict:
+    from pipeline.format import read_manifest
+
+    reference = shard_digests(read_manifest(data_dir))
+    base_cfg = prepare_config(data_dir, tmp / "texts", 1, True, source_paths)
+    texts = encode_work_texts(base_cfg, tmp / "scan")
+    shutil.rmtree(tmp / "scan", ignore_errors=True)
+    baseline = bench_encode(texts, data_dir / "tokenizer.model", 1, max(repeats, 3))
+    baseline_all = bench_encode(texts, data_dir / "tokenizer.model", -1, max(repeats, 3))
+    print(f"sp.encode of the encode stage's {len(texts):,} texts ({baseline['tokens']:,} tokens): "
+          f"1 thread {baseline['seconds']:.2f} s, library default threads {baseline_all['seconds']:.2f} s", flush=True)
+
+    runs: dict[str, list[dict]] = {}
+    for repeat in range(repeats):
+        for num_workers in workers:  # alternate worker counts, like the loader runs
+            cfg = prepare_config(data_dir, tmp / f"out-{num_workers}", num_workers, True, source_paths)
+            result = run_prepare(cfg)
+            # A --quick subset cannot match the full dataset: None means not checked.
+            result["identical"] = None if source_paths is not None else shard_digests(result["manifest"]) == reference
+            runs.setdefault(f"{num_workers}", []).append(result)
+            timings = result["timings"]
+            print(f"prepare ray.num_workers={num_workers} (fixed tokenizer), repeat {repeat + 1}: "
+                  f"wall {timings['wall']:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items() if k != "wall")
+                  + ("; SHARDS DIFFER from the dataset's" if result["identical"] is False else ""), flush=True)
+    trained = None
+    if train_run:
+        cfg = prepare_config(data_dir, tmp / "out-trained", workers[-1], False, source_paths)
+        trained = run_prepare(cfg)
+        trained["identical"] = shard_digests(trained["manifest"]) == reference
+        print(f"prepare ray.num_workers={workers[-1]} (tokenizer trained): wall {trained['timings']['wall']:.1f} s",
+              flush=True)
+    return {"texts": len(texts), "baseline": baseline, "baseline_all_threads": baseline_all, "runs": runs,
+            "trained": trained, "trained_workers": workers[-1]}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _rate(per_second: float) -> str:
+    return f"{per_second / 1e6:.2f} M" if per_second >= 1e6 else f"{per_second / 1e3:.0f} k"
+
+
+def _median_timing(results: list[dict], key: str) -> float:
+    return statistics.median(r["timings"].get(key, 0.0) for r in results)
+
+
+def loader_table(rows: list[dict], repeats: int) -> str:
+    lines = [
+        f"Loader: {KIND}/{SPLIT}, micro batch {MICRO_BATCH}, {rows[0]['shards']} shards, one epoch per run, "
+        f"median of {repeats} alternating runs (M tokens/s; first batch in ms; target ours/bare >= 0.9)",
+        "",
+        "| num_workers | ShardLoader | bare WebDataset | ours / bare | ours / bare, best runs | first batch ours | first batch bare |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['num_workers']} | {row['ours'] / 1e6:.3f} | {row['bare'] / 1e6:.3f} | "
+                     f"{row['ratio']:.2f}x | {row['ratio_best']:.2f}x | {row['ours_first_ms']:.0f} | {row['bare_first_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def prepare_table(result: dict, repeats: int) -> str:
+    tokens = result["baseline"]["tokens"]
+    lines = [
+        f"Prepare: {result['texts']:,} texts, {tokens:,} tokens through SentencePiece; wall = whole prepare() "
+        f"(Ray start and stop included), median of {repeats}; encode stage = Ray tasks that read the buckets, "
+        "tokenize, pack and write the shards",
+        "",
+        "| run | wall s | encode stage s | tokens/s, wall | tokens/s, encode stage |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for workers, runs in result["runs"].items():
+        wall, encode = _median_timing(runs, "wall"), _median_timing(runs, "encode")
+        lines.append(f"| prepare, {workers} Ray worker{'s' if workers != '1' else ''}, fixed tokenizer | {wall:.1f} | "
+                     f"{encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |")
+    if result["trained"] is not None:
+        wall = result["trained"]["timings"]["wall"]
+        encode = result["trained"]["timings"].get("encode", 0.0)
+        lines.append(f"| prepare, {result['trained_workers']} Ray workers, tokenizer trained (as shipped) | "
+                     f"{wall:.1f} | {encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |")
+    for label, baseline in (("sp.encode, 1 process, 1 thread", result["baseline"]),
+                            ("sp.encode, 1 process, library default threads", result["baseline_all_threads"])):
+        lines.append(f"| {label} | | {baseline['seconds']:.2f} | | {_rate(tokens / baseline['seconds'])} |")
+    return "\n".join(lines)
+
+
+def stage_breakdown(result: dict) -> str:
+    parts = []
+    for workers, runs in result["runs"].items():
+        keys = [k for k in runs[0]["timings"] if k != "wall"]
+        other = statistics.median(r["timings"]["wall"] - sum(r["timings"][k] for k in keys) for r in runs)
+        detail = ", ".join(f"{k} {_median_timing(runs, k):.1f}" for k in keys)
+        checks = {r["identical"] for r in runs}
+        identical = "not checked (--quick subset)" if checks == {None} else ("yes" if checks == {True} else "NO")
+        parts.append(f"  {workers} worker(s): {detail}, other (plan, manifest, publish) {other:.1f} s; "
+                     f"shards identical to the dataset's: {identical}")
+    if result["trained"] is not None:
+        timings = result["trained"]["timings"]
+        between = timings["wall"] - sum(v for k, v in timings.items() if k != "wall")
+        parts.append(f"  trained tokenizer: outside the Ray stages (tokenizer training, manifest) {between:.1f} s; "
+                     f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}")
+    return "Prepare stage medians (s):\n" + "\n".join(parts)
+
+
+def machine_line() -> str:
+    import ray
+    import sentencepiece
+    import webdataset
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0]
+    return (f"{cpus}-core machine (load average {load:.2f} at start), {platform.processor() or platform.machine()}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, webdataset {webdataset.__version__}, "
+            f"ray {ray.__version__}, sentencepiece {sentencepiece.__version__}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed loader runs per setting (default 7; 2 with --quick)")
+    parser.add_argument("--prepare-repeats", type=int, default=None,
+                        help="prepare runs per worker count (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 7)
+    prepare_repeats = args.prepare_repeats or (1 if args.quick else 3)
+    data_dir = args.data.resolve()
+    if not (data_dir / "manifest.json").is_file():
+        print(f"bench_data: no prepared dataset at {data_dir} (no manifest.json); make it with: "
+              "python -m pipeline.prepare configs/prepare_gettext_en_de.yaml", file=sys.stderr)
+        return 2
+    if not (data_dir / "config.yaml").is_file() or not (data_dir / "tokenizer.model").is_file():
+        print(f"bench_data: {data_dir} lacks config.yaml or tokenizer.model; prepare it again", file=sys.stderr)
+        return 2
+
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]])
+    header = machine_line()
+    print(header, flush=True)
+    started = time.perf_counter()
+
+    loader_rows = bench_loader(data_dir, [0, 1] if args.quick else [0, 1, 2], repeats, 40 if args.quick else None)
+
+    source_paths = None
+    if args.quick:
+        from pipeline.sources import expand_paths
+
+        source_paths = expand_paths(prepare_config(data_dir, data_dir, 1, True, None).source)[:8]
+    with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
+        prepare_result = bench_prepare(data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp))
+
+    total = time.perf_counter() - started
+    print()
+    print(f"Figures from a {header}; load average {os.getloadavg()[0]:.2f} at the end.")
+    print()
+    print(loader_table(loader_rows, repeats))
+    print()
+    print(prepare_table(prepare_result, prepare_repeats))
+    print()
+    print(stage_breakdown(prepare_result))
+    print()
+    print(f"Benchmark wall time {total:.0f} s. Command: `{command}`" + (" (quick: smoke sizes)" if args.quick else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
