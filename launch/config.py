@@ -73,7 +73,10 @@ class TrainConfig:
     task: str = "causal_lm"  # causal_lm | mlm | translation
     run_dir: str = "runs/default"
     seed: int = 1234
-    max_steps: int = 1000  # optimizer steps
+    max_steps: int = 1000  # optimizer steps (the schedule runs to here)
+    # End this job after this many steps of the run (with a checkpoint), e.g. to fit a
+    # time slot; the next job resumes. 0: run to max_steps.
+    stop_after_steps: int = 0
     grad_accum: int = 1
     eval_every: int = 200  # 0: only at the end
     eval_batches: int = 50  # per rank; 0 = the whole split

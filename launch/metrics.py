@@ -29,8 +29,10 @@ PEAK_FLOPS = {
 
 def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5, device: str = "cpu") -> float:
     """Achieved FLOP/s of repeated (size x size) @ (size x size) products on this rank's threads."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+    # Its own generator: the global one drives dropout and must be the same after a resume.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    b = torch.randn(size, size, generator=generator, device=device).to(dtype)
     torch.mm(a, b)  # warm-up: thread pool, kernels
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or count < 3:

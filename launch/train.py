@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import random
 import shutil
 import sys
@@ -92,6 +93,8 @@ def _build_model(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torc
 
 
 def setup(cfg: TrainConfig) -> Run:
+    # DeepSpeed calls torch.distributed functions that torch now marks deprecated, every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
     manifest, tokenizer_sha256 = _dataset_info(cfg)
@@ -273,7 +276,8 @@ def fit(run: Run) -> dict:
     window_start = time.perf_counter()
     last_eval: dict = {}
     last_saved = run.step
-    while run.step < cfg.max_steps:
+    stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+    while run.step < stop_at:
         result = train_step(run, batches)
         run.step += 1
         run.tokens_seen += int(result["tokens"])
@@ -281,7 +285,7 @@ def fit(run: Run) -> dict:
         window_flops += result["flops"]
         window_samples += result["samples"]
         metrics: dict = {}
-        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+        if run.step % cfg.log_every == 0 or run.step == stop_at:
             elapsed = time.perf_counter() - window_start
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
             metrics.update({
@@ -294,12 +298,12 @@ def fit(run: Run) -> dict:
             })
             window_tokens = window_flops = window_samples = 0.0
             window_start = time.perf_counter()
-        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == cfg.max_steps:
+        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
             last_eval = evaluate(run)
             metrics.update(last_eval)
         if metrics:
             _log(run, metrics)
-        if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < cfg.max_steps:
+        if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
             save_checkpoint(run)
             last_saved = run.step
     if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
@@ -320,7 +324,21 @@ def train(cfg: TrainConfig) -> dict:
         dist.destroy()
 
 
+def _strip_launcher_args(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; the rank is read from the environment."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--local_rank":
+            skip = True
+        elif not arg.startswith("--local_rank="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     cfg = parse_cli(TrainConfig, argv, usage=USAGE)
     train(cfg)
     return 0

@@ -2,7 +2,7 @@
 
 A local Ray is started by default (`ray.address: ""`, with `num_workers` CPUs); `auto` or
 `host:port` joins a running cluster such as the one `slurm/prepare.sbatch` starts. Tasks
-are kept `num_workers` in flight, results are returned in submission order whatever order
+are kept 2 x `num_workers` in flight, results are returned in submission order whatever order
 they finish in, so the output never depends on scheduling.
 """
 
@@ -74,7 +74,8 @@ def run_tasks(
     next_index = 0
     with tqdm(total=len(arguments), desc=desc, disable=not progress, unit="task", dynamic_ncols=True) as bar:
         while next_index < len(arguments) or pending:
-            while next_index < len(arguments) and len(pending) < num_workers:
+            # Twice the workers in flight, so none idles while the driver collects a result.
+            while next_index < len(arguments) and len(pending) < 2 * num_workers:
                 pending[remote.remote(*arguments[next_index], **shared_refs)] = next_index
                 next_index += 1
             done, _ = ray.wait(list(pending), num_returns=1)

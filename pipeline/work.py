@@ -76,7 +76,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     writers = _BucketWriters(work_dir, unit_index)
     try:
         for source, target in read_unit(unit, cfg.source, stats):
-            split = assign_split(text_hash(source, salt), cfg.split.valid, cfg.split.test)
+            source_key = text_hash(source, salt)
+            split = assign_split(source_key, cfg.split.valid, cfg.split.test)
             stats[f"split_{split}"] += 1
             if want_pairs and parallel:
                 pair_bucket = text_hash(source + "\t" + target, salt) % buckets
@@ -89,7 +90,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
                     if split == "train":
                         sample.add(text_hash(piece, salt + "tok"), piece)
                     if want_mono:
-                        writers.write(MONO, split, text_hash(piece, salt) % buckets, [piece])
+                        key = source_key if piece is source else text_hash(piece, salt)
+                        writers.write(MONO, split, key % buckets, [piece])
     finally:
         writers.close()
     return {"stats": dict(stats), "sample": sample.items()}
