@@ -14,6 +14,7 @@ import math
 import warnings
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -181,6 +182,25 @@ def _set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 
+STOP_FILE = "STOP"  # touched by slurm/*.sbatch on SLURM's warning signal
+PREEMPTED_FILE = "preempted.json"  # left for the batch script: requeue me
+_signalled = False
+
+
+def _on_signal(signum, frame) -> None:
+    global _signalled
+    _signalled = True
+
+
+def install_preemption_handlers() -> None:
+    """SIGUSR1 (SLURM's `--signal` warning) and SIGTERM ask for a checkpoint and a clean exit."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+
+
+def _stop_requested(run: Run) -> bool:
+    return _signalled or (run.denv.is_main and (Path(run.cfg.run_dir) / STOP_FILE).exists())
+
 
 def _batches(loader: ShardLoader):
     """Batches forever, epoch after epoch (the loader advances its epoch at the end of each)."""
@@ -206,11 +226,12 @@ def train_step(run: Run, batches) -> dict:
         tokens += run.task.tokens(batch)
         flops += _step_flops(run.cfg, batch)
         samples += next(iter(batch.values())).shape[0]
-    loss_sum, tokens, flops, samples = dist.all_reduce_sum([loss_sum, tokens, flops, samples])
+    # One reduction carries the step's figures and whether any rank was asked to stop.
+    loss_sum, tokens, flops, samples, stop = dist.all_reduce_sum([loss_sum, tokens, flops, samples, float(_stop_requested(run))])
     loss = loss_sum / (run.plan.grad_accum * run.denv.world_size)
     if not math.isfinite(loss):  # every rank sees the same reduced value, so all stop together
         raise RuntimeError(f"non-finite training loss ({loss}) at step {run.step + 1}; stopping")
-    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples}
+    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples, "stop": stop > 0}
 
 
 @torch.no_grad()
@@ -303,6 +324,13 @@ def fit(run: Run) -> dict:
             metrics.update(last_eval)
         if metrics:
             _log(run, metrics)
+        if result["stop"]:
+            save_checkpoint(run)
+            if run.denv.is_main:
+                (Path(cfg.run_dir) / STOP_FILE).unlink(missing_ok=True)
+                (Path(cfg.run_dir) / PREEMPTED_FILE).write_text(json.dumps({"step": run.step}) + "\n")
+                print(f"stop requested: checkpoint at step {run.step} saved; exiting for a requeue", file=sys.stderr)
+            return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
         if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
             save_checkpoint(run)
             last_saved = run.step
@@ -312,9 +340,14 @@ def fit(run: Run) -> dict:
 
 
 def train(cfg: TrainConfig) -> dict:
+    install_preemption_handlers()
     run = setup(cfg)
+    if run.denv.is_main:
+        (Path(cfg.run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
     try:
         final = fit(run)
+        if final.get("preempted"):
+            return final  # the W&B run stays open for the requeued job (finished below, not marked done)
         run.tracker.finish({f"final/{k}": v for k, v in final.items()})
         if run.denv.is_main:
             (Path(cfg.run_dir) / "final.json").write_text(json.dumps(final, indent=1) + "\n")
