@@ -120,6 +120,7 @@ def setup(cfg: TrainConfig) -> Run:
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = _build_model(cfg, tokenizer_sha256, denv.is_main)
+    n_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
     engine = Engine(model, optimizer, scheduler, ds_config)
@@ -153,7 +154,7 @@ def setup(cfg: TrainConfig) -> Run:
     summary = {"git_commit": git_commit(), "data_manifest_sha256": file_sha256(Path(cfg.data.data_dir) / MANIFEST),
                "tokenizer_sha256": tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
-               "parameters": sum(p.numel() for p in model.parameters())}
+               "parameters": n_parameters}
     tracker = Tracker(enabled=denv.is_main, mode=cfg.wandb.mode, project=cfg.wandb.project, entity=cfg.wandb.entity,
                       name=cfg.wandb.name, tags=cfg.wandb.tags, run_dir=run_dir, run_id=run_id,
                       config=config_to_dict(cfg), summary=summary)

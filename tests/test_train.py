@@ -69,17 +69,39 @@ def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path):
     assert len(ids) == 1
 
 
+def read_wandb_log(path: Path) -> list[bytes]:
+    """Records of a W&B transaction log (.wandb): a 7-byte header (":W&B", 0xBEE1, version),
+    then LevelDB-log-style 32 KiB blocks of records: crc32 (4), length (2), type (1), data;
+    type 1 is a whole record, 2/3/4 the first/middle/last piece of one."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # block trailer padding
+            pos += room
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    return records
+
+
 def _wandb_records(run_dir: Path):
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
     files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert files, "no offline W&B run file"
     records = []
     for path in files:
-        store = datastore.DataStore()
-        store.open_for_scan(str(path))
-        while (data := store.scan_data()) is not None:
+        for data in read_wandb_log(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
             records.append(record)
@@ -97,8 +119,12 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     assert [h["_step"] for h in logged] == [2, 4, 6]
     expected_losses = {r["step"]: r["train/loss"] for r in metrics(run_dir) if "train/loss" in r}
     assert {h["_step"]: h["train/loss"] for h in logged} == pytest.approx(expected_losses)
-    config_items = {item.key: item.value_json for r in records if r.WhichOneof("record_type") == "config" for item in r.config.update}
+    config_items = {item.key: item.value_json for r in records if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
     assert json.loads(config_items["task"]) == "mlm" and json.loads(config_items["deepspeed"])["zero_stage"] == 3
+    summary = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "summary"
+               for item in r.summary.update if item.key}
+    assert len(summary["git_commit"]) == 40 and len(summary["data_manifest_sha256"]) == 64
+    assert summary["parameters"] > 0
 
     # Exported weights reproduce the engine's evaluation loss with the plain model.
     out = tmp_path / "export"
