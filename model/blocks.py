@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,10 @@ from model.config import ModelConfig
 IGNORE_INDEX = -100
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A named tuple rather than a dataclass: DeepSpeed ZeRO-3 finds the tensors in tuples to
+    hook its backward-pass parameter handling onto; it cannot see into a dataclass."""
+
     logits: Tensor  # (B, T, V)
     loss: Optional[Tensor] = None
 
