@@ -41,6 +41,14 @@ Design. The manifest knows every shard's sample count, so each epoch has a plan 
    the epoch, else the nearest following one - so that every rank still yields exactly B batches
    (a missing batch on one rank is a hang on all). Fillers are a function of the data alone, so
    a resumed run repeats the same ones; after a resume the preceding batch is rebuilt if needed.
+7. Speed, without changing any of the above. A shard is taken apart by a scan of its 512-byte tar
+   headers (checksums and number fields checked), not through tarfile. The reference stays
+   webdataset's reader over tarfile: every shard the scan does not vouch for (another member type,
+   a damaged header, data cut short, no end-of-archive block...) goes to it, so a shard is read,
+   or skipped for the same reason, as before. A batch leaves a worker as a few numpy arrays (ids
+   padded in their stored dtype, row lengths; for MLM also the masked ids and labels), pickled in
+   one message, rather than as tensors that each take a separate trip through shared memory; the
+   main process makes the tensors, attention masks and labels included.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +116,9 @@ def _read_shard(shard: _Shard, fields: tuple[str, ...], wanted: set[int]) -> dic
 
     The whole shard is read even when few samples are wanted: a shard is good or bad as a whole,
     so every worker and every rank reaches the same verdict and the batch stream stays the same.
+    A well-formed shard is taken apart by `_scan_tar`; anything it does not vouch for goes to
+    `_read_shard_with_webdataset`, the reference reader, which gives the verdict.
     """
-    from webdataset import tariterators
-
     try:
         size = os.path.getsize(shard.path)
     except OSError as err:
@@ -117,6 +126,30 @@ def _read_shard(shard: _Shard, fields: tuple[str, ...], wanted: set[int]) -> dic
     # A size check catches most truncations before the tar reader sees them.
     if shard.bytes is not None and size != shard.bytes:
         raise _ShardError(f"{size} bytes, the manifest says {shard.bytes}")
+    try:
+        with open(shard.path, "rb") as stream:
+            data = stream.read()
+    except OSError:
+        data = b""  # the reference reader meets the error again and reports it
+    samples = _scan_tar(data, fields)
+    if samples is None or len(samples) != shard.samples:
+        return _read_shard_with_webdataset(shard, fields, wanted)
+    kept: dict[int, dict[str, bytes]] = {}
+    for position in sorted(wanted):
+        members = {}
+        for name in fields:
+            start, length = samples[position][f"{name}.npy"]
+            members[name] = data[start : start + length]
+        kept[position] = members
+    return kept
+
+
+def _read_shard_with_webdataset(shard: _Shard, fields: tuple[str, ...],
+                                wanted: set[int]) -> dict[int, dict[str, bytes]]:
+    """`_read_shard` through webdataset's tar expander and Python's tarfile: slower, but it defines
+    which shards are readable and what a readable shard holds."""
+    from webdataset import tariterators
+
     expected = {f"{name}.npy" for name in fields}
     kept: dict[int, dict[str, bytes]] = {}
     count = 0
@@ -142,7 +175,94 @@ def _read_shard(shard: _Shard, fields: tuple[str, ...], wanted: set[int]) -> dic
     return kept
 
 
+_BLOCK = 512  # tar's unit: a header, or a share of a member's data (zero-padded to whole blocks)
+# What Python's stream reader ("r|*") takes for a compressed archive when it opens the file.
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\x5d\x00\x00\x80", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
+# The header's number fields (mode, uid, gid, size, mtime, checksum, devmajor, devminor) as
+# (start, end). Python's tarfile rejects the header if any of them is not octal.
+_NUMBER_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (148, 156), (329, 337), (337, 345))
+_SIZE, _CHECKSUM = 3, 5
+# The octal numbers tarfile reads (its `nti`): digits between optional spaces, ended by a NUL or
+# the field's end. It reads a few more forms (base-256, other whitespace), left to it.
+_OCTAL = re.compile(rb" *([0-7]*) *(?:\0|\Z)")
+_REGULAR_FILE = (ord("0"), 0)  # ustar's type flag of a regular file, and the pre-POSIX one
+
+
+def _scan_tar(data: bytes, fields: tuple[str, ...]) -> list[dict[str, tuple[int, int]]] | None:
+    """Where each sample's members lie in `data`, a plain (uncompressed) tar, in file order:
+    {"<field>.npy": (start, length)} per sample, found from the 512-byte headers alone.
+
+    It answers only for a tar the reference reader (webdataset over tarfile) would read the same
+    way: regular files named "<key>.<field>.npy", whole and in place, each header's checksum and
+    number fields valid, each sample holding exactly `fields`, an end-of-archive block at the end.
+    For anything else - other member types (directories, links, pax or GNU extension headers),
+    other names, a damaged header, missing data - it answers None, without telling why: the
+    caller then asks the reference reader, so a shard gets the same verdict either way.
+    """
+    from webdataset.tariterators import base_plus_ext  # webdataset's split of a name into key and suffix
+
+    if data.startswith(_COMPRESSED):
+        return None
+    expected = {f"{name}.npy" for name in fields}
+    samples: list[dict[str, tuple[int, int]]] = []
+    key = None
+    headers: list[int] = []
+    checksums: list[int] = []
+    offset = 0
+    while True:
+        if offset + _BLOCK > len(data):
+            return None  # cut short: no end-of-archive block
+        if data.count(0, offset, offset + _BLOCK) == _BLOCK:
+            break  # the end-of-archive block; tar readers read no further
+        numbers = []
+        for start, end in _NUMBER_FIELDS:
+            match = _OCTAL.match(data, offset + start, offset + end)
+            if match is None:
+                return None
+            numbers.append(int(match[1] or b"0", 8))
+        # Another member type, or a ustar name prefix (field 345:500) that would lengthen the name.
+        if data[offset + 156] not in _REGULAR_FILE or data[offset + 345] != 0:
+            return None
+        name_end = data.find(b"\0", offset, offset + 100)
+        raw_name = data[offset : name_end if name_end >= 0 else offset + 100]
+        if not raw_name.isascii():
+            return None
+        name = raw_name.decode("ascii")
+        # "__...": what webdataset skips as metadata; ".../": a directory in the old tar format.
+        if name.startswith("__") or name.endswith("/"):
+            return None
+        prefix, suffix = base_plus_ext(name)
+        if prefix is None:
+            return None
+        suffix = suffix.lower()  # webdataset's group_by_keys lowercases suffixes
+        if prefix != key:  # members with the same key in a row form one sample
+            if samples and len(samples[-1]) != len(expected):
+                return None
+            samples.append({})
+            key = prefix
+        if suffix not in expected or suffix in samples[-1]:
+            return None
+        start, length = offset + _BLOCK, numbers[_SIZE]
+        if start + length > len(data):
+            return None
+        samples[-1][suffix] = (start, length)
+        headers.append(offset)
+        checksums.append(numbers[_CHECKSUM])
+        offset = start + -(-length // _BLOCK) * _BLOCK
+    if samples and len(samples[-1]) != len(expected):
+        return None
+    # A header's checksum is the sum of its bytes, the checksum field counted as 8 spaces. All the
+    # headers lie before `offset`, the end-of-archive block, a whole number of blocks in.
+    blocks = np.frombuffer(data, np.uint8, count=offset).reshape(-1, _BLOCK)
+    blocks = blocks[np.array(headers, dtype=np.int64) // _BLOCK]
+    sums = blocks.sum(axis=1, dtype=np.int64) - blocks[:, 148:156].sum(axis=1, dtype=np.int64) + 8 * ord(" ")
+    if not np.array_equal(sums, checksums):
+        return None
+    return samples
+
+
 def _decode(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int) -> list[np.ndarray]:
+    """The token ids of one sample, in the integer dtype they are stored in (checked to be in the vocabulary)."""
     arrays = []
     for name in fields:
         try:
@@ -155,28 +275,40 @@ def _decode(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int) -> 
             raise ValueError(
                 f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab_size}"
             )
-        arrays.append(array.astype(np.int64))
+        arrays.append(array)
     return arrays
 
 
-def _pad(sequences: list[np.ndarray], value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids padded with `value` to the longest, and the (B, T) mask: 1 real, 0 padding."""
-    longest = max(len(seq) for seq in sequences)
-    ids = torch.full((len(sequences), longest), value, dtype=torch.long)
-    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.from_numpy(seq)
-        mask[row, : len(seq)] = 1
-    return ids, mask
+# Collation is split in two. In the worker, `_pack_*` turns a batch's samples into a few numpy
+# arrays: the token ids padded to the longest row (in their stored dtype), the row lengths, and
+# for MLM the seeded masking's results. In the main process, `_unpack` makes the tensors the
+# trainer gets, attention masks and labels included. A dict of numpy arrays crosses from a worker
+# pickled in one message; torch tensors would each take a separate trip through shared memory,
+# which for batches of this size costs more than building the masks and labels again.
 
 
-def collate_causal_lm(sequences: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    input_ids, attention_mask = _pad(sequences, PAD_ID)
-    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)  # the model shifts them
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+def _stack(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(B, T) ids padded with <pad> to the longest, and the (B,) lengths."""
+    lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    longest = int(lengths.max())
+    if (lengths == longest).all():  # packed blocks: all of one length
+        return np.stack(sequences), lengths
+    ids = np.full((len(sequences), longest), PAD_ID, dtype=np.result_type(*sequences))
+    ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)  # row by row, each row's start
+    return ids, lengths
 
 
-def collate_mlm(
+def _mask(lengths: np.ndarray, width: int) -> torch.Tensor:
+    """(B, width) attention mask: 1 over the first `lengths[b]` positions of row b, 0 over the padding."""
+    return torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64))
+
+
+def _pack_causal_lm(sequences: list[np.ndarray]) -> dict[str, np.ndarray]:
+    ids, lengths = _stack(sequences)
+    return {"ids": ids, "lengths": lengths}
+
+
+def _pack_mlm(
     sequences: list[np.ndarray],
     generator: torch.Generator,
     *,
@@ -185,11 +317,13 @@ def collate_mlm(
     probability: float,
     mask_fraction: float,
     random_fraction: float,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, np.ndarray]:
     """BERT's masking (Devlin et al. 2019, section 3.1): select `probability` of the real,
     non-special tokens; of those, `mask_fraction` become <mask>, `random_fraction` a random
     non-special token, the rest stay; labels hold the original token at selected positions only."""
-    original, attention_mask = _pad(sequences, PAD_ID)
+    ids, lengths = _stack(sequences)
+    original = torch.from_numpy(ids.astype(np.int64))
+    attention_mask = _mask(lengths, original.shape[1])
     candidates = attention_mask.bool() & ~torch.isin(original, special_ids)
     selected = candidates & (torch.rand(original.shape, generator=generator) < probability)
     action = torch.rand(original.shape, generator=generator)
@@ -199,21 +333,52 @@ def collate_mlm(
     input_ids = torch.where(to_mask, torch.full_like(original, MASK_ID), original)
     input_ids = torch.where(to_random, random_ids, input_ids)
     labels = original.masked_fill(~selected, IGNORE_INDEX)
+    return {"ids": input_ids.numpy(), "lengths": lengths, "labels": labels.numpy()}
+
+
+def _pack_translation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    src, src_lengths = _stack([np.concatenate([src, [EOS_ID]]).astype(src.dtype) for src, _ in pairs])
+    # "<s> target </s>": the decoder's input is this without the last token, its labels without the first.
+    tgt, tgt_lengths = _stack([np.concatenate([[BOS_ID], tgt, [EOS_ID]]).astype(tgt.dtype) for _, tgt in pairs])
+    return {"src": src, "src_lengths": src_lengths, "tgt": tgt, "tgt_lengths": tgt_lengths}
+
+
+def _unpack(kind: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The trainer's batch, all int64, from what `_pack_<kind>` made; labels are IGNORE_INDEX on padding."""
+    if kind == "translation":
+        src = torch.from_numpy(packed["src"].astype(np.int64))
+        tgt = torch.from_numpy(packed["tgt"].astype(np.int64))
+        decoder_mask = _mask(packed["tgt_lengths"] - 1, tgt.shape[1] - 1)
+        return {
+            "src_ids": src,
+            "src_mask": _mask(packed["src_lengths"], src.shape[1]),
+            "decoder_input_ids": tgt[:, :-1].masked_fill(decoder_mask == 0, PAD_ID),  # drops the </s>
+            "decoder_mask": decoder_mask,
+            "labels": tgt[:, 1:].masked_fill(decoder_mask == 0, IGNORE_INDEX),
+        }
+    input_ids = torch.from_numpy(packed["ids"].astype(np.int64, copy=False))
+    attention_mask = _mask(packed["lengths"], input_ids.shape[1])
+    if kind == "mlm":
+        labels = torch.from_numpy(packed["labels"])
+    else:
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)  # the model shifts them
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+# Both halves in one call, for collating outside a loader.
+
+
+def collate_causal_lm(sequences: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    return _unpack("causal_lm", _pack_causal_lm(sequences))
+
+
+def collate_mlm(sequences: list[np.ndarray], generator: torch.Generator, **masking) -> dict[str, torch.Tensor]:
+    """`_pack_mlm`'s masking (`masking`: its keyword arguments), as the trainer's batch."""
+    return _unpack("mlm", _pack_mlm(sequences, generator, **masking))
+
+
 def collate_translation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-    eos, bos = np.array([EOS_ID]), np.array([BOS_ID])
-    src_ids, src_mask = _pad([np.concatenate([src, eos]) for src, _ in pairs], PAD_ID)
-    decoder_input_ids, decoder_mask = _pad([np.concatenate([bos, tgt]) for _, tgt in pairs], PAD_ID)
-    labels, _ = _pad([np.concatenate([tgt, eos]) for _, tgt in pairs], IGNORE_INDEX)
-    return {
-        "src_ids": src_ids,
-        "src_mask": src_mask,
-        "decoder_input_ids": decoder_input_ids,
-        "decoder_mask": decoder_mask,
-        "labels": labels,
-    }
+    return _unpack("translation", _pack_translation(pairs))
 
 
 def _new_events() -> dict:
@@ -222,7 +387,8 @@ def _new_events() -> dict:
 
 
 class _EpochBatches(IterableDataset):
-    """One rank's batches [first_batch, num_batches) of one epoch, as (j, batch or None, events)."""
+    """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
+    `_unpack(kind, packed)` in the main process makes the trainer's batch."""
 
     def __init__(self, *, kind: str, shards: list[_Shard], seed: int, epoch: int, rank: int, rank_start: int,
                  batch_size: int, num_batches: int, first_batch: int, vocab_size: int, special_ids: list[int],
@@ -246,7 +412,7 @@ class _EpochBatches(IterableDataset):
         for j in mine:
             yield self.build(j, reader)
 
-    def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict | None, dict]:
+    def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict[str, np.ndarray] | None, dict]:
         reader = reader or _Reader(self, range(j, j + 1))
         events = _new_events()
         first = self.rank_start + j * self.batch_size
@@ -266,17 +432,18 @@ class _EpochBatches(IterableDataset):
                 events["bad_samples"].append((self.shards[order].path, member, str(err)))
                 return j, None, events
             events["samples_decoded"] += 1
-        return j, self._collate(j, samples), events
+        return j, self._pack(j, samples), events
 
-    def _collate(self, j: int, samples: list[list[np.ndarray]]) -> dict[str, torch.Tensor]:
+    def _pack(self, j: int, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
         if self.kind == "translation":
-            return collate_translation([(src, tgt) for src, tgt in samples])
+            return _pack_translation([(src, tgt) for src, tgt in samples])
         if self.kind == "causal_lm":
-            return collate_causal_lm([ids for (ids,) in samples])
+            return _pack_causal_lm([ids for (ids,) in samples])
         special = torch.tensor(sorted(self.special_ids), dtype=torch.long)
         keep = np.ones(self.vocab_size, dtype=bool)
         keep[[i for i in self.special_ids if i < self.vocab_size]] = False
-        return collate_mlm(
+        # Masked here, in the worker: the draws are seeded by the batch, so where they are made does not matter.
+        return _pack_mlm(
             [ids for (ids,) in samples],
             _torch_generator(self.seed, self.epoch, self.rank, j, _MLM_MASK),
             special_ids=special,
@@ -450,19 +617,25 @@ class ShardLoader:
         if first < self._num_batches:
             plan = self._epoch_batches(epoch, first)
             # Each epoch gets fresh workers: the plan they hold is the epoch's.
-            items = iter(DataLoader(plan, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is))
+            # A private generator: creating a DataLoader iterator draws a seed from the one it
+            # is given, and drawing from torch's global generator would shift the trainer's
+            # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
+            generator = torch.Generator().manual_seed(self.seed)
+            items = iter(DataLoader(plan, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
+                                    generator=generator))
             try:
                 last_good: tuple[int, dict] | None = None
                 found: dict = {}
                 expected = first
-                for j, batch, events in items:
+                for j, packed, events in items:
                     # Exact resume rests on the DataLoader's round-robin order; a change there must fail loudly.
                     if j != expected:
                         raise RuntimeError(f"batch {j} arrived where batch {expected} was due")
                     self._absorb(epoch, events)
-                    if batch is None:
+                    if packed is None:
                         batch = self._filler(plan, j, first, last_good, found)
                     else:
+                        batch = _unpack(self.kind, packed)  # masks and labels are made here, not sent
                         last_good = (j, batch)
                     expected += 1
                     self._consumed = expected
@@ -500,16 +673,16 @@ class ShardLoader:
         # Batches first..j-1 were unreadable too; the good batch before them, if any, was served
         # by an earlier process (this is a resume), so rebuild it as the uninterrupted run had it.
         for i in range(first - 1, -1, -1):
-            _, batch, events = plan.build(i)
+            _, packed, events = plan.build(i)
             self._absorb(plan.epoch, events)
-            if batch is not None:
-                return i, batch
+            if packed is not None:
+                return i, _unpack(self.kind, packed)
         ahead = _Reader(plan, range(j + 1, self._num_batches))
         for i in ahead.batches:
-            _, batch, events = plan.build(i, ahead)
+            _, packed, events = plan.build(i, ahead)
             self._absorb(plan.epoch, events)
-            if batch is not None:
-                return i, batch
+            if packed is not None:
+                return i, _unpack(self.kind, packed)
         return None
 
     def _absorb(self, epoch: int, events: dict) -> None:

@@ -39,7 +39,8 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
         if cfg.address:
             kwargs["address"] = cfg.address
         else:
-            kwargs["num_cpus"] = cfg.num_workers
+            # "local" starts a private instance even when another Ray runs on this machine.
+            kwargs.update(address="local", num_cpus=cfg.num_workers)
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as err:
