@@ -9,15 +9,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import ModelConfig, build_model, flops_per_token, matmul_params, training_flops
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_gpt_hand_count():
     cfg = ModelConfig(arch="gpt", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
     # Matmul weights a token passes through: q, k, v, out 4 * 4*4 = 64; MLP 4*8 + 8*4 = 64;

@@ -15,15 +15,6 @@ V = 40
 PAD, BOS, EOS = 0, 2, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(arch: str, **overrides) -> ModelConfig:
     base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.1)
     return ModelConfig(**{**base, **overrides})

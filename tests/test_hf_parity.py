@@ -23,15 +23,6 @@ V = 64
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def ids(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
 

@@ -19,16 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a busy 2-core machine spinning intra-op
-    # threads slow them down by an order of magnitude.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(arch: str = "gpt", **overrides) -> ModelConfig:
     base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=24, dropout=0.0)
     return ModelConfig(**{**base, **overrides})

@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import webdataset as wds
 
 from pipeline.format import MANIFEST, decode_array, file_sha256
 from pipeline.sources import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
-from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs
 
 
 def read_dataset(data_dir, name, split):

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import PrepareConfig
 from pipeline.configure import UserError, load_config
-from pipeline.sources import Unit, chunk_text, decode_counting, expand_paths, plan_units, read_mo, read_po, read_unit
+from pipeline.sources import chunk_text, decode_counting, expand_paths, plan_units, read_mo, read_po, read_unit
 
 
 def source_cfg(**overrides):

@@ -14,15 +14,6 @@ V = 40
 SHA = "a" * 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads; on a busy 2-core machine they lose a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def bert_config(**overrides) -> ModelConfig:
     base = dict(arch="bert", vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16, dropout=0.0,
                 norm_position="post", layer_norm_eps=1e-12, activation="gelu")
