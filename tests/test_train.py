@@ -148,3 +148,18 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
                 count += n
     engine_eval = [r["eval/loss"] for r in metrics(run_dir) if "eval/loss" in r][-1]
     assert loss_sum / count == pytest.approx(engine_eval, abs=1e-5)
+
+
+def test_same_command_under_the_deepspeed_launcher(tiny_dataset, tmp_path):
+    """The deepspeed launcher appends --local_rank=N and sets the rank variables itself."""
+    run_dir = tmp_path / "run"
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command = [str(deepspeed), "--num_gpus", "2", "--master_port", "29731", "--module", "launch.train",
+               str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={tiny_dataset}", f"run_dir={run_dir}", *TINY,
+               "max_steps=3", "log_every=1", "eval_every=0", "checkpoint.every_steps=0"]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "world 2" in run.stderr
+    assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
