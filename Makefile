@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup main test clean-venv
+.PHONY: setup main test slurm-cluster clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,17 @@ main: setup
 	$(PY) -m pipeline.prepare configs/prepare_gettext_en_de.yaml $(if $(wildcard data/gettext-en-de/manifest.json),overwrite=true,)
 	$(PY) -m pipeline.validate data/gettext-en-de
 
-test: setup
+# SLURM from Debian's packages and a two-node cluster on this machine, for tests/test_slurm.py
+# (needs root and apt-get; elsewhere those tests skip, except under CI=true where they fail).
+SLURM_PACKAGES := munge slurmctld slurmd slurm-client slurmdbd mariadb-server
+slurm-cluster:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		dpkg -s $(SLURM_PACKAGES) >/dev/null 2>&1 || { apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; }; \
+		bash slurm/local-cluster.sh start; \
+	else echo "not root or no apt-get: no local SLURM cluster, its tests will skip"; fi
+
+test: setup slurm-cluster
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

@@ -82,7 +82,9 @@ def read_env() -> DistEnv:
 
 def set_threads(threads_per_rank: int, denv: DistEnv) -> int:
     """One rank per core share: oversubscribed ranks on a CPU are many times slower."""
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // denv.local_world_size)
+    # The CPUs this process may run on (SLURM and taskset restrict them), not the machine's.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = threads_per_rank or max(1, cores // denv.local_world_size)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     return threads

@@ -325,7 +325,7 @@ def fit(run: Run) -> dict:
             metrics.update(last_eval)
         if metrics:
             _log(run, metrics)
-        if result["stop"]:
+        if result["stop"] and run.step < stop_at:  # on the last step a normal end is as good
             save_checkpoint(run)
             if run.denv.is_main:
                 (Path(cfg.run_dir) / STOP_FILE).unlink(missing_ok=True)

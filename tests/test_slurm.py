@@ -43,15 +43,18 @@ def slurm(*command: str, timeout: float = 60) -> str:
     return run.stdout
 
 
-@pytest.fixture(scope="module")
+if shutil.which("sbatch") is None and not IN_CI:
+    pytest.skip("sbatch not installed: apt-get install munge slurmctld slurmd slurm-client slurmdbd mariadb-server, "
+                "then `bash slurm/local-cluster.sh start` (as root)", allow_module_level=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def cluster() -> None:
+    """Checked before the session's data fixtures are built (autouse, session scope)."""
     if shutil.which("sbatch") is None:
-        if IN_CI:
-            pytest.fail("CI=true but sbatch is not installed: .ci/run installs SLURM and starts slurm/local-cluster.sh")
-        pytest.skip("sbatch not installed: apt-get install munge slurmctld slurmd slurm-client slurmdbd mariadb-server, "
-                    "then `bash slurm/local-cluster.sh start` (as root)")
+        pytest.fail("CI=true but sbatch is not installed: .ci/run installs SLURM and starts slurm/local-cluster.sh")
     try:
-        nodes = slurm("sinfo", "-h", "-N", "-o", "%N %t", timeout=30).split("\n")
+        nodes = slurm("sinfo", "-h", "-N", "-o", "%N %t", timeout=30).splitlines()
     except (AssertionError, subprocess.TimeoutExpired) as err:
         pytest.fail(f"no SLURM cluster answers ({err}); start one with `bash slurm/local-cluster.sh start`")
     ready = [line for line in nodes if line.split()[1:2] and line.split()[1] in ("idle", "mix", "alloc")]
@@ -110,13 +113,20 @@ def train_args(data: Path, run_dir: Path, *overrides: str) -> list[str]:
     return [str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={data}", f"run_dir={run_dir}", *TINY, *overrides]
 
 
-def test_pretrain_on_two_nodes(cluster, tiny_dataset, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "pretrain.log"
-    job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, "max_steps=10", "log_every=2", "eval_every=10",
-                                                    "checkpoint.every_steps=0", "deepspeed.zero_stage=3"))
+# finetune.sbatch launches like pretrain.sbatch; here a randomly initialised Seq2Seq stands in
+# for one warm-started from exported checkpoints (init.encoder, init.decoder).
+SEQ2SEQ = ("task=translation", "model.arch=seq2seq")
+
+
+@pytest.mark.parametrize("script, task", [("pretrain.sbatch", ()), ("finetune.sbatch", SEQ2SEQ)], ids=["pretrain", "finetune"])
+def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    job = submit(script, log, *train_args(tiny_dataset, run_dir, *task, "max_steps=10", "log_every=2", "eval_every=10",
+                                          "checkpoint.every_steps=0", "deepspeed.zero_stage=3"))
     info = wait_for(job, log, timeout=240)
     print(f"\n{sacct(job)}")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()[-4000:]
+    assert info["JobName"] == script.split(".")[0]
     assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]"
     text = log.read_text()
     assert "world 2" in text and "2 x 1 ranks" in text
@@ -125,10 +135,11 @@ def test_pretrain_on_two_nodes(cluster, tiny_dataset, tmp_path):
     losses = {row["step"]: row["train/loss"] for row in metrics(run_dir) if "train/loss" in row}
     assert sorted(losses) == [2, 4, 6, 8, 10]
     assert all(0 < loss < 20 for loss in losses.values())
-    assert json.loads((run_dir / "final.json").read_text())["step"] == 10
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["step"] == 10 and final["eval/loss"] > 0
 
 
-def test_prepare_on_two_nodes_matches_one_node(cluster, tiny_corpus, tiny_dataset, tmp_path):
+def test_prepare_on_two_nodes_matches_one_node(tiny_corpus, tiny_dataset, tmp_path):
     """tiny_dataset is the same config prepared by one machine's local Ray."""
     out, log = tmp_path / "data", tmp_path / "prepare.log"
     job = submit("prepare.sbatch", log, str(ROOT / "configs/prepare_gettext_en_de.yaml"), *prepare_args(tiny_corpus, out))
@@ -149,7 +160,7 @@ def test_prepare_on_two_nodes_matches_one_node(cluster, tiny_corpus, tiny_datase
     assert ours == theirs
 
 
-def test_warning_signal_requeues_and_resumes(cluster, tiny_dataset, tmp_path):
+def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     """SLURM's warning signal (here sent by hand, as `--signal=B:USR1@N` would before the limit):
     checkpoint, requeue, resume from that checkpoint in the same W&B run, every step once."""
     run_dir, log = tmp_path / "run", tmp_path / "requeue.log"
@@ -180,7 +191,7 @@ def test_warning_signal_requeues_and_resumes(cluster, tiny_dataset, tmp_path):
     records = _wandb_records(run_dir)
     assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {run_id}
     history = [json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "history"
-               for item in r.history.item if item.key == "_step"]
+               for item in r.history.item if (item.key or "/".join(item.nested_key)) == "_step"]
     assert history == list(range(1, max_steps + 1))
 
 
@@ -198,7 +209,7 @@ def _rank_pids(job_id: str, rank: int) -> list[int]:
     return pids
 
 
-def test_dead_rank_fails_the_job_quickly(cluster, tiny_dataset, tmp_path):
+def test_dead_rank_fails_the_job_quickly(tiny_dataset, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "dead.log"
     job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
                                                     "checkpoint.every_steps=0", "dist_timeout_s=600"))
