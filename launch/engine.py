@@ -61,6 +61,23 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict:
     return config
 
 
+def inference_config(micro_batch_size: int, world_size: int, user: dict | None = None) -> dict:
+    """DeepSpeed JSON for ZeRO-3 evaluation, without an optimizer; `user` (a user's own JSON)
+    is merged over it. Only stage 3 changes a forward (parameters are partitioned and gathered
+    module by module); stages 1 and 2 partition optimizer states and gradients, which inference
+    has none of, so below stage 3 evaluation needs no engine."""
+    config: dict[str, Any] = {
+        "train_batch_size": micro_batch_size * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 3, "overlap_comm": torch.cuda.is_available()},
+    }
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    return _deep_merge(config, {k: v for k, v in (user or {}).items() if v != "auto" and k not in batch_keys})
+
+
 def _deep_merge(base: dict, over: dict) -> dict:
     merged = dict(base)
     for key, value in over.items():
@@ -69,9 +86,10 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 class Engine:
-    """A DeepSpeed engine seen through the few calls the loop makes."""
+    """A DeepSpeed engine seen through the few calls the loop makes. Without an optimizer
+    (evaluation: `inference_config`) only `module`, `device` and forwards are of use."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, config: dict):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, config: dict):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -85,6 +103,12 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self._engine.device
+
+    def partitioned(self) -> tuple[int, int]:
+        """(parameter tensors ZeRO-3 splits over the ranks, all parameter tensors); small ones
+        stay whole on every rank below zero_optimization.stage3_param_persistence_threshold."""
+        params = list(self._engine.module.parameters())
+        return sum(hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in params), len(params)
 
     def __call__(self, **batch):
         return self._engine(**batch)

@@ -1,0 +1,176 @@
+"""What `launch.evaluate` and `launch.translate` share: a translation checkpoint, and token ids in and out of it.
+
+A checkpoint is an exported model directory (`launch.export`) or a training run (its run
+directory, `checkpoints/` directory or one `step_*` checkpoint, consolidated on the fly). A
+source is encoded as in training (`pipeline.loader`: the source's ids, then </s>), cut to the
+model's `max_seq_len` first; sources are padded into batches and decoded with
+`Seq2Seq.generate` (beam search, greedy for beam 1); hypotheses go back to text with the
+SentencePiece tokenizer the model was trained with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, TextIO
+
+import torch
+
+from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, locate_checkpoint
+from model import ModelConfig, Seq2Seq, build_model
+from pipeline.configure import UserError, config_from_dict, load_config
+from pipeline.format import EOS_ID, PAD_ID, file_sha256
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint holds, read without loading its weights."""
+
+    path: Path  # as given
+    model_cfg: ModelConfig
+    tokenizer_path: Path
+    tokenizer_sha256: str
+    data_dir: str  # the dataset it was trained on, when known ("" otherwise)
+    exported: bool  # an exported directory (else a DeepSpeed checkpoint: root / tag)
+    root: Path | None = None
+    tag: str | None = None
+
+    @property
+    def max_source_tokens(self) -> int:
+        """Source tokens the encoder takes besides the </s> appended to every source."""
+        return self.model_cfg.max_seq_len - 1
+
+
+def _run_data_dir(run_dir: Path) -> str:
+    """The dataset of the run an export came from, if that run is still there and readable."""
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        return ""
+    from launch.config import TrainConfig
+
+    try:
+        return load_config(TrainConfig, config_file).data.data_dir
+    except UserError:
+        return ""
+
+
+def inspect_checkpoint(path: str | Path) -> Checkpoint:
+    """Config and tokenizer of a translation checkpoint; UserError if it is none, or its
+    tokenizer file is not the one it was trained with."""
+    path = Path(path)
+    if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
+        meta = json.loads((path / CONFIG).read_text())
+        model_cfg = config_from_dict(ModelConfig, meta["model"], source=str(path / CONFIG))
+        tokenizer, recorded = path / TOKENIZER, meta.get("tokenizer_sha256")
+        source = Path(meta.get("source") or "")
+        data_dir = _run_data_dir(source.parent.parent) if meta.get("source") else ""
+        root = tag = None
+    else:
+        if not path.exists():
+            raise UserError(f"checkpoint not found: {path}")
+        root, tag = locate_checkpoint(path)
+        run_dir = root.parent
+        config_file = run_dir / "config.yaml"
+        if not config_file.is_file():
+            raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
+        from launch.config import TrainConfig
+
+        run_cfg = load_config(TrainConfig, config_file)
+        model_cfg, data_dir = run_cfg.model, run_cfg.data.data_dir
+        tokenizer = run_dir / TOKENIZER
+        client_file = root / tag / "client_state.json"
+        recorded = json.loads(client_file.read_text()).get("tokenizer_sha256") if client_file.is_file() else None
+    if model_cfg.arch != "seq2seq":
+        raise UserError(f"{path} holds a {model_cfg.arch} model, not a translation (seq2seq) model")
+    if not tokenizer.is_file():
+        raise UserError(f"{tokenizer} not found")
+    sha = file_sha256(tokenizer)
+    if recorded and recorded != sha:
+        raise UserError(f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})")
+    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag)
+
+
+def load_model(ckpt: Checkpoint) -> Seq2Seq:
+    """The checkpoint's Seq2Seq with its weights, in eval mode, on the CPU."""
+    if ckpt.exported:
+        model, _ = load_model_dir(ckpt.path)
+        return model
+    from launch.engine import consolidated_state_dict
+
+    model = build_model(ckpt.model_cfg)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt.root, ckpt.tag), strict=False)
+    if missing or unexpected:
+        raise UserError(f"{ckpt.root / ckpt.tag} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def source_ids(ids: Sequence[int], max_source_tokens: int) -> tuple[list[int], bool]:
+    """The encoder's input for one source: its ids cut to the model's limit, then </s>;
+    and whether it was cut."""
+    ids = [int(i) for i in ids]
+    return ids[:max_source_tokens] + [EOS_ID], len(ids) > max_source_tokens
+
+
+def batch_plan(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Batches of indices, longest sources first (less padding); ties keep their order.
+    A function of the lengths alone, so every rank and every world size plans the same batches."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def pad(sources: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) ids padded with <pad> and their (B, S) mask, 1 on real tokens."""
+    width = max(len(s) for s in sources)
+    ids = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    for row, source in enumerate(sources):
+        ids[row, : len(source)] = torch.tensor(source, dtype=torch.long)
+    return ids.to(device), (ids != PAD_ID).long().to(device)
+
+
+@torch.no_grad()
+def translate_ids(
+    model: Seq2Seq,
+    sources: Sequence[Sequence[int]],
+    *,
+    beam: int,
+    max_len: int,
+    length_penalty: float = 1.0,
+    synced: bool = False,
+    device: torch.device = torch.device("cpu"),
+) -> list[list[int]]:
+    """One batch of encoder inputs (`source_ids`) -> one hypothesis (ids, no </s>) per source.
+    synced=True runs exactly max_len decoder steps (ZeRO-3: every rank in every forward)."""
+    src_ids, src_mask = pad(sources, device)
+    out = model.generate(src_ids, src_mask, max_len=max_len, beam_size=beam, length_penalty=length_penalty, synced=synced)
+    tokens, lengths = out.tokens.cpu(), out.lengths.cpu()
+    return [tokens[row, : int(lengths[row])].tolist() for row in range(len(sources))]
+
+
+def detokenize(tokenizer, ids: Sequence[int]) -> str:
+    """Text of a hypothesis or reference, on one line (byte-fallback pieces may decode to newlines)."""
+    return " ".join(tokenizer.decode([int(i) for i in ids]).splitlines())
+
+
+@contextlib.contextmanager
+def results_only_on_stdout() -> Iterator[TextIO]:
+    """The real standard output, for results; whatever else is printed meanwhile goes to stderr
+    (DeepSpeed logs to stdout, and its checkpoint consolidation prints there)."""
+    real = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        yield real
+
+
+def check_decoding(model_cfg: ModelConfig, beam: int, max_len: int, batch_size: int) -> int:
+    """Validate the decoding options against the model; returns max_len (0 = the decoder's limit)."""
+    limit = model_cfg.max_seq_len
+    max_len = max_len or limit
+    if not 1 <= max_len <= limit:
+        raise UserError(f"--max-len {max_len}: must be in [1, the model's max_seq_len={limit}]")
+    if beam < 1 or 2 * beam > model_cfg.vocab_size:
+        raise UserError(f"--beam {beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})")
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size}: must be at least 1")
+    return max_len

@@ -1,0 +1,233 @@
+"""`python -m launch.evaluate CHECKPOINT [options]`: corpus BLEU and chrF of a translation model on one split.
+
+CHECKPOINT is an exported model directory (`launch.export`) or a training run (run directory,
+`checkpoints/` or a `step_*` checkpoint; consolidated on the fly). The split's pairs are read
+from the dataset's translation shards in manifest order, every shard checked against its
+sha256; sources and references are the SentencePiece decoding of the stored ids. Hypotheses
+come from batched beam search (`launch.decoding`); BLEU and chrF are sacrebleu's corpus
+scores (Post 2018, "A Call for Clarity in Reporting BLEU Scores"), printed with their
+signatures. Rank 0 writes, under --out (default CHECKPOINT/eval-SPLIT):
+
+    hypotheses.txt  one line per pair, in split order
+    references.txt  sources.txt
+    scores.json     {bleu, chrf, signature_bleu, signature_chrf, n, beam, split, checkpoint, ...}
+
+The same command runs under torchrun, the deepspeed launcher or srun (`launch.distributed`).
+The batches are planned from the source lengths alone and dealt round-robin to the ranks, so
+each batch holds the same sentences, padded alike, whatever the world size; rank 0 gathers
+the hypotheses and puts them back in order: any world size gives the scores of one rank.
+Under ZeRO-3 (`--zero-stage 3`) every forward gathers parameters from every rank, so a rank
+that stops early hangs the others (transformers#20130): each rank then runs the same number of
+batches (a short rank decodes a one-token dummy batch) and every batch exactly --max-len
+decoder steps (`generate(synced=True)`). Stages 1 and 2 partition only optimizer states and
+gradients, which evaluation has none of: there, as at stage 0, each rank holds the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import time
+import warnings
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from launch import distributed as dist
+from launch.decoding import (
+    Checkpoint,
+    batch_plan,
+    check_decoding,
+    detokenize,
+    inspect_checkpoint,
+    load_model,
+    results_only_on_stdout,
+    source_ids,
+    translate_ids,
+)
+from pipeline.configure import UserError, run_main
+from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
+from pipeline.tokenizer import load_tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch.evaluate", description="Corpus BLEU and chrF of a translation checkpoint on one split.")
+    parser.add_argument("checkpoint", help="exported model directory (launch.export) or training run directory")
+    parser.add_argument("--data", default="", help="prepared dataset (default: the one the checkpoint was trained on)")
+    parser.add_argument("--split", default="valid", choices=SPLITS)
+    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
+    parser.add_argument("--length-penalty", type=float, default=1.0)
+    parser.add_argument("--max-len", type=int, default=0, help="most tokens per hypothesis, </s> included (0: the model's max_seq_len)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sources per batch and rank")
+    parser.add_argument("--limit", type=int, default=0, help="the split's first N pairs only (0: all)")
+    parser.add_argument("--out", default="", help="output directory (default: CHECKPOINT/eval-SPLIT)")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    parser.add_argument("--deepspeed-config", default="", help="a DeepSpeed JSON merged over the derived one (ZeRO-3)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    parser.add_argument("--dist-timeout-s", type=int, default=600)
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return parser
+
+
+def read_pairs(data_dir: str | Path, split: str, limit: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(source ids, target ids) of a split's translation shards, in manifest order, then tar order."""
+    data_dir = Path(data_dir)
+    fields = FIELDS["translation"]
+    pairs: list[tuple[np.ndarray, np.ndarray]] = []
+    for entry in shard_entries(read_manifest(data_dir), "translation", split):
+        if limit and len(pairs) >= limit:
+            break
+        path = data_dir / entry["path"]
+        if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
+            raise UserError(f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair")
+        samples: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.isfile():
+                    key, _, suffix = member.name.partition(".")
+                    samples.setdefault(key, {})[suffix] = tar.extractfile(member).read()
+        if len(samples) != int(entry["samples"]):
+            raise UserError(f"{path}: {len(samples)} samples, the manifest says {entry['samples']}")
+        for members in samples.values():  # insertion order: the tar's
+            pairs.append(tuple(decode_array(members[f"{name}.npy"]) for name in fields))
+    if not pairs:
+        raise UserError(f"{data_dir}: the {split} split has no translation pairs")
+    return pairs[:limit] if limit else pairs
+
+
+def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
+    """The dataset's manifest, once its tokenizer is known to be the checkpoint's."""
+    manifest = read_manifest(data_dir)
+    data_sha = (manifest.get("tokenizer") or {}).get("sha256")
+    if data_sha != ckpt.tokenizer_sha256:
+        raise UserError(f"tokenizer mismatch: {ckpt.path} was trained with tokenizer {ckpt.tokenizer_sha256[:12]}, "
+                        f"{data_dir} was prepared with {str(data_sha)[:12]}; evaluate on data prepared with the model's tokenizer")
+    return manifest
+
+
+def rank_batches(plan: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
+    """Batches j with j % world_size == rank: long and short batches spread over the ranks."""
+    return plan[rank::world_size]
+
+
+def score(hypotheses: list[str], references: list[str]) -> dict:
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    bleu_score = bleu.corpus_score(hypotheses, [references])
+    chrf_score = chrf.corpus_score(hypotheses, [references])
+    return {"bleu": bleu_score.score, "chrf": chrf_score.score, "signature_bleu": str(bleu.get_signature()),
+            "signature_chrf": str(chrf.get_signature()), "bleu_detail": str(bleu_score),
+            "chrf_detail": str(chrf_score)}
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def evaluate(args: argparse.Namespace, stdout: TextIO | None = None) -> dict | None:
+    """Scores on rank 0 (None on the others), printed to `stdout` (default sys.stdout)."""
+    ckpt = inspect_checkpoint(args.checkpoint)
+    data_dir = args.data or ckpt.data_dir
+    if not data_dir:
+        raise UserError(f"--data: {args.checkpoint} does not say which dataset it was trained on; name one")
+    check_tokenizer(ckpt, data_dir)  # before any compute
+    max_len = check_decoding(ckpt.model_cfg, args.beam, args.max_len, args.batch_size)
+    if args.limit < 0:
+        raise UserError(f"--limit {args.limit}: must be 0 (all) or more")
+    user_ds = {}
+    if args.deepspeed_config:
+        path = Path(args.deepspeed_config)
+        try:
+            user_ds = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"--deepspeed-config: {path}: {err}") from err
+    out = Path(args.out or Path(args.checkpoint) / f"eval-{args.split}")
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    denv = dist.read_env()
+    dist.set_threads(args.threads, denv)
+    zero3 = args.zero_stage == 3
+    if denv.world_size > 1 or zero3:
+        dist.init_process_group(denv, args.dist_timeout_s)
+    try:
+        return _evaluate(args, ckpt, data_dir, max_len, user_ds, out, denv, zero3, stdout or sys.stdout)
+    finally:
+        dist.destroy()
+
+
+def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out: Path, denv: dist.DistEnv, zero3: bool,
+              stdout: TextIO) -> dict | None:
+    pairs = read_pairs(data_dir, args.split, args.limit)
+    sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
+    model = load_model(ckpt)
+    if zero3:
+        from launch.engine import Engine, inference_config
+
+        engine = Engine(model, None, None, inference_config(args.batch_size, denv.world_size, user_ds))
+        model, device = engine.module, engine.device
+        if denv.is_main:
+            split, total = engine.partitioned()
+            print(f"ZeRO-3: {split} of {total} parameter tensors partitioned over {denv.world_size} ranks", file=sys.stderr)
+    else:
+        device = torch.device(f"cuda:{denv.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        model = model.to(device)
+    if denv.is_main:
+        print(f"evaluating {ckpt.path} on {data_dir} {args.split}: {len(pairs)} pairs, beam {args.beam}, max_len {max_len}, "
+              f"world {denv.world_size}, ZeRO-{args.zero_stage}", file=sys.stderr)
+        if any(truncated):
+            print(f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
+                  "were truncated", file=sys.stderr)
+
+    plan = batch_plan([len(s) for s in sources], args.batch_size)
+    mine = rank_batches(plan, denv.rank, denv.world_size)
+    rounds = -(-len(plan) // denv.world_size)  # the most batches any rank has
+    synced = zero3 and denv.world_size > 1
+    start = time.perf_counter()
+    hypotheses: dict[int, list[int]] = {}
+    for round_index in range(rounds if synced else len(mine)):
+        indices = mine[round_index] if round_index < len(mine) else []
+        batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
+        outputs = translate_ids(model, batch, beam=args.beam, max_len=max_len, length_penalty=args.length_penalty,
+                                synced=synced, device=device)
+        hypotheses.update(zip(indices, outputs))
+    gathered = dist.all_gather_object(hypotheses)
+    elapsed = time.perf_counter() - start
+    if not denv.is_main:
+        return None
+
+    merged = {index: ids for part in gathered for index, ids in part.items()}
+    if sorted(merged) != list(range(len(pairs))):
+        raise RuntimeError(f"{len(merged)} hypotheses gathered for {len(pairs)} pairs")
+    tokenizer = load_tokenizer(ckpt.tokenizer_path)
+    hyp_text = [detokenize(tokenizer, merged[i]) for i in range(len(pairs))]
+    ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
+    src_text = [detokenize(tokenizer, src) for src, _ in pairs]
+    result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": args.beam, "split": args.split,
+              "checkpoint": str(Path(args.checkpoint).resolve()), "data": str(Path(data_dir).resolve()),
+              "max_len": max_len, "length_penalty": args.length_penalty, "truncated_sources": sum(truncated),
+              "world_size": denv.world_size, "zero_stage": args.zero_stage, "decode_seconds": round(elapsed, 3)}
+    out.mkdir(parents=True, exist_ok=True)
+    _write_lines(out / "hypotheses.txt", hyp_text)
+    _write_lines(out / "references.txt", ref_text)
+    _write_lines(out / "sources.txt", src_text)
+    (out / "scores.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{result['bleu_detail']} | {result['signature_bleu']}", file=stdout)
+    print(f"{result['chrf_detail']} | {result['signature_chrf']}", file=stdout, flush=True)
+    print(f"{len(pairs)} pairs decoded in {elapsed:.1f} s; hypotheses and scores in {out}", file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    with results_only_on_stdout() as stdout:
+        evaluate(args, stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

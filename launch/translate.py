@@ -1,0 +1,109 @@
+"""`python -m launch.translate --checkpoint DIR [--input FILE] [options]`: translate text, one sentence per line.
+
+Reads UTF-8 source sentences from standard input (or --input), undecodable bytes replaced, and
+writes one translation per line to standard output, in input order, flushed after every batch
+of --batch-size lines (a pipe sees output before its input ends). A line that encodes to no
+tokens (an empty or blank line) gives an empty line. A line longer than the model's limit is
+cut to it, with a warning on standard error naming the line. DIR is an exported model
+directory (`launch.export`) or a training run; the tokenizer is the one beside its weights.
+Encoding, batching and decoding are `launch.decoding`'s, the same as `launch.evaluate`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import sys
+from typing import BinaryIO, Iterable, TextIO
+
+import torch
+
+from launch.decoding import (
+    check_decoding,
+    detokenize,
+    inspect_checkpoint,
+    load_model,
+    results_only_on_stdout,
+    source_ids,
+    translate_ids,
+)
+from pipeline.configure import UserError, run_main
+from pipeline.tokenizer import load_tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch.translate", description="Translate text, one sentence per line.")
+    parser.add_argument("--checkpoint", required=True, help="exported model directory (launch.export) or training run directory")
+    parser.add_argument("--input", default="-", help="UTF-8 text file, one sentence per line (default: standard input)")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
+    parser.add_argument("--length-penalty", type=float, default=1.0)
+    parser.add_argument("--max-len", type=int, default=0, help="most tokens per translation, </s> included (0: the model's max_seq_len)")
+    parser.add_argument("--batch-size", type=int, default=32, help="lines per batch")
+    parser.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
+    return parser
+
+
+def translate_lines(args: argparse.Namespace, lines: Iterable[str], out: TextIO, err: TextIO) -> dict:
+    """Translate `lines` (without their newlines) to `out`; returns counts."""
+    ckpt = inspect_checkpoint(args.checkpoint)
+    max_len = check_decoding(ckpt.model_cfg, args.beam, args.max_len, args.batch_size)
+    tokenizer = load_tokenizer(ckpt.tokenizer_path)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(ckpt).to(device)
+    counts = {"lines": 0, "empty": 0, "truncated": 0}
+    lines = iter(lines)
+    while chunk := list(itertools.islice(lines, args.batch_size)):
+        encoded = [tokenizer.encode(line) for line in chunk]
+        sources = []
+        for offset, ids in enumerate(encoded):
+            if ids:
+                src, cut = source_ids(ids, ckpt.max_source_tokens)
+                sources.append(src)
+                if cut:
+                    counts["truncated"] += 1
+                    print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
+                          f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
+        outputs = iter(translate_ids(model, sources, beam=args.beam, max_len=max_len, length_penalty=args.length_penalty,
+                                     device=device) if sources else [])
+        out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
+        out.flush()
+        counts["lines"] += len(chunk)
+        counts["empty"] += len(chunk) - len(sources)
+    return counts
+
+
+def _read_lines(stream: BinaryIO) -> Iterable[str]:
+    """Lines split at \\n only (a stray \\r or other separator inside a line does not make two),
+    without their \\n or \\r\\n; bytes that are not UTF-8 replaced by U+FFFD."""
+    for raw in stream:
+        raw = raw[:-1] if raw.endswith(b"\n") else raw
+        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        yield raw.decode("utf-8", errors="replace")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.input == "-":
+        source = sys.stdin.buffer
+    else:
+        try:
+            source = open(args.input, "rb")
+        except OSError as err:
+            raise UserError(f"--input: {err}") from err
+    with source, results_only_on_stdout() as stdout:
+        out = io.TextIOWrapper(stdout.buffer, encoding="utf-8", newline="\n", write_through=True)
+        try:
+            counts = translate_lines(args, _read_lines(source), out, sys.stderr)
+        finally:
+            out.detach()  # sys.stdout keeps its buffer
+    print(f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
