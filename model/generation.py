@@ -1,10 +1,13 @@
 """Decoding with a key/value cache: greedy and sampling for GPT, greedy and beam search for Seq2Seq.
 
 Sampling: temperature, top-k (Fan et al. 2018) and top-p / nucleus (Holtzman et al. 2020).
-Beam search follows fairseq's `SequenceGenerator`: each step keeps the 2K best extensions,
-a hypothesis that ends with </s> among the K best is finished with score
-sum(log p) / length ** length_penalty (length counts </s>), the others stay alive, and a
-source is done once it has K finished hypotheses; at `max_len` the alive ones finish too.
+Beam search follows fairseq's `SequenceGenerator` in its steps: each step keeps the 2K best
+extensions, a hypothesis that ends with </s> among the K best is finished with score
+sum(log p) / length ** length_penalty (length counts </s>), the others stay alive; at
+`max_len` the alive ones finish too. It stops as Hugging Face's `BeamHypotheses` does: a source
+is done once it holds K finished hypotheses and the best alive beam, normalized at its current
+length, no longer beats the worst of them. fairseq's "done at K finished" let early, weak </s>
+endings end the search (on the tiny translation test: beam 4 BLEU 87 where greedy gave 99).
 
 Every step runs the model on every row, finished or not. With `synced=True` a loop also runs
 its maximum number of steps whatever the data, so that under ZeRO-3, where each forward
@@ -250,7 +253,17 @@ def _beam_search(
         prefixes = torch.cat([prefixes[rows], tok.view(-1, 1)], dim=1)
         cache.reorder(rows)
         token = tok.view(-1)
-        done |= torch.tensor([len(f) >= K for f in finished])
+        for b in range(B):
+            hypotheses = finished[b]
+            if done[b] or len(hypotheses) < K:
+                continue
+            hypotheses.sort(key=lambda h: -h[0])
+            del hypotheses[K:]
+            # Hugging Face's stopping rule, not fairseq's "K have ended": an early </s>
+            # must not end the search while a live beam, normalized at its current length,
+            # still scores above the worst kept hypothesis.
+            best_alive = scores[b, 0].item() / length**length_penalty
+            done[b] = hypotheses[-1][0] >= best_alive
         if not synced and bool(done.all()):
             break
 

@@ -196,9 +196,9 @@ def _teacher_forced_score(model, src, src_mask, tokens, ended: bool, length_pena
 def test_beam_search_scores_match_the_model(seq2seq, length_penalty):
     src = ids(2, 6, seed=5)
     src_mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
-    for model, ends in ((seq2seq, False), (ending_early(seq2seq), True)):
+    for model, ends in ((seq2seq, False), (ending_early(seq2seq, 0.1), True)):
         hyp = model.generate(src, src_mask, max_len=8, beam_size=3, length_penalty=length_penalty)
-        assert not ends or (hyp.lengths < 8).all()
+        assert not ends or (hyp.lengths < 8).any()  # an eager </s> is taken where it scores best
         for b in range(2):
             tokens = hyp.tokens[b, : hyp.lengths[b]].tolist()
             ended = len(tokens) < 8
