@@ -41,6 +41,9 @@ class DeepSpeedConfig:
     offload_params: bool = False  # parameters to CPU (stage 3)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only)
     initial_scale_power: int = 16
+    # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's
+    # default (100,000). Tiny test models need 0, or ZeRO-3 partitions none of their tensors.
+    zero3_persistence_threshold: int = -1
     # A user's own DeepSpeed JSON, merged over the derived dict (its batch keys must agree).
     config_file: str = ""
 

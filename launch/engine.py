@@ -36,6 +36,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict:
         zero: dict[str, Any] = {"stage": ds.zero_stage, "overlap_comm": torch.cuda.is_available(), "contiguous_gradients": True}
         if ds.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if ds.zero_stage == 3 and ds.zero3_persistence_threshold >= 0:
+            zero["stage3_param_persistence_threshold"] = ds.zero3_persistence_threshold
         if ds.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         config["zero_optimization"] = zero
