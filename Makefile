@@ -20,8 +20,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 main: setup
-	$(PY) -m pipeline.prepare configs/prepare_gettext_en_de.yaml $(if $(wildcard data/gettext-en-de/manifest.json),overwrite=true,)
-	$(PY) -m pipeline.validate data/gettext-en-de
+	WANDB_MODE=offline $(PY) -m launch.main configs/main.yaml
 
 # SLURM from Debian's packages and a two-node cluster on this machine, for tests/test_slurm.py
 # (needs root and apt-get; elsewhere those tests skip, except under CI=true where they fail).

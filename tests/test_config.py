@@ -64,6 +64,11 @@ def test_every_config_in_configs_validates(path):
     if path.name.startswith("prepare"):
         assert load_config(PrepareConfig, path).kinds
         return
+    if path.name.startswith(("main", "transfer")):
+        from launch.main import MainConfig, _check
+
+        assert _check(load_config(MainConfig, path))
+        return
     from launch.config import TrainConfig, check_config
 
     cfg = load_config(TrainConfig, path)

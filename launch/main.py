@@ -1,0 +1,219 @@
+"""`python -m launch.main CONFIG [key=value ...]`: the whole chain, stage by stage, with a summary.
+
+prepare (Ray) -> pretrain GPT and BERT (torchrun, DeepSpeed ZeRO) -> export -> fine-tune a
+translation model from each requested start (encoder/decoder: random, bert or gpt) for the
+same number of steps -> evaluate BLEU and chrF on valid and test -> a summary table.
+
+Each stage runs the project's own entry points as subprocesses, writes into its own
+directory under `out_dir`, and is skipped when its output already exists and is complete
+(the dataset must also pass `pipeline.validate`); a re-run says what it skipped. A failed
+stage stops the run with its error and leaves earlier stages' outputs as they were.
+`configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+from pipeline.configure import UserError, parse_cli, run_main, save_config
+
+USAGE = "usage: python -m launch.main CONFIG.yaml [key.sub=value ...]"
+SIDES = ("random", "bert", "gpt")
+
+
+@dataclass
+class MainConfig:
+    out_dir: str = "runs/main"
+    prepare_config: str = "configs/prepare_gettext_en_de.yaml"
+    data_dir: str = "data/gettext-en-de"
+    nproc: int = 2  # ranks of the pretraining and fine-tuning runs
+    zero_stage: int = 2
+    gpt_config: str = "configs/tiny_gpt.yaml"
+    bert_config: str = "configs/tiny_bert.yaml"
+    translation_config: str = "configs/tiny_translation.yaml"
+    pretrain_steps: int = 300
+    finetune_steps: int = 300
+    # encoder/decoder starts of the fine-tuning runs
+    starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
+    beam: int = 4
+    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])
+    wandb_mode: str = "offline"
+
+
+def _say(message: str) -> None:
+    print(f"[main] {message}", file=sys.stderr, flush=True)
+
+
+class StageFailed(Exception):
+    pass
+
+
+def _run(stage: str, command: list[str], log: Path) -> None:
+    """Run one stage's command, its output to `log`; a failure names the stage and the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    _say(f"{stage}: {' '.join(command)}")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with open(log, "w") as fh:
+        code = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    if code != 0:
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        raise StageFailed(f"stage {stage} failed (exit {code}): {tail[0] if tail else ''} (log: {log})")
+    _say(f"{stage}: done in {time.time() - started:.0f} s")
+
+
+def _launcher(nproc: int) -> list[str]:
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [sys.executable]
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    final = run_dir / "final.json"
+    return final.is_file() and json.loads(final.read_text()).get("step") == steps
+
+
+def _check(cfg: MainConfig) -> list[tuple[str, str]]:
+    starts = []
+    for start in cfg.starts:
+        encoder, _, decoder = start.partition("/")
+        if encoder not in SIDES or decoder not in SIDES:
+            raise UserError(f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}")
+        starts.append((encoder, decoder))
+    for split in cfg.eval_splits:
+        if split not in ("train", "valid", "test"):
+            raise UserError(f"eval_splits: {split!r} is not train, valid or test")
+    for path in (cfg.prepare_config, cfg.gpt_config, cfg.bert_config, cfg.translation_config):
+        if not Path(path).is_file():
+            raise UserError(f"config file not found: {path}")
+    return starts
+
+
+def stage_prepare(cfg: MainConfig, logs: Path) -> None:
+    data = Path(cfg.data_dir)
+    if (data / "manifest.json").is_file():
+        check = subprocess.run([sys.executable, "-m", "pipeline.validate", str(data)], capture_output=True, text=True)
+        if check.returncode == 0:
+            _say(f"prepare: skipped, {data} exists and validates")
+            return
+        _say(f"prepare: {data} does not validate ({check.stdout.strip().splitlines()[-1]}); preparing it again")
+    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, f"output_dir={data}", "overwrite=true",
+                     "progress=false"], logs / "prepare.log")
+
+
+def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path) -> Path:
+    run_dir = out / f"pretrain-{name}"
+    if _finished(run_dir, cfg.pretrain_steps):
+        _say(f"pretrain {name}: skipped, {run_dir} finished {cfg.pretrain_steps} steps")
+    else:
+        _run(f"pretrain {name}", [*_launcher(cfg.nproc), "-m", "launch.train", config, f"data.data_dir={cfg.data_dir}",
+                                  f"run_dir={run_dir}", f"max_steps={cfg.pretrain_steps}",
+                                  f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}"],
+             logs / f"pretrain-{name}.log")
+    export = out / f"export-{name}"
+    exported = export / "config.json"
+    if exported.is_file() and json.loads(exported.read_text()).get("step") == cfg.pretrain_steps:
+        _say(f"export {name}: skipped, {export} holds step {cfg.pretrain_steps}")
+    else:
+        _run(f"export {name}", [sys.executable, "-m", "launch.export", str(run_dir), str(export)], logs / f"export-{name}.log")
+    return export
+
+
+def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, out: Path, logs: Path) -> Path:
+    name = f"{encoder}-{decoder}"
+    run_dir = out / f"finetune-{name}"
+    if _finished(run_dir, cfg.finetune_steps):
+        _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
+        return run_dir
+    init = [f"init.encoder={exports.get(encoder, '')}", f"init.decoder={exports.get(decoder, '')}"]
+    _run(f"fine-tune {name}", [*_launcher(cfg.nproc), "-m", "launch.train", cfg.translation_config,
+                               f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
+                               f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}", *init],
+         logs / f"finetune-{name}.log")
+    return run_dir
+
+
+def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path) -> dict:
+    out = run_dir / f"eval-{split}"
+    scores = out / "scores.json"
+    if not scores.is_file():
+        _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", str(run_dir), "--data", cfg.data_dir,
+                                                  "--split", split, "--beam", str(cfg.beam), "--out", str(out)],
+             logs / f"evaluate-{run_dir.name}-{split}.log")
+    else:
+        _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
+    return json.loads(scores.read_text())
+
+
+def _last(run_dir: Path, key: str):
+    values = [row[key] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if key in row]
+    return values[-1] if values else None
+
+
+def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
+    lines = ["| pretraining | steps | tokens seen | final train loss | valid loss | valid perplexity |", "|---|---:|---:|---:|---:|---:|"]
+    for name, run_dir in pretrained.items():
+        final = json.loads((run_dir / "final.json").read_text())
+        lines.append(f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
+                     f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |")
+    header = " | ".join(f"{split} BLEU | {split} chrF" for split in cfg.eval_splits)
+    lines += ["", f"| fine-tuning start (encoder/decoder) | steps | valid loss | {header} |",
+              "|---|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits))]
+    baseline = finetuned.get("random/random")
+    for start, (run_dir, scores) in finetuned.items():
+        final = json.loads((run_dir / "final.json").read_text())
+        cells = []
+        for split in cfg.eval_splits:
+            bleu = scores[split]["bleu"]
+            delta = f" ({bleu - baseline[1][split]['bleu']:+.1f})" if baseline and start != "random/random" else ""
+            cells.append(f"{bleu:.1f}{delta} | {scores[split]['chrf']:.1f}")
+        lines.append(f"| {start} | {final['step']} | {final.get('eval/loss', float('nan')):.3f} | {' | '.join(cells)} |")
+    signature = next(iter(finetuned.values()))[1][cfg.eval_splits[0]].get("signature_bleu", "") if finetuned else ""
+    lines += ["", f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}"]
+    return "\n".join(lines)
+
+
+def main_job(cfg: MainConfig) -> str:
+    starts = _check(cfg)
+    out = Path(cfg.out_dir)
+    logs = out / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    started = time.time()
+    stage_prepare(cfg, logs)
+    needed = {side for start in starts for side in start} - {"random"}
+    exports, pretrained = {}, {}
+    for name, config in (("gpt", cfg.gpt_config), ("bert", cfg.bert_config)):
+        if name in needed or not starts:
+            exports[name] = stage_pretrain(cfg, name, config, out, logs)
+            pretrained[name] = out / f"pretrain-{name}"
+    finetuned = {}
+    for encoder, decoder in starts:
+        run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs)
+        finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs) for split in cfg.eval_splits})
+    table = summary_table(cfg, pretrained, finetuned)
+    (out / "summary.md").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps({k: v[1] for k, v in finetuned.items()}, indent=1) + "\n")
+    _say(f"all stages done in {time.time() - started:.0f} s; summary in {out / 'summary.md'}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(MainConfig, argv, usage=USAGE)
+    try:
+        print(main_job(cfg))
+    except StageFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,51 @@
+"""The main job (`launch.main`): every stage end to end on tiny data, skipping on a re-run, and a failed stage."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def main_job(config, *overrides):
+    return subprocess.run([sys.executable, "-m", "launch.main", str(config), *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+
+
+def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
+    config = tmp_path / "main.yaml"
+    config.write_text(
+        f"out_dir: {tmp_path / 'out'}\ndata_dir: {tiny_dataset}\nnproc: 1\npretrain_steps: 4\nfinetune_steps: 4\n"
+        "starts: [random/random, bert/gpt]\neval_splits: [valid]\nbeam: 2\n"
+    )
+    first = main_job(config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "prepare: skipped" in first.stderr  # the dataset exists and validates
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary
+    assert "| gpt | 4 |" in summary and "| bert | 4 |" in summary
+    assert "warm start: copied" in (tmp_path / "out" / "logs" / "finetune-bert-gpt.log").read_text()
+
+    again = main_job(config)
+    assert again.returncode == 0
+    for stage in ("pretrain gpt", "pretrain bert", "export gpt", "fine-tune bert-gpt", "evaluate finetune-bert-gpt valid"):
+        assert f"{stage}: skipped" in again.stderr
+
+    # A stage that fails stops the run with its error; what earlier stages wrote stays.
+    broken = tmp_path / "broken.yaml"
+    broken.write_text((ROOT / "configs" / "tiny_translation.yaml").read_text() + "no_such_key: 1\n")
+    failed = main_job(config, f"translation_config={broken}", "starts=[gpt/bert]")
+    assert failed.returncode == 1
+    assert "stage fine-tune gpt-bert failed" in failed.stderr and "no_such_key" in failed.stderr
+    assert (tmp_path / "out" / "export-gpt" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "summary.md").read_text() == summary
+
+
+def test_bad_start_is_refused(tmp_path):
+    config = tmp_path / "main.yaml"
+    config.write_text("starts: [bert/t5]\n")
+    run = main_job(config)
+    assert run.returncode == 2 and "starts" in run.stderr and "bert/t5" in run.stderr
