@@ -64,8 +64,10 @@ def _run(stage: str, command: list[str], log: Path) -> None:
     with open(log, "w") as fh:
         code = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
     if code != 0:
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
-        raise StageFailed(f"stage {stage} failed (exit {code}): {tail[0] if tail else ''} (log: {log})")
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        # The entry points' own one-line errors say most; else the log's last line.
+        errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
+        raise StageFailed(f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})")
     _say(f"{stage}: done in {time.time() - started:.0f} s")
 
 
@@ -132,7 +134,8 @@ def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, o
     if _finished(run_dir, cfg.finetune_steps):
         _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
         return run_dir
-    init = [f"init.encoder={exports.get(encoder, '')}", f"init.decoder={exports.get(decoder, '')}"]
+    # Random sides are left to the config's default (""): an empty override would read as null.
+    init = [f"init.{stack}={exports[side]}" for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"]
     _run(f"fine-tune {name}", [*_launcher(cfg.nproc), "-m", "launch.train", cfg.translation_config,
                                f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
                                f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}", *init],
