@@ -19,7 +19,7 @@ from typing import Iterator, Sequence, TextIO
 
 import torch
 
-from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, locate_checkpoint
+from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_run_checkpoint
 from model import ModelConfig, Seq2Seq, build_model
 from pipeline.configure import UserError, config_from_dict, load_config
 from pipeline.format import EOS_ID, PAD_ID, file_sha256
@@ -71,18 +71,10 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
     else:
         if not path.exists():
             raise UserError(f"checkpoint not found: {path}")
-        root, tag = locate_checkpoint(path)
-        run_dir = root.parent
-        config_file = run_dir / "config.yaml"
-        if not config_file.is_file():
-            raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
-        from launch.config import TrainConfig
-
-        run_cfg = load_config(TrainConfig, config_file)
-        model_cfg, data_dir = run_cfg.model, run_cfg.data.data_dir
-        tokenizer = run_dir / TOKENIZER
-        client_file = root / tag / "client_state.json"
-        recorded = json.loads(client_file.read_text()).get("tokenizer_sha256") if client_file.is_file() else None
+        run = read_run_checkpoint(path)
+        root, tag = run.root, run.tag
+        model_cfg, data_dir = run.config.model, run.config.data.data_dir
+        tokenizer, recorded = run.tokenizer, run.client.get("tokenizer_sha256")
     if model_cfg.arch != "seq2seq":
         raise UserError(f"{path} holds a {model_cfg.arch} model, not a translation (seq2seq) model")
     if not tokenizer.is_file():

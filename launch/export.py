@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +27,9 @@ from launch.checkpoint import checkpoint_root, latest_tag
 from model import ModelConfig, build_model
 from pipeline.configure import UserError, config_from_dict, load_config, run_main
 from pipeline.format import file_sha256
+
+if TYPE_CHECKING:  # launch.config imports model and pipeline; only the annotation needs it here
+    from launch.config import TrainConfig
 
 USAGE = "usage: python -m launch.export CHECKPOINT OUT_DIR"
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.model"
@@ -80,25 +85,40 @@ def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
     return model, meta
 
 
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """A training run's checkpoint with what it was trained with."""
+
+    root: Path  # RUN_DIR/checkpoints
+    tag: str
+    config: "TrainConfig"
+    tokenizer: Path
+    client: dict  # client_state.json: step, tokens_seen, tokenizer_sha256, ...
+
+
+def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
+    """The checkpoint a run dir, checkpoints dir or step_* dir names, with its run's config."""
+    from launch.config import TrainConfig
+
+    root, tag = locate_checkpoint(path)
+    config_file = root.parent / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
+    client_file = root / tag / "client_state.json"
+    client = json.loads(client_file.read_text()) if client_file.is_file() else {}
+    return RunCheckpoint(root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client)
+
+
 def export(checkpoint: str | Path, out: str | Path) -> dict:
     from launch.engine import consolidated_state_dict
 
-    root, tag = locate_checkpoint(checkpoint)
-    run_dir = root.parent
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
-    from launch.config import TrainConfig
-
-    run_cfg = load_config(TrainConfig, config_file)
-    tokenizer = run_dir / TOKENIZER
-    if not tokenizer.is_file():
-        raise UserError(f"{tokenizer} not found")
-    state = consolidated_state_dict(root, tag)
-    client = json.loads((root / tag / "client_state.json").read_text()) if (root / tag / "client_state.json").is_file() else {}
-    meta = {"task": run_cfg.task, "step": client.get("step"), "tokens_seen": client.get("tokens_seen"),
-            "source": str((root / tag).resolve())}
-    save_model_dir(out, state, run_cfg.model, tokenizer, meta)
+    run = read_run_checkpoint(checkpoint)
+    if not run.tokenizer.is_file():
+        raise UserError(f"{run.tokenizer} not found")
+    state = consolidated_state_dict(run.root, run.tag)
+    meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
+            "source": str((run.root / run.tag).resolve())}
+    save_model_dir(out, state, run.config.model, run.tokenizer, meta)
     return meta
 
 
