@@ -211,10 +211,18 @@ def test_two_ranks_zero3_equal_one_rank(train_eval, finetuned, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     out = tmp_path / "eval-2ranks"
-    result = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "launch.evaluate",
-                 str(finetuned["export"]), "--data", str(finetuned["data"]), *DECODE, "--zero-stage", "3",
-                 "--deepspeed-config", str(ds_config), "--threads", "1", "--out", str(out))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "launch.evaluate",
+               str(finetuned["export"]), "--data", str(finetuned["data"]), *DECODE, "--zero-stage", "3",
+               "--deepspeed-config", str(ds_config), "--threads", "1", "--out", str(out)]
+    result = run(*command)
     stderr = result.stderr.decode()
+    if result.returncode != 0 and "terminate called without an active exception" in stderr:
+        # Seen once in ~10 runs on the 2-core CPU machine: a rank aborts in native code
+        # (C++ std::terminate, SIGABRT) under DeepSpeed's CPU communication; noted on the
+        # issue for investigation. One retry for that signature only; any other failure,
+        # or a second abort, fails the test.
+        result = run(*command)
+        stderr = result.stderr.decode()
     assert result.returncode == 0, stderr[-4000:]
     assert "world 2, ZeRO-3" in stderr
     partitioned = next(line for line in stderr.splitlines() if line.startswith("ZeRO-3:"))
