@@ -40,7 +40,7 @@ TASKS = {
 
 
 def masked_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """(correct, total) predictions at the scored positions of an MLM batch."""
-    scored = labels != -100
-    correct = (logits.argmax(-1) == labels) & scored
-    return int(correct.sum()), int(scored.sum())
+    """(correct, total) predictions at the scored positions of an MLM batch: logits (N, V) are
+    the model's at those positions only (see `model.bert.BERT.forward`), labels (B, T)."""
+    targets = labels[labels != -100]  # (N,)
+    return int((logits.argmax(-1) == targets).sum()), targets.numel()

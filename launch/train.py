@@ -212,7 +212,9 @@ def _batches(loader: ShardLoader):
 def _step_flops(cfg: TrainConfig, batch: dict) -> float:
     if cfg.task == "translation":
         return training_flops(cfg.model, batch["src_ids"].shape[1], batch["decoder_input_ids"].shape[1]) * batch["src_ids"].shape[0]
-    return training_flops(cfg.model, batch["input_ids"].shape[1]) * batch["input_ids"].shape[0]
+    rows, seq_len = batch["input_ids"].shape
+    scored = float((batch["labels"] != -100).sum()) / rows if cfg.task == "mlm" else None  # BERT's head runs on these
+    return training_flops(cfg.model, seq_len, scored=scored) * rows
 
 
 def train_step(run: Run, batches) -> dict:

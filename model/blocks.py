@@ -26,14 +26,14 @@ from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
 
-IGNORE_INDEX = -100
+from model.loss import IGNORE_INDEX  # noqa: E402  (one definition, shared)
 
 
 class ModelOutput(NamedTuple):
     """A named tuple rather than a dataclass: DeepSpeed ZeRO-3 finds the tensors in tuples to
     hook its backward-pass parameter handling onto; it cannot see into a dataclass."""
 
-    logits: Tensor  # (B, T, V)
+    logits: Optional[Tensor]  # (B, T, V); None where a loss was asked of GPT or Seq2Seq, (N, V) of BERT
     loss: Optional[Tensor] = None
 
 
@@ -356,6 +356,10 @@ class Transformer(nn.Module):
         if attention_mask is not None and attention_mask.shape != (B, past + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}")
 
+        if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            # Nothing is padded (packed pretraining blocks): without an explicit mask SDPA
+            # takes its fused causal path, and positions are the plain arange either way.
+            attention_mask = None
         x = self.embed(input_ids, positions_from_mask(attention_mask, past, T, input_ids.device))  # (B, T, C)
         if not self.pre_norm:
             x = self.norm(x)

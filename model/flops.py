@@ -11,7 +11,9 @@ where N = `matmul_params(cfg)`: the weights of every matmul a token goes through
 4 d^2 (q, k, v, out) + 2 d d_ff (MLP) per block, plus the output layer d V (counted though
 it is tied to the embeddings: it is a matmul, while the input lookup is not), plus BERT's
 head dense layer d^2. Biases, norms, softmax and embedding lookups, O(d) per token, are left
-out. 12 L T d is QK^T and AV (2 T d multiply-adds per token and layer, times 3), counted over
+out. BERT's head runs only on the masked positions a batch scores (`model.bert`), so its
+d^2 + d V count for those tokens only when `training_flops` is told how many there are.
+12 L T d is QK^T and AV (2 T d multiply-adds per token and layer, times 3), counted over
 all T keys even under a causal mask, as PaLM does.
 
 A Seq2Seq pair of S source and T target tokens costs 6 x (encoder matmul params) x S +
@@ -41,12 +43,16 @@ def matmul_params(cfg: ModelConfig) -> int:
     return enc.n_layers * _block_params(enc) + dec.n_layers * (_block_params(dec) + cross) + head
 
 
-def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> int:
+def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: float | None = None) -> float:
     """Forward + backward FLOPs of one sequence of seq_len tokens (Seq2Seq: one pair with a
-    source of seq_len and a target of tgt_len tokens)."""
+    source of seq_len and a target of tgt_len tokens); for BERT, `scored` is the number of
+    masked positions the head runs on (default: all seq_len)."""
     d = cfg.d_model
     if cfg.arch in ("gpt", "bert"):
         T, L = seq_len, cfg.n_layers
+        if cfg.arch == "bert" and scored is not None:
+            head = d * d + d * cfg.vocab_size
+            return 6 * (matmul_params(cfg) - head) * T + 6 * head * scored + 12 * L * T * T * d
         return 6 * matmul_params(cfg) * T + 12 * L * T * T * d
     S, T = seq_len, tgt_len
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.blocks import KVCache, ModelOutput, Transformer, cross_entropy
+from model.blocks import IGNORE_INDEX, KVCache, ModelOutput, Transformer
+from model.loss import LMHead
 from model.config import ModelConfig
 from model.generation import generate_causal
 
@@ -21,7 +23,7 @@ from model.generation import generate_causal
 class GPT(Transformer):
     def __init__(self, cfg: ModelConfig, cross_attention: bool = False):
         super().__init__(cfg, causal=True, cross_attention=cross_attention)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
         # Tied (Press & Wolf 2017): the state dict lists the tensor under both names.
         self.lm_head.weight = self.embed.tok.weight
 
@@ -34,13 +36,21 @@ class GPT(Transformer):
         memory: Optional[Tensor] = None,
         memory_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        label_smoothing: float = 0.0,
+        shift_labels: bool = True,
     ) -> ModelOutput:
         """input_ids (B, T); attention_mask (B, T) 1 = real, 0 = pad (B, past + T with a
-        cache); labels (B, T) aligned with input_ids, -100 ignored."""
+        cache); labels (B, T) aligned with input_ids and shifted here (or already the next
+        tokens, shift_labels=False, as a Seq2Seq passes them), -100 ignored.
+
+        With labels the output has the loss and no logits: `model.loss` computes it without
+        materialising the (B, T, V) logits, which a training step never needs."""
         h = super().forward(input_ids, attention_mask, memory=memory, memory_mask=memory_mask, cache=cache)
-        logits = self.lm_head(h)  # (B, T, V)
-        loss = None if labels is None else cross_entropy(logits[:, :-1], labels[:, 1:])
-        return ModelOutput(logits=logits, loss=loss)
+        if labels is None:
+            return ModelOutput(logits=self.lm_head(h))  # (B, T, V)
+        if shift_labels:
+            labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no target
+        return ModelOutput(logits=None, loss=self.lm_head(h, labels, label_smoothing))
 
     def generate(
         self,

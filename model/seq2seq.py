@@ -15,7 +15,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from model.blocks import ModelOutput, Transformer, cross_entropy
+from model.blocks import ModelOutput, Transformer
 from model.config import ModelConfig
 from model.generation import Hypotheses, generate_seq2seq
 from model.gpt import GPT
@@ -40,9 +40,9 @@ class Seq2Seq(nn.Module):
         """src_ids, src_mask (B, S); decoder_input_ids = <s> + target (B, T); labels =
         target + </s>, padded with -100 (already aligned: no shift here)."""
         memory = self.encoder(src_ids, src_mask)  # (B, S, C)
-        logits = self.decoder(decoder_input_ids, decoder_mask, memory=memory, memory_mask=src_mask).logits  # (B, T, V)
-        loss = None if labels is None else cross_entropy(logits, labels, self.cfg.label_smoothing)
-        return ModelOutput(logits=logits, loss=loss)
+        # Logits (B, T, V) without labels; with them only the loss (see GPT.forward).
+        return self.decoder(decoder_input_ids, decoder_mask, labels, memory=memory, memory_mask=src_mask,
+                            label_smoothing=self.cfg.label_smoothing, shift_labels=False)
 
     def generate(
         self,

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.loss as loss_module
 from model import BERT, GPT, ModelConfig, Seq2Seq, StackConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,7 +204,7 @@ def test_all_padding_rows_give_finite_outputs_and_gradients():
     labels[1] = -100
     out = model(src, src_mask, tgt, labels=labels)
     out.loss.backward()
-    assert torch.isfinite(out.logits).all()
+    assert torch.isfinite(out.loss) and torch.isfinite(model(src, src_mask, tgt).logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
@@ -216,7 +217,9 @@ def test_gpt_loss_shifts_labels_and_ignores_minus_100():
     labels = x.clone()
     labels[0, 5:] = -100
     out = model(x, labels=labels)
-    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert out.logits is None  # a loss is computed without the logits
+    logits = model(x).logits
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, expected)
 
 
@@ -226,7 +229,9 @@ def test_bert_loss_counts_only_masked_positions():
     labels = torch.full_like(x, -100)
     labels[0, 2], labels[1, 5] = 7, 9
     out = model(x, labels=labels)
-    expected = (F.cross_entropy(out.logits[0, 2], torch.tensor(7)) + F.cross_entropy(out.logits[1, 5], torch.tensor(9))) / 2
+    full = model(x).logits  # (B, T, V): the head on every position
+    torch.testing.assert_close(out.logits, full[[0, 1], [2, 5]])  # (N, V): only the scored ones
+    expected = (F.cross_entropy(full[0, 2], torch.tensor(7)) + F.cross_entropy(full[1, 5], torch.tensor(9))) / 2
     torch.testing.assert_close(out.loss, expected)
 
 
@@ -237,10 +242,36 @@ def test_seq2seq_loss_is_label_smoothed_and_unshifted():
     labels[1, 4:] = -100
     out = model(src, None, tgt, labels=labels)
     keep = labels.reshape(-1) != -100
-    logp = out.logits.reshape(-1, V)[keep].log_softmax(-1)
+    logp = model(src, None, tgt).logits.reshape(-1, V)[keep].log_softmax(-1)
     target = labels.reshape(-1)[keep]
     expected = (0.9 * -logp.gather(1, target[:, None]).squeeze(1) + 0.1 * -logp.mean(-1)).mean()
     torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_matches_logits_then_cross_entropy(smoothing, bias, monkeypatch):
+    # Chunks of 64 rows over 150 rows: a full chunk, and a last one that is partial.
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 64 * V)
+    torch.manual_seed(0)
+    h = torch.randn(3, 50, 16, dtype=torch.float64, requires_grad=True)
+    head = loss_module.LMHead(16, V, bias=bias).double()
+    targets = torch.randint(0, V, (3, 50))
+    targets[1, 10:] = -100
+    results = []
+    for fused in (True, False):
+        h.grad = None
+        head.zero_grad()
+        if fused:
+            loss = head(h, targets, smoothing)
+        else:
+            loss = F.cross_entropy(head(h).reshape(-1, V), targets.reshape(-1), ignore_index=-100, label_smoothing=smoothing)
+        (2.5 * loss).backward()  # a scaled loss: the saved gradients are scaled by grad_output
+        results.append([loss, h.grad, head.weight.grad] + ([head.bias.grad] if bias else []))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(head(h, targets, smoothing), results[1][0])
 
 
 def test_loss_with_no_targets_is_zero_not_nan():

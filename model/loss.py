@@ -1,0 +1,106 @@
+"""The language-model head's loss without its (tokens x vocabulary) logits.
+
+A causal LM's loss needs logits for every position, but only to reduce them to one number:
+materialising (B*T, V) float logits, their log-softmax and the gradient of both costs more
+memory traffic than the projection itself on a CPU, and most of the activation memory of a
+small model on a GPU. `linear_cross_entropy` projects `chunk` rows at a time, turns each
+chunk's logits into its gradient in place (softmax minus the smoothed one-hot target) and
+multiplies that straight back into the gradients of the hidden states and the weight, so the
+backward pass only scales what the forward pass left. The same idea as Liger Kernel's fused
+linear cross-entropy and Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
+Models", written in plain torch.
+
+`LMHead` is the `nn.Linear` onto the vocabulary that uses it when given targets; it stays a
+module (and `lm_head.weight` its key) so that ZeRO-3 gathers its weight around the call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 22  # float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    return max(64, CHUNK_ELEMENTS // vocab_size)
+
+
+def _chunk_loss(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """(summed loss of the kept rows, log-sum-exp per row) of float logits (c, V)."""
+    lse = torch.logsumexp(logits, dim=-1)  # (c,)
+    nll = lse - logits.gather(1, targets[:, None]).squeeze(1)  # (c,)
+    if label_smoothing:
+        # The target distribution (1 - e) one-hot + e / V, as in F.cross_entropy.
+        nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(dim=-1))
+    return (nll * keep).sum(), lse
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float) -> Tensor:
+        # h (N, C), weight (V, C), bias (V,) or None, targets (N,) with IGNORE_INDEX ignored.
+        acc = torch.promote_types(h.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        valid = targets != IGNORE_INDEX  # (N,)
+        count = valid.sum().clamp(min=1)
+        safe = targets.clamp(min=0)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros_like(weight, dtype=acc)
+        grad_b = None if bias is None else torch.zeros_like(bias, dtype=acc)
+        total = h.new_zeros((), dtype=acc)
+        rows = _chunk_rows(weight.shape[0])
+        for start in range(0, h.shape[0], rows):
+            hc, tc, kc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
+            logits = F.linear(hc, weight, bias).to(acc)  # (c, V)
+            loss, lse = _chunk_loss(logits, tc, kc, label_smoothing)
+            total += loss
+            # d loss / d logits = softmax - (1 - e) one-hot - e / V, per kept row, over count.
+            grad = logits.sub_(lse[:, None]).exp_()  # (c, V), in place of the logits
+            grad[torch.arange(len(tc), device=grad.device), tc] -= 1.0 - label_smoothing
+            if label_smoothing:
+                grad -= label_smoothing / grad.shape[1]
+            grad *= (kc / count)[:, None]
+            grad_w += grad.t() @ hc.to(acc)  # (V, C); an out-of-place product, which FLOP counters see
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0)
+            grad_h[start : start + rows] = grad.to(h.dtype) @ weight  # (c, C)
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None if grad_b is None else grad_b * grad_loss, None, None
+
+
+def linear_cross_entropy(
+    h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float = 0.0
+) -> Tensor:
+    """Mean cross-entropy of `F.linear(h, weight, bias)` against `targets` over the rows whose
+    target is not -100 (0 when there are none), as `model.blocks.cross_entropy` gives for the
+    same logits. h (..., C), targets (...)."""
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, C), (N,)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, bias, targets, label_smoothing)
+    acc = torch.promote_types(h.dtype, torch.float32)
+    valid = targets != IGNORE_INDEX
+    safe = targets.clamp(min=0)
+    total = h.new_zeros((), dtype=acc)
+    rows = _chunk_rows(weight.shape[0])
+    for start in range(0, h.shape[0], rows):
+        logits = F.linear(h[start : start + rows], weight, bias).to(acc)
+        total += _chunk_loss(logits, safe[start : start + rows], valid[start : start + rows], label_smoothing)[0]
+    return total / valid.sum().clamp(min=1)
+
+
+class LMHead(nn.Linear):
+    """The projection onto the vocabulary: logits without targets, the loss with them."""
+
+    def forward(self, h: Tensor, targets: Optional[Tensor] = None, label_smoothing: float = 0.0) -> Tensor:
+        if targets is None:
+            return super().forward(h)  # (..., V)
+        return linear_cross_entropy(h, self.weight, self.bias, targets, label_smoothing)
