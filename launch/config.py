@@ -19,17 +19,17 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate, reached after schedule.warmup_steps
     weight_decay: float = 0.1  # never on norms, biases or embeddings
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
     grad_clip: float = 1.0  # 0 disables clipping
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # linear warmup to optim.lr over this many optimizer steps
     decay: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr
 
@@ -40,7 +40,7 @@ class DeepSpeedConfig:
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
     offload_params: bool = False  # parameters to CPU (stage 3)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only)
-    initial_scale_power: int = 16
+    initial_scale_power: int = 16  # fp16 only: the dynamic loss scale starts at 2**this
     # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's
     # default (100,000). Tiny test models need 0, or ZeRO-3 partitions none of their tensors.
     zero3_persistence_threshold: int = -1
@@ -51,16 +51,16 @@ class DeepSpeedConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 500  # 0: only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
-    project: str = "pretrain-pipeline"
-    entity: str = ""
-    name: str = ""
-    tags: list = field(default_factory=list)
+    project: str = "pretrain-pipeline"  # W&B project
+    entity: str = ""  # W&B team or user; "" = your default entity
+    name: str = ""  # W&B run name; "" = the name of run_dir
+    tags: list = field(default_factory=list)  # W&B run tags
 
 
 @dataclass
@@ -74,16 +74,16 @@ class InitConfig:
 @dataclass
 class TrainConfig:
     task: str = "causal_lm"  # causal_lm | mlm | translation
-    run_dir: str = "runs/default"
-    seed: int = 1234
+    run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, config.yaml, tokenizer, final.json
+    seed: int = 1234  # initial weights (the same on every rank); dropout uses seed + rank
     max_steps: int = 1000  # optimizer steps (the schedule runs to here)
     # End this job after this many steps of the run (with a checkpoint), e.g. to fit a
     # time slot; the next job resumes. 0: run to max_steps.
     stop_after_steps: int = 0
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro batches per optimizer step; global batch = micro x this x ranks
     eval_every: int = 200  # 0: only at the end
     eval_batches: int = 50  # per rank; 0 = the whole split
-    log_every: int = 10
+    log_every: int = 10  # optimizer steps between logged metrics
     # auto: continue from run_dir's latest complete checkpoint if there is one;
     # none: start fresh (refused if run_dir already holds checkpoints); or a checkpoint path.
     resume: str = "auto"

@@ -7,7 +7,7 @@ the shared fields per stack, so that an encoder taken from a post-LN BERT and a 
 from a pre-LN GPT (Rothe et al. 2020) fit one config. `for_stack` resolves them into the
 flat config each stack is built from.
 
-This module imports nothing but the standard library: `launch` reads it without torch.
+This module itself imports only the standard library (the `model` package around it loads torch).
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ STACKS = ("encoder", "decoder")
 class StackConfig:
     """Per-stack overrides of a Seq2Seq's encoder or decoder; None keeps the shared value."""
 
-    n_heads: Optional[int] = None
-    d_ff: Optional[int] = None
-    activation: Optional[str] = None
-    norm_position: Optional[str] = None
-    positions: Optional[str] = None
-    layer_norm_eps: Optional[float] = None
+    n_heads: Optional[int] = None  # None: the shared n_heads
+    d_ff: Optional[int] = None  # None: the shared d_ff
+    activation: Optional[str] = None  # None: the shared activation
+    norm_position: Optional[str] = None  # None: the shared norm_position
+    positions: Optional[str] = None  # None: the shared positions
+    layer_norm_eps: Optional[float] = None  # None: the shared layer_norm_eps
 
 
 @dataclass
 class ModelConfig:
     arch: str = "gpt"  # gpt | bert | seq2seq
-    vocab_size: int = 8000
-    d_model: int = 512
+    vocab_size: int = 8000  # must match the tokenizer; 0: launch.train takes it from the dataset
+    d_model: int = 512  # width of the residual stream
     n_layers: int = 6  # seq2seq: encoder layers
     n_decoder_layers: int = 0  # seq2seq only; 0 = n_layers
-    n_heads: int = 8
+    n_heads: int = 8  # attention heads; must divide d_model
     d_ff: int = 0  # 0 = 4 * d_model
-    max_seq_len: int = 512
+    max_seq_len: int = 512  # positions the model has (and the longest input it takes)
     dropout: float = 0.1  # embeddings, attention probabilities and residual branches
     activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new) | relu
     # pre: x + f(norm(x)) with a final norm after the last block (GPT-2);
@@ -53,15 +53,15 @@ class ModelConfig:
     # residual projections at init: post-LN renormalises every branch, so BERT has none.
     norm_position: str = "pre"
     positions: str = "learned"  # learned | sinusoidal
-    layer_norm_eps: float = 1e-5
-    activation_checkpointing: bool = False
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
+    activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
     label_smoothing: float = 0.1  # seq2seq only
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal initialisation of the weights
     # Reserved ids of pipeline/format.py's tokenizers.
     pad_id: int = 0
-    bos_id: int = 2
-    eos_id: int = 3
-    mask_id: int = 4
+    bos_id: int = 2  # `<s>`
+    eos_id: int = 3  # `</s>`
+    mask_id: int = 4  # `<mask>`
     encoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
     decoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
 

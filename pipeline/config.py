@@ -25,13 +25,13 @@ class SourceConfig:
     paths: List[str] = field(
         default_factory=lambda: ["/usr/share/locale/${source.target_lang}/LC_MESSAGES/*.mo"]
     )
-    source_lang: str = "en"
-    target_lang: str = "de"
+    source_lang: str = "en"  # language of the source side; a label kept in the manifest
+    target_lang: str = "de"  # language of the target side; the default paths use it
     text_split: str = "line"  # line | paragraph
-    text_field: str = "text"
-    target_field: str = ""
-    source_column: int = 0
-    target_column: int = 1
+    text_field: str = "text"  # jsonl: the key of the (source) text
+    target_field: str = ""  # jsonl: the key of the target text; "" = monolingual
+    source_column: int = 0  # tsv: column of the source text (from 0)
+    target_column: int = 1  # tsv: column of the target text (from 0)
     # Longer monolingual documents are cut into pieces of at most this many characters,
     # so one pathological line never holds a whole file's worth of memory downstream.
     max_doc_chars: int = 20000
@@ -43,8 +43,8 @@ class SplitConfig:
     # decided by its source side, and both sides of a pair inherit it when used as
     # monolingual text, so a test sentence is never seen in pretraining.
     valid: float = 0.02
-    test: float = 0.02
-    salt: str = "split-v1"
+    test: float = 0.02  # fraction of the distinct texts in the test split
+    salt: str = "split-v1"  # salt of the text hashes that decide splits and buckets
 
 
 @dataclass
@@ -53,21 +53,21 @@ class TokenizerConfig:
     # be made with the pretraining tokenizer).
     model_path: str = ""
     model_type: str = "unigram"  # unigram | bpe
-    vocab_size: int = 8000
-    character_coverage: float = 0.9995
-    byte_fallback: bool = True
+    vocab_size: int = 8000  # requested size; a small corpus may give fewer pieces
+    character_coverage: float = 0.9995  # SentencePiece: fraction of characters the vocabulary covers
+    byte_fallback: bool = True  # SentencePiece: unknown characters become byte pieces, not `<unk>`
     # Size cap of the training sample: the texts with the smallest salted hashes, so the
     # sample is reproducible, independent of input order and drawn in one streaming pass.
     sample_texts: int = 200000
-    max_sentence_length: int = 4192
+    max_sentence_length: int = 4192  # SentencePiece: longer training texts (in bytes) are skipped
     # Extra control symbols such as target-language tags ("<2de>").
     lang_tags: List[str] = field(default_factory=list)
-    num_threads: int = 2
+    num_threads: int = 2  # SentencePiece training threads
 
 
 @dataclass
 class ShardConfig:
-    max_samples: int = 4096
+    max_samples: int = 4096  # samples per tar shard at most
     # Texts are hash-partitioned into this many buckets; one Ray task encodes one
     # (split, bucket). Output depends on this number, never on the number of workers.
     buckets: int = 8
@@ -75,8 +75,8 @@ class ShardConfig:
 
 @dataclass
 class TranslationFilterConfig:
-    min_tokens: int = 1
-    max_tokens: int = 128
+    min_tokens: int = 1  # pairs whose shorter side has fewer tokens are dropped
+    max_tokens: int = 128  # pairs whose longer side has more tokens are dropped
     max_ratio: float = 3.0  # longer side / shorter side, in tokens
     # false: source_lang -> target_lang; true: the reverse direction.
     reverse: bool = False
@@ -92,9 +92,9 @@ class RayConfig:
 
 @dataclass
 class PrepareConfig:
-    output_dir: str = "data/gettext-en-de"
-    overwrite: bool = False
-    kinds: List[str] = field(default_factory=lambda: list(SAMPLE_KINDS))
+    output_dir: str = "data/gettext-en-de"  # the dataset: shards, manifest.json, tokenizer
+    overwrite: bool = False  # replace an existing output_dir (refused otherwise)
+    kinds: List[str] = field(default_factory=lambda: list(SAMPLE_KINDS))  # sample kinds to write
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     source: SourceConfig = field(default_factory=SourceConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
@@ -102,18 +102,18 @@ class PrepareConfig:
     shard: ShardConfig = field(default_factory=ShardConfig)
     translation: TranslationFilterConfig = field(default_factory=TranslationFilterConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    progress: bool = True
+    progress: bool = True  # progress bars and log lines on stderr
 
 
 @dataclass
 class LoaderConfig:
     """How the trainer streams a prepared dataset (embedded in the training config)."""
 
-    data_dir: str = "data/gettext-en-de"
-    micro_batch_size: int = 8
-    num_workers: int = 1
-    seed: int = 0
-    mlm_probability: float = 0.15
+    data_dir: str = "data/gettext-en-de"  # a dataset written by pipeline.prepare
+    micro_batch_size: int = 8  # sequences per rank per forward pass
+    num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
+    seed: int = 0  # shard and sample order, and MLM masks
+    mlm_probability: float = 0.15  # fraction of tokens selected for MLM prediction
     # Of the selected tokens: replaced by <mask>, by a random token, or kept (BERT's 80/10/10).
     mlm_mask_fraction: float = 0.8
-    mlm_random_fraction: float = 0.1
+    mlm_random_fraction: float = 0.1  # of the selected tokens: replaced by a random token

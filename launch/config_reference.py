@@ -1,0 +1,174 @@
+"""The README's configuration reference, generated from the config dataclasses themselves.
+
+One table per entry point lists every leaf key of its schema (nested dataclasses as dotted keys),
+its type, its default and its description: the comment written with the field, either `#` lines
+directly above it or a trailing `# ...`. The README keeps the generated text between two markers;
+`tests/test_config_reference.py` fails when it goes stale.
+
+    python -m launch.config_reference                    # print the reference
+    python -m launch.config_reference --write README.md  # replace the README's block
+    python -m launch.config_reference --check README.md  # exit 1 naming the first stale key
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import io
+import itertools
+import sys
+import tokenize
+from pathlib import Path
+
+from launch.config import TrainConfig
+from launch.main import MainConfig
+from pipeline.config import PrepareConfig
+
+BEGIN = "<!-- config-reference:begin -->"
+END = "<!-- config-reference:end -->"
+# (entry point, its schema), in the order a run uses them.
+SCHEMAS = (("pipeline.prepare", PrepareConfig), ("launch.train", TrainConfig), ("launch.main", MainConfig))
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment text: the `#` lines directly above it, then its trailing comment."""
+    source = inspect.getsource(cls)
+    lines = source.splitlines()
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    described = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, n = [], node.lineno - 1
+        while n in comments and lines[n - 1].lstrip().startswith("#"):
+            above.insert(0, comments[n])
+            n -= 1
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        described[node.target.id] = " ".join(above + trailing)
+    return described
+
+
+def show(value) -> str:
+    """A default as one would write it in the YAML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value or '""'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    return repr(value)
+
+
+def leaf_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) of every leaf field of `cls`, in field order."""
+    defaults, comments = cls(), field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += leaf_rows(type(value), f"{prefix}{f.name}.")
+        else:
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            rows.append((prefix + f.name, kind, show(value), comments.get(f.name, "")))
+    return rows
+
+
+def _cell(text: str) -> str:
+    # A `|` would end the cell, and a `<` outside a code span may open an HTML tag (`<s>`).
+    parts = text.replace("|", r"\|").split("`")
+    return "`".join(p.replace("<", "&lt;") if i % 2 == 0 else p for i, p in enumerate(parts))
+
+
+def reference() -> str:
+    """The Markdown reference of every schema, ending in a newline."""
+    out = []
+    for entry, cls in SCHEMAS:
+        out += [f"### {entry}", "",
+                f"`python -m {entry} CONFIG.yaml [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.", "",
+                "| key | type | default | description |", "|---|---|---|---|"]
+        out += [f"| `{key}` | {_cell(kind)} | `{_cell(default)}` | {_cell(text)} |"
+                for key, kind, default, text in leaf_rows(cls)]
+        out.append("")
+    return "\n".join(out)
+
+
+def _rows(block: str) -> dict[tuple[str, str], str]:
+    section, rows = "", {}
+    for line in block.splitlines():
+        if line.startswith("### "):
+            section = line[4:].strip()
+        elif line.startswith("| `"):
+            rows[(section, line.split("|")[1].strip().strip("`"))] = line
+    return rows
+
+
+def first_difference(old: str, new: str) -> str | None:
+    """Where the README's block `old` first departs from the generated `new`; None if equal."""
+    if old == new:
+        return None
+    old_rows, new_rows = _rows(old), _rows(new)
+    for (section, key), line in new_rows.items():
+        if (section, key) not in old_rows:
+            return f"{section} {key}: missing"
+        if old_rows[(section, key)] != line:
+            return f"{section} {key}: differs"
+    for section, key in old_rows.keys() - new_rows.keys():
+        return f"{section} {key}: not in the schema"
+    pairs = itertools.zip_longest(old.splitlines(), new.splitlines())
+    line = next(i for i, (a, b) in enumerate(pairs, 1) if a != b)
+    return f"line {line} of the block"
+
+
+def block_span(text: str) -> tuple[int, int]:
+    """Start and end offsets of the text between the marker lines; ValueError without them."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(END) < text.index(BEGIN):
+        raise ValueError(f"no single {BEGIN} ... {END} block")
+    start = text.find("\n", text.index(BEGIN)) + 1
+    if not 0 < start <= text.index(END):
+        raise ValueError(f"{END} must be on a line after {BEGIN}")
+    return start, text.index(END)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.config_reference", description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", metavar="README", help="exit 1 if README's block differs from the generated text")
+    mode.add_argument("--write", metavar="README", help="replace README's block with the generated text")
+    args = parser.parse_args(argv)
+    generated = reference()
+    if not (args.check or args.write):
+        sys.stdout.write(generated)
+        return 0
+    path = Path(args.check or args.write)
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            text = fh.read()
+        start, end = block_span(text)
+    except (OSError, ValueError) as err:
+        print(f"error: {path}: {err}", file=sys.stderr)
+        return 1
+    difference = first_difference(text[start:end], generated)
+    if args.check:
+        if difference:
+            print(f"error: {path}: config reference is stale ({difference}); "
+                  f"run python -m launch.config_reference --write {path}", file=sys.stderr)
+            return 1
+        return 0
+    if difference:
+        with open(path, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text[:start] + generated + text[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The README's configuration reference is generated from the schemas and kept in step with them."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from launch.config import TrainConfig
+from launch.config_reference import BEGIN, END, SCHEMAS, block_span, main, reference
+from launch.main import MainConfig
+from pipeline.config import PrepareConfig
+from pipeline.configure import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        value = getattr(cls(), f.name)
+        if dataclasses.is_dataclass(value):
+            keys += leaf_keys(type(value), f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def section(text: str, entry: str) -> str:
+    """The part of the reference about one entry point."""
+    return text.split(f"### {entry}\n", 1)[1].split("\n### ", 1)[0]
+
+
+def test_readme_block_is_the_generated_reference():
+    text = README.read_text(encoding="utf-8")
+    start, end = block_span(text)
+    assert text[start:end] == reference(), "stale: run python -m launch.config_reference --write README.md"
+
+
+@pytest.mark.parametrize("entry, schema", SCHEMAS, ids=[entry for entry, _ in SCHEMAS])
+def test_every_leaf_key_is_in_the_reference(entry, schema):
+    part = section(reference(), entry)
+    missing = [key for key in leaf_keys(schema) if f"| `{key}` |" not in part]
+    assert not missing
+    assert part.count("\n| `") == len(leaf_keys(schema))
+
+
+def test_check_fails_on_a_removed_row_and_passes_on_a_copy(tmp_path):
+    text = README.read_text(encoding="utf-8")
+    intact = tmp_path / "intact.md"
+    intact.write_text(text, encoding="utf-8")
+    assert main(["--check", str(intact)]) == 0
+
+    row = next(line for line in text.splitlines(keepends=True) if line.startswith("| `deepspeed.zero_stage` |"))
+    stale = tmp_path / "stale.md"
+    stale.write_text(text.replace(row, "", 1), encoding="utf-8")
+    run = subprocess.run([sys.executable, "-m", "launch.config_reference", "--check", str(stale)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1 and "deepspeed.zero_stage" in run.stderr
+
+
+def test_write_replaces_only_the_block(tmp_path):
+    before, after = "# Title\n\nkept as is\r\n\n", "\ntrailing text, no newline"
+    path = tmp_path / "README.md"
+    path.write_bytes(f"{before}{BEGIN}\nold rows\n{END}{after}".encode())
+    assert main(["--check", str(path)]) == 1
+    assert main(["--write", str(path)]) == 0
+    assert path.read_bytes() == f"{before}{BEGIN}\n{reference()}{END}{after}".encode()
+    assert main(["--check", str(path)]) == 0
+
+
+def test_check_without_markers_fails(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text("# no reference here\n")
+    assert main(["--check", str(path)]) == 1
+    assert "config-reference:begin" in capsys.readouterr().err
+
+
+def _schema(path: Path) -> tuple[str, type]:
+    if path.name.startswith("prepare_"):
+        return "pipeline.prepare", PrepareConfig
+    if path.name in ("main.yaml", "transfer.yaml"):
+        return "launch.main", MainConfig
+    return "launch.train", TrainConfig
+
+
+def _yaml_keys(node, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix.rstrip(".")]
+    return [key for name, value in node.items() for key in _yaml_keys(value, f"{prefix}{name}.")]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_its_keys_are_documented(path):
+    entry, schema = _schema(path)
+    assert isinstance(load_config(schema, path), schema)
+    part = section(reference(), entry)
+    keys = _yaml_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    assert keys and all(f"| `{key}` |" in part for key in keys)
