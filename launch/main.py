@@ -2,7 +2,8 @@
 
 prepare (Ray) -> pretrain GPT and BERT (torchrun, DeepSpeed ZeRO) -> export -> fine-tune a
 translation model from each requested start (encoder/decoder: random, bert or gpt) for the
-same number of steps -> evaluate BLEU and chrF on valid and test -> a summary table.
+same number of steps -> evaluate BLEU and chrF on valid and test -> a report directory
+(OUT/report: summary.md and .json with the table, loss curves as PNG), the table printed.
 
 Each stage runs the project's own entry points as subprocesses, writes into its own
 directory under `out_dir`, and is skipped when its output already exists and is complete
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
+from launch.report import plot_losses
 from pipeline.configure import UserError, parse_cli, run_main, save_config
 
 USAGE = "usage: python -m launch.main CONFIG.yaml [key.sub=value ...]"
@@ -30,21 +32,21 @@ SIDES = ("random", "bert", "gpt")
 
 @dataclass
 class MainConfig:
-    out_dir: str = "runs/main"
-    prepare_config: str = "configs/prepare_gettext_en_de.yaml"
-    data_dir: str = "data/gettext-en-de"
+    out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
+    prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
+    data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
-    zero_stage: int = 2
-    gpt_config: str = "configs/tiny_gpt.yaml"
-    bert_config: str = "configs/tiny_bert.yaml"
-    translation_config: str = "configs/tiny_translation.yaml"
-    pretrain_steps: int = 300
-    finetune_steps: int = 300
+    zero_stage: int = 2  # deepspeed.zero_stage of every training run
+    gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
+    bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
+    translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
+    pretrain_steps: int = 500  # max_steps of each pretraining run
+    finetune_steps: int = 400  # max_steps of each fine-tuning run
     # encoder/decoder starts of the fine-tuning runs
     starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
-    beam: int = 4
-    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])
-    wandb_mode: str = "offline"
+    beam: int = 4  # beam size of the evaluation
+    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
+    wandb_mode: str = "offline"  # wandb.mode of every training run
 
 
 def _say(message: str) -> None:
@@ -167,8 +169,8 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
         lines.append(f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
                      f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |")
     header = " | ".join(f"{split} BLEU | {split} chrF" for split in cfg.eval_splits)
-    lines += ["", f"| fine-tuning start (encoder/decoder) | steps | valid loss | {header} |",
-              "|---|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits))]
+    lines += ["", f"| fine-tuning start (encoder/decoder) | steps | tokens seen | final train loss | valid loss | "
+                  f"valid perplexity | {header} |", "|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits))]
     baseline = finetuned.get("random/random")
     for start, (run_dir, scores) in finetuned.items():
         final = json.loads((run_dir / "final.json").read_text())
@@ -177,10 +179,34 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
             bleu = scores[split]["bleu"]
             delta = f" ({bleu - baseline[1][split]['bleu']:+.1f})" if baseline and start != "random/random" else ""
             cells.append(f"{bleu:.1f}{delta} | {scores[split]['chrf']:.1f}")
-        lines.append(f"| {start} | {final['step']} | {final.get('eval/loss', float('nan')):.3f} | {' | '.join(cells)} |")
+        lines.append(f"| {start} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
+                     f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} | "
+                     f"{' | '.join(cells)} |")
     signature = next(iter(finetuned.values()))[1][cfg.eval_splits[0]].get("signature_bleu", "") if finetuned else ""
-    lines += ["", f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}"]
+    lines += ["", "Tokens: input tokens of all ranks (fine-tuning: source + target). Losses in nats per target token; "
+                  "perplexity = exp(valid loss).", f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}"]
     return "\n".join(lines)
+
+
+def write_report(cfg: MainConfig, pretrained: dict, finetuned: dict, seconds: float) -> tuple[str, Path]:
+    """summary.md, summary.json and the loss-curve PNGs into OUT/report; returns the table."""
+    report = Path(cfg.out_dir) / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    table = summary_table(cfg, pretrained, finetuned)
+    plots = []
+    if pretrained:
+        plots.append(plot_losses(pretrained, report / "pretrain_loss.png", "Pretraining: GPT (causal LM) and BERT (masked LM)"))
+    if finetuned:
+        runs = {start: run_dir for start, (run_dir, _) in finetuned.items()}
+        plots.append(plot_losses(runs, report / "finetune_loss.png", "Translation fine-tuning by start (encoder/decoder)"))
+    images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
+    (report / "summary.md").write_text(f"# Main job summary\n\n{table}\n\nWall time of this invocation: {seconds:.0f} s.\n\n{images}\n")
+    summary = {"pretraining": {name: json.loads((d / "final.json").read_text()) for name, d in pretrained.items()},
+               "finetuning": {start: {"final": json.loads((d / "final.json").read_text()), "scores": scores}
+                              for start, (d, scores) in finetuned.items()},
+               "seconds": seconds}
+    (report / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return table, report
 
 
 def main_job(cfg: MainConfig) -> str:
@@ -201,10 +227,8 @@ def main_job(cfg: MainConfig) -> str:
     for encoder, decoder in starts:
         run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs)
         finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs) for split in cfg.eval_splits})
-    table = summary_table(cfg, pretrained, finetuned)
-    (out / "summary.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps({k: v[1] for k, v in finetuned.items()}, indent=1) + "\n")
-    _say(f"all stages done in {time.time() - started:.0f} s; summary in {out / 'summary.md'}")
+    table, report = write_report(cfg, pretrained, finetuned, time.time() - started)
+    _say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
     return table
 
 

@@ -24,15 +24,22 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     first = main_job(config)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "prepare: skipped" in first.stderr  # the dataset exists and validates
-    summary = (tmp_path / "out" / "summary.md").read_text()
+    report = tmp_path / "out" / "report"
+    summary = (report / "summary.md").read_text()
     assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary
     assert "| gpt | 4 |" in summary and "| bert | 4 |" in summary
+    assert summary.split("| bert/gpt |")[1].splitlines()[0] in first.stdout  # the table is printed too
+    for plot in ("pretrain_loss.png", "finetune_loss.png"):
+        png = (report / plot).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, plot
+        assert f"]({plot})" in summary
     assert "warm start: copied" in (tmp_path / "out" / "logs" / "finetune-bert-gpt.log").read_text()
 
     again = main_job(config)
     assert again.returncode == 0
     for stage in ("pretrain gpt", "pretrain bert", "export gpt", "fine-tune bert-gpt", "evaluate finetune-bert-gpt valid"):
         assert f"{stage}: skipped" in again.stderr
+    summary = (report / "summary.md").read_text()  # the same table; this invocation's wall time
 
     # A stage that fails stops the run with its error; what earlier stages wrote stays.
     broken = tmp_path / "broken.yaml"
@@ -41,7 +48,7 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     assert failed.returncode == 1
     assert "stage fine-tune gpt-bert failed" in failed.stderr and "no_such_key" in failed.stderr
     assert (tmp_path / "out" / "export-gpt" / "model.safetensors").is_file()
-    assert (tmp_path / "out" / "summary.md").read_text() == summary
+    assert (report / "summary.md").read_text() == summary
 
 
 def test_bad_start_is_refused(tmp_path):
