@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from model.blocks import IGNORE_INDEX, KVCache, ModelOutput, Transformer
 from model.loss import LMHead
