@@ -1,0 +1,239 @@
+"""Training throughput of our GPT and BERT against Hugging Face's, and MFU; prints figures, asserts nothing.
+
+    python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--shapes tiny,small]
+                                     [--precisions fp32,bf16] [--steps 20] [--rounds 3] [--quick]
+
+1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
+   our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
+   `BertForMaskedLM` of identical shape with the same weights (converted by `model.hf`), wraps
+   each in its own DeepSpeed engine from the same config (`launch.engine.deepspeed_config` of
+   configs/tiny_gpt.yaml or tiny_bert.yaml with the shape's overrides: ZeRO-2, the same micro
+   batch, AdamW groups and schedule), and feeds both the same batches, read once from the
+   dataset's train shards by `pipeline.loader.ShardLoader` and held in memory (the loader has
+   its own benchmark). Timed rounds alternate ours, theirs, ours, theirs...: each round is
+   `--steps` optimizer steps between barriers, after one untimed warm-up round of each. Tokens/s
+   counts every input token of every rank; the table gives the median round and the ratio.
+2. MFU: in the same job, before training, every rank measures a square (1024) GEMM in fp32 and
+   in bf16 on its own threads, all ranks at once (as they train). MFU = model FLOPs per step
+   (`model.flops.training_flops`, as the trainer logs it) x steps/s / the sum of the ranks'
+   peaks of the training precision; MFU against the other precision's peak is printed too.
+
+Shapes (vocabulary from the dataset's tokenizer, sequence length 128, dropout as in the config, 0):
+    tiny   d_model 64, 2 layers, 4 heads, d_ff 256   (configs/tiny_*.yaml: the main job's models)
+    small  d_model 256, 4 layers, 4 heads, d_ff 1024
+    base   d_model 768, 12 layers, 12 heads, d_ff 3072 (GPT-2 small / BERT-base blocks; slow on CPU)
+
+Data: DIR defaults to data/gettext-en-de (made by `make main` or `python -m pipeline.prepare
+configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
+SHAPES = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256),
+    "small": dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024),
+    "base": dict(d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+}
+CONFIGS = {"gpt": "configs/tiny_gpt.yaml", "bert": "configs/tiny_bert.yaml"}
+
+
+# ---------------------------------------------------------------- one torchrun job (every rank)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import launch.distributed as dist
+    from launch.config import BatchPlan, TrainConfig
+    from launch.engine import Engine, deepspeed_config
+    from launch.metrics import measure_gemm_flops
+    from launch.optim import build_optimizer, build_scheduler
+    from launch.tasks import TASKS
+    from launch.train import _step_flops
+    from model import build_model, hf
+    from pipeline.configure import load_config
+    from pipeline.loader import ShardLoader
+
+    overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
+    cfg = load_config(TrainConfig, ROOT / CONFIGS[args.arch], [
+        *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
+        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0"])
+    denv = dist.read_env()
+    dist.set_threads(cfg.threads_per_rank, denv)
+    dist.init_process_group(denv, cfg.dist_timeout_s)
+    task = TASKS[cfg.task]
+
+    cfg.model.vocab_size = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == args.steps:
+            break
+
+    # Peaks first, every rank at once: the same contention as training.
+    dist.barrier()
+    peaks = {p: measure_gemm_flops(dtype, 1024, seconds=1.0) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    peaks = dict(zip(peaks, dist.all_reduce_sum(list(peaks.values()))))
+
+    torch.manual_seed(0)
+    ours = build_model(cfg.model)
+    theirs = hf.gpt_to_hf(ours) if args.arch == "gpt" else hf.bert_to_hf(ours)
+    if args.arch == "bert":
+        # BERT's token-type table (one type, zeros after conversion) is a bias ours does not have:
+        # frozen, the two models train the same parameters.
+        theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
+    n_params = sum(p.numel() for p in ours.parameters())
+    plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
+    engines = {}
+    for name, model in (("ours", ours), ("hf", theirs)):
+        model.train()
+        optimizer = build_optimizer(model, cfg.optim)
+        engines[name] = Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
+                               deepspeed_config(cfg, plan))
+    inputs = [task.model_inputs(batch, engines["ours"].device) for batch in batches]
+    tokens = dist.all_reduce_sum([float(sum(task.tokens(b) for b in batches))])[0]
+    flops = dist.all_reduce_sum([float(sum(_step_flops(cfg, b) for b in batches))])[0]
+
+    def run_round(engine: Engine) -> tuple[float, float]:
+        dist.barrier()
+        start = time.perf_counter()
+        for batch in inputs:
+            loss = engine(**batch).loss  # ours a NamedTuple, theirs a transformers ModelOutput
+            engine.backward(loss)
+            engine.step()
+        dist.barrier()
+        return time.perf_counter() - start, float(loss)
+
+    seconds = {"ours": [], "hf": []}
+    losses = {}
+    for round_index in range(args.rounds + 1):
+        for name, engine in engines.items():
+            elapsed, losses[name] = run_round(engine)
+            if round_index:  # round 0 warms up: allocator, kernels, DeepSpeed buffers
+                seconds[name].append(elapsed)
+    if denv.is_main:
+        result = {"arch": args.arch, "shape": args.shape, "precision": args.precision, "world_size": denv.world_size,
+                  "threads": torch.get_num_threads(), "micro_batch": cfg.data.micro_batch_size,
+                  "seq_len": int(batches[0]["input_ids"].shape[1]), "vocab_size": cfg.model.vocab_size,
+                  "parameters": n_params, "steps": len(inputs), "tokens_per_round": tokens, "flops_per_round": flops,
+                  "seconds": seconds, "last_loss": losses, "peaks": peaks, "hf_class": type(theirs).__name__,
+                  "hf_attention": getattr(theirs.config, "_attn_implementation", None)}
+        Path(args.result).write_text(json.dumps(result))
+    dist.destroy()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, result: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               __file__, "--worker", "--arch", arch, "--shape", shape, "--precision", precision, "--data", str(args.data),
+               "--steps", str(args.steps), "--rounds", str(args.rounds), "--result", str(result)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"error: benchmark job {arch}/{shape}/{precision} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(result.read_text())
+
+
+def summarize(r: dict) -> dict:
+    ours, theirs = statistics.median(r["seconds"]["ours"]), statistics.median(r["seconds"]["hf"])
+    achieved = r["flops_per_round"] / ours
+    return {"ours_tps": r["tokens_per_round"] / ours, "hf_tps": r["tokens_per_round"] / theirs, "ratio": theirs / ours,
+            "achieved": achieved, "mfu": achieved / r["peaks"][r["precision"]],
+            "mfu_fp32": achieved / r["peaks"]["fp32"], "mfu_bf16": achieved / r["peaks"]["bf16"]}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model (ours vs HF) | shape | params | precision | ours tok/s | HF tok/s | ours / HF | ours GFLOP/s | "
+             "GEMM peak fp32 / bf16 | MFU vs fp32 peak | MFU vs bf16 peak |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        s = summarize(r)
+        lines.append(f"| {r['arch'].upper()} vs {r['hf_class']} | {r['shape']} | {r['parameters'] / 1e6:.2f} M | {r['precision']} | "
+                     f"{s['ours_tps']:,.0f} | {s['hf_tps']:,.0f} | **{s['ratio']:.2f}x** | {s['achieved'] / 1e9:.1f} | "
+                     f"{r['peaks']['fp32'] / 1e9:.0f} / {r['peaks']['bf16'] / 1e9:.0f} | {100 * s['mfu_fp32']:.1f}% | "
+                     f"{100 * s['mfu_bf16']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument("--archs", default="gpt,bert")
+    parser.add_argument("--shapes", default="tiny,small", help=f"of {', '.join(SHAPES)} (default: %(default)s)")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each model")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    # Internal: one rank of one torchrun job.
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--arch", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if not (args.data / "manifest.json").is_file():
+        print(f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
+              f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.shapes, args.precisions, args.steps, args.rounds = "tiny", "fp32", 4, 1
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            parser.error(f"--shapes: unknown shape {shape!r} (have {', '.join(SHAPES)})")
+    import torch
+    import transformers
+
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
+          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.archs.split(","):
+            for shape in shapes:
+                for precision in args.precisions.split(","):
+                    started = time.time()
+                    r = run_job(args, arch, shape, precision, Path(tmp) / "result.json")
+                    s = summarize(r)
+                    print(f"{arch} {shape} {precision}: ours {s['ours_tps']:,.0f} tok/s, HF {s['hf_tps']:,.0f} tok/s, "
+                          f"{s['ratio']:.2f}x; MFU {100 * s['mfu']:.1f}% of {r['peaks'][precision] / 1e9:.1f} GFLOP/s "
+                          f"({precision} GEMM peak, all ranks); rounds ours {[round(x, 2) for x in r['seconds']['ours']]} s, "
+                          f"HF {[round(x, 2) for x in r['seconds']['hf']]} s; last losses ours {r['last_loss']['ours']:.3f}, "
+                          f"HF {r['last_loss']['hf']:.3f}; {time.time() - started:.0f} s", flush=True)
+                    results.append(r)
+    print()
+    print(table(results))
+    print(f"\nGEMM peaks: (1024 x 1024) @ (1024 x 1024) for 1 s on every rank at once in each job, summed over "
+          f"the {args.nproc} ranks. MFU = model FLOPs of the timed steps (model.flops, as the trainer logs it) / "
+          f"time / peak. Tokens/s: every input token of every rank.")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
