@@ -4,7 +4,7 @@ A causal LM's loss needs logits for every position, but only to reduce them to o
 materialising (B*T, V) float logits, their log-softmax and the gradient of both costs more
 memory traffic than the projection itself on a CPU, and most of the activation memory of a
 small model on a GPU. `linear_cross_entropy` projects `chunk` rows at a time, turns each
-chunk's logits into its gradient in place (softmax minus the smoothed one-hot target) and
+chunk's log-softmax into its gradient in place (softmax minus the smoothed one-hot target) and
 multiplies that straight back into the gradients of the hidden states and the weight, so the
 backward pass only scales what the forward pass left. The same idea as Liger Kernel's fused
 linear cross-entropy and Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
@@ -30,14 +30,13 @@ def _chunk_rows(vocab_size: int) -> int:
     return max(64, CHUNK_ELEMENTS // vocab_size)
 
 
-def _chunk_loss(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
-    """(summed loss of the kept rows, log-sum-exp per row) of float logits (c, V)."""
-    lse = torch.logsumexp(logits, dim=-1)  # (c,)
-    nll = lse - logits.gather(1, targets[:, None]).squeeze(1)  # (c,)
+def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> Tensor:
+    """Summed loss of the kept rows of float log-probabilities (c, V)."""
+    nll = -logp.gather(1, targets[:, None]).squeeze(1)  # (c,)
     if label_smoothing:
         # The target distribution (1 - e) one-hot + e / V, as in F.cross_entropy.
-        nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(dim=-1))
-    return (nll * keep).sum(), lse
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(dim=-1)
+    return (nll * keep).sum()
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -55,19 +54,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = _chunk_rows(weight.shape[0])
         for start in range(0, h.shape[0], rows):
             hc, tc, kc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
-            logits = F.linear(hc, weight, bias).to(acc)  # (c, V)
-            loss, lse = _chunk_loss(logits, tc, kc, label_smoothing)
-            total += loss
-            # d loss / d logits = softmax - (1 - e) one-hot - e / V, per kept row, over count.
-            grad = logits.sub_(lse[:, None]).exp_()  # (c, V), in place of the logits
+            logp = F.log_softmax(F.linear(hc, weight, bias).to(acc), dim=-1)  # (c, V), one fused kernel
+            total += _chunk_loss(logp, tc, kc, label_smoothing)
+            # d loss / d logits = softmax - (1 - e) one-hot - e / V, for each kept row, / count.
+            grad = logp.exp_()  # (c, V), in place
             grad[torch.arange(len(tc), device=grad.device), tc] -= 1.0 - label_smoothing
             if label_smoothing:
                 grad -= label_smoothing / grad.shape[1]
-            grad *= (kc / count)[:, None]
-            grad_w += grad.t() @ hc.to(acc)  # (V, C); an out-of-place product, which FLOP counters see
+            # The row weights (0 for ignored rows) go onto the (c, C) factors, not the (c, V) one.
+            scale = (kc / count).to(acc)[:, None]  # (c, 1)
+            grad_w += grad.t() @ (hc.to(acc) * scale)  # (V, C); out of place, which FLOP counters see
             if grad_b is not None:
-                grad_b += grad.sum(dim=0)
-            grad_h[start : start + rows] = grad.to(h.dtype) @ weight  # (c, C)
+                grad_b += grad.t() @ scale.squeeze(1)
+            grad_h[start : start + rows] = (grad.to(h.dtype) @ weight) * scale.to(h.dtype)  # (c, C)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
         return total / count
 
@@ -92,8 +91,8 @@ def linear_cross_entropy(
     total = h.new_zeros((), dtype=acc)
     rows = _chunk_rows(weight.shape[0])
     for start in range(0, h.shape[0], rows):
-        logits = F.linear(h[start : start + rows], weight, bias).to(acc)
-        total += _chunk_loss(logits, safe[start : start + rows], valid[start : start + rows], label_smoothing)[0]
+        logp = F.log_softmax(F.linear(h[start : start + rows], weight, bias).to(acc), dim=-1)
+        total += _chunk_loss(logp, safe[start : start + rows], valid[start : start + rows], label_smoothing)
     return total / valid.sum().clamp(min=1)
 
 
