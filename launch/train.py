@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
+import os
 import random
 import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,6 +149,9 @@ def setup(cfg: TrainConfig) -> Run:
 
     if denv.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        dropped = truncate_metrics(run_dir, step)
+        if dropped:
+            print(f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job", file=sys.stderr)
         save_config(cfg, run_dir / "config.yaml")
         shutil.copyfile(Path(cfg.data.data_dir) / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
     peak = peak_flops(cfg.deepspeed.precision) if denv.is_main else (float("nan"), "")
@@ -283,6 +287,22 @@ def save_checkpoint(run: Run) -> Path:
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
     dist.barrier()
     return root / tag
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Drop the rows of RUN_DIR/metrics.jsonl logged after `step`, the step a run starts from:
+    a job that died between checkpoints logged steps that the resumed job trains and logs
+    again. Returns how many rows were dropped; the file is replaced atomically."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) < len(lines):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(line + "\n" for line in kept))
+        os.replace(partial, path)
+    return len(lines) - len(kept)
 
 
 def _log(run: Run, metrics: dict) -> None:

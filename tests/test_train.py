@@ -110,6 +110,18 @@ def _wandb_records(run_dir: Path):
     return records
 
 
+def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
+    # A job that died at step 30 with its last checkpoint at step 20 had logged 10..30.
+    from launch.train import truncate_metrics
+
+    rows = [{"step": step, "train/loss": 9.0 - step / 10} for step in (10, 20, 30)] + [{"step": 30, "eval/loss": 7.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert truncate_metrics(tmp_path, 20) == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20]
+    assert truncate_metrics(tmp_path, 20) == 0 and truncate_metrics(tmp_path / "nowhere", 0) == 0
+    assert truncate_metrics(tmp_path, 0) == 2 and (tmp_path / "metrics.jsonl").read_text() == ""  # a fresh start
+
+
 def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     train("tiny_bert.yaml", tiny_dataset, run_dir, "max_steps=6", "log_every=2", "eval_every=6", "deepspeed.zero_stage=3",
