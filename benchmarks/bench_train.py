@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
     from launch.metrics import measure_gemm_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.tasks import TASKS
-    from launch.train import _step_flops
+    from launch.train import step_flops
     from model import build_model, hf
     from pipeline.configure import load_config
     from pipeline.loader import ShardLoader
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
                                deepspeed_config(cfg, plan))
     inputs = [task.model_inputs(batch, engines["ours"].device) for batch in batches]
     tokens = dist.all_reduce_sum([float(sum(task.tokens(b) for b in batches))])[0]
-    flops = dist.all_reduce_sum([float(sum(_step_flops(cfg, b) for b in batches))])[0]
+    flops = dist.all_reduce_sum([float(sum(step_flops(cfg, b) for b in batches))])[0]
 
     def run_round(engine: Engine) -> tuple[float, float]:
         dist.barrier()

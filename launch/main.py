@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from launch.report import plot_losses
+from launch.report import plot_losses, read_metrics
 from pipeline.configure import UserError, parse_cli, run_main, save_config
 
 USAGE = "usage: python -m launch.main CONFIG.yaml [key.sub=value ...]"
@@ -158,14 +158,18 @@ def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path) -> di
 
 
 def _last(run_dir: Path, key: str):
-    values = [row[key] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if key in row]
+    values = [row[key] for row in read_metrics(run_dir) if key in row]
     return values[-1] if values else None
+
+
+def _final(run_dir: Path) -> dict:
+    return json.loads((run_dir / "final.json").read_text())
 
 
 def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
     lines = ["| pretraining | steps | tokens seen | final train loss | valid loss | valid perplexity |", "|---|---:|---:|---:|---:|---:|"]
     for name, run_dir in pretrained.items():
-        final = json.loads((run_dir / "final.json").read_text())
+        final = _final(run_dir)
         lines.append(f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
                      f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |")
     header = " | ".join(f"{split} BLEU | {split} chrF" for split in cfg.eval_splits)
@@ -173,7 +177,7 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
                   f"valid perplexity | {header} |", "|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits))]
     baseline = finetuned.get("random/random")
     for start, (run_dir, scores) in finetuned.items():
-        final = json.loads((run_dir / "final.json").read_text())
+        final = _final(run_dir)
         cells = []
         for split in cfg.eval_splits:
             bleu = scores[split]["bleu"]
@@ -201,8 +205,8 @@ def write_report(cfg: MainConfig, pretrained: dict, finetuned: dict, seconds: fl
         plots.append(plot_losses(runs, report / "finetune_loss.png", "Translation fine-tuning by start (encoder/decoder)"))
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
     (report / "summary.md").write_text(f"# Main job summary\n\n{table}\n\nWall time of this invocation: {seconds:.0f} s.\n\n{images}\n")
-    summary = {"pretraining": {name: json.loads((d / "final.json").read_text()) for name, d in pretrained.items()},
-               "finetuning": {start: {"final": json.loads((d / "final.json").read_text()), "scores": scores}
+    summary = {"pretraining": {name: _final(d) for name, d in pretrained.items()},
+               "finetuning": {start: {"final": _final(d), "scores": scores}
                               for start, (d, scores) in finetuned.items()},
                "seconds": seconds}
     (report / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

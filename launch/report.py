@@ -7,7 +7,6 @@ the same colour, against tokens seen (runs of different batch sizes share an axi
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,19 +15,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 
+from launch.tracking import read_metrics_rows  # noqa: E402
 from pipeline.configure import UserError, run_main  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's logged rows, the last one of each step kept (a resumed run may repeat steps)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    """The run's logged rows merged per step (training and evaluation rows of one step), by step."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
         raise UserError(f"no metrics.jsonl in {run_dir}")
     rows: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows.setdefault(row["step"], {}).update(row)
+    for row in read_metrics_rows(run_dir):
+        rows.setdefault(row["step"], {}).update(row)
     return [rows[step] for step in sorted(rows)]
 
 

@@ -8,6 +8,7 @@ with `wandb sync`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -16,6 +17,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def read_metrics_rows(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl in file order; a line that does not parse (a job
+    killed mid-write leaves a torn last line) is left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def git_commit() -> str:

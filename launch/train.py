@@ -31,7 +31,7 @@ from launch.engine import Engine, deepspeed_config
 from launch.metrics import memory_mb, peak_flops
 from launch.optim import build_optimizer, build_scheduler
 from launch.tasks import TASKS, Task, masked_accuracy
-from launch.tracking import Tracker, git_commit, new_run_id
+from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import Pretrained, build_model, training_flops, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
@@ -213,7 +213,7 @@ def _batches(loader: ShardLoader):
         yield from loader
 
 
-def _step_flops(cfg: TrainConfig, batch: dict) -> float:
+def step_flops(cfg: TrainConfig, batch: dict) -> float:
     if cfg.task == "translation":
         return training_flops(cfg.model, batch["src_ids"].shape[1], batch["decoder_input_ids"].shape[1]) * batch["src_ids"].shape[0]
     rows, seq_len = batch["input_ids"].shape
@@ -231,7 +231,7 @@ def train_step(run: Run, batches) -> dict:
         run.engine.step()
         loss_sum += float(output.loss.detach())
         tokens += run.task.tokens(batch)
-        flops += _step_flops(run.cfg, batch)
+        flops += step_flops(run.cfg, batch)
         samples += next(iter(batch.values())).shape[0]
     # One reduction carries the step's figures and whether any rank was asked to stop.
     loss_sum, tokens, flops, samples, stop = dist.all_reduce_sum([loss_sum, tokens, flops, samples, float(_stop_requested(run))])
@@ -290,17 +290,17 @@ def save_checkpoint(run: Run) -> Path:
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Drop the rows of RUN_DIR/metrics.jsonl logged after `step`, the step a run starts from:
-    a job that died between checkpoints logged steps that the resumed job trains and logs
-    again. Returns how many rows were dropped; the file is replaced atomically."""
+    """Drop the rows of RUN_DIR/metrics.jsonl logged after `step`, the step a run starts from
+    (and any torn line): a job that died between checkpoints logged steps that the resumed job
+    trains and logs again. Returns how many lines were dropped; the file is replaced atomically."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    kept = [row for row in read_metrics_rows(run_dir) if row.get("step", 0) <= step]
     if len(kept) < len(lines):
         partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(line + "\n" for line in kept))
+        partial.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(partial, path)
     return len(lines) - len(kept)
 

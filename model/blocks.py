@@ -25,8 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
-
-from model.loss import IGNORE_INDEX  # noqa: E402  (one definition, shared)
+from model.loss import IGNORE_INDEX
 
 
 class ModelOutput(NamedTuple):

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.blocks import IGNORE_INDEX, KVCache, ModelOutput, Transformer
-from model.loss import LMHead
 from model.config import ModelConfig
 from model.generation import generate_causal
+from model.loss import LMHead
 
 
 class GPT(Transformer):

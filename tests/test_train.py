@@ -115,8 +115,9 @@ def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
     from launch.train import truncate_metrics
 
     rows = [{"step": step, "train/loss": 9.0 - step / 10} for step in (10, 20, 30)] + [{"step": 30, "eval/loss": 7.5}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert truncate_metrics(tmp_path, 20) == 2
+    # ... and was killed while writing a row: a torn last line.
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3')
+    assert truncate_metrics(tmp_path, 20) == 3
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20]
     assert truncate_metrics(tmp_path, 20) == 0 and truncate_metrics(tmp_path / "nowhere", 0) == 0
     assert truncate_metrics(tmp_path, 0) == 2 and (tmp_path / "metrics.jsonl").read_text() == ""  # a fresh start
