@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
 MICRO_BATCH = 32
-KIND, SPLIT = "causal_lm", "train"
+TASK, SPLIT = "causal_lm", "train"
 
 
 # ---------------------------------------------------------------- loader
@@ -81,7 +81,7 @@ def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
 def our_loader(data_dir: Path, num_workers: int):
     from pipeline.loader import ShardLoader
 
-    return ShardLoader(str(data_dir), KIND, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0)
+    return ShardLoader(str(data_dir), TASK, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0)
 
 
 def time_epoch(loader, max_batches: int | None) -> dict:
@@ -105,7 +105,7 @@ def time_epoch(loader, max_batches: int | None) -> dict:
 def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: int | None) -> list[dict]:
     from pipeline.format import read_manifest, shard_entries
 
-    entries = shard_entries(read_manifest(data_dir), KIND, SPLIT)
+    entries = shard_entries(read_manifest(data_dir), TASK, SPLIT)
     urls = [str(data_dir / entry["path"]) for entry in entries if entry["samples"] > 0]
     rows = []
     for num_workers in workers:
@@ -204,7 +204,7 @@ def run_prepare(cfg) -> dict:
 
 def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
-    from pipeline.format import DATASET_FOR_KIND, SPLITS
+    from pipeline.format import DATASET_FOR_TASK, SPLITS
     from pipeline.prepare import CHUNK_BYTES
     from pipeline.sources import expand_paths, plan_units
     from pipeline.work import MONO, PAIRS, _bucket_records, _unique, scan_unit
@@ -213,7 +213,7 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     for index, unit in enumerate(units):
         scan_unit(index, unit, cfg, str(work_dir))
     texts: list[str] = []
-    for dataset in sorted({DATASET_FOR_KIND[kind] for kind in cfg.kinds}):
+    for dataset in sorted({DATASET_FOR_TASK[task] for task in cfg.tasks}):
         for split in SPLITS:
             for bucket in range(cfg.shard.buckets):
                 if dataset == "packed":
@@ -290,7 +290,7 @@ def _median_timing(results: list[dict], key: str) -> float:
 
 def loader_table(rows: list[dict], repeats: int) -> str:
     lines = [
-        f"Loader: {KIND}/{SPLIT}, micro batch {MICRO_BATCH}, {rows[0]['shards']} shards, one epoch per run, "
+        f"Loader: {TASK}/{SPLIT}, micro batch {MICRO_BATCH}, {rows[0]['shards']} shards, one epoch per run, "
         f"median of {repeats} alternating runs (M tokens/s; first batch in ms; target ours/bare >= 0.9)",
         "",
         "| num_workers | ShardLoader | bare WebDataset | ours / bare | ours / bare, best runs | first batch ours | first batch bare |",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-SAMPLE_KINDS = ("causal_lm", "mlm", "translation")
+TASKS = ("causal_lm", "mlm", "translation")
 SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext")
 
 
@@ -94,7 +94,7 @@ class RayConfig:
 class PrepareConfig:
     output_dir: str = "data/gettext-en-de"  # the dataset: shards, manifest.json, tokenizer
     overwrite: bool = False  # replace an existing output_dir (refused otherwise)
-    kinds: List[str] = field(default_factory=lambda: list(SAMPLE_KINDS))  # sample kinds to write
+    tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     source: SourceConfig = field(default_factory=SourceConfig)
     split: SplitConfig = field(default_factory=SplitConfig)

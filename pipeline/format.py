@@ -34,9 +34,9 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.model"
 SPLITS = ("train", "valid", "test")
 
-# Sample kind -> the shard set that serves it: causal_lm and mlm read the same packed
+# Task -> the shard set that serves it: causal_lm and mlm read the same packed
 # blocks (masks are drawn at load time, so every epoch sees new ones).
-DATASET_FOR_KIND = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
+DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
 FIELDS = {"packed": ("input_ids",), "translation": ("src_ids", "tgt_ids")}
 
 # Reserved ids, the same in every tokenizer this project trains.
@@ -88,14 +88,14 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
     return manifest
 
 
-def shard_entries(manifest: dict, kind: str, split: str) -> list[dict]:
-    """The manifest's shard records for a sample kind and split."""
-    if kind not in DATASET_FOR_KIND:
-        raise UserError(f"unknown sample kind {kind!r}; expected one of {sorted(DATASET_FOR_KIND)}")
-    name = DATASET_FOR_KIND[kind]
+def shard_entries(manifest: dict, task: str, split: str) -> list[dict]:
+    """The manifest's shard records for a task and split."""
+    if task not in DATASET_FOR_TASK:
+        raise UserError(f"unknown task {task!r}; expected one of {sorted(DATASET_FOR_TASK)}")
+    name = DATASET_FOR_TASK[task]
     dataset = manifest.get("datasets", {}).get(name)
     if dataset is None:
-        raise UserError(f"the dataset has no {name!r} shards (needed by {kind}); prepare it with kinds including {kind}")
+        raise UserError(f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}")
     if split not in dataset["splits"]:
         raise UserError(f"the {name!r} shards have no split {split!r}")
     return dataset["splits"][split]["shards"]

@@ -69,7 +69,7 @@ from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
 from pipeline.format import (
     BOS_ID,
-    DATASET_FOR_KIND,
+    DATASET_FOR_TASK,
     EOS_ID,
     FIELDS,
     MASK_ID,
@@ -394,7 +394,7 @@ class _EpochBatches(IterableDataset):
                  batch_size: int, num_batches: int, first_batch: int, vocab_size: int, special_ids: list[int],
                  mlm: dict):
         self.kind = kind
-        self.fields = FIELDS[DATASET_FOR_KIND[kind]]
+        self.fields = FIELDS[DATASET_FOR_TASK[kind]]
         self.shards = shards
         self.starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
         self.seed, self.epoch, self.rank = seed, epoch, rank

@@ -18,9 +18,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from pipeline.config import SAMPLE_KINDS, PrepareConfig
+from pipeline.config import TASKS, PrepareConfig
 from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config
-from pipeline.format import DATASET_FOR_KIND, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
+from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
 from pipeline.sources import expand_paths, is_parallel, plan_units
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
@@ -29,11 +29,11 @@ CHUNK_BYTES = 64 << 20  # large text files are scanned in ranges of this size
 
 
 def check_config(cfg: PrepareConfig) -> None:
-    unknown = [k for k in cfg.kinds if k not in SAMPLE_KINDS]
-    if unknown or not cfg.kinds:
-        raise UserError(f"kinds: {unknown or cfg.kinds} not valid; choose from {', '.join(SAMPLE_KINDS)}")
-    if "translation" in cfg.kinds and not is_parallel(cfg.source):
-        raise UserError(f"kinds: translation needs a parallel source (tsv, gettext, or jsonl with target_field), not {cfg.source.format}")
+    unknown = [k for k in cfg.tasks if k not in TASKS]
+    if unknown or not cfg.tasks:
+        raise UserError(f"tasks: {unknown or cfg.tasks} not valid; choose from {', '.join(TASKS)}")
+    if "translation" in cfg.tasks and not is_parallel(cfg.source):
+        raise UserError(f"tasks: translation needs a parallel source (tsv, gettext, or jsonl with target_field), not {cfg.source.format}")
     if cfg.seq_len < 2:
         raise UserError(f"seq_len: must be at least 2, got {cfg.seq_len}")
     if not (0 <= cfg.split.valid and 0 <= cfg.split.test and cfg.split.valid + cfg.split.test < 1):
@@ -114,7 +114,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         (staging / TOKENIZER_FILE).write_bytes(model_bytes)
         processor = processor_from_bytes(model_bytes)
 
-        datasets = sorted({DATASET_FOR_KIND[kind] for kind in cfg.kinds})
+        datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         jobs = [(d, s, b, len(units)) for d in datasets for s in SPLITS for b in range(cfg.shard.buckets)]
         encoded = run_tasks(
             encode_bucket, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
@@ -131,7 +131,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         "seconds": round(time.time() - started, 1),
     }
     for name in datasets:
-        entry = {"kinds": [k for k in SAMPLE_KINDS if DATASET_FOR_KIND[k] == name], "fields": list(FIELDS[name]),
+        entry = {"tasks": [k for k in TASKS if DATASET_FOR_TASK[k] == name], "fields": list(FIELDS[name]),
                  "splits": {}, "stats": _merge_stats([r for r in encoded if r["dataset"] == name])}
         if name == "packed":
             entry["seq_len"] = cfg.seq_len

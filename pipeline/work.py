@@ -69,8 +69,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     """Stage 1 for one unit: returns its statistics and its tokenizer-sample candidates."""
     stats: Counter = Counter()
     sample = BottomKSample(cfg.tokenizer.sample_texts)
-    want_mono = any(kind in cfg.kinds for kind in ("causal_lm", "mlm"))
-    want_pairs = "translation" in cfg.kinds
+    want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
+    want_pairs = "translation" in cfg.tasks
     parallel = is_parallel(cfg.source)
     salt, buckets = cfg.split.salt, cfg.shard.buckets
     writers = _BucketWriters(work_dir, unit_index)

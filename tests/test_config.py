@@ -62,7 +62,7 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_in_configs_validates(path):
     if path.name.startswith("prepare"):
-        assert load_config(PrepareConfig, path).kinds
+        assert load_config(PrepareConfig, path).tasks
         return
     if path.name.startswith(("main", "transfer")):
         from launch.main import MainConfig, _check

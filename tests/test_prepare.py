@@ -117,7 +117,7 @@ def test_non_utf8_input_is_replaced_and_counted(tmp_path):
     lines[5] = b"caf\xe9 \xff\tKaffee\n"
     corpus.write_bytes(b"".join(lines))
     out = tmp_path / "out"
-    run = run_prepare(prepare_args(corpus, out, **{"kinds": "[translation]", "ray.num_workers": 1}))
+    run = run_prepare(prepare_args(corpus, out, **{"tasks": "[translation]", "ray.num_workers": 1}))
     assert run.returncode == 0, run.stderr[-2000:]
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["sources"]["bad_bytes_replaced"] == 2
