@@ -8,6 +8,9 @@ The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List
+
+from omegaconf import MISSING
 
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
@@ -139,3 +142,77 @@ def check_config(cfg: TrainConfig) -> None:
         cfg.model.validate()
     except ValueError as err:
         raise UserError(str(err)) from err
+
+# The schemas of the other launch entry points. Each takes `[CONFIG.yaml] [key.sub=value ...]`
+# (`pipeline.configure.parse_cli`) except the main job, which, like training, takes a YAML;
+# a field set to MISSING has no default and must be given.
+
+
+@dataclass
+class MainConfig:
+    """The whole chain (`python -m launch.main CONFIG.yaml [key.sub=value ...]`)."""
+
+    out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
+    prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
+    data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
+    nproc: int = 2  # ranks of the pretraining and fine-tuning runs
+    zero_stage: int = 2  # deepspeed.zero_stage of every training run
+    gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
+    bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
+    translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
+    pretrain_steps: int = 500  # max_steps of each pretraining run
+    finetune_steps: int = 400  # max_steps of each fine-tuning run
+    # encoder/decoder starts of the fine-tuning runs
+    starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
+    beam: int = 4  # beam size of the evaluation
+    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
+    wandb_mode: str = "offline"  # wandb.mode of every training run
+
+
+@dataclass
+class ExportConfig:
+    """A run's checkpoint to plain weights (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
+
+    checkpoint: str = MISSING  # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
+    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model
+
+
+@dataclass
+class EvaluateConfig:
+    """BLEU and chrF of a translation model on one split (`python -m launch.evaluate checkpoint=...`)."""
+
+    checkpoint: str = MISSING  # an exported model directory (launch.export) or a training run
+    data_dir: str = ""  # the prepared dataset; "" = the one the checkpoint was trained on
+    split: str = "valid"  # train | valid | test
+    beam: int = 4  # beam size (1: greedy)
+    length_penalty: float = 1.0  # beam scores are divided by length ** this (0: no normalisation)
+    max_len: int = 0  # most tokens per hypothesis, </s> included; 0 = the model's max_seq_len
+    micro_batch_size: int = 32  # sources per batch and rank
+    limit: int = 0  # the split's first N pairs only; 0 = all
+    out: str = ""  # output directory; "" = CHECKPOINT/eval-SPLIT
+    zero_stage: int = 0  # 0, 1, 2 or 3; only 3 partitions anything at inference (the parameters)
+    deepspeed_config: str = ""  # a DeepSpeed JSON merged over the derived one (ZeRO-3)
+    threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
+    dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
+
+
+@dataclass
+class TranslateConfig:
+    """Text in, translations out, one per line (`python -m launch.translate checkpoint=...`)."""
+
+    checkpoint: str = MISSING  # an exported model directory (launch.export) or a training run
+    input: str = "-"  # UTF-8 text, one sentence per line; - = standard input
+    beam: int = 4  # beam size (1: greedy)
+    length_penalty: float = 1.0  # beam scores are divided by length ** this (0: no normalisation)
+    max_len: int = 0  # most tokens per translation, </s> included; 0 = the model's max_seq_len
+    micro_batch_size: int = 32  # lines per batch; output is flushed after each
+    device: str = ""  # torch device; "" = cuda if available, else cpu
+    threads: int = 0  # torch threads on CPU; 0 = torch's default
+
+
+@dataclass
+class ReportConfig:
+    """Loss curves of finished runs (`python -m launch.report out=OUT.png runs=[RUN_DIR,...]`)."""
+
+    out: str = MISSING  # the PNG written
+    runs: List[str] = MISSING  # run directories with a metrics.jsonl, e.g. [runs/tiny_gpt,runs/tiny_bert]

@@ -2,7 +2,8 @@
 
 One table per entry point lists every leaf key of its schema (nested dataclasses as dotted keys),
 its type, its default and its description: the comment written with the field, either `#` lines
-directly above it or a trailing `# ...`. The README keeps the generated text between two markers;
+directly above it or a trailing `# ...` (read by `pipeline.configure.field_comments`, which every
+entry point's `--help` uses too). The README keeps the generated text between two markers;
 `tests/test_config_reference.py` fails when it goes stale.
 
     python -m launch.config_reference                    # print the reference
@@ -13,74 +14,35 @@ directly above it or a trailing `# ...`. The README keeps the generated text bet
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import functools
-import inspect
-import io
 import itertools
 import sys
-import tokenize
 from pathlib import Path
 
-from launch.config import TrainConfig
-from launch.main import MainConfig
+from omegaconf import MISSING
+
+from launch.config import EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
 from pipeline.config import PrepareConfig
+from pipeline.configure import leaf_rows, show
+from pipeline.validate import ValidateConfig
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
-# (entry point, its schema), in the order a run uses them.
-SCHEMAS = (("pipeline.prepare", PrepareConfig), ("launch.train", TrainConfig), ("launch.main", MainConfig))
+# (entry point, its schema, whether the CONFIG.yaml is optional), in the order a run uses them.
+SCHEMAS = (
+    ("pipeline.prepare", PrepareConfig, False),
+    ("pipeline.validate", ValidateConfig, True),
+    ("launch.train", TrainConfig, False),
+    ("launch.export", ExportConfig, True),
+    ("launch.evaluate", EvaluateConfig, True),
+    ("launch.translate", TranslateConfig, True),
+    ("launch.report", ReportConfig, True),
+    ("launch.main", MainConfig, False),
+)
 
 
-@functools.cache
-def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment text: the `#` lines directly above it, then its trailing comment."""
-    source = inspect.getsource(cls)
-    lines = source.splitlines()
-    comments = {
-        tok.start[0]: tok.string.lstrip("#").strip()
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-        if tok.type == tokenize.COMMENT
-    }
-    described = {}
-    for node in ast.parse(source).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        above, n = [], node.lineno - 1
-        while n in comments and lines[n - 1].lstrip().startswith("#"):
-            above.insert(0, comments[n])
-            n -= 1
-        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        described[node.target.id] = " ".join(above + trailing)
-    return described
-
-
-def show(value) -> str:
-    """A default as one would write it in the YAML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return value or '""'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(show(v) for v in value) + "]"
-    return repr(value)
-
-
-def leaf_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) of every leaf field of `cls`, in field order."""
-    defaults, comments = cls(), field_comments(cls)
-    rows = []
-    for f in dataclasses.fields(cls):
-        value = getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            rows += leaf_rows(type(value), f"{prefix}{f.name}.")
-        else:
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            rows.append((prefix + f.name, kind, show(value), comments.get(f.name, "")))
-    return rows
+def _default(value) -> str:
+    # A required key has no default to show as a value: say so in words.
+    return "required" if value == MISSING else f"`{_cell(show(value))}`"
 
 
 def _cell(text: str) -> str:
@@ -92,12 +54,12 @@ def _cell(text: str) -> str:
 def reference() -> str:
     """The Markdown reference of every schema, ending in a newline."""
     out = []
-    for entry, cls in SCHEMAS:
+    for entry, cls, config_optional in SCHEMAS:
+        config = "[CONFIG.yaml]" if config_optional else "CONFIG.yaml"
         out += [f"### {entry}", "",
-                f"`python -m {entry} CONFIG.yaml [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.", "",
+                f"`python -m {entry} {config} [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.", "",
                 "| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{key}` | {_cell(kind)} | `{_cell(default)}` | {_cell(text)} |"
-                for key, kind, default, text in leaf_rows(cls)]
+        out += [f"| `{key}` | {_cell(kind)} | {_default(value)} | {_cell(text)} |" for key, kind, value, text in leaf_rows(cls)]
         out.append("")
     return "\n".join(out)
 

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence, TextIO
 
 import torch
 
+from launch.config import TrainConfig
 from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_run_checkpoint
 from model import ModelConfig, Seq2Seq, build_model
 from pipeline.configure import UserError, config_from_dict, load_config
@@ -49,8 +50,6 @@ def _run_data_dir(run_dir: Path) -> str:
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         return ""
-    from launch.config import TrainConfig
-
     try:
         return load_config(TrainConfig, config_file).data.data_dir
     except UserError:
@@ -106,11 +105,11 @@ def source_ids(ids: Sequence[int], max_source_tokens: int) -> tuple[list[int], b
     return ids[:max_source_tokens] + [EOS_ID], len(ids) > max_source_tokens
 
 
-def batch_plan(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def batch_plan(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
     """Batches of indices, longest sources first (less padding); ties keep their order.
     A function of the lengths alone, so every rank and every world size plans the same batches."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 
 
 def pad(sources: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +154,14 @@ def results_only_on_stdout() -> Iterator[TextIO]:
         yield real
 
 
-def check_decoding(model_cfg: ModelConfig, beam: int, max_len: int, batch_size: int) -> int:
-    """Validate the decoding options against the model; returns max_len (0 = the decoder's limit)."""
+def check_decoding(model_cfg: ModelConfig, beam: int, max_len: int, micro_batch_size: int) -> int:
+    """Validate the decoding keys against the model; returns max_len (0 = the decoder's limit)."""
     limit = model_cfg.max_seq_len
     max_len = max_len or limit
     if not 1 <= max_len <= limit:
-        raise UserError(f"--max-len {max_len}: must be in [1, the model's max_seq_len={limit}]")
+        raise UserError(f"max_len={max_len}: must be in [1, the model's max_seq_len={limit}]")
     if beam < 1 or 2 * beam > model_cfg.vocab_size:
-        raise UserError(f"--beam {beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})")
-    if batch_size < 1:
-        raise UserError(f"--batch-size {batch_size}: must be at least 1")
+        raise UserError(f"beam={beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})")
+    if micro_batch_size < 1:
+        raise UserError(f"micro_batch_size={micro_batch_size}: must be at least 1")
     return max_len

@@ -1,12 +1,13 @@
-"""`python -m launch.evaluate CHECKPOINT [options]`: corpus BLEU and chrF of a translation model on one split.
+"""`python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key=value ...]`: BLEU and chrF of a translation model.
 
-CHECKPOINT is an exported model directory (`launch.export`) or a training run (run directory,
-`checkpoints/` or a `step_*` checkpoint; consolidated on the fly). The split's pairs are read
+The keys are `launch.config.EvaluateConfig`'s (`--help` lists them). The checkpoint is an
+exported model directory (`launch.export`) or a training run (run directory, `checkpoints/`
+or a `step_*` checkpoint; consolidated on the fly). The split's pairs are read
 from the dataset's translation shards in manifest order, every shard checked against its
 sha256; sources and references are the SentencePiece decoding of the stored ids. Hypotheses
 come from batched beam search (`launch.decoding`); BLEU and chrF are sacrebleu's corpus
 scores (Post 2018, "A Call for Clarity in Reporting BLEU Scores"), printed with their
-signatures. Rank 0 writes, under --out (default CHECKPOINT/eval-SPLIT):
+signatures. Rank 0 writes, under `out` (default CHECKPOINT/eval-SPLIT):
 
     hypotheses.txt  one line per pair, in split order
     references.txt  sources.txt
@@ -16,16 +17,15 @@ The same command runs under torchrun, the deepspeed launcher or srun (`launch.di
 The batches are planned from the source lengths alone and dealt round-robin to the ranks, so
 each batch holds the same sentences, padded alike, whatever the world size; rank 0 gathers
 the hypotheses and puts them back in order: any world size gives the scores of one rank.
-Under ZeRO-3 (`--zero-stage 3`) every forward gathers parameters from every rank, so a rank
+Under ZeRO-3 (`zero_stage=3`) every forward gathers parameters from every rank, so a rank
 that stops early hangs the others (transformers#20130): each rank then runs the same number of
-batches (a short rank decodes a one-token dummy batch) and every batch exactly --max-len
+batches (a short rank decodes a one-token dummy batch) and every batch exactly `max_len`
 decoder steps (`generate(synced=True)`). Stages 1 and 2 partition only optimizer states and
 gradients, which evaluation has none of: there, as at stage 0, each rank holds the whole model.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tarfile
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from launch import distributed as dist
+from launch.config import EvaluateConfig
 from launch.decoding import (
     Checkpoint,
     batch_plan,
@@ -49,28 +50,13 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
-from pipeline.configure import UserError, run_main
+from pipeline.configure import UserError, parse_cli, run_main, strip_launcher_args
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
 from pipeline.tokenizer import load_tokenizer
 
+USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.sub=value ...]
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.evaluate", description="Corpus BLEU and chrF of a translation checkpoint on one split.")
-    parser.add_argument("checkpoint", help="exported model directory (launch.export) or training run directory")
-    parser.add_argument("--data", default="", help="prepared dataset (default: the one the checkpoint was trained on)")
-    parser.add_argument("--split", default="valid", choices=SPLITS)
-    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
-    parser.add_argument("--length-penalty", type=float, default=1.0)
-    parser.add_argument("--max-len", type=int, default=0, help="most tokens per hypothesis, </s> included (0: the model's max_seq_len)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sources per batch and rank")
-    parser.add_argument("--limit", type=int, default=0, help="the split's first N pairs only (0: all)")
-    parser.add_argument("--out", default="", help="output directory (default: CHECKPOINT/eval-SPLIT)")
-    parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    parser.add_argument("--deepspeed-config", default="", help="a DeepSpeed JSON merged over the derived one (ZeRO-3)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
-    parser.add_argument("--dist-timeout-s", type=int, default=600)
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    return parser
+Corpus BLEU and chrF of a translation model on one split; also under torchrun or the deepspeed launcher."""
 
 
 def read_pairs(data_dir: str | Path, split: str, limit: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -129,46 +115,50 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
-def evaluate(args: argparse.Namespace, stdout: TextIO | None = None) -> dict | None:
+def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     """Scores on rank 0 (None on the others), printed to `stdout` (default sys.stdout)."""
-    ckpt = inspect_checkpoint(args.checkpoint)
-    data_dir = args.data or ckpt.data_dir
+    if cfg.split not in SPLITS:
+        raise UserError(f"split: {cfg.split!r} is not one of {', '.join(SPLITS)}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"zero_stage: {cfg.zero_stage} is not 0, 1, 2 or 3")
+    ckpt = inspect_checkpoint(cfg.checkpoint)
+    data_dir = cfg.data_dir or ckpt.data_dir
     if not data_dir:
-        raise UserError(f"--data: {args.checkpoint} does not say which dataset it was trained on; name one")
+        raise UserError(f"data_dir: {cfg.checkpoint} does not say which dataset it was trained on; name one")
     check_tokenizer(ckpt, data_dir)  # before any compute
-    max_len = check_decoding(ckpt.model_cfg, args.beam, args.max_len, args.batch_size)
-    if args.limit < 0:
-        raise UserError(f"--limit {args.limit}: must be 0 (all) or more")
+    max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
+    if cfg.limit < 0:
+        raise UserError(f"limit={cfg.limit}: must be 0 (all) or more")
     user_ds = {}
-    if args.deepspeed_config:
-        path = Path(args.deepspeed_config)
+    if cfg.deepspeed_config:
+        path = Path(cfg.deepspeed_config)
         try:
             user_ds = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"--deepspeed-config: {path}: {err}") from err
-    out = Path(args.out or Path(args.checkpoint) / f"eval-{args.split}")
+            raise UserError(f"deepspeed_config: {path}: {err}") from err
+    out = Path(cfg.out or Path(cfg.checkpoint) / f"eval-{cfg.split}")
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     denv = dist.read_env()
-    dist.set_threads(args.threads, denv)
-    zero3 = args.zero_stage == 3
+    dist.set_threads(cfg.threads_per_rank, denv)
+    zero3 = cfg.zero_stage == 3
     if denv.world_size > 1 or zero3:
-        dist.init_process_group(denv, args.dist_timeout_s)
+        dist.init_process_group(denv, cfg.dist_timeout_s)
     try:
-        return _evaluate(args, ckpt, data_dir, max_len, user_ds, out, denv, zero3, stdout or sys.stdout)
+        return _evaluate(cfg, ckpt, data_dir, max_len, user_ds, out, denv, zero3, stdout or sys.stdout)
     finally:
         dist.destroy()
 
 
-def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out: Path, denv: dist.DistEnv, zero3: bool,
-              stdout: TextIO) -> dict | None:
-    pairs = read_pairs(data_dir, args.split, args.limit)
+def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out: Path, denv: dist.DistEnv,
+              zero3: bool, stdout: TextIO) -> dict | None:
+    pairs = read_pairs(data_dir, cfg.split, cfg.limit)
     sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
     model = load_model(ckpt)
     if zero3:
         from launch.engine import Engine, inference_config
 
-        engine = Engine(model, None, None, inference_config(args.batch_size, denv.world_size, user_ds))
+        engine = Engine(model, None, None, inference_config(cfg.micro_batch_size, denv.world_size, user_ds))
         model, device = engine.module, engine.device
         if denv.is_main:
             split, total = engine.partitioned()
@@ -177,13 +167,13 @@ def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out
         device = torch.device(f"cuda:{denv.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         model = model.to(device)
     if denv.is_main:
-        print(f"evaluating {ckpt.path} on {data_dir} {args.split}: {len(pairs)} pairs, beam {args.beam}, max_len {max_len}, "
-              f"world {denv.world_size}, ZeRO-{args.zero_stage}", file=sys.stderr)
+        print(f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam {cfg.beam}, max_len {max_len}, "
+              f"world {denv.world_size}, ZeRO-{cfg.zero_stage}", file=sys.stderr)
         if any(truncated):
             print(f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
                   "were truncated", file=sys.stderr)
 
-    plan = batch_plan([len(s) for s in sources], args.batch_size)
+    plan = batch_plan([len(s) for s in sources], cfg.micro_batch_size)
     mine = rank_batches(plan, denv.rank, denv.world_size)
     rounds = -(-len(plan) // denv.world_size)  # the most batches any rank has
     synced = zero3 and denv.world_size > 1
@@ -192,7 +182,7 @@ def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out
     for round_index in range(rounds if synced else len(mine)):
         indices = mine[round_index] if round_index < len(mine) else []
         batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
-        outputs = translate_ids(model, batch, beam=args.beam, max_len=max_len, length_penalty=args.length_penalty,
+        outputs = translate_ids(model, batch, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
                                 synced=synced, device=device)
         hypotheses.update(zip(indices, outputs))
     gathered = dist.all_gather_object(hypotheses)
@@ -207,10 +197,10 @@ def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out
     hyp_text = [detokenize(tokenizer, merged[i]) for i in range(len(pairs))]
     ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
     src_text = [detokenize(tokenizer, src) for src, _ in pairs]
-    result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": args.beam, "split": args.split,
-              "checkpoint": str(Path(args.checkpoint).resolve()), "data": str(Path(data_dir).resolve()),
-              "max_len": max_len, "length_penalty": args.length_penalty, "truncated_sources": sum(truncated),
-              "world_size": denv.world_size, "zero_stage": args.zero_stage, "decode_seconds": round(elapsed, 3)}
+    result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": cfg.beam, "split": cfg.split,
+              "checkpoint": str(Path(cfg.checkpoint).resolve()), "data": str(Path(data_dir).resolve()),
+              "max_len": max_len, "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
+              "world_size": denv.world_size, "zero_stage": cfg.zero_stage, "decode_seconds": round(elapsed, 3)}
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / "hypotheses.txt", hyp_text)
     _write_lines(out / "references.txt", ref_text)
@@ -223,9 +213,11 @@ def _evaluate(args, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Under the deepspeed launcher every rank also gets --local_rank=N; the rank comes from the environment.
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    cfg = parse_cli(EvaluateConfig, argv, usage=USAGE, config_optional=True)
     with results_only_on_stdout() as stdout:
-        evaluate(args, stdout)
+        evaluate(cfg, stdout)
     return 0
 
 

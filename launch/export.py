@@ -1,7 +1,7 @@
-"""`python -m launch.export CHECKPOINT OUT`: a DeepSpeed checkpoint to a self-contained model directory.
+"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR`: a DeepSpeed checkpoint to a self-contained model directory.
 
-CHECKPOINT is a run directory, its `checkpoints/` directory (the latest complete checkpoint
-is taken) or one `step_*` checkpoint, of any ZeRO stage. OUT receives:
+The checkpoint is a run directory, its `checkpoints/` directory (the latest complete
+checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receives:
 
     model.safetensors   consolidated fp32 weights (tied tensors stored once)
     config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256", "source"}
@@ -15,23 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from launch.checkpoint import checkpoint_root, latest_tag
+from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from pipeline.configure import UserError, config_from_dict, load_config, run_main
+from pipeline.configure import UserError, config_from_dict, load_config, parse_cli, run_main
 from pipeline.format import file_sha256
 
-if TYPE_CHECKING:  # launch.config imports model and pipeline; only the annotation needs it here
-    from launch.config import TrainConfig
+USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR
 
-USAGE = "usage: python -m launch.export CHECKPOINT OUT_DIR"
+A training checkpoint of any ZeRO stage to plain weights, config.json and tokenizer.model."""
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.model"
 
 
@@ -91,15 +90,13 @@ class RunCheckpoint:
 
     root: Path  # RUN_DIR/checkpoints
     tag: str
-    config: "TrainConfig"
+    config: TrainConfig
     tokenizer: Path
     client: dict  # client_state.json: step, tokens_seen, tokenizer_sha256, ...
 
 
 def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
     """The checkpoint a run dir, checkpoints dir or step_* dir names, with its run's config."""
-    from launch.config import TrainConfig
-
     root, tag = locate_checkpoint(path)
     config_file = root.parent / "config.yaml"
     if not config_file.is_file():
@@ -123,12 +120,9 @@ def export(checkpoint: str | Path, out: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(USAGE)
-        return 2
-    meta = export(argv[0], argv[1])
-    print(f"exported {meta['task']} step {meta['step']} from {meta['source']} to {argv[1]}")
+    cfg = parse_cli(ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    meta = export(cfg.checkpoint, cfg.out)
+    print(f"exported {meta['task']} step {meta['step']} from {meta['source']} to {cfg.out}")
     return 0
 
 

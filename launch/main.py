@@ -1,4 +1,4 @@
-"""`python -m launch.main CONFIG [key=value ...]`: the whole chain, stage by stage, with a summary.
+"""`python -m launch.main CONFIG.yaml [key.sub=value ...]`: the whole chain, stage by stage, with a summary.
 
 prepare (Ray) -> pretrain GPT and BERT (torchrun, DeepSpeed ZeRO) -> export -> fine-tune a
 translation model from each requested start (encoder/decoder: random, bert or gpt) for the
@@ -19,34 +19,16 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
 
+from launch.config import MainConfig
 from launch.report import plot_losses, read_metrics
 from pipeline.configure import UserError, parse_cli, run_main, save_config
 
-USAGE = "usage: python -m launch.main CONFIG.yaml [key.sub=value ...]"
+USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...]
+
+The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report."""
 SIDES = ("random", "bert", "gpt")
-
-
-@dataclass
-class MainConfig:
-    out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
-    prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
-    data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
-    nproc: int = 2  # ranks of the pretraining and fine-tuning runs
-    zero_stage: int = 2  # deepspeed.zero_stage of every training run
-    gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
-    bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
-    translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
-    pretrain_steps: int = 500  # max_steps of each pretraining run
-    finetune_steps: int = 400  # max_steps of each fine-tuning run
-    # encoder/decoder starts of the fine-tuning runs
-    starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
-    beam: int = 4  # beam size of the evaluation
-    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
-    wandb_mode: str = "offline"  # wandb.mode of every training run
 
 
 def _say(message: str) -> None:
@@ -103,11 +85,13 @@ def _check(cfg: MainConfig) -> list[tuple[str, str]]:
 def stage_prepare(cfg: MainConfig, logs: Path) -> None:
     data = Path(cfg.data_dir)
     if (data / "manifest.json").is_file():
-        check = subprocess.run([sys.executable, "-m", "pipeline.validate", str(data)], capture_output=True, text=True)
+        check = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], capture_output=True, text=True)
         if check.returncode == 0:
             _say(f"prepare: skipped, {data} exists and validates")
             return
-        _say(f"prepare: {data} does not validate ({check.stdout.strip().splitlines()[-1]}); preparing it again")
+        # The summary line, or the one-line error of a dataset it cannot read (an older format).
+        said = check.stdout.strip().splitlines() or check.stderr.strip().splitlines() or [f"exit {check.returncode}"]
+        _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
     _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, f"output_dir={data}", "overwrite=true",
                      "progress=false"], logs / "prepare.log")
 
@@ -126,7 +110,8 @@ def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Pat
     if exported.is_file() and json.loads(exported.read_text()).get("step") == cfg.pretrain_steps:
         _say(f"export {name}: skipped, {export} holds step {cfg.pretrain_steps}")
     else:
-        _run(f"export {name}", [sys.executable, "-m", "launch.export", str(run_dir), str(export)], logs / f"export-{name}.log")
+        _run(f"export {name}", [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
+             logs / f"export-{name}.log")
     return export
 
 
@@ -149,8 +134,8 @@ def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path) -> di
     out = run_dir / f"eval-{split}"
     scores = out / "scores.json"
     if not scores.is_file():
-        _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", str(run_dir), "--data", cfg.data_dir,
-                                                  "--split", split, "--beam", str(cfg.beam), "--out", str(out)],
+        _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}",
+                                                  f"data_dir={cfg.data_dir}", f"split={split}", f"beam={cfg.beam}", f"out={out}"],
              logs / f"evaluate-{run_dir.name}-{split}.log")
     else:
         _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")

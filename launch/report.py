@@ -1,6 +1,6 @@
 """Loss curves of finished runs as PNG, from their `metrics.jsonl` (the same rows W&B gets).
 
-`python -m launch.report OUT.png RUN_DIR [RUN_DIR ...]` plots any runs; `launch.main` calls
+`python -m launch.report out=OUT.png runs=[RUN_DIR,...]` plots any runs; `launch.main` calls
 `plot_losses` for its report directory. Training loss is a line, validation loss markers on
 the same colour, against tokens seen (runs of different batch sizes share an axis that way).
 """
@@ -15,8 +15,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 
+from launch.config import ReportConfig  # noqa: E402
 from launch.tracking import read_metrics_rows  # noqa: E402
-from pipeline.configure import UserError, run_main  # noqa: E402
+from pipeline.configure import UserError, parse_cli, run_main  # noqa: E402
+
+USAGE = """usage: python -m launch.report [CONFIG.yaml] out=OUT.png runs=[RUN_DIR,...]
+
+Training and validation loss of finished runs against tokens seen, as one PNG."""
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -63,10 +68,10 @@ def plot_losses(runs: dict[str, Path], path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        raise UserError("usage: python -m launch.report OUT.png RUN_DIR [RUN_DIR ...]")
-    out, run_dirs = Path(argv[0]), [Path(a) for a in argv[1:]]
+    cfg = parse_cli(ReportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    if not cfg.runs:
+        raise UserError("runs: name at least one run directory, e.g. runs=[runs/tiny_gpt]")
+    out, run_dirs = Path(cfg.out), [Path(d) for d in cfg.runs]
     plot_losses({d.name: d for d in run_dirs}, out, "loss")
     print(out)
     return 0

@@ -1,8 +1,9 @@
-"""`python -m launch.translate --checkpoint DIR [--input FILE] [options]`: translate text, one sentence per line.
+"""`python -m launch.translate [CONFIG.yaml] checkpoint=DIR [key=value ...]`: translate text, line by line.
 
-Reads UTF-8 source sentences from standard input (or --input), undecodable bytes replaced, and
-writes one translation per line to standard output, in input order, flushed after every batch
-of --batch-size lines (a pipe sees output before its input ends). A line that encodes to no
+The keys are `launch.config.TranslateConfig`'s (`--help` lists them). Reads UTF-8 source
+sentences from standard input (or `input`), undecodable bytes replaced, and writes one
+translation per line to standard output, in input order, flushed after every batch of
+`micro_batch_size` lines (a pipe sees output before its input ends). A line that encodes to no
 tokens (an empty or blank line) gives an empty line. A line longer than the model's limit is
 cut to it, with a warning on standard error naming the line. DIR is an exported model
 directory (`launch.export`) or a training run; the tokenizer is the one beside its weights.
@@ -11,7 +12,6 @@ Encoding, batching and decoding are `launch.decoding`'s, the same as `launch.eva
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
 import sys
@@ -19,6 +19,7 @@ from typing import BinaryIO, Iterable, TextIO
 
 import torch
 
+from launch.config import TranslateConfig
 from launch.decoding import (
     check_decoding,
     detokenize,
@@ -28,33 +29,24 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
-from pipeline.configure import UserError, run_main
+from pipeline.configure import UserError, parse_cli, run_main
 from pipeline.tokenizer import load_tokenizer
 
+USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input=FILE] [key.sub=value ...]
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.translate", description="Translate text, one sentence per line.")
-    parser.add_argument("--checkpoint", required=True, help="exported model directory (launch.export) or training run directory")
-    parser.add_argument("--input", default="-", help="UTF-8 text file, one sentence per line (default: standard input)")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
-    parser.add_argument("--length-penalty", type=float, default=1.0)
-    parser.add_argument("--max-len", type=int, default=0, help="most tokens per translation, </s> included (0: the model's max_seq_len)")
-    parser.add_argument("--batch-size", type=int, default=32, help="lines per batch")
-    parser.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
-    return parser
+Translate UTF-8 text, one sentence per line, from standard input (or input=FILE) to standard output."""
 
 
-def translate_lines(args: argparse.Namespace, lines: Iterable[str], out: TextIO, err: TextIO) -> dict:
+def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO) -> dict:
     """Translate `lines` (without their newlines) to `out`; returns counts."""
-    ckpt = inspect_checkpoint(args.checkpoint)
-    max_len = check_decoding(ckpt.model_cfg, args.beam, args.max_len, args.batch_size)
+    ckpt = inspect_checkpoint(cfg.checkpoint)
+    max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
     tokenizer = load_tokenizer(ckpt.tokenizer_path)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(ckpt).to(device)
     counts = {"lines": 0, "empty": 0, "truncated": 0}
     lines = iter(lines)
-    while chunk := list(itertools.islice(lines, args.batch_size)):
+    while chunk := list(itertools.islice(lines, cfg.micro_batch_size)):
         encoded = [tokenizer.encode(line) for line in chunk]
         sources = []
         for offset, ids in enumerate(encoded):
@@ -65,7 +57,7 @@ def translate_lines(args: argparse.Namespace, lines: Iterable[str], out: TextIO,
                     counts["truncated"] += 1
                     print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
                           f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
-        outputs = iter(translate_ids(model, sources, beam=args.beam, max_len=max_len, length_penalty=args.length_penalty,
+        outputs = iter(translate_ids(model, sources, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
                                      device=device) if sources else [])
         out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
         out.flush()
@@ -84,20 +76,20 @@ def _read_lines(stream: BinaryIO) -> Iterable[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.input == "-":
+    cfg = parse_cli(TranslateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.input == "-":
         source = sys.stdin.buffer
     else:
         try:
-            source = open(args.input, "rb")
+            source = open(cfg.input, "rb")
         except OSError as err:
-            raise UserError(f"--input: {err}") from err
+            raise UserError(f"input: {err}") from err
     with source, results_only_on_stdout() as stdout:
         out = io.TextIOWrapper(stdout.buffer, encoding="utf-8", newline="\n", write_through=True)
         try:
-            counts = translate_lines(args, _read_lines(source), out, sys.stderr)
+            counts = translate_lines(cfg, _read_lines(source), out, sys.stderr)
         finally:
             out.detach()  # sys.stdout keeps its buffer
     print(f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",

@@ -3,7 +3,17 @@
 The dataclasses of each package are the schema (OmegaConf structured configs); a YAML file
 under `configs/` is an instance; command-line overrides come last. Precedence is
 command line > YAML > dataclass defaults. An unknown key, a wrong type or a missing
-required value fails with one line naming the key and where it came from.
+required value (a field defaulting to OmegaConf's `MISSING`) fails with one line naming the
+key and where it came from.
+
+Every entry point has the same command-line grammar (`parse_cli`):
+
+    python -m ENTRY CONFIG.yaml [key.sub=value ...]      training, prepare, the main job
+    python -m ENTRY [CONFIG.yaml] [key.sub=value ...]    the tools (evaluate, translate, export, ...)
+
+and `--help` prints the usage with every key of the schema, its default and its description:
+the comment written with the field (`field_comments`, which the README's configuration
+reference, `launch.config_reference`, is generated from too).
 
 This module also holds `UserError` and `run_main`, the one place where a bad input becomes
 a one-line message and a non-zero exit instead of a traceback. It lives in `pipeline/`
@@ -13,10 +23,17 @@ reverse) and imports nothing from the other packages.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import io
 import json
 import os
+import shutil
 import sys
+import textwrap
+import tokenize
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -60,6 +77,12 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
             base = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as err:
             raise UserError(f"command line {item!r}: {_describe(err)}") from err
+    # Named here, all at once: OmegaConf would report only the first, in a sentence about the
+    # dataclass rather than the command line.
+    missing = sorted(OmegaConf.missing_keys(base))
+    if missing:
+        given_as = " ".join(f"{key}=..." for key in missing)
+        raise UserError(f"{', '.join(missing)}: required, not given ({given_as})")
     try:
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
@@ -84,13 +107,123 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
-def parse_cli(schema: type[T], argv: Sequence[str] | None = None, *, usage: str) -> T:
-    """`CONFIG [key=value ...]` from the command line into a `schema` instance."""
+CONFIG_SUFFIXES = (".yaml", ".yml")
+HELP_FLAGS = ("-h", "--help")
+
+
+def parse_cli(schema: type[T], argv: Sequence[str] | None = None, *, usage: str, config_optional: bool = False) -> T:
+    """The command line into a `schema` instance: `CONFIG.yaml [key.sub=value ...]`, or with
+    `config_optional` `[CONFIG.yaml] [key.sub=value ...]`, where a first argument is the file
+    when it ends in .yaml/.yml and has no `=`.
+
+    `-h`/`--help` anywhere prints `usage` and the schema's keys, exit 0. No arguments where
+    some are needed (the file, or a key without a default) prints `usage` on stderr, exit 2.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        raise SystemExit(0 if argv else 2)
+    if any(arg in HELP_FLAGS for arg in argv):
+        try:
+            print(help_text(schema, usage), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader stopped early, which is no error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
+    if not argv and (not config_optional or required_keys(schema)):
+        print(f"{usage}\n\n--help lists every key with its default.", file=sys.stderr)
+        raise SystemExit(2)
+    if config_optional:
+        if argv and "=" not in argv[0] and argv[0].endswith(CONFIG_SUFFIXES):
+            return load_config(schema, argv[0], argv[1:])
+        return load_config(schema, None, argv)
+    if "=" in argv[0]:
+        raise UserError(f"{argv[0]!r}: the first argument is the CONFIG.yaml file; key.sub=value overrides follow it")
     return load_config(schema, argv[0], argv[1:])
+
+
+def strip_launcher_args(argv: Sequence[str]) -> list[str]:
+    """`argv` without the `--local_rank=N` (or `--local_rank N`) the deepspeed launcher appends;
+    the rank is read from the environment instead."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--local_rank":
+            skip = True
+        elif not arg.startswith("--local_rank="):
+            out.append(arg)
+    return out
+
+
+def required_keys(schema: type) -> list[str]:
+    """The dotted keys of `schema` that have no default (OmegaConf's MISSING)."""
+    return sorted(OmegaConf.missing_keys(OmegaConf.structured(schema)))
+
+
+def help_text(schema: type, usage: str, width: int | None = None) -> str:
+    """`usage`, then one entry per leaf key: `key=default` and the field's comment."""
+    width = width or min(shutil.get_terminal_size((100, 24)).columns, 100)
+    rows = leaf_rows(schema)
+    required = "; ??? = required, no default" if required_keys(schema) else ""
+    lines = [usage, "", f"Keys (command line > YAML > defaults{required}):"]
+    column = min(max(len(f"{key}={show(value)}") for key, _, value, _ in rows) + 4, 36)
+    for key, kind, value, text in rows:
+        head = f"  {key}={show(value)}"
+        body = f"{text} [{kind}]" if text else f"[{kind}]"
+        indent = " " * column
+        if len(head) >= column - 1:  # a long key=default gets a line of its own
+            lines.append(head)
+            head = ""
+        lines.append(textwrap.fill(body, width, initial_indent=head.ljust(column), subsequent_indent=indent))
+    return "\n".join(lines)
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment text: the `#` lines directly above it, then its trailing comment."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    described = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, n = [], node.lineno - 1
+        while n in comments and lines[n - 1].lstrip().startswith("#"):
+            above.insert(0, comments[n])
+            n -= 1
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        described[node.target.id] = " ".join(above + trailing)
+    return described
+
+
+def leaf_rows(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default value, description) of every leaf field of `cls`, in field
+    order; a required field's default is MISSING."""
+    defaults, comments = cls(), field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += leaf_rows(type(value), f"{prefix}{f.name}.")
+        else:
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            rows.append((prefix + f.name, kind, value, comments.get(f.name, "")))
+    return rows
+
+
+def show(value: Any) -> str:
+    """A default as one would write it in the YAML (MISSING is `???` there too)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value or '""'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    return repr(value)
 
 
 def run_main(main: Callable[[], Any]) -> None:

@@ -1,4 +1,4 @@
-"""`python -m pipeline.validate DIR`: re-check a prepared dataset against its manifest.
+"""`python -m pipeline.validate [CONFIG.yaml] data_dir=DIR`: re-check a prepared dataset against its manifest.
 
 Every shard must exist with the recorded size and sha256, read as a WebDataset with the
 recorded sample and token counts and the dataset's fields, and the tokenizer file must
@@ -8,12 +8,24 @@ match its recorded hash. Each problem is printed on its own line; any problem ex
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.configure import UserError, run_main
+from omegaconf import MISSING
+
+from pipeline.configure import UserError, parse_cli, run_main
 from pipeline.format import FIELDS, decode_array, file_sha256, read_manifest
 
-USAGE = "usage: python -m pipeline.validate DATA_DIR"
+USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
+
+Re-check a prepared dataset's shards and tokenizer against its manifest; exit 1 on any problem."""
+
+
+@dataclass
+class ValidateConfig:
+    """The keys of `python -m pipeline.validate`."""
+
+    data_dir: str = MISSING  # a dataset written by pipeline.prepare (its output_dir)
 
 
 def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
@@ -65,18 +77,15 @@ def validate(data_dir: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if not Path(argv[0]).is_dir():
-        raise UserError(f"not a directory: {argv[0]}")
-    manifest = read_manifest(argv[0])
-    problems = validate(argv[0])
+    cfg = parse_cli(ValidateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    if not Path(cfg.data_dir).is_dir():
+        raise UserError(f"data_dir: not a directory: {cfg.data_dir}")
+    manifest = read_manifest(cfg.data_dir)
+    problems = validate(cfg.data_dir)
     shards = sum(len(e["shards"]) for d in manifest["datasets"].values() for e in d["splits"].values())
     for problem in problems:
         print(f"FAIL {problem}")
-    print(f"{argv[0]}: {shards} shards checked, {len(problems)} problem(s)")
+    print(f"{cfg.data_dir}: {shards} shards checked, {len(problems)} problem(s)")
     return 1 if problems else 0
 
 

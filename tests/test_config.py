@@ -65,7 +65,8 @@ def test_every_config_in_configs_validates(path):
         assert load_config(PrepareConfig, path).tasks
         return
     if path.name.startswith(("main", "transfer")):
-        from launch.main import MainConfig, _check
+        from launch.config import MainConfig
+        from launch.main import _check
 
         assert _check(load_config(MainConfig, path))
         return

@@ -29,7 +29,7 @@ FINETUNE = ["model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.max_
             "wandb.mode=disabled", "threads_per_rank=1"]
 # 500 train pairs in 11 batches of 48: under 2 ranks one rank has a batch fewer, so the
 # dummy batch that keeps it in step under ZeRO-3 is exercised.
-DECODE = ["--split", "train", "--beam", "4", "--max-len", "40", "--batch-size", "48"]
+DECODE = ["split=train", "beam=4", "max_len=40", "micro_batch_size=48"]
 # Above which a tiny model has learnt to translate the data it was trained on. A model that
 # learnt only the word frequencies scores under 10 (common words match, 4-grams do not); the
 # memorised word-for-word pairs score about 85, short only of some of the sentence-final
@@ -110,7 +110,7 @@ def test_tokenizer_mismatch_is_refused_before_any_compute(tiny_dataset, tmp_path
     exported = tmp_path / "export"
     _export_random_model(exported, other)
 
-    result = python_m("launch.evaluate", str(exported), "--data", str(tiny_dataset), "--split", "valid")
+    result = python_m("launch.evaluate", f"checkpoint={exported}", f"data_dir={tiny_dataset}", "split=valid")
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr[-3000:]
     assert stderr.count("\n") == 1 and stderr.startswith("error: tokenizer mismatch"), stderr
@@ -118,7 +118,7 @@ def test_tokenizer_mismatch_is_refused_before_any_compute(tiny_dataset, tmp_path
 
     # The translate command refuses a tokenizer file that is not the one the weights were trained with.
     (exported / "tokenizer.model").write_bytes((tiny_dataset / "tokenizer.model").read_bytes())
-    result = python_m("launch.translate", "--checkpoint", str(exported), stdin=b"the red cat\n")
+    result = python_m("launch.translate", f"checkpoint={exported}", stdin=b"the red cat\n")
     assert result.returncode == 2 and result.stderr.decode().startswith("error: "), result.stderr.decode()[-3000:]
     assert "not the tokenizer the model was trained with" in result.stderr.decode()
 
@@ -134,7 +134,7 @@ def finetuned(tiny_dataset, tmp_path_factory) -> dict:
     train = python_m("launch.train", str(ROOT / "configs" / "tiny_translation.yaml"), f"data.data_dir={tiny_dataset}",
                      f"run_dir={run_dir}", *FINETUNE)
     assert train.returncode == 0, train.stderr.decode()[-4000:]
-    export = python_m("launch.export", str(run_dir), str(exported))
+    export = python_m("launch.export", f"checkpoint={run_dir}", f"out={exported}")
     assert export.returncode == 0, export.stderr.decode()[-4000:]
     return {"run": run_dir, "export": exported, "data": tiny_dataset}
 
@@ -144,7 +144,7 @@ def train_eval(finetuned) -> Path:
     """One rank, no DeepSpeed engine: the run directory evaluated directly (consolidated on the fly)
     on the train split, the dataset taken from the run's config."""
     out = finetuned["run"] / "eval-train-1rank"
-    result = python_m("launch.evaluate", str(finetuned["run"]), *DECODE, "--out", str(out))
+    result = python_m("launch.evaluate", f"checkpoint={finetuned['run']}", *DECODE, f"out={out}")
     assert result.returncode == 0, result.stderr.decode()[-4000:]
     (out / "stdout.txt").write_bytes(result.stdout)
     return out
@@ -182,8 +182,8 @@ def test_translate_round_trip_matches_evaluation(train_eval, finetuned):
     given[8:8] = [long_line.encode()]  # line 9: too long
     given[12:12] = [b"  "]  # line 13: blank, no tokens
     given[15:15] = [b"the old \xff\xfe file"]  # line 16: not UTF-8
-    result = python_m("launch.translate", "--checkpoint", str(finetuned["export"]), "--beam", "4", "--max-len", "40",
-                      "--batch-size", "8", stdin=b"\n".join(given) + b"\n")
+    result = python_m("launch.translate", f"checkpoint={finetuned['export']}", "beam=4", "max_len=40", "micro_batch_size=8",
+                      stdin=b"\n".join(given) + b"\n")
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr[-4000:]
     out = result.stdout.decode("utf-8").split("\n")
@@ -196,10 +196,10 @@ def test_translate_round_trip_matches_evaluation(train_eval, finetuned):
     assert "translated 22 lines (2 empty, 1 truncated)" in stderr
     assert [o for i, o in enumerate(out) if i not in (3, 8, 12, 15)] == hypotheses
 
-    # --input FILE reads the same; greedy decoding (--beam 1) works too.
+    # input=FILE reads the same; greedy decoding (beam=1) works too.
     source_file = finetuned["run"] / "sources-5.txt"
     source_file.write_text("\n".join(sources[:5]) + "\n", encoding="utf-8")
-    greedy = python_m("launch.translate", "--checkpoint", str(finetuned["export"]), "--input", str(source_file), "--beam", "1")
+    greedy = python_m("launch.translate", f"checkpoint={finetuned['export']}", f"input={source_file}", "beam=1")
     assert greedy.returncode == 0, greedy.stderr.decode()[-4000:]
     assert len(greedy.stdout.decode().split("\n")) == 6
 
@@ -212,8 +212,8 @@ def test_two_ranks_zero3_equal_one_rank(train_eval, finetuned, tmp_path):
     ds_config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     out = tmp_path / "eval-2ranks"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "launch.evaluate",
-               str(finetuned["export"]), "--data", str(finetuned["data"]), *DECODE, "--zero-stage", "3",
-               "--deepspeed-config", str(ds_config), "--threads", "1", "--out", str(out)]
+               f"checkpoint={finetuned['export']}", f"data_dir={finetuned['data']}", *DECODE, "zero_stage=3",
+               f"deepspeed_config={ds_config}", "threads_per_rank=1", f"out={out}"]
     result = run(*command)
     stderr = result.stderr.decode()
     if result.returncode != 0 and "terminate called without an active exception" in stderr:

@@ -1,0 +1,141 @@
+"""One command-line grammar for every entry point (`pipeline.configure.parse_cli`).
+
+`python -m ENTRY [CONFIG.yaml] [key.sub=value ...]`: `--help` prints the usage and the schema's
+keys and exits 0 everywhere; no arguments where some are needed prints the usage and exits 2;
+a missing required key or an unknown one is one `error:` line and exit 2.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import List
+
+import pytest
+from omegaconf import MISSING
+
+from conftest import ROOT
+from launch.config import EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
+from pipeline.config import PrepareConfig
+from pipeline.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
+from pipeline.validate import ValidateConfig
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+# Every `python -m` entry point of the project, with the schema its command line fills.
+ENTRY_POINTS = {
+    "pipeline.prepare": PrepareConfig,
+    "pipeline.validate": ValidateConfig,
+    "launch.train": TrainConfig,
+    "launch.export": ExportConfig,
+    "launch.evaluate": EvaluateConfig,
+    "launch.translate": TranslateConfig,
+    "launch.report": ReportConfig,
+    "launch.main": MainConfig,
+    "launch.config_reference": None,  # a README tool with its own two flags
+}
+
+
+def python_m(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_help_prints_the_usage_and_every_key_and_exits_0(module):
+    run = python_m(module, "--help")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith(f"usage: python -m {module}"), run.stdout[:500]
+    schema = ENTRY_POINTS[module]
+    if schema is None:
+        assert "--write README" in run.stdout
+        return
+    for key, _, _, _ in leaf_rows(schema):
+        assert f"  {key}=" in run.stdout, key
+
+
+@pytest.mark.parametrize("module", [m for m in ENTRY_POINTS if m not in ("launch.train", "pipeline.prepare", "launch.config_reference")])
+def test_no_arguments_prints_the_usage_and_exits_2(module, capsys):
+    # launch.train and pipeline.prepare call the same parse_cli (test_required_config_file below).
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main([])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"usage: python -m {module}")
+
+
+@pytest.mark.parametrize("module", ["launch.evaluate", "launch.translate"])
+@pytest.mark.parametrize("args, expected", [
+    (["beam=2"], "error: checkpoint: required, not given"),
+    (["checkpoint=runs/x", "batch_size=4"], "error: command line 'batch_size=4': batch_size: unknown key"),
+    (["checkpoint=runs/x", "--beam", "4"], "error: override '--beam' is not of the form key.sub=value"),
+])
+def test_missing_or_unknown_key_is_one_line_and_exit_2(module, args, expected):
+    run = python_m(module, *args)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith(expected), run.stderr
+    assert run.stdout == ""
+
+
+# ----------------------------------------------------------------------------- parse_cli itself
+
+
+@dataclass
+class Tool:
+    checkpoint: str = MISSING  # where the weights are
+    # how many
+    # at once
+    beam: int = 4
+    runs: List[str] = field(default_factory=list)  # run directories
+
+
+def test_optional_config_file_is_the_first_yaml_argument(tmp_path):
+    path = tmp_path / "tool.yml"
+    path.write_text("checkpoint: from_yaml\nbeam: 2\n")
+    assert parse_cli(Tool, [str(path), "beam=3"], usage="u", config_optional=True) == Tool("from_yaml", 3)
+    assert parse_cli(Tool, ["checkpoint=c", "runs=[a,b]"], usage="u", config_optional=True) == Tool("c", 4, ["a", "b"])
+    # A value that ends in .yaml is an override, not the file.
+    assert parse_cli(Tool, ["checkpoint=c.yaml"], usage="u", config_optional=True).checkpoint == "c.yaml"
+    with pytest.raises(UserError, match=r"^checkpoint: required, not given \(checkpoint=\.\.\.\)$"):
+        parse_cli(Tool, ["beam=1"], usage="u", config_optional=True)
+
+
+def test_required_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(PrepareConfig, [], usage="usage: prepare CONFIG.yaml")
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("usage: prepare CONFIG.yaml")
+    with pytest.raises(UserError, match="the first argument is the CONFIG.yaml file"):
+        parse_cli(PrepareConfig, ["seq_len=64"], usage="u")
+    path = tmp_path / "p.yaml"
+    path.write_text("seq_len: 64\n")
+    assert parse_cli(PrepareConfig, [str(path), "shard.buckets=5"], usage="u").shard.buckets == 5
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_anywhere_lists_keys_defaults_and_field_comments(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(Tool, ["beam=2", flag], usage="usage: tool [CONFIG.yaml] checkpoint=DIR", config_optional=True)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out == help_text(Tool, "usage: tool [CONFIG.yaml] checkpoint=DIR") + "\n"
+    assert out.startswith("usage: tool [CONFIG.yaml] checkpoint=DIR\n")
+    assert "??? = required" in out
+    lines = out.splitlines()
+    assert any(line.startswith("  checkpoint=???") and line.endswith("where the weights are [str]") for line in lines)
+    assert any(line.startswith("  beam=4") and line.endswith("how many at once [int]") for line in lines)
+    assert any(line.startswith("  runs=[]") and "run directories" in line for line in lines)
+
+
+def test_one_reader_of_field_comments():
+    assert field_comments(Tool) == {"checkpoint": "where the weights are", "beam": "how many at once", "runs": "run directories"}
+    for schema in (EvaluateConfig, TranslateConfig, ExportConfig, ReportConfig, ValidateConfig, MainConfig):
+        assert all(field_comments(schema).values()), schema  # every field documented
+
+
+def test_launcher_arguments_are_dropped():
+    assert strip_launcher_args(["--local_rank=1", "checkpoint=x"]) == ["checkpoint=x"]
+    assert strip_launcher_args(["checkpoint=x", "--local_rank", "1", "beam=2"]) == ["checkpoint=x", "beam=2"]
+    from launch.evaluate import main
+
+    # The deepspeed launcher's --local_rank=N reaches evaluate's checks, not the grammar's.
+    with pytest.raises(UserError, match="checkpoint not found"):
+        main(["--local_rank=0", "checkpoint=/nonexistent/run"])
