@@ -35,6 +35,13 @@ class SourceConfig:
     # Longer monolingual documents are cut into pieces of at most this many characters,
     # so one pathological line never holds a whole file's worth of memory downstream.
     max_doc_chars: int = 20000
+    # A text (either side of a pair) in which more than this fraction of the characters are
+    # U+FFFD, put in for bytes that are not valid UTF-8 (or not the catalog's charset), is
+    # dropped and counted as `undecodable_dropped`: binary or random data comes out near 0.45,
+    # while a stray bad byte in a sentence, or Latin-1 text read as UTF-8 (1-3% of the
+    # characters), stays below and is kept, replaced. A source in which over half the texts
+    # are dropped for this stops prepare. 1.0 keeps every text.
+    max_replaced_fraction: float = 0.1
 
 
 @dataclass
@@ -94,6 +101,7 @@ class RayConfig:
 class PrepareConfig:
     output_dir: str = "data/gettext-en-de"  # the dataset: shards, manifest.json, tokenizer
     overwrite: bool = False  # replace an existing output_dir (refused otherwise)
+    keep_partial: bool = False  # keep OUTPUT_DIR.partial after a failed or interrupted run, to debug it
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     source: SourceConfig = field(default_factory=SourceConfig)

@@ -6,26 +6,63 @@ for what each task does and `pipeline.format` for what is written.
 
 Everything is built in `OUTPUT_DIR.partial` and moved into place only when complete, so an
 interrupted run never leaves a directory that looks prepared, and an existing dataset is
-replaced only with `overwrite=true`.
+replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM)
+removes its staging directory (`keep_partial=true` keeps it to debug) and stops the local
+Ray it started. `OUTPUT_DIR.lock` (`pipeline.lock`) is held for the whole run, so a second
+prepare of the same output fails at once, naming the first.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 from pipeline.config import TASKS, PrepareConfig
-from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config
+from pipeline.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
-from pipeline.sources import expand_paths, is_parallel, plan_units
+from pipeline.lock import dir_lock
+from pipeline.sources import Unit, check_usable, describe_skipped, expand_paths, is_parallel, plan_units
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 CHUNK_BYTES = 64 << 20  # large text files are scanned in ranges of this size
+LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
+
+
+def prepare(cfg: PrepareConfig) -> dict:
+    """Run the whole preparation; returns the manifest."""
+    check_config(cfg)
+    started = time.time()
+    output = Path(cfg.output_dir)
+    files = expand_paths(cfg.source)
+    units = plan_units(files, cfg.source, CHUNK_BYTES)
+    given_model = None
+    if cfg.tokenizer.model_path:
+        path = Path(cfg.tokenizer.model_path)
+        if not path.is_file():
+            raise UserError(f"tokenizer.model_path: file not found: {path}")
+        given_model = path.read_bytes()
+        processor_from_bytes(given_model, source=str(path))
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
+    # The lock file lies beside the output rather than in it or in its staging directory:
+    # both are deleted and renamed during a run, and a lock must stay one file for as long as
+    # anyone may contend for it. Taken before the staging directory is touched, since a
+    # second run would otherwise delete the first one's work as "left by an interrupted run".
+    with dir_lock(output, what="prepare", lock_file=output.with_name(output.name + LOCK_SUFFIX)):
+        staging = _staging_dir(output, cfg.overwrite)
+        try:
+            log(f"prepare: {len(files)} files in {len(units)} units -> {output} ({cfg.ray.num_workers} Ray workers)")
+            manifest = _build(cfg, files, units, given_model, staging, started, log)
+            _publish(staging, output)
+        except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
+            _discard(staging, cfg.keep_partial, err, log)
+            raise
+    return manifest
 
 
 def check_config(cfg: PrepareConfig) -> None:
@@ -40,6 +77,8 @@ def check_config(cfg: PrepareConfig) -> None:
         raise UserError("split.valid and split.test: fractions in [0, 1) that leave some training data")
     if cfg.shard.buckets < 1 or cfg.shard.max_samples < 1:
         raise UserError("shard.buckets and shard.max_samples: must be at least 1")
+    if not 0 <= cfg.source.max_replaced_fraction <= 1:
+        raise UserError(f"source.max_replaced_fraction: a fraction in [0, 1], got {cfg.source.max_replaced_fraction}")
 
 
 def _staging_dir(output: Path, overwrite: bool) -> Path:
@@ -48,59 +87,40 @@ def _staging_dir(output: Path, overwrite: bool) -> Path:
     if output.exists() and not overwrite and any(output.iterdir()):
         raise UserError(f"{output} exists and is not empty; pass overwrite=true to replace it")
     staging = output.with_name(output.name + ".partial")
-    if staging.exists():  # left by an interrupted run
+    if staging.exists():  # kept with keep_partial, or left by a run killed outright (kill -9, a lost node)
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     return staging
 
 
-def _publish(staging: Path, output: Path) -> None:
-    """Swap the finished staging directory into place; the old output survives until then."""
-    old = output.with_name(output.name + ".old")
-    if output.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        output.rename(old)
-    staging.rename(output)
-    if old.exists():
-        shutil.rmtree(old)
+def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
+    """After a failure: remove the staging directory, so that failed runs do not pile up."""
+    why = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    if keep:
+        # Printed whatever `progress` says: the user asked for it and needs to know where it is.
+        print(f"prepare: {why}; kept {staging} (keep_partial=true)", file=sys.stderr, flush=True)
+        return
+    shutil.rmtree(staging, ignore_errors=True)
+    log(f"prepare: {why}; removed {staging}")
 
 
-def _merge_stats(results: list[dict]) -> dict:
-    total: Counter = Counter()
-    for result in results:
-        total.update(result["stats"])
-    return dict(sorted(total.items()))
-
-
-def prepare(cfg: PrepareConfig) -> dict:
-    """Run the whole preparation; returns the manifest."""
+def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model: bytes | None, staging: Path,
+           started: float, log) -> dict:
+    """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.ray_runner import ray_session, run_tasks
     from pipeline.work import encode_bucket, scan_unit
 
-    check_config(cfg)
-    started = time.time()
-    output = Path(cfg.output_dir)
-    files = expand_paths(cfg.source)
-    units = plan_units(files, cfg.source, CHUNK_BYTES)
-    given_model = None
-    if cfg.tokenizer.model_path:
-        path = Path(cfg.tokenizer.model_path)
-        if not path.is_file():
-            raise UserError(f"tokenizer.model_path: file not found: {path}")
-        given_model = path.read_bytes()
-        processor_from_bytes(given_model, source=str(path))
-    staging = _staging_dir(output, cfg.overwrite)
     work_dir = staging / "_work"
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
-    log(f"prepare: {len(files)} files in {len(units)} units -> {output} ({cfg.ray.num_workers} Ray workers)")
-
     with ray_session(cfg.ray):
         scanned = run_tasks(
             scan_unit, [(i, unit) for i, unit in enumerate(units)], num_workers=cfg.ray.num_workers,
             desc="scan", progress=cfg.progress, shared={"cfg": cfg, "work_dir": str(work_dir)},
         )
         source_stats = _merge_stats(scanned)
+        undecodable_by_file: Counter = Counter()
+        for unit, result in zip(units, scanned):
+            undecodable_by_file[unit.path] += result["stats"].get("undecodable_dropped", 0)
+        check_usable(source_stats, cfg.source, len(files), undecodable_by_file)
         if given_model is None:
             sample = BottomKSample(cfg.tokenizer.sample_texts)
             for result in scanned:
@@ -148,8 +168,31 @@ def prepare(cfg: PrepareConfig) -> dict:
     save_config(cfg, staging / "config.yaml")
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    _publish(staging, output)
     return manifest
+
+
+def _merge_stats(results: list[dict]) -> dict:
+    total: Counter = Counter()
+    for result in results:
+        total.update(result["stats"])
+    return dict(sorted(total.items()))
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Swap the finished staging directory into place; the old output survives until then."""
+    old = output.with_name(output.name + ".old")
+    if output.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        output.rename(old)
+    try:
+        staging.rename(output)
+    except BaseException:
+        if old.exists() and not output.exists():
+            old.rename(output)  # the previous dataset stays in place rather than under .old
+        raise
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def summary(manifest: dict) -> str:
@@ -160,6 +203,9 @@ def summary(manifest: dict) -> str:
     sources = manifest["sources"]
     keep = ("files", "records", "empty", "bad_bytes_replaced", "untranslated", "fuzzy", "malformed_records", "unreadable_files", "long_texts_cut")
     lines.append("sources: " + ", ".join(f"{k}={sources[k]}" for k in keep if k in sources))
+    skipped = describe_skipped(sources, config_from_dict(PrepareConfig, manifest["config"], "manifest").source)
+    if skipped:
+        lines.append(f"skipped: {skipped}")
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
     tok = manifest["tokenizer"]
@@ -169,10 +215,17 @@ def summary(manifest: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(PrepareConfig, argv, usage=USAGE)
+    # SIGTERM (kill, scancel, a time limit) unwinds like Ctrl-C, through the cleanup in
+    # `prepare`; Python's default would die on the spot and leave the staging directory.
+    signal.signal(signal.SIGTERM, _interrupt)
     manifest = prepare(cfg)
     print(summary(manifest))
     print(f"wrote {cfg.output_dir}/{MANIFEST}")
     return 0
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

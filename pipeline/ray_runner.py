@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,33 +25,48 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 @contextlib.contextmanager
 def ray_session(cfg: RayConfig) -> Iterator[None]:
-    """Connect to (or start) Ray for the duration of a prepare run."""
+    """Connect to (or start) Ray for the duration of a prepare run.
+
+    However the run ends (an error, Ctrl-C, SIGTERM), a local Ray started here is shut down
+    and waited for, raylet, GCS and workers included, rather than left to notice later.
+    """
     import ray
 
     if cfg.num_workers < 1:
         raise UserError(f"ray.num_workers: must be at least 1, got {cfg.num_workers}")
     started = not ray.is_initialized()
-    if started:
-        # Workers import this project by path: that works on one machine and on a cluster
-        # whose nodes share the file system (as SLURM clusters do) without uploading code.
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p),
-               "OMP_NUM_THREADS": "1"}
-        kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
-                                      log_to_driver=True, logging_level="WARNING")
-        if cfg.address:
-            kwargs["address"] = cfg.address
-        else:
-            # "local" starts a private instance even when another Ray runs on this machine.
-            kwargs.update(address="local", num_cpus=cfg.num_workers)
-        try:
-            ray.init(**kwargs)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            raise UserError(f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}") from err
     try:
+        if started:
+            _init(ray, cfg)
         yield
     finally:
         if started:
-            ray.shutdown()
+            ray.shutdown(wait_for_processes=True)
+
+
+def _init(ray: Any, cfg: RayConfig) -> None:
+    # Workers import this project by path: that works on one machine and on a cluster
+    # whose nodes share the file system (as SLURM clusters do) without uploading code.
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p),
+           "OMP_NUM_THREADS": "1"}
+    kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
+                                  log_to_driver=True, logging_level="WARNING")
+    if cfg.address:
+        kwargs["address"] = cfg.address
+    else:
+        # "local" starts a private instance even when another Ray runs on this machine.
+        kwargs.update(address="local", num_cpus=cfg.num_workers)
+    # ray.init replaces the SIGTERM handler with its own; keep the caller's (pipeline.prepare
+    # turns SIGTERM into KeyboardInterrupt, whose unwinding shuts Ray down here).
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise UserError(f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}") from err
+    finally:
+        if callable(sigterm):
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def run_tasks(

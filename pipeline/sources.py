@@ -2,8 +2,10 @@
 
 Every reader yields `(source, target)` tuples: `target` is None for monolingual documents.
 Readers never crash on bad bytes: they decode with replacement and count the replaced
-bytes in a `Counter` the caller passes in, together with other reasons a record was
-skipped. Whitespace (newlines included) is collapsed to single spaces, because
+bytes in a `Counter` the caller passes in, together with every reason a line or record was
+skipped (`malformed_<reason>`, `undecodable_dropped` for texts that are mostly replacement
+characters, ...). `check_usable` turns those counts into the cause, in words, when the input
+yields nothing. Whitespace (newlines included) is collapsed to single spaces, because
 SentencePiece and the packers treat one text as one line.
 
 The gettext reader follows the GNU .mo layout (gettext manual, "The Format of GNU MO
@@ -24,7 +26,7 @@ import struct
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from typing import IO, Iterator, Optional
+from typing import IO, Iterator, Mapping, Optional
 
 from pipeline.config import SOURCE_FORMATS, SourceConfig
 from pipeline.configure import UserError
@@ -165,23 +167,43 @@ def _read_text(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record
         yield " ".join(paragraph), None
 
 
+def _malformed(stats: Counter, reason: str) -> None:
+    """Count a line that yields no record, in total and by reason (see `describe_skipped`)."""
+    stats["malformed_records"] += 1
+    stats[f"malformed_{reason}"] += 1
+
+
 def _read_jsonl(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
     for raw in _lines(unit):
         if not raw.strip():
             continue
+        stats["lines"] += 1
         text, bad = decode_counting(raw)
         stats["bad_bytes_replaced"] += bad
         try:
             record = json.loads(text)
         except json.JSONDecodeError:
-            stats["malformed_records"] += 1
+            _malformed(stats, "not_json")
             continue
-        source = record.get(cfg.text_field) if isinstance(record, dict) else None
-        target = record.get(cfg.target_field) if cfg.target_field and isinstance(record, dict) else None
-        if not isinstance(source, str) or (cfg.target_field and not isinstance(target, str)):
-            stats["malformed_records"] += 1
+        if not isinstance(record, dict):
+            _malformed(stats, "not_object")
             continue
-        yield source, target
+        problem = _field_problem(record, cfg.text_field, "text")
+        if not problem and cfg.target_field:
+            problem = _field_problem(record, cfg.target_field, "target")
+        if problem:
+            _malformed(stats, problem)
+            continue
+        yield record[cfg.text_field], (record[cfg.target_field] if cfg.target_field else None)
+
+
+def _field_problem(record: dict, name: str, role: str) -> str:
+    """Why `record[name]` is no usable text ("" when it is)."""
+    if name not in record:
+        return f"no_{role}_field"
+    if not isinstance(record[name], str):
+        return f"{role}_not_string"
+    return ""
 
 
 def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
@@ -191,9 +213,11 @@ def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
         stats["bad_bytes_replaced"] += bad
         if not text.strip():
             continue
+        stats["lines"] += 1
         columns = text.split("\t")
         if len(columns) < need:
-            stats["malformed_records"] += 1
+            # By column count: "300 of 300 lines have 1 column" tells a space-separated file.
+            _malformed(stats, f"{len(columns)}_columns")
             continue
         yield columns[cfg.source_column], columns[cfg.target_column]
 
@@ -299,8 +323,9 @@ def is_parallel(cfg: SourceConfig) -> bool:
 
 
 def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    """Cleaned records of one unit; empty texts are dropped and counted."""
+    """Cleaned records of one unit; empty and mostly undecodable texts are dropped and counted."""
     parallel = is_parallel(cfg)
+    limit = cfg.max_replaced_fraction
     try:
         for source, target in _READERS[cfg.format](unit, cfg, stats):
             source = clean_text(source)
@@ -308,10 +333,19 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
             if not source or (parallel and not target):
                 stats["empty"] += 1
                 continue
+            if _undecodable(source, limit) or (target is not None and _undecodable(target, limit)):
+                stats["undecodable_dropped"] += 1
+                continue
             stats["records"] += 1
             yield source, target
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         raise UserError(f"cannot read {unit.path}: {err}") from err
+
+
+def _undecodable(text: str, limit: float) -> bool:
+    # Counted on the decoded text rather than the raw bytes, so that every format is measured
+    # the same way (a JSON line's syntax or a TSV line's other column does not dilute it).
+    return "\ufffd" in text and text.count("\ufffd") > limit * len(text)
 
 
 def chunk_text(text: str, max_chars: int) -> list[str]:
@@ -327,3 +361,68 @@ def chunk_text(text: str, max_chars: int) -> list[str]:
         pieces.append(text[start:end].strip())
         start = end
     return [p for p in pieces if p]
+
+
+# ---------------------------------------------------------------- what was skipped, in words
+
+
+def check_usable(stats: Mapping[str, int], cfg: SourceConfig, files: int, undecodable_by_file: Mapping[str, int]) -> None:
+    """Stop with the cause, in one line, when the input yields no record or is mostly
+    undecodable, rather than later with a symptom ("the train split is empty")."""
+    records, undecodable = stats.get("records", 0), stats.get("undecodable_dropped", 0)
+    if undecodable > records:
+        worst = max(sorted(undecodable_by_file), key=lambda path: undecodable_by_file[path])
+        raise UserError(
+            f"source is mostly undecodable (binary, or not UTF-8): {undecodable} of {records + undecodable} "
+            f"{_record_noun(cfg)} have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
+            f"(source.max_replaced_fraction={cfg.max_replaced_fraction}), {undecodable_by_file[worst]} of them in {worst}")
+    if records == 0:
+        why = describe_skipped(stats, cfg, filtered=True) or f"{cfg.format}: the files hold no text"
+        raise UserError(f"no usable records in {files} file{'s' if files != 1 else ''} of source.paths: {why}")
+
+
+# malformed_<reason> counts of the jsonl reader, and how a message says them.
+_LINE_REASONS = (
+    ("not_json", "are not JSON"),
+    ("not_object", "are JSON but not objects"),
+    ("no_text_field", "lack the field {text_field!r}"),
+    ("text_not_string", "have a non-string {text_field!r}"),
+    ("no_target_field", "lack the field {target_field!r}"),
+    ("target_not_string", "have a non-string {target_field!r}"),
+)
+_COLUMNS_KEY = re.compile(r"malformed_(\d+)_columns")
+_FILTERED = ("empty", "untranslated", "fuzzy")  # ordinary filtering, not faults of the input
+
+
+def describe_skipped(stats: Mapping[str, int], cfg: SourceConfig, *, filtered: bool = False) -> str:
+    """What of the input was unusable and why, in one line ("jsonl: 500 of 500 lines lack the
+    field 'text'"), from the merged reader statistics; "" when nothing was. `filtered` adds
+    the ordinary drops (empty texts, untranslated and fuzzy catalog entries)."""
+    lines = stats.get("lines", 0)
+    names = {"text_field": cfg.text_field, "target_field": cfg.target_field}
+    parts = [f"{stats[f'malformed_{reason}']} of {lines} lines {words.format(**names)}"
+             for reason, words in _LINE_REASONS if stats.get(f"malformed_{reason}")]
+    columns = sorted((int(m.group(1)), n) for key, n in stats.items() if (m := _COLUMNS_KEY.fullmatch(key)) and n)
+    if columns:
+        need = max(cfg.source_column, cfg.target_column) + 1
+        if len(columns) == 1:
+            have = f"have {columns[0][0]} column{'s' if columns[0][0] != 1 else ''}"
+        else:
+            have = f"have fewer than {need} columns ({', '.join(f'{n} with {k}' for k, n in columns)})"
+        parts.append(f"{sum(n for _, n in columns)} of {lines} lines {have} "
+                     f"(source_column={cfg.source_column} and target_column={cfg.target_column} need {need})")
+    undecodable = stats.get("undecodable_dropped", 0)
+    if undecodable:
+        parts.append(f"{undecodable} of {stats.get('records', 0) + undecodable} {_record_noun(cfg)} "
+                     f"have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
+                     f"(source.max_replaced_fraction={cfg.max_replaced_fraction})")
+    if stats.get("unreadable_files"):
+        first = min(key for key in stats if key.startswith("unreadable: "))[len("unreadable: "):]
+        parts.append(f"{stats['unreadable_files']} unreadable files (first: {first})")
+    if filtered:
+        parts += [f"{stats[key]} {key}" for key in _FILTERED if stats.get(key)]
+    return f"{cfg.format}: {', '.join(parts)}" if parts else ""
+
+
+def _record_noun(cfg: SourceConfig) -> str:
+    return "pairs" if is_parallel(cfg) else "texts"

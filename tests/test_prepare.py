@@ -1,17 +1,22 @@
 """`pipeline.prepare` with a real local Ray, and `pipeline.validate`."""
 
 import json
+import random
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 import webdataset as wds
 
 from pipeline.format import MANIFEST, decode_array, file_sha256
 from pipeline.sources import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
-from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs
+from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs, write_tsv
 
 
 def read_dataset(data_dir, name, split):
@@ -122,3 +127,129 @@ def test_non_utf8_input_is_replaced_and_counted(tmp_path):
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["sources"]["bad_bytes_replaced"] == 2
     assert list(manifest["datasets"]) == ["translation"]
+
+
+# ---------------------------------------------------------------- reliability: lock, staging, interruption
+
+
+def error_lines(stderr):
+    """The `error: ...` lines of a run's stderr (Ray prints a warning of its own at start-up)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def session_processes(sid):
+    """Processes of a session (a prepare started with start_new_session=True: itself, its local Ray)."""
+    listing = subprocess.run(["ps", "-s", str(sid), "-o", "pid=,comm="], capture_output=True, text=True).stdout
+    return [line.split(None, 1) for line in listing.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def slow_corpus(tmp_path_factory):
+    """400 small files: 400 scan tasks, several seconds of work once Ray is up, to interrupt mid-way."""
+    directory = tmp_path_factory.mktemp("slow")
+    for i in range(400):
+        write_tsv(directory / f"p{i:03d}.tsv", synthetic_pairs(20, seed=i))
+    return directory
+
+
+def start_prepare(corpus_glob, out, **overrides):
+    args = prepare_args(corpus_glob, out, **overrides)
+    return subprocess.Popen([sys.executable, "-m", "pipeline.prepare", str(ROOT / "configs/prepare_gettext_en_de.yaml"), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_scan(process, out):
+    """Until the first scan task has written into the staging directory (Ray is up, work under way)."""
+    work = out.with_name(out.name + ".partial") / "_work"
+    deadline = time.monotonic() + 120
+    while not work.exists():
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_second_prepare_on_one_output_fails_at_once_naming_the_holder(slow_corpus, tmp_path):
+    out = tmp_path / "data"
+    first = start_prepare(f"{slow_corpus}/*.tsv", out)
+    try:
+        wait_for_scan(first, out)
+        started = time.monotonic()
+        second = run_prepare(prepare_args(f"{slow_corpus}/*.tsv", out, overwrite="true"))
+        elapsed = time.monotonic() - started
+        message = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(message) == 1 and error_lines(second.stderr) == message, second.stderr[-2000:]
+        assert str(out) in message[0] and f"prepare pid {first.pid} on host {socket.gethostname()}" in message[0]
+        assert elapsed < 15  # it never started Ray
+        assert first.poll() is None  # and the first one carries on
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interruption_removes_the_staging_directory_and_stops_its_ray(slow_corpus, tmp_path, signum):
+    out = tmp_path / "data"
+    process = start_prepare(f"{slow_corpus}/*.tsv", out)
+    wait_for_scan(process, out)
+    assert any(name == "raylet" for _, name in session_processes(process.pid))
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "interrupted" in stderr
+    assert session_processes(process.pid) == []  # ray.shutdown waited for the raylet, GCS and workers
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data, data.partial or data.lock
+
+
+def test_a_failing_task_leaves_no_staging_directory_unless_keep_partial(tmp_path):
+    broken = tmp_path / "broken.txt.gz"
+    broken.write_bytes(b"this is not gzip data")
+    out = tmp_path / "data"
+    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]"}))
+    assert run.returncode == 2 and "cannot read" in run.stderr, run.stderr[-2000:]
+    assert not out.exists() and not out.with_name("data.partial").exists() and not out.with_name("data.lock").exists()
+    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]", "keep_partial": "true"}))
+    assert run.returncode == 2 and "cannot read" in run.stderr, run.stderr[-2000:]
+    assert out.with_name("data.partial").is_dir() and f"kept {out}.partial" in run.stderr
+
+
+# ---------------------------------------------------------------- reliability: inputs that yield nothing
+
+
+def test_jsonl_lines_without_the_text_field_are_named_as_the_cause(tmp_path):
+    corpus = tmp_path / "d.jsonl"
+    corpus.write_text("".join(json.dumps({"body": en}) + "\n" for en, _ in synthetic_pairs(500)))
+    out = tmp_path / "data"
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}))
+    assert run.returncode == 2
+    message = error_lines(run.stderr)
+    assert len(message) == 1 and run.stderr.endswith(message[0] + "\n")
+    assert "jsonl: 500 of 500 lines lack the field 'text'" in message[0]
+    assert not out.with_name("data.partial").exists()
+
+
+def test_skipped_lines_are_counted_by_reason_in_manifest_and_summary(tmp_path):
+    lines = [json.dumps({"text": en}).encode() for en, _ in synthetic_pairs(300)]
+    lines += [b"{not json"] * 20 + [json.dumps({"body": "x"}).encode()] * 10
+    # Valid JSON whose text is nothing but undecodable bytes: dropped as undecodable, not as malformed.
+    lines += [b'{"text": "' + bytes(range(0x80, 0xC0)) + b'"}'] * 5
+    corpus = tmp_path / "d.jsonl"
+    corpus.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "data"
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}))
+    assert run.returncode == 0, run.stderr[-2000:]
+    sources = json.loads((out / MANIFEST).read_text())["sources"]
+    assert sources["records"] == 300 and sources["lines"] == 335
+    assert sources["malformed_not_json"] == 20 and sources["malformed_no_text_field"] == 10 and sources["malformed_records"] == 30
+    assert sources["undecodable_dropped"] == 5
+    assert ("skipped: jsonl: 20 of 335 lines are not JSON, 10 of 335 lines lack the field 'text', "
+            "5 of 305 texts have more than 10% undecodable characters (source.max_replaced_fraction=0.1)") in run.stdout
+
+
+def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path):
+    corpus = tmp_path / "random.txt"
+    corpus.write_bytes(random.Random(0).randbytes(200_000))
+    out = tmp_path / "data"
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "text", "tasks": "[causal_lm]"}))
+    assert run.returncode == 2
+    message = error_lines(run.stderr)
+    assert len(message) == 1 and run.stderr.endswith(message[0] + "\n") and "mostly undecodable" in message[0] and str(corpus) in message[0], run.stderr[-2000:]
+    assert not out.exists() and not out.with_name("data.partial").exists()

@@ -4,6 +4,7 @@ import gettext
 import glob
 import gzip
 import json
+import random
 from collections import Counter
 
 import polib
@@ -11,7 +12,8 @@ import pytest
 
 from pipeline.config import PrepareConfig
 from pipeline.configure import UserError, load_config
-from pipeline.sources import chunk_text, decode_counting, expand_paths, plan_units, read_mo, read_po, read_unit
+from pipeline.sources import (check_usable, chunk_text, decode_counting, describe_skipped, expand_paths, plan_units, read_mo,
+                              read_po, read_unit)
 
 
 def source_cfg(**overrides):
@@ -77,6 +79,7 @@ def test_jsonl_fields_and_malformed_records(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     records, stats = read_all(path, format="jsonl")
     assert records == [("one", None), ("two", None)] and stats["malformed_records"] == 2
+    assert stats["lines"] == 4 and stats["malformed_not_json"] == 1 and stats["malformed_no_text_field"] == 1
     records, _ = read_all(path, format="jsonl", target_field="de")
     assert records == [("one", "eins"), ("two", "zwei")]
 
@@ -85,7 +88,7 @@ def test_tsv_pairs(tmp_path):
     path = tmp_path / "p.tsv"
     path.write_bytes(b"a\tA\nonly-one-column\n\nb\tB\textra\n")
     records, stats = read_all(path, format="tsv")
-    assert records == [("a", "A"), ("b", "B")] and stats["malformed_records"] == 1
+    assert records == [("a", "A"), ("b", "B")] and stats["malformed_records"] == 1 and stats["malformed_1_columns"] == 1
 
 
 PO = r'''
@@ -177,3 +180,85 @@ def test_missing_inputs_are_clear_errors(tmp_path):
         expand_paths(source_cfg(paths=f"[{tmp_path}/*.nope]", format="text"))
     with pytest.raises(UserError, match="source.format"):
         expand_paths(source_cfg(format="csv"))
+
+
+# ---------------------------------------------------------------- inputs that yield nothing: the cause, in words
+
+
+def check(path, **overrides):
+    """read_all, then the check prepare makes after scanning; returns the UserError's message or ''."""
+    records, stats = read_all(path, **overrides)
+    cfg = source_cfg(paths=f"[{path}]", **overrides)
+    try:
+        check_usable(stats, cfg, 1, Counter({str(path): stats["undecodable_dropped"]}))
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+def test_jsonl_lines_that_all_lack_the_field(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(500)))
+    message = check(path, format="jsonl")
+    assert message == "no usable records in 1 file of source.paths: jsonl: 500 of 500 lines lack the field 'text'"
+    path.write_text("".join(json.dumps({"text": f"one {i}", "de": i}) + "\n" for i in range(20)) + "[1, 2]\n")
+    assert check(path, format="jsonl", target_field="de").endswith(
+        "jsonl: 1 of 21 lines are JSON but not objects, 20 of 21 lines have a non-string 'de'")
+
+
+def test_one_column_tsv(tmp_path):
+    path = tmp_path / "p.tsv"
+    path.write_text("".join(f"just one column {i}\n" for i in range(300)))
+    assert check(path, format="tsv").endswith(
+        "tsv: 300 of 300 lines have 1 column (source_column=0 and target_column=1 need 2)")
+    path.write_text("a\tb\n" * 5 + "a\n" * 3)
+    assert check(path, format="tsv", target_column=2).endswith(
+        "tsv: 8 of 8 lines have fewer than 3 columns (3 with 1, 5 with 2) (source_column=0 and target_column=2 need 3)")
+
+
+def test_random_bytes_as_jsonl_are_not_json(tmp_path):
+    path = tmp_path / "random.jsonl"
+    data = random.Random(1).randbytes(20_000)
+    path.write_bytes(data)
+    lines = sum(1 for line in data.split(b"\n") if line.strip())
+    assert check(path, format="jsonl").endswith(f"jsonl: {lines} of {lines} lines are not JSON")
+
+
+def test_random_bytes_as_text_are_dropped_as_undecodable(tmp_path):
+    path = tmp_path / "random.txt"
+    path.write_bytes(random.Random(0).randbytes(200_000))
+    records, stats = read_all(path, format="text")
+    # Short lines can decode cleanly by chance; all the others are dropped.
+    assert stats["undecodable_dropped"] > 10 * len(records)
+    assert all(r[0].count("\ufffd") <= 0.1 * len(r[0]) for r in records)
+    message = check(path, format="text")
+    assert message.startswith(f"source is mostly undecodable (binary, or not UTF-8): {stats['undecodable_dropped']} of ")
+    assert f"have more than 10% undecodable characters (source.max_replaced_fraction=0.1), {stats['undecodable_dropped']} of them in {path}" in message
+    # 1.0 keeps everything, as before the threshold existed.
+    records, stats = read_all(path, format="text", max_replaced_fraction=1.0)
+    assert stats["undecodable_dropped"] == 0 and stats["records"] == len(records) > 500
+
+
+def test_replaced_fraction_threshold_per_text(tmp_path):
+    path = tmp_path / "a.txt"
+    # 1 of 10 characters replaced (kept at 0.1), 2 of 10 (dropped), clean text.
+    path.write_bytes(b"abcd\xffefghi\nabcd\xff\xfeefgh\nclean text\n")
+    records, stats = read_all(path, format="text")
+    assert [r[0] for r in records] == ["abcd\ufffdefghi", "clean text"]
+    assert stats["undecodable_dropped"] == 1 and stats["bad_bytes_replaced"] == 3
+    # A pair goes when either side is undecodable.
+    path = tmp_path / "p.tsv"
+    path.write_bytes(b"fine\t\xff\xfe\xfd\nfine\tgut\n")
+    records, stats = read_all(path, format="tsv")
+    assert records == [("fine", "gut")] and stats["undecodable_dropped"] == 1
+    assert describe_skipped(stats, source_cfg(format="tsv")) == (
+        "tsv: 1 of 2 pairs have more than 10% undecodable characters (source.max_replaced_fraction=0.1)")
+
+
+def test_good_input_has_nothing_to_describe(tmp_path):
+    path = tmp_path / "p.tsv"
+    path.write_text("a\tA\nb\tB\n")
+    records, stats = read_all(path, format="tsv")
+    assert len(records) == 2 and describe_skipped(stats, source_cfg(format="tsv")) == "" and check(path, format="tsv") == ""
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert check(tmp_path / "empty.txt", format="text") == "no usable records in 1 file of source.paths: text: 2 empty"
