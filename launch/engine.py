@@ -5,21 +5,36 @@ is derived from the run config here, from the batch arithmetic computed once in
 `launch.config.BatchPlan`. AdamW and its parameter groups are built by the caller
 (`launch.optim`) and handed in, as is the learning-rate schedule, which DeepSpeed then
 steps at every accumulation boundary and saves with the checkpoint.
+
+ZeRO checkpoints are tied to the world size that wrote them (DeepSpeed #2898): `to_universal`
+turns one into DeepSpeed's universal checkpoint (Lian et al. 2024, "Universal Checkpointing",
+arXiv:2406.18820), a copy written beside it with every parameter's fp32 weights and Adam
+moments whole, which an engine built with `deepspeed_config(..., load_universal=True)` loads
+on any world size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import shutil
+import sys
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 import torch
 
+from launch.checkpoint import UNIVERSAL_INFO, is_universal, is_zero_partitioned, universal_tag_for
 from launch.config import BatchPlan, TrainConfig
 from pipeline.configure import UserError
 
 
-def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict:
+def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool = False) -> dict:
+    """DeepSpeed's JSON for a run; `load_universal`: the engine will load a universal
+    checkpoint (`to_universal`), which DeepSpeed must know before the engine is built."""
     ds = cfg.deepspeed
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
@@ -59,7 +74,12 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict:
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             if key in user and user[key] != "auto" and user[key] != config[key]:
                 raise UserError(f"deepspeed.config_file: {key}={user[key]} disagrees with the run config ({config[key]}); set data.micro_batch_size / grad_accum instead")
+        if "load_universal" in (user.get("checkpoint") or {}):
+            raise UserError("deepspeed.config_file: checkpoint.load_universal is set by the trainer, from the "
+                            "checkpoint it resumes from; remove it")
         config = _deep_merge(config, {k: v for k, v in user.items() if v != "auto"})
+    if load_universal:
+        config = _deep_merge(config, {"checkpoint": {"load_universal": True}})
     return config
 
 
@@ -137,11 +157,85 @@ class Engine:
         self._engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, directory: str | Path, tag: str) -> dict:
-        path, client_state = self._engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                                          load_lr_scheduler_states=True)
+        """Module, optimizer, schedule and step from a checkpoint: one this world size wrote, or
+        a universal one (`to_universal`) if the engine was built with `load_universal`."""
+        checkpoint = Path(directory) / tag
+        universal = bool(self.config.get("checkpoint", {}).get("load_universal"))
+        if universal != is_universal(directory, tag):
+            raise UserError(f"checkpoint {checkpoint} is {'' if is_universal(directory, tag) else 'not '}a "
+                            f"universal checkpoint, but the engine was built with load_universal={universal}")
+        stage = self._engine.zero_optimization_stage()
+        # A universal copy keeps its writer's model-states file, whose name differs between
+        # ZeRO-3 and the stages below; DeepSpeed looks for its own stage's name only.
+        model_states = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        if universal and not (checkpoint / model_states).is_file():
+            raise UserError(f"checkpoint {checkpoint}: a universal copy written under ZeRO-"
+                            f"{'1/2' if stage == 3 else '3'} does not load under ZeRO-{stage} (no {model_states})")
+        try:
+            path, client_state = self._engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                              load_lr_scheduler_states=True)
+        except Exception as err:
+            if "DP world size" not in str(err):  # ZeRO's refusal of another world size
+                raise
+            raise UserError(f"checkpoint {checkpoint}: {str(err).splitlines()[0]} "
+                            f"(convert it with launch.engine.to_universal)") from err
         if path is None:
-            raise UserError(f"checkpoint {Path(directory) / tag} could not be loaded")
+            raise UserError(f"checkpoint {checkpoint} could not be loaded")
+        if universal and stage == 3:
+            self._repair_zero3_universal_load(checkpoint)
         return client_state or {}
+
+    def _repair_zero3_universal_load(self, checkpoint: Path) -> None:
+        """Undo two slips of DeepSpeed's ZeRO-3 universal load (`stage3.py`,
+        `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): it gives every parameter group
+        the hyperparameters of the first (our no-decay group would get weight decay), and one
+        `step` tensor shared by all groups, which AdamW then advances once per group per step."""
+        basic = self._engine.basic_optimizer
+        saved = torch.load(checkpoint / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)["param_groups"]
+        if len(saved) != len(basic.param_groups):
+            raise UserError(f"checkpoint {checkpoint} has {len(saved)} optimizer parameter groups, this model {len(basic.param_groups)}")
+        for group, saved_group in zip(basic.param_groups, saved):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        for state in basic.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    def full_state(self) -> dict[str, Any]:
+        """Every parameter's fp32 master weights and AdamW moments, whole and by name, and the
+        step counts: what a checkpoint must carry across world sizes. A collective under ZeRO-3
+        (the partitions are gathered): every rank calls it."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        optimizer = self._engine.optimizer
+        basic = self._engine.basic_optimizer  # the caller's AdamW, whose state ZeRO keeps per partition
+        if getattr(optimizer, "_hp_optimizer_states_linked", False):
+            # ZeRO-1/2 links each parameter to its moments once, right after stepping the first
+            # parameter group, when the other groups have no moments yet (stage_1_and_2.py,
+            # `_optimizer_step`): link again now that every group has them.
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
+        # Below ZeRO, a mixed-precision wrapper keeps fp32 masters beside the bf16 parameters.
+        masters = {}
+        if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
+            for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+                masters.update({id(p): m for p, m in zip(low, high)})
+        weights, exp_avg, exp_avg_sq = {}, {}, {}
+        for name, param in self._engine.module.named_parameters():
+            weight = safe_get_full_fp32_param(param)
+            if weight is not None:
+                moments = [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+            else:
+                master = masters.get(id(param), param)
+                weight, state = master.detach(), basic.state.get(master, {})
+                moments = [state.get("exp_avg"), state.get("exp_avg_sq")]
+            shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
+            weights[name] = weight.detach().float().cpu().reshape(shape).clone()
+            for into, moment in zip((exp_avg, exp_avg_sq), moments):
+                if moment is not None:
+                    into[name] = moment.detach().float().cpu().reshape(shape).clone()
+        adam_steps = {int(s["step"]) for s in basic.state.values() if "step" in s}
+        return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "global_steps": self._engine.global_steps,
+                "adam_steps": sorted(adam_steps), "lr": self.lr}
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
@@ -149,9 +243,150 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag_dir = Path(checkpoint_dir) / tag
-    if list(tag_dir.glob("*optim_states.pt")) and any("zero_pp_rank" in p.name for p in tag_dir.glob("*")):
+    if is_universal(checkpoint_dir, tag):  # its fp32 weights lack the tied names under ZeRO-3
+        raise UserError(f"checkpoint {tag_dir} is a universal copy; use the checkpoint it was converted from")
+    if is_zero_partitioned(tag_dir):
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     else:  # stage 0: the module's state dict is saved whole
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
+
+
+def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
+    """The (root, tag) that checkpoint `root/tag` loads from on any world size: itself, or a
+    universal copy written beside it (`step_X.universal`), converted by DeepSpeed's
+    `ds_to_universal` the first time and reused afterwards.
+
+    What happens, by ZeRO stage and precision:
+    - stage 0, fp32: nothing to convert. The module and the whole AdamW state are in
+      `mp_rank_00_model_states.pt`, replicated, and load on any world size as they are.
+    - stage 0, bf16: the same. DeepSpeed wraps AdamW in FP16_UnfusedOptimizer with bf16
+      (`_do_optimizer_sanity_check`: its BF16_Optimizer, which partitions, serves only pipeline
+      parallelism and ZeRO-1 with fp32 gradient accumulation); the fp32 masters and moments
+      are whole in that file.
+    - stages 1 and 2, fp32 or bf16: converted. Each rank's `*zero_pp_rank_R_*optim_states.pt`
+      holds its flat partition of the fp32 masters and moments.
+    - stage 3, fp32 or bf16: converted. The parameters are partitioned as well.
+    A checkpoint with per-rank optimizer files (BF16_Optimizer's too) is converted whatever
+    wrote it. The copy is loaded by an engine built with `deepspeed_config(...,
+    load_universal=True)` under the same ZeRO stage, or 1 for 2 and back (`Engine.load`,
+    which also repairs DeepSpeed's ZeRO-3 universal load); a ZeRO-3 copy does not load
+    under stages 1 and 2, nor theirs under 3.
+
+    Run it on one process (rank 0) while the others wait: it needs no process group. The copy is
+    built in a hidden sibling directory and renamed into place when complete, so a crash leaves
+    no half copy, and the original is never touched. DeepSpeed's console output goes to
+    `conversion.log` in the copy; a failure is raised as one UserError line.
+    """
+    root = Path(root)
+    source = root / tag
+    if not source.is_dir():
+        raise UserError(f"checkpoint {source}: not found")
+    if is_universal(root, tag) or not is_zero_partitioned(source):
+        return root, tag
+    universal_tag = universal_tag_for(tag)
+    target = root / universal_tag
+    if (target / UNIVERSAL_INFO).is_file():
+        return root, universal_tag
+    # ds_to_universal writes a `latest_universal` pointer beside its output folder: that stays
+    # inside the hidden directory, and our own `latest` pointer keeps naming the original.
+    partial = root / f".{universal_tag}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    build = partial / universal_tag
+    build.mkdir(parents=True)
+    log = build / "conversion.log"
+    try:
+        _convert(source, build, log)
+    except Exception as err:  # DeepSpeed's asserts, missing files, torch.load errors
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(f"checkpoint {source}: conversion to a universal checkpoint failed: "
+                        f"{type(err).__name__}: {reason} (DeepSpeed's output: {log})") from err
+    if target.exists():  # a copy without its info file, of an older hand conversion
+        shutil.rmtree(target)
+    os.replace(build, target)
+    shutil.rmtree(partial, ignore_errors=True)
+    return root, universal_tag
+
+
+def _convert(source: Path, build: Path, log: Path) -> None:
+    args = SimpleNamespace(input_folder=str(source), output_folder=str(build),
+                           # In this process, one file at a time: no worker pool to fork from a
+                           # process that may hold a process group.
+                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                           # Our checkpoints carry no Megatron `universal_checkpoint_info`; without
+                           # tensor or pipeline parallelism its only content is a version, which
+                           # this adds, so checkpoints written before this conversion existed work too.
+                           inject_missing_state=True)
+    with _output_to(log):
+        import deepspeed  # its import prints too
+        from deepspeed.checkpoint import ds_to_universal
+
+        ds_to_universal.main(args)
+    client_state = source / "client_state.json"
+    if client_state.is_file():
+        shutil.copy2(client_state, build / client_state.name)
+    info = {"source": source.name, "deepspeed": deepspeed.__version__}
+    (build / UNIVERSAL_INFO).write_text(json.dumps(info, indent=1) + "\n")  # written last: the copy is complete
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Python's and the C level's stdout and stderr (tqdm bars, DeepSpeed's logger, prints) into `path`."""
+    with open(path, "ab", buffering=0) as sink, io.TextIOWrapper(open(path, "ab"), write_through=True) as text:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload_optimizer: bool, offload_params: bool,
+                                gpus_per_node: int, num_nodes: int) -> dict:
+    """Bytes of a model's parameters, gradients and Adam states per GPU and per node's CPU under
+    ZeRO, by DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` and
+    `estimate_zero3_model_states_mem_needs`, whose figures its `*_all_cold` functions print), for
+    a dry run: no engine and no process group, and `model` may live on the meta device.
+
+    DeepSpeed counts mixed precision: 16-bit weights and gradients beside fp32 master weights,
+    gradients and Adam moments. It has no estimator for stages 0 and 1: stage 0 is stage 2 on
+    one GPU (nothing split), stage 1 is stage 2 with the 16-bit gradients whole on every GPU.
+    Returns gpu_bytes, cpu_bytes_per_node, parameters, largest_layer_parameters, estimator."""
+    # DeepSpeed's import announces its accelerator on stdout, which a dry run's report owns.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    # parameters() yields a tied tensor once; DeepSpeed's own count (model_to_params) tells
+    # tensors apart by data_ptr(), which is 0 for every tensor on the meta device.
+    parameters = sum(p.numel() for p in model.parameters())
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    gpus = gpus_per_node * num_nodes
+    if zero_stage == 3:
+        # zero_init=False: the trainer builds the whole model on every rank before DeepSpeed
+        # partitions it. DeepSpeed's formula knows parameter offload only with optimizer offload.
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            parameters, largest_layer, gpus_per_node, num_nodes, cpu_offload=offload_optimizer or offload_params,
+            cpu_offload_params=offload_params, zero_init=False)
+        estimator = "deepspeed estimate_zero3_model_states_mem_needs"
+    else:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(parameters, gpus_per_node, num_nodes, cpu_offload=offload_optimizer)
+        estimator = "deepspeed estimate_zero2_model_states_mem_needs"
+        if zero_stage == 0:
+            gpu = estimate_zero2_model_states_mem_needs(parameters, 1, 1, cpu_offload=False)[1]
+            estimator += ", on one GPU (stage 0 splits nothing)"
+        elif zero_stage == 1:
+            gpu += 2 * parameters - (0 if offload_optimizer else 2 * parameters // gpus)
+            estimator += ", plus the 16-bit gradients that stage 1 keeps whole"
+    return {"gpu_bytes": int(gpu), "cpu_bytes_per_node": int(cpu), "parameters": parameters,
+            "largest_layer_parameters": largest_layer, "estimator": estimator}
