@@ -30,6 +30,7 @@ configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -65,8 +66,8 @@ def worker(args: argparse.Namespace) -> None:
     from launch.metrics import measure_gemm_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.tasks import TASKS
-    from launch.train import step_flops
     from model import build_model, hf
+    from model.loss import IGNORE_INDEX
     from pipeline.configure import load_config
     from pipeline.loader import ShardLoader
 
@@ -79,7 +80,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group(denv, cfg.dist_timeout_s)
     task = TASKS[cfg.task]
 
-    cfg.model.vocab_size = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    vocab_size = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size)
     batches = []
     for batch in loader:
@@ -107,14 +109,21 @@ def worker(args: argparse.Namespace) -> None:
         optimizer = build_optimizer(model, cfg.optim)
         engines[name] = Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
                                deepspeed_config(cfg, plan))
-    inputs = [task.model_inputs(batch, engines["ours"].device) for batch in batches]
-    tokens = dist.all_reduce_sum([float(sum(task.tokens(b) for b in batches))])[0]
-    flops = dist.all_reduce_sum([float(sum(step_flops(cfg, b) for b in batches))])[0]
+    inputs = [task.model_inputs(batch) for batch in batches]
+    tokens = dist.all_reduce_sum([float(sum(task.tokens(x) for x in inputs))])[0]
+    flops = dist.all_reduce_sum([float(sum(task.flops(cfg.model, x) for x in inputs))])[0]
+    # Our labels are aligned with the predicting positions; GPT2LMHeadModel shifts its own, so it
+    # is given the unshifted ids (the same targets). BERT's are the same for both.
+    theirs_inputs = [{**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
+                     if args.arch == "gpt" else x for x in inputs]
+    device = engines["ours"].device
+    on_device = {name: [{k: v.to(device) for k, v in x.items()} for x in batches_of]
+                 for name, batches_of in (("ours", inputs), ("hf", theirs_inputs))}
 
-    def run_round(engine: Engine) -> tuple[float, float]:
+    def run_round(name: str, engine: Engine) -> tuple[float, float]:
         dist.barrier()
         start = time.perf_counter()
-        for batch in inputs:
+        for batch in on_device[name]:
             loss = engine(**batch).loss  # ours a NamedTuple, theirs a transformers ModelOutput
             engine.backward(loss)
             engine.step()
@@ -125,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     losses = {}
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
-            elapsed, losses[name] = run_round(engine)
+            elapsed, losses[name] = run_round(name, engine)
             if round_index:  # round 0 warms up: allocator, kernels, DeepSpeed buffers
                 seconds[name].append(elapsed)
     if denv.is_main:

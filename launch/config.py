@@ -1,4 +1,4 @@
-"""Configuration schema of a training run (`python -m launch.train CONFIG [key=value ...]`).
+"""Configuration schemas of the launch entry points: train, main, export, evaluate, translate, report.
 
 The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 (`pipeline.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
@@ -12,11 +12,11 @@ from typing import List
 
 from omegaconf import MISSING
 
+from launch.tasks import TASKS, Task
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
 
-TASKS = ("causal_lm", "mlm", "translation")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -117,10 +117,23 @@ class BatchPlan:
         return self.micro_batch_size * self.grad_accum * self.world_size
 
 
-def check_config(cfg: TrainConfig) -> None:
-    """Cross-field checks the types cannot express; each failure names its key."""
+def check_config(cfg: TrainConfig) -> Task:
+    """The run's task, or a UserError with the first of `config_problems`.
+
+    The model config's own checks (`ModelConfig.validate`) run once, where the model is built:
+    `model.vocab_size: 0` is only resolved from the data then."""
+    problems = config_problems(cfg)
+    if problems:
+        raise UserError(problems[0])
+    return TASKS[cfg.task]
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """Every cross-field problem the types cannot express, each message starting with its key;
+    empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
+    task = TASKS.get(cfg.task)
     checks = [
-        (cfg.task in TASKS, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
+        (task is not None, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
         (cfg.max_steps > 0, "max_steps: must be positive"),
         (cfg.grad_accum > 0, "grad_accum: must be positive"),
         (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
@@ -132,16 +145,13 @@ def check_config(cfg: TrainConfig) -> None:
         (cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode: {cfg.wandb.mode!r} is not offline, online or disabled"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
     ]
-    expected_arch = {"causal_lm": "gpt", "mlm": "bert", "translation": "seq2seq"}.get(cfg.task)
-    checks.append((cfg.model.arch == expected_arch, f"model.arch: task {cfg.task} trains {expected_arch}, not {cfg.model.arch}"))
-    checks.append((cfg.task == "translation" or not (cfg.init.encoder or cfg.init.decoder), "init: warm starting is for task translation"))
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
-    try:
-        cfg.model.validate()
-    except ValueError as err:
-        raise UserError(str(err)) from err
+    if task is not None:  # the rules below depend on what the task is
+        checks.append((cfg.model.arch == task.arch, f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}"))
+        warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
+        checks.append((task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
+                       f"init: warm starting is for task {' or '.join(warm_startable)}"))
+    return [message for ok, message in checks if not ok]
+
 
 # The schemas of the other launch entry points. Each takes `[CONFIG.yaml] [key.sub=value ...]`
 # (`pipeline.configure.parse_cli`) except the main job, which, like training, takes a YAML;

@@ -105,9 +105,9 @@ def source_ids(ids: Sequence[int], max_source_tokens: int) -> tuple[list[int], b
     return ids[:max_source_tokens] + [EOS_ID], len(ids) > max_source_tokens
 
 
-def batch_plan(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
+def length_sorted_batches(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
     """Batches of indices, longest sources first (less padding); ties keep their order.
-    A function of the lengths alone, so every rank and every world size plans the same batches."""
+    A function of the lengths alone, so every rank and every world size makes the same batches."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 

@@ -14,7 +14,7 @@ signatures. Rank 0 writes, under `out` (default CHECKPOINT/eval-SPLIT):
     scores.json     {bleu, chrf, signature_bleu, signature_chrf, n, beam, split, checkpoint, ...}
 
 The same command runs under torchrun, the deepspeed launcher or srun (`launch.distributed`).
-The batches are planned from the source lengths alone and dealt round-robin to the ranks, so
+The batches are made from the source lengths alone and dealt round-robin to the ranks, so
 each batch holds the same sentences, padded alike, whatever the world size; rank 0 gathers
 the hypotheses and puts them back in order: any world size gives the scores of one rank.
 Under ZeRO-3 (`zero_stage=3`) every forward gathers parameters from every rank, so a rank
@@ -41,7 +41,7 @@ from launch import distributed as dist
 from launch.config import EvaluateConfig
 from launch.decoding import (
     Checkpoint,
-    batch_plan,
+    length_sorted_batches,
     check_decoding,
     detokenize,
     inspect_checkpoint,
@@ -95,9 +95,9 @@ def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
     return manifest
 
 
-def rank_batches(plan: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
+def rank_batches(batches: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
     """Batches j with j % world_size == rank: long and short batches spread over the ranks."""
-    return plan[rank::world_size]
+    return batches[rank::world_size]
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
@@ -173,9 +173,9 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
             print(f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
                   "were truncated", file=sys.stderr)
 
-    plan = batch_plan([len(s) for s in sources], cfg.micro_batch_size)
-    mine = rank_batches(plan, denv.rank, denv.world_size)
-    rounds = -(-len(plan) // denv.world_size)  # the most batches any rank has
+    batches = length_sorted_batches([len(s) for s in sources], cfg.micro_batch_size)
+    mine = rank_batches(batches, denv.rank, denv.world_size)
+    rounds = -(-len(batches) // denv.world_size)  # the most batches any rank has
     synced = zero3 and denv.world_size > 1
     start = time.perf_counter()
     hypotheses: dict[int, list[int]] = {}

@@ -1,46 +1,124 @@
-"""The task table: what each of causal_lm, mlm and translation trains and how it is scored.
+"""The task table: what each of causal_lm, mlm and translation trains, on what, and how it is scored.
 
-One training loop serves all three; a task only says which model it trains, which shards
-feed it, which batch fields go into the model, and how to count its targets.
+One training loop (`launch.train`) serves all three and never branches on a task's name: a
+`Task` owns the model it trains (`arch`), the shard set that feeds it (`dataset`, from the
+data contract `pipeline.format`, since the pipeline cannot import `launch`), the one place
+where its labels are made (`model_inputs`: from the loader's token batch to the model's
+keyword arguments), its FLOPs, its extra evaluation metrics and whether it can be warm-started.
+
+Labels are aligned with the positions that predict them for every task: `labels[:, t]` is
+the token position t should predict, `model.loss.IGNORE_INDEX` where nothing is scored. The
+models never shift them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
+
+from model import ModelConfig, ModelOutput, training_flops
+from model.loss import IGNORE_INDEX
+from pipeline.format import DATASET_FOR_TASK, PAD_ID
+
+Batch = dict[str, torch.Tensor]
+
+
+def _causal_lm_inputs(batch: Batch) -> Batch:
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    # Position t predicts token t + 1; the last position and padding predict nothing.
+    labels = F.pad(ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _mlm_inputs(batch: Batch) -> Batch:
+    # Only the positions the masking selected are scored, against the token that was there.
+    labels = batch["original_ids"].masked_fill(~batch["masked_positions"], IGNORE_INDEX)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+
+
+def _translation_inputs(batch: Batch) -> Batch:
+    # tgt_ids is "<s> target </s>": the decoder reads it without its last token and predicts it
+    # without its first (teacher forcing).
+    tgt = batch["tgt_ids"]
+    decoder_mask = batch["tgt_mask"][:, 1:]
+    return {
+        "src_ids": batch["src_ids"],
+        "src_mask": batch["src_mask"],
+        "decoder_input_ids": tgt[:, :-1].masked_fill(decoder_mask == 0, PAD_ID),  # drops the </s>
+        "decoder_mask": decoder_mask,
+        "labels": tgt[:, 1:].masked_fill(decoder_mask == 0, IGNORE_INDEX),
+    }
+
+
+def _lm_flops(cfg: ModelConfig, inputs: Batch) -> float:
+    rows, seq_len = inputs["input_ids"].shape
+    return training_flops(cfg, seq_len) * rows
+
+
+def _mlm_flops(cfg: ModelConfig, inputs: Batch) -> float:
+    rows, seq_len = inputs["input_ids"].shape
+    scored = float((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only
+    return training_flops(cfg, seq_len, scored=scored) * rows
+
+
+def _translation_flops(cfg: ModelConfig, inputs: Batch) -> float:
+    rows, src_len = inputs["src_ids"].shape
+    return training_flops(cfg, src_len, inputs["decoder_input_ids"].shape[1]) * rows
+
+
+def _masked_accuracy_sums(output: ModelOutput, inputs: Batch) -> dict[str, float]:
+    """Correct and scored predictions of an MLM batch; `output.scored_logits` holds the model's
+    logits at the scored positions, in the order `labels != IGNORE_INDEX` lists them."""
+    labels = inputs["labels"]
+    targets = labels[labels != IGNORE_INDEX]  # (N,)
+    correct = (output.scored_logits.argmax(-1) == targets).sum()  # on the device: no (N, V) copy
+    return {"correct": float(correct), "scored": float(targets.numel())}
+
+
+def _accuracy(sums: dict[str, float]) -> dict[str, float]:
+    return {"eval/accuracy": sums["correct"] / max(sums["scored"], 1.0)}
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
-    arch: str
-    inputs: tuple[str, ...]  # batch fields passed to the model's forward
-    shifted: bool  # labels aligned with inputs and shifted inside the model (causal LM)
+    arch: str  # the model it trains
+    make_inputs: Callable[[Batch], Batch]  # token batch -> the model's keyword arguments, labels made here
+    flops: Callable[[ModelConfig, Batch], float]  # training FLOPs of one micro batch of model inputs
+    warm_startable: bool = False  # init.encoder / init.decoder apply
+    # Extra evaluation: per-batch sums (all-reduced over ranks), then the metrics made of them.
+    eval_sums: Callable[[ModelOutput, Batch], dict[str, float]] | None = None
+    eval_metrics: Callable[[dict[str, float]], dict[str, float]] | None = None
 
-    def model_inputs(self, batch: dict, device: torch.device) -> dict:
-        return {key: batch[key].to(device, non_blocking=True) for key in self.inputs}
+    @property
+    def dataset(self) -> str:
+        """The shard set that feeds this task (`pipeline.format`)."""
+        return DATASET_FOR_TASK[self.name]
 
-    def target_mask(self, batch: dict) -> torch.Tensor:
-        """Which label positions are scored (for token-weighted losses and accuracy)."""
-        labels = batch["labels"][:, 1:] if self.shifted else batch["labels"]
-        return labels != -100
+    def model_inputs(self, batch: Batch, device: torch.device | None = None) -> Batch:
+        """The model's keyword arguments for a loader batch, on `device`."""
+        inputs = self.make_inputs(batch)
+        if device is None:
+            return inputs
+        return {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
 
-    def tokens(self, batch: dict) -> int:
+    @staticmethod
+    def target_mask(inputs: Batch) -> torch.Tensor:
+        """Which positions are scored (for token-weighted losses and accuracy)."""
+        return inputs["labels"] != IGNORE_INDEX
+
+    @staticmethod
+    def tokens(inputs: Batch) -> int:
         """Tokens processed: every non-pad input token (throughput and MFU count these)."""
-        masks = [batch[k] for k in ("attention_mask", "src_mask", "decoder_mask") if k in batch]
+        masks = [inputs[k] for k in ("attention_mask", "src_mask", "decoder_mask") if k in inputs]
         return int(sum(int(m.sum()) for m in masks))
 
 
 TASKS = {
-    "causal_lm": Task("causal_lm", "gpt", ("input_ids", "attention_mask", "labels"), shifted=True),
-    "mlm": Task("mlm", "bert", ("input_ids", "attention_mask", "labels"), shifted=False),
-    "translation": Task("translation", "seq2seq", ("src_ids", "src_mask", "decoder_input_ids", "decoder_mask", "labels"), shifted=False),
+    "causal_lm": Task("causal_lm", "gpt", _causal_lm_inputs, _lm_flops),
+    "mlm": Task("mlm", "bert", _mlm_inputs, _mlm_flops, eval_sums=_masked_accuracy_sums, eval_metrics=_accuracy),
+    "translation": Task("translation", "seq2seq", _translation_inputs, _translation_flops, warm_startable=True),
 }
-
-
-def masked_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """(correct, total) predictions at the scored positions of an MLM batch: logits (N, V) are
-    the model's at those positions only (see `model.bert.BERT.forward`), labels (B, T)."""
-    targets = labels[labels != -100]  # (N,)
-    return int((logits.argmax(-1) == targets).sum()), targets.numel()

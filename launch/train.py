@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +30,10 @@ from launch.config import BatchPlan, TrainConfig, check_config
 from launch.engine import Engine, deepspeed_config
 from launch.metrics import memory_mb, peak_flops
 from launch.optim import build_optimizer, build_scheduler
-from launch.tasks import TASKS, Task, masked_accuracy
+from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
-from model import Pretrained, build_model, training_flops, warm_start
-from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config
+from model import ModelConfig, Pretrained, build_model, warm_start
+from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config, strip_launcher_args
 from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
 from pipeline.loader import ShardLoader
 
@@ -41,40 +41,113 @@ USAGE = "usage: python -m launch.train CONFIG.yaml [key.sub=value ...]"
 
 
 @dataclass
+class Data:
+    """What `open_data` resolves from the dataset: the loaders and the tokenizer's identity."""
+
+    train: ShardLoader
+    valid: ShardLoader | None  # None when the valid split is smaller than one global batch
+    vocab_size: int
+    tokenizer_sha256: str
+
+
+@dataclass
+class Progress:
+    """Where a run stands: restored from a checkpoint, or a fresh start."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    run_id: str | None = None  # the W&B run's id, kept across resumes
+
+
+@dataclass
 class Run:
-    cfg: TrainConfig
+    cfg: TrainConfig  # resolved: model.vocab_size is the data's
     denv: dist.DistEnv
     task: Task
     plan: BatchPlan
     engine: Engine
-    train_loader: ShardLoader
-    eval_loader: ShardLoader | None
+    data: Data
     tracker: Tracker
-    tokenizer_sha256: str
     run_id: str
     peak: tuple[float, str]
     step: int = 0
     tokens_seen: int = 0
-    history: list = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- setup
 
 
-def _dataset_info(cfg: TrainConfig) -> tuple[dict, str]:
-    manifest = read_manifest(cfg.data.data_dir)
-    tokenizer = manifest["tokenizer"]
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = tokenizer["vocab_size"]
-    elif cfg.model.vocab_size != tokenizer["vocab_size"]:
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size} but the tokenizer of {cfg.data.data_dir} has "
-                        f"{tokenizer['vocab_size']} pieces (set model.vocab_size=0 to take it from the data)")
-    return manifest, tokenizer["sha256"]
+def setup(cfg: TrainConfig) -> Run:
+    """Named steps, each returning what it resolves: data -> model config -> process group ->
+    model and engine -> resume -> run directory and tracker."""
+    # DeepSpeed calls torch.distributed functions that torch now marks deprecated, every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    task = check_config(cfg)
+    denv = dist.read_env()
+    dist.set_threads(cfg.threads_per_rank, denv)
+    data = open_data(cfg, task, denv)
+    cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
+    plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
+    dist.init_process_group(denv, cfg.dist_timeout_s)
+    resume_from = dist.broadcast_object(ckpt.resolve_resume(cfg.resume, cfg.run_dir) if denv.is_main else None)
+    engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv)
+    progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
+    run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
+    tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters)
+    if denv.is_main:
+        print(f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
+              f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
+              f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
+              f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
+    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, progress.step, progress.tokens_seen)
 
 
-def _build_model(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch.nn.Module:
-    if cfg.task != "translation" or not (cfg.init.encoder or cfg.init.decoder):
-        return build_model(cfg.model)
+def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
+    """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
+    tokenizer = read_manifest(cfg.data.data_dir)["tokenizer"]
+    sha256 = tokenizer["sha256"]
+    train = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
+                                    expected_tokenizer_sha256=sha256)
+    try:
+        valid = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
+                                        expected_tokenizer_sha256=sha256)
+    except UserError as err:  # e.g. a valid split smaller than one global batch
+        valid = None
+        if denv.is_main:
+            print(f"warning: no evaluation: {err}", file=sys.stderr)
+    return Data(train, valid, int(tokenizer["vocab_size"]), sha256)
+
+
+def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str) -> ModelConfig:
+    """The model config with the data's vocabulary size (`vocab_size: 0` asks for it)."""
+    if model_cfg.vocab_size == 0:
+        return replace(model_cfg, vocab_size=vocab_size)
+    if model_cfg.vocab_size != vocab_size:
+        raise UserError(f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has "
+                        f"{vocab_size} pieces (set model.vocab_size=0 to take it from the data)")
+    return model_cfg
+
+
+def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str,
+                 denv: dist.DistEnv) -> tuple[Engine, int]:
+    """The model (random or warm-started), its optimizer and schedule under DeepSpeed; and its
+    parameter count, taken before ZeRO-3 partitions the parameters away."""
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    try:
+        model = _warm_start(cfg, tokenizer_sha256, denv.is_main) if _warm_starts(cfg, task) else build_model(cfg.model)
+    except ValueError as err:  # the model config's own check (ModelConfig.validate)
+        raise UserError(str(err)) from err
+    n_parameters = sum(p.numel() for p in model.parameters())
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+    return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan)), n_parameters
+
+
+def _warm_starts(cfg: TrainConfig, task: Task) -> bool:
+    return task.warm_startable and bool(cfg.init.encoder or cfg.init.decoder)
+
+
+def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch.nn.Module:
     from launch.export import load_model_dir
     from model import WarmStartError
 
@@ -94,59 +167,34 @@ def _build_model(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torc
     return model
 
 
-def setup(cfg: TrainConfig) -> Run:
-    # DeepSpeed calls torch.distributed functions that torch now marks deprecated, every step.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
-    denv = dist.read_env()
-    dist.set_threads(cfg.threads_per_rank, denv)
-    manifest, tokenizer_sha256 = _dataset_info(cfg)
-    check_config(cfg)
-    task = TASKS[cfg.task]
-    plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
-    ds_config = deepspeed_config(cfg, plan)
+def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv) -> Progress:
+    """Engine, loader and RNG state from a checkpoint; where the run stands."""
+    root, tag = resume_from
+    client = engine.load(root, tag)
+    if client.get("world_size") != denv.world_size:
+        raise UserError(f"checkpoint {root / tag} was written by {client.get('world_size')} ranks, this job has "
+                        f"{denv.world_size}: ZeRO checkpoints are tied to their world size (export it and start anew)")
+    if client.get("tokenizer_sha256") != data.tokenizer_sha256:
+        raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than this dataset's")
+    data.train.load_state_dict(client["loader"])
+    _set_rng_state(client["rng"][denv.rank])
+    if denv.is_main:
+        print(f"resumed from {root / tag} at step {client['step']}", file=sys.stderr)
+    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"))
+
+
+def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
+    torch.manual_seed(seed + denv.rank)  # dropout differs across ranks
+    np.random.seed(seed + denv.rank)
+    random.seed(seed + denv.rank)
+    return Progress()
+
+
+def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Data, step: int, run_id: str,
+                 n_parameters: int) -> tuple[Tracker, tuple[float, str]]:
+    """RUN_DIR's config, tokenizer and metrics (rows after `step` dropped), and the W&B run;
+    the peak FLOP/s that MFU is measured against."""
     run_dir = Path(cfg.run_dir)
-    dist.init_process_group(denv, cfg.dist_timeout_s)
-    resume = ckpt.resolve_resume(cfg.resume, run_dir) if denv.is_main else None
-    resume = dist.broadcast_object(resume)
-
-    train_loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
-                                           expected_tokenizer_sha256=tokenizer_sha256)
-    try:
-        eval_loader = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
-                                              expected_tokenizer_sha256=tokenizer_sha256)
-    except UserError as err:  # e.g. a valid split smaller than one global batch
-        eval_loader = None
-        if denv.is_main:
-            print(f"warning: no evaluation: {err}", file=sys.stderr)
-
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = _build_model(cfg, tokenizer_sha256, denv.is_main)
-    n_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
-    engine = Engine(model, optimizer, scheduler, ds_config)
-
-    step = tokens_seen = 0
-    run_id = None
-    if resume is not None:
-        root, tag = resume
-        client = engine.load(root, tag)
-        if client.get("world_size") != denv.world_size:
-            raise UserError(f"checkpoint {root / tag} was written by {client.get('world_size')} ranks, this job has "
-                            f"{denv.world_size}: ZeRO checkpoints are tied to their world size (export it and start anew)")
-        if client.get("tokenizer_sha256") != tokenizer_sha256:
-            raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than {cfg.data.data_dir}'s")
-        step, tokens_seen, run_id = client["step"], client["tokens_seen"], client.get("wandb_run_id")
-        train_loader.load_state_dict(client["loader"])
-        _set_rng_state(client["rng"][denv.rank])
-        if denv.is_main:
-            print(f"resumed from {root / tag} at step {step}", file=sys.stderr)
-    else:
-        torch.manual_seed(cfg.seed + denv.rank)  # dropout differs across ranks
-        np.random.seed(cfg.seed + denv.rank)
-        random.seed(cfg.seed + denv.rank)
-    run_id = dist.broadcast_object(run_id or (new_run_id() if denv.is_main else None))
-
     if denv.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir, step)
@@ -156,18 +204,13 @@ def setup(cfg: TrainConfig) -> Run:
         shutil.copyfile(Path(cfg.data.data_dir) / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
     peak = peak_flops(cfg.deepspeed.precision) if denv.is_main else (float("nan"), "")
     summary = {"git_commit": git_commit(), "data_manifest_sha256": file_sha256(Path(cfg.data.data_dir) / MANIFEST),
-               "tokenizer_sha256": tokenizer_sha256, "world_size": denv.world_size,
+               "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
     tracker = Tracker(enabled=denv.is_main, mode=cfg.wandb.mode, project=cfg.wandb.project, entity=cfg.wandb.entity,
                       name=cfg.wandb.name, tags=cfg.wandb.tags, run_dir=run_dir, run_id=run_id,
                       config=config_to_dict(cfg), summary=summary)
-    if denv.is_main:
-        print(f"{cfg.task}: {summary['parameters']:,} parameters, world {denv.world_size}, global batch "
-              f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
-              f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(train_loader)} batches/epoch per rank, "
-              f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
-    return Run(cfg, denv, task, plan, engine, train_loader, eval_loader, tracker, tokenizer_sha256, run_id, peak, step, tokens_seen)
+    return tracker, peak
 
 
 def _rng_state() -> dict:
@@ -213,26 +256,18 @@ def _batches(loader: ShardLoader):
         yield from loader
 
 
-def step_flops(cfg: TrainConfig, batch: dict) -> float:
-    if cfg.task == "translation":
-        return training_flops(cfg.model, batch["src_ids"].shape[1], batch["decoder_input_ids"].shape[1]) * batch["src_ids"].shape[0]
-    rows, seq_len = batch["input_ids"].shape
-    scored = float((batch["labels"] != -100).sum()) / rows if cfg.task == "mlm" else None  # BERT's head runs on these
-    return training_flops(cfg.model, seq_len, scored=scored) * rows
-
-
 def train_step(run: Run, batches) -> dict:
     """One optimizer step: grad_accum micro batches, forward and backward through the engine."""
     loss_sum, tokens, flops, samples = 0.0, 0, 0.0, 0
     for _ in range(run.plan.grad_accum):
-        batch = next(batches)
-        output = run.engine(**run.task.model_inputs(batch, run.engine.device))
+        inputs = run.task.model_inputs(next(batches))
+        output = run.engine(**{key: value.to(run.engine.device, non_blocking=True) for key, value in inputs.items()})
         run.engine.backward(output.loss)
         run.engine.step()
         loss_sum += float(output.loss.detach())
-        tokens += run.task.tokens(batch)
-        flops += step_flops(run.cfg, batch)
-        samples += next(iter(batch.values())).shape[0]
+        tokens += run.task.tokens(inputs)
+        flops += run.task.flops(run.cfg.model, inputs)
+        samples += inputs["labels"].shape[0]
     # One reduction carries the step's figures and whether any rank was asked to stop.
     loss_sum, tokens, flops, samples, stop = dist.all_reduce_sum([loss_sum, tokens, flops, samples, float(_stop_requested(run))])
     loss = loss_sum / (run.plan.grad_accum * run.denv.world_size)
@@ -245,27 +280,29 @@ def train_step(run: Run, batches) -> dict:
 def evaluate(run: Run) -> dict:
     """Token-weighted loss (and perplexity; masked-token accuracy for mlm) on the valid split.
     Every rank runs the same number of forwards, which ZeRO-3 needs."""
-    if run.eval_loader is None:
+    loader = run.data.valid
+    if loader is None:
         return {}
     run.engine.train(False)
-    run.eval_loader.load_state_dict({**run.eval_loader.state_dict(), "epoch": 0, "batches_consumed": 0})
-    loss_sum = count = correct = scored = 0.0
-    for index, batch in enumerate(run.eval_loader):
+    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "batches_consumed": 0})
+    sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+    for index, batch in enumerate(loader):
         if run.cfg.eval_batches and index >= run.cfg.eval_batches:
             break
-        output = run.engine(**run.task.model_inputs(batch, run.engine.device))
-        n = int(run.task.target_mask(batch).sum())
-        loss_sum += float(output.loss) * n
-        count += n
-        if run.task.name == "mlm":
-            c, s = masked_accuracy(output.logits.float().cpu(), batch["labels"])
-            correct, scored = correct + c, scored + s
+        inputs = run.task.model_inputs(batch, run.engine.device)
+        output = run.engine(**inputs)
+        n = int(run.task.target_mask(inputs).sum())
+        sums["loss"] += float(output.loss) * n
+        sums["count"] += n
+        for key, value in (run.task.eval_sums(output, inputs) if run.task.eval_sums else {}).items():
+            sums[key] = sums.get(key, 0.0) + value
     run.engine.train(True)
-    loss_sum, count, correct, scored = dist.all_reduce_sum([loss_sum, count, correct, scored])
-    loss = loss_sum / max(count, 1)
-    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/tokens": count}
-    if run.task.name == "mlm":
-        metrics["eval/accuracy"] = correct / max(scored, 1)
+    # Every rank runs the same number of batches, so every rank has the same keys in the same order.
+    sums = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))
+    loss = sums["loss"] / max(sums["count"], 1)
+    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/tokens": sums["count"]}
+    if run.task.eval_metrics:
+        metrics.update(run.task.eval_metrics(sums))
     return metrics
 
 
@@ -274,9 +311,9 @@ def save_checkpoint(run: Run) -> Path:
     root = ckpt.checkpoint_root(run.cfg.run_dir)
     tag = ckpt.tag_for(run.step)
     client_state = {
-        "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.train_loader.state_dict(),
+        "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.data.train.state_dict(),
         "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
-        "tokenizer_sha256": run.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
+        "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
     }
     run.engine.save(root, tag, client_state)
     dist.barrier()
@@ -315,7 +352,7 @@ def _log(run: Run, metrics: dict) -> None:
 
 def fit(run: Run) -> dict:
     cfg = run.cfg
-    batches = _batches(run.train_loader)
+    batches = _batches(run.data.train)
     window_tokens = window_flops = window_samples = 0.0
     window_start = time.perf_counter()
     last_eval: dict = {}
@@ -334,7 +371,7 @@ def fit(run: Run) -> dict:
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
             metrics.update({
                 "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": run.engine.grad_norm(),
-                "train/tokens_seen": run.tokens_seen, "train/epoch": run.train_loader.epoch,
+                "train/tokens_seen": run.tokens_seen, "train/epoch": run.data.train.epoch,
                 "perf/tokens_per_s": window_tokens / elapsed,
                 "perf/samples_per_s": window_samples / elapsed,
                 "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
@@ -380,21 +417,8 @@ def train(cfg: TrainConfig) -> dict:
         dist.destroy()
 
 
-def _strip_launcher_args(argv: list[str]) -> list[str]:
-    """The deepspeed launcher appends --local_rank=N; the rank is read from the environment."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--local_rank":
-            skip = True
-        elif not arg.startswith("--local_rank="):
-            out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     cfg = parse_cli(TrainConfig, argv, usage=USAGE)
     train(cfg)
     return 0

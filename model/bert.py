@@ -12,8 +12,9 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from model.blocks import IGNORE_INDEX, ModelOutput, Transformer, cross_entropy, init_weights, make_activation
+from model.blocks import ModelOutput, Transformer, init_weights, make_activation
 from model.config import ModelConfig
+from model.loss import IGNORE_INDEX, cross_entropy
 
 
 class MLMHead(nn.Module):
@@ -40,16 +41,16 @@ class BERT(Transformer):
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
     ) -> ModelOutput:
         """input_ids (B, T) with masked positions replaced; attention_mask (B, T) 1 = real;
-        labels (B, T): the original token at masked positions, -100 elsewhere.
+        labels (B, T): the original token at masked positions, IGNORE_INDEX elsewhere.
 
-        Without labels, logits are (B, T, V). With labels, the head runs only on the scored
-        positions and logits are (N, V), one row per label that is not -100, in row-major
-        order: with 15% of tokens masked that skips 85% of the head's vocabulary projection
-        (as NVIDIA's and Megatron's BERT pretraining do).
+        Without labels, `logits` are (B, T, V). With labels, the head runs only on the scored
+        positions: `scored_logits` (N, V), one row per label that is not IGNORE_INDEX, in
+        row-major order. With 15% of tokens masked that skips 85% of the head's vocabulary
+        projection (as NVIDIA's and Megatron's BERT pretraining do).
         """
         h = super().forward(input_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return ModelOutput(logits=self.head(h))  # (B, T, V)
         scored = labels != IGNORE_INDEX  # (B, T)
         logits = self.head(h[scored])  # (N, V)
-        return ModelOutput(logits=logits, loss=cross_entropy(logits[None], labels[scored][None]))
+        return ModelOutput(loss=cross_entropy(logits, labels[scored]), scored_logits=logits)

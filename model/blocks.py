@@ -25,27 +25,22 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
-from model.loss import IGNORE_INDEX
 
 
 class ModelOutput(NamedTuple):
-    """A named tuple rather than a dataclass: DeepSpeed ZeRO-3 finds the tensors in tuples to
-    hook its backward-pass parameter handling onto; it cannot see into a dataclass."""
+    """What a model's forward returns; each field holds one thing or is None.
 
-    logits: Optional[Tensor]  # (B, T, V); None where a loss was asked of GPT or Seq2Seq, (N, V) of BERT
+    A named tuple rather than a dataclass: DeepSpeed ZeRO-3 finds the tensors in tuples to
+    hook its backward-pass parameter handling onto; it cannot see into a dataclass.
+    """
+
+    # (B, T, V) at every position; given only when no labels were (a training step never needs them).
+    logits: Optional[Tensor] = None
+    # Mean cross-entropy over the scored positions (labels != IGNORE_INDEX), when labels were given.
     loss: Optional[Tensor] = None
-
-
-def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    """Mean cross-entropy over targets that are not -100; 0 (not NaN) when there are none."""
-    total = F.cross_entropy(
-        logits.flatten(0, 1).float(),  # (B*T, V); a bf16 log-softmax over the vocabulary loses precision
-        labels.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        label_smoothing=label_smoothing,
-    )
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    # (N, V) at the N scored positions only, in the row-major order of `labels != IGNORE_INDEX`:
+    # what BERT's head computes when given labels (see `model.bert`).
+    scored_logits: Optional[Tensor] = None
 
 
 def make_activation(name: str) -> nn.Module:
@@ -213,7 +208,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
         self.mlp_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.activation)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.activation)
         self.drop = nn.Dropout(cfg.dropout)
 
     def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
@@ -317,7 +312,6 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, causal: bool, cross_attention: bool = False):
         super().__init__()
-        cfg.validate()
         self.cfg = cfg
         self.causal = causal
         self.cross_attention = cross_attention

@@ -43,7 +43,7 @@ class ModelConfig:
     n_layers: int = 6  # seq2seq: encoder layers
     n_decoder_layers: int = 0  # seq2seq only; 0 = n_layers
     n_heads: int = 8  # attention heads; must divide d_model
-    d_ff: int = 0  # 0 = 4 * d_model
+    d_ff: int = 0  # MLP width; 0 = 4 * d_model (filled in when the config is made)
     max_seq_len: int = 512  # positions the model has (and the longest input it takes)
     dropout: float = 0.1  # embeddings, attention probabilities and residual branches
     activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new) | relu
@@ -65,9 +65,10 @@ class ModelConfig:
     encoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
     decoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
 
-    @property
-    def ffn_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+    def __post_init__(self):
+        # One name, one meaning: after construction d_ff is the MLP's width, never the 0 shorthand.
+        if self.d_ff == 0:
+            self.d_ff = 4 * self.d_model
 
     def for_stack(self, stack: str) -> "ModelConfig":
         """The flat config of a Seq2Seq's `encoder` or `decoder` stack, overrides applied
@@ -117,7 +118,7 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
 
     _check(cfg.n_heads > 0, f"{named('n_heads')}: must be positive")
     _check(cfg.d_model % cfg.n_heads == 0, f"d_model={cfg.d_model} is not divisible by {named('n_heads')}")
-    _check(cfg.d_ff >= 0, f"{named('d_ff')}: must be >= 0 (0 means 4 * d_model)")
+    _check(cfg.d_ff > 0, f"{named('d_ff')}: must be positive (0 in a config file means 4 * d_model)")
     _check(cfg.activation in ACTIVATIONS, f"{named('activation')}: expected one of {ACTIVATIONS}")
     _check(cfg.norm_position in NORM_POSITIONS, f"{named('norm_position')}: expected one of {NORM_POSITIONS}")
     _check(cfg.positions in POSITIONS, f"{named('positions')}: expected one of {POSITIONS}")

@@ -28,7 +28,7 @@ from model.config import ModelConfig
 
 
 def _block_params(cfg: ModelConfig) -> int:
-    return 4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.ffn_dim
+    return 4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_ff
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -1,4 +1,9 @@
-"""The language-model head's loss without its (tokens x vocabulary) logits.
+"""The losses of the three models, and the ignore index of their labels.
+
+Labels are aligned with the positions that predict them (`launch.tasks` makes them); a label
+of IGNORE_INDEX scores nothing. `cross_entropy` is the plain loss over given logits (BERT's
+head, which only runs on the scored positions); `linear_cross_entropy` is the language-model
+head's loss without its (tokens x vocabulary) logits (GPT and the Seq2Seq decoder).
 
 A causal LM's loss needs logits for every position, but only to reduce them to one number:
 materialising (B*T, V) float logits, their log-softmax and the gradient of both costs more
@@ -22,8 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label torch's cross_entropy ignores by default
 CHUNK_ELEMENTS = 1 << 22  # float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean cross-entropy of logits (..., V) over labels (...) that are not IGNORE_INDEX; 0 (not NaN) when there are none."""
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),  # a bf16 log-softmax over the vocabulary loses precision
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def _chunk_rows(vocab_size: int) -> int:
@@ -80,8 +97,7 @@ def linear_cross_entropy(
     h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float = 0.0
 ) -> Tensor:
     """Mean cross-entropy of `F.linear(h, weight, bias)` against `targets` over the rows whose
-    target is not -100 (0 when there are none), as `model.blocks.cross_entropy` gives for the
-    same logits. h (..., C), targets (...)."""
+    target is not IGNORE_INDEX (0 when there are none), as `cross_entropy` gives for the same logits. h (..., C), targets (...)."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, C), (N,)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, bias, targets, label_smoothing)

@@ -17,14 +17,13 @@ from torch import Tensor, nn
 
 from model.blocks import ModelOutput, Transformer
 from model.config import ModelConfig
-from model.generation import Hypotheses, generate_seq2seq
+from model.generation import generate_seq2seq
 from model.gpt import GPT
 
 
 class Seq2Seq(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        cfg.validate()
         self.cfg = cfg
         self.encoder = Transformer(cfg.for_stack("encoder"), causal=False)
         self.decoder = GPT(cfg.for_stack("decoder"), cross_attention=True)
@@ -38,23 +37,11 @@ class Seq2Seq(nn.Module):
         labels: Optional[Tensor] = None,
     ) -> ModelOutput:
         """src_ids, src_mask (B, S); decoder_input_ids = <s> + target (B, T); labels =
-        target + </s>, padded with -100 (already aligned: no shift here)."""
+        target + </s>, padded with IGNORE_INDEX (aligned with the decoder's positions)."""
         memory = self.encoder(src_ids, src_mask)  # (B, S, C)
         # Logits (B, T, V) without labels; with them only the loss (see GPT.forward).
         return self.decoder(decoder_input_ids, decoder_mask, labels, memory=memory, memory_mask=src_mask,
-                            label_smoothing=self.cfg.label_smoothing, shift_labels=False)
+                            label_smoothing=self.cfg.label_smoothing)
 
-    def generate(
-        self,
-        src_ids: Tensor,
-        src_mask: Optional[Tensor] = None,
-        max_len: int = 128,
-        beam_size: int = 1,
-        length_penalty: float = 1.0,
-        synced: bool = False,
-    ) -> Hypotheses:
-        """Translate a batch; see `model.generation.generate_seq2seq`."""
-        return generate_seq2seq(
-            self, src_ids, src_mask, max_len=max_len, beam_size=beam_size, length_penalty=length_penalty, synced=synced
-        )
-
+    # Decoding options are defined once, by the function: `seq2seq.generate(src_ids, ...)`.
+    generate = generate_seq2seq

@@ -33,7 +33,7 @@ from model.seq2seq import Seq2Seq
 SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
 # Fields a source must share with the stack it fills; max_seq_len may differ (resized).
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "activation", "norm_position",
+    "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "activation", "norm_position",
     "positions", "layer_norm_eps", "pad_id", "bos_id", "eos_id", "mask_id",
 )  # fmt: skip
 RESIZABLE = "embed.pos.weight"
@@ -101,7 +101,7 @@ def seq2seq_config(
     def stack(c: Optional[ModelConfig]) -> StackConfig:
         if c is None:
             return StackConfig()
-        return StackConfig(c.n_heads, c.ffn_dim, c.activation, c.norm_position, c.positions, c.layer_norm_eps)
+        return StackConfig(c.n_heads, c.d_ff, c.activation, c.norm_position, c.positions, c.layer_norm_eps)
 
     cfg = dataclasses.replace(
         base,
@@ -124,6 +124,7 @@ def warm_start(
     """A new Seq2Seq for `cfg`, its stacks filled from `encoder` and `decoder` sources."""
     if cfg.arch != "seq2seq":
         raise WarmStartError(f"warm_start builds a seq2seq model, got arch={cfg.arch!r}")
+    cfg.validate()  # the one check of this path's config (build_model's, for a random start)
     model = Seq2Seq(cfg)
     report = WarmStartReport()
     origins: Dict[str, TensorOrigin] = {}

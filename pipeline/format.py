@@ -15,6 +15,18 @@ Each tar is a WebDataset shard: samples are consecutive members sharing a key
 
 The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
 `path`, `samples`, `tokens`, `bytes` and `sha256`.
+
+The loader (`pipeline.loader`) hands the trainer token batches, `BATCH_FIELDS[task]`, all
+(B, T) tensors made by `pipeline.collate`: ids int64 padded with <pad>, masks int64 with
+1 = real token, 0 = padding.
+
+* `causal_lm`: `input_ids`, `attention_mask`.
+* `mlm`: `input_ids` with BERT's masking applied, `attention_mask`, `original_ids` (the ids
+  before masking) and `masked_positions` (bool: the tokens selected for prediction).
+* `translation`: `src_ids` (source + </s>), `src_mask`, `tgt_ids` (<s> + target + </s>), `tgt_mask`.
+
+A token batch has no labels: which token each position predicts is the task's decision
+(`launch.tasks`), with the ignore index of the model's loss (`model.loss`).
 """
 
 from __future__ import annotations
@@ -38,6 +50,11 @@ SPLITS = ("train", "valid", "test")
 # blocks (masks are drawn at load time, so every epoch sees new ones).
 DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
 FIELDS = {"packed": ("input_ids",), "translation": ("src_ids", "tgt_ids")}
+BATCH_FIELDS = {
+    "causal_lm": ("input_ids", "attention_mask"),
+    "mlm": ("input_ids", "attention_mask", "original_ids", "masked_positions"),
+    "translation": ("src_ids", "src_mask", "tgt_ids", "tgt_mask"),
+}
 
 # Reserved ids, the same in every tokenizer this project trains.
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>", "<sep>")

@@ -80,10 +80,9 @@ def shard_ids(manifest: dict, dataset: str = "packed", split: str = "train") -> 
 
 
 def batch_ids(batch: dict) -> list[int]:
-    """Sample ids of a batch's rows, also through MLM masking (labels keep the masked originals)."""
+    """Sample ids of a batch's rows, also through MLM masking (original_ids keep the masked originals)."""
     if "src_ids" in batch:
         first = batch["src_ids"][:, 0]
     else:
-        labels, ids = batch["labels"][:, 0], batch["input_ids"][:, 0]
-        first = ids.where(labels == -100, labels)
+        first = batch.get("original_ids", batch["input_ids"])[:, 0]
     return [int(x) - FIRST_ID for x in first]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 from pipeline import loader as loader_module
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
-from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
+from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
 from pipeline.loader import ShardLoader
 from tests.shardtools import (
     FIRST_ID,
@@ -30,8 +29,8 @@ from tests.shardtools import (
 UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
 
 
-def epoch_batches(data_dir, kind="causal_lm", **kw):
-    return list(ShardLoader(str(data_dir), kind, "train", **kw))
+def epoch_batches(data_dir, task="causal_lm", **kw):
+    return list(ShardLoader(str(data_dir), task, "train", **kw))
 
 
 def assert_same_batches(a, b):
@@ -67,7 +66,7 @@ def test_every_sample_once_across_ranks_and_workers(tmp_path, sizes, num_workers
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_batches_do_not_depend_on_num_workers(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
-    kw = dict(kind="mlm", micro_batch_size=3, rank=1, world_size=2, seed=5)
+    kw = dict(task="mlm", micro_batch_size=3, rank=1, world_size=2, seed=5)
     assert_same_batches(epoch_batches(tmp_path, num_workers=0, **kw), epoch_batches(tmp_path, num_workers=3, **kw))
 
 
@@ -87,14 +86,14 @@ def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path):
     assert_same_batches(list(loader), epoch_batches(tmp_path, micro_batch_size=4, seed=1, epoch=3))
 
 
-@pytest.mark.parametrize("kind", ["mlm", "translation"])
-def test_resume_yields_exactly_the_remaining_batches(tmp_path, kind):
+@pytest.mark.parametrize("task", ["mlm", "translation"])
+def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
     make_dataset(tmp_path, packed=UNEVEN, translation=UNEVEN)
     kw = dict(micro_batch_size=3, rank=1, world_size=2, seed=7)
-    uninterrupted = ShardLoader(str(tmp_path), kind, "train", num_workers=2, **kw)
+    uninterrupted = ShardLoader(str(tmp_path), task, "train", num_workers=2, **kw)
     full = list(uninterrupted) + list(uninterrupted)  # epochs 0 and 1
 
-    interrupted = ShardLoader(str(tmp_path), kind, "train", num_workers=2, **kw)
+    interrupted = ShardLoader(str(tmp_path), task, "train", num_workers=2, **kw)
     taken = []
     for batch in interrupted:  # the workers have prefetched beyond this point
         taken.append(batch)
@@ -104,7 +103,7 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, kind):
     assert state["epoch"] == 0 and state["batches_consumed"] == 5
 
     # Another process, another num_workers, another rank's copy of the state: the same batches.
-    resumed = ShardLoader(str(tmp_path), kind, "train", num_workers=0, **kw)
+    resumed = ShardLoader(str(tmp_path), task, "train", num_workers=0, **kw)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert resumed.epoch == 1
@@ -127,13 +126,13 @@ def test_resume_at_epoch_end_starts_the_next_epoch(tmp_path):
 def test_resume_skips_shards_without_decoding_them(tmp_path, monkeypatch):
     manifest = make_dataset(tmp_path, packed=UNEVEN)
     opened = []
-    read_shard = loader_module._read_shard
+    read_shard = loader_module.read_shard
 
     def counting_read(shard, fields, wanted):
         opened.append(os.path.relpath(shard.path, tmp_path))
         return read_shard(shard, fields, wanted)
 
-    monkeypatch.setattr(loader_module, "_read_shard", counting_read)
+    monkeypatch.setattr(loader_module, "read_shard", counting_read)
     kw = dict(micro_batch_size=4, seed=11)
     full = epoch_batches(tmp_path, **kw)
     assert len(opened) == len(UNEVEN)
@@ -227,11 +226,10 @@ def test_all_shards_unreadable_is_a_clear_error(tmp_path):
 
 def test_mlm_masks_15_percent_80_10_10_and_never_special_tokens(tmp_path):
     make_dataset(tmp_path, packed=[64], seq_len=128)
-    (batch,) = epoch_batches(tmp_path, kind="mlm", micro_batch_size=64, seed=1)
-    labels, inputs = batch["labels"], batch["input_ids"]
-    original = inputs.where(labels == -100, labels)
+    (batch,) = epoch_batches(tmp_path, task="mlm", micro_batch_size=64, seed=1)
+    inputs, original, selected = batch["input_ids"], batch["original_ids"], batch["masked_positions"]
+    assert torch.equal(inputs[~selected], original[~selected])  # only selected tokens change
     special = original < 6
-    selected = labels != -100
     assert special.sum() > 500
     assert not (selected & special).any()
     assert torch.equal(inputs[special], original[special])
@@ -248,7 +246,7 @@ def test_mlm_masks_15_percent_80_10_10_and_never_special_tokens(tmp_path):
     assert torch.equal(batch["attention_mask"], torch.ones_like(inputs))
 
 
-def test_causal_lm_collation_pads_and_ignores_padding(tmp_path):
+def test_causal_lm_collation_pads(tmp_path):
     manifest = make_dataset(tmp_path, packed=[2])
     record = manifest["datasets"]["packed"]["splits"]["train"]["shards"][0]
     rows = [{"input_ids": np.array([7, 8, 9], np.uint16)}, {"input_ids": np.array([10], np.uint16)}]
@@ -259,7 +257,7 @@ def test_causal_lm_collation_pads_and_ignores_padding(tmp_path):
     rows = sorted(range(2), key=lambda r: -int(batch["attention_mask"][r].sum()))
     assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, PAD_ID, PAD_ID]]
     assert batch["attention_mask"][rows].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"][rows].tolist() == [[7, 8, 9], [10, -100, -100]]
+    assert set(batch) == set(BATCH_FIELDS["causal_lm"])  # labels are the task's (tests/test_tasks.py)
     assert batch["input_ids"].dtype == torch.long
 
 
@@ -271,14 +269,14 @@ def test_translation_collation(tmp_path):
     record.update(write_shard(tmp_path / record["path"], ["a", "b"], pairs))
     record["path"] = os.path.relpath(record["path"], tmp_path)
     save_manifest(tmp_path, manifest)
-    (batch,) = epoch_batches(tmp_path, kind="translation", micro_batch_size=2)
+    (batch,) = epoch_batches(tmp_path, task="translation", micro_batch_size=2)
     rows = [0, 1] if batch["src_ids"][0, 0] == 10 else [1, 0]
     b = {key: value[rows].tolist() for key, value in batch.items()}
     assert b["src_ids"] == [[10, 11, 12, EOS_ID], [13, EOS_ID, PAD_ID, PAD_ID]]
     assert b["src_mask"] == [[1, 1, 1, 1], [1, 1, 0, 0]]
-    assert b["decoder_input_ids"] == [[BOS_ID, 20, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23]]
-    assert b["decoder_mask"] == [[1, 1, 0, 0], [1, 1, 1, 1]]
-    assert b["labels"] == [[20, EOS_ID, -100, -100], [21, 22, 23, EOS_ID]]
+    assert b["tgt_ids"] == [[BOS_ID, 20, EOS_ID, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23, EOS_ID]]
+    assert b["tgt_mask"] == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert set(batch) == set(BATCH_FIELDS["translation"])
     assert all(value.dtype == torch.long for value in batch.values())
 
 
@@ -304,126 +302,11 @@ def test_state_from_another_plan_is_refused(tmp_path):
         other.load_state_dict(state)
 
 
-# The shard reader: a scan of the tar headers serves well-formed shards; webdataset's reader (over
-# Python's tarfile) is the reference, and must be asked for anything the scan does not vouch for.
-
-REAL_DATA = Path(__file__).resolve().parent.parent / "data" / "gettext-en-de"
-
-
-def shards_of(data_dir, dataset, split="train", *, check_size=True):
-    records = json.loads((Path(data_dir) / "manifest.json").read_text())["datasets"][dataset]["splits"][split]["shards"]
-    return [loader_module._Shard(i, str(Path(data_dir) / r["path"]), r["samples"], r["bytes"] if check_size else None)
-            for i, r in enumerate(records)]
-
-
-def read_both(shard, fields):
-    """What `_read_shard` and the reference reader make of all of `shard`: the members, or the error message."""
-    answers = []
-    for read in (loader_module._read_shard, loader_module._read_shard_with_webdataset):
-        try:
-            answers.append(read(shard, fields, set(range(shard.samples))))
-        except loader_module._ShardError as err:
-            answers.append(str(err))
-    return answers
-
-
-def test_tar_scan_reads_written_shards_as_webdataset_does(tmp_path):
-    make_dataset(tmp_path, packed=[1, 40], translation=[30])
-    cases = [(shard, ("input_ids",)) for shard in shards_of(tmp_path, "packed")]
-    cases += [(shard, ("src_ids", "tgt_ids")) for shard in shards_of(tmp_path, "translation")]
-    if (REAL_DATA / "manifest.json").is_file():  # the prepared dataset, when this checkout has it
-        cases += [(shard, ("input_ids",)) for shard in shards_of(REAL_DATA, "packed", "valid")[:3]]
-        cases += [(shard, ("src_ids", "tgt_ids")) for shard in shards_of(REAL_DATA, "translation", "valid")[:3]]
-    for shard, fields in cases:
-        scanned = loader_module._scan_tar(Path(shard.path).read_bytes(), fields)
-        assert scanned is not None and len(scanned) == shard.samples  # served by the scan, not the fallback
-        fast, reference = read_both(shard, fields)
-        assert isinstance(fast, dict) and fast == reference and len(fast) == shard.samples
-
-
-def rewrite_header(data: bytearray, offset: int, start: int, value: bytes) -> None:
-    """Put `value` at `start` in the tar header at `offset` and fix its checksum, as a writer would."""
-    data[offset + start : offset + start + len(value)] = value
-    data[offset + 148 : offset + 156] = b" " * 8
-    data[offset + 148 : offset + 156] = b"%06o\0 " % sum(data[offset : offset + 512])
-
-
-def test_tar_scan_leaves_damaged_or_unusual_shards_to_webdataset(tmp_path):
-    import tarfile
-
-    make_dataset(tmp_path, translation=[4])
-    (shard,) = shards_of(tmp_path, "translation", check_size=False)  # the tar readers decide, not the size check
-    fields = ("src_ids", "tgt_ids")
-    good = Path(shard.path).read_bytes()
-    with tarfile.open(shard.path) as tar:
-        headers = [member.offset for member in tar.getmembers()]
-    end = headers[-1] + 1024  # the end-of-archive block: each member here is one header and one data block
-
-    def verdict(data: bytes):
-        Path(shard.path).write_bytes(data)
-        fast, reference = read_both(shard, fields)
-        assert fast == reference  # the same members, or the same error message
-        return loader_module._scan_tar(data, fields), fast
-
-    # Cut short anywhere before the end-of-archive block: rejected, by the reference reader's verdict.
-    for cut in sorted({*range(0, end, 512), *range(100, end, 512), end - 1}):
-        scanned, answer = verdict(good[:cut])
-        assert scanned is None and isinstance(answer, str), cut
-    # Cut just before it: every member is whole and tarfile takes the end of the file for the end.
-    scanned, answer = verdict(good[:end])
-    assert scanned is None and isinstance(answer, dict)
-    # Cut only in the zero padding after it: whole, and read by the scan.
-    scanned, answer = verdict(good[: end + 512])
-    assert scanned is not None and isinstance(answer, dict)
-
-    # A byte changed in a header (checksum left as it was), at the first member or a later one.
-    for header in (headers[0], headers[3]):
-        for start in (0, 20, 100, 124, 135, 148, 156, 257, 345):
-            data = bytearray(good)
-            data[header + start] ^= 0x41
-            scanned, answer = verdict(bytes(data))
-            assert scanned is None and isinstance(answer, str), (header, start)
-
-    # Headers that are valid but not what the scan reads itself: other member types, names it does
-    # not split, a ustar name prefix, numbers in forms it leaves to tarfile.
-    name = good[headers[2] : headers[2] + 100].split(b"\0")[0]  # "<key>.src_ids.npy"
-    unusual = [(156, b"5"), (156, b"2"), (156, b"x"), (0, b"noext\0"), (345, b"dir\0"),
-               (124, b"\x80" + bytes(10) + b"\x01"), (100, b"07 7\0"), (100, b"0000644\n")]
-    for start, value in unusual:
-        data = bytearray(good)
-        rewrite_header(data, headers[2], start, value)
-        scanned, _ = verdict(bytes(data))
-        assert scanned is None, value
-
-    # Both members of a sample moved under "__meta__/", which webdataset skips as metadata: a sample short.
-    data = bytearray(good)
-    for header in headers[2:4]:
-        rewrite_header(data, header, 0, b"__meta__/" + good[header : header + 100].split(b"\0")[0])
-    scanned, answer = verdict(bytes(data))
-    assert scanned is None and answer == "3 samples, the manifest says 4"
-
-    # A first sample whose key Python's stream reader takes for the magic number of a bzip2 stream.
-    data = bytearray(good)
-    for header in headers[:2]:
-        suffix = good[header : header + 100].split(b"\0")[0].split(b".", 1)[1]
-        rewrite_header(data, header, 0, b"BZh91AY&SY." + suffix + b"\0")
-    scanned, answer = verdict(bytes(data))
-    assert scanned is None and answer.startswith("unreadable: ReadError")
-
-    # What both readers take as it is: an upper-case suffix (webdataset lowercases it), numbers padded with spaces.
-    for start, value in [(0, name.upper()),
-                         (124, b" " + good[headers[2] + 125 : headers[2] + 135] + b" ")]:
-        data = bytearray(good)
-        rewrite_header(data, headers[2], start, value)
-        scanned, answer = verdict(bytes(data))
-        assert scanned is not None and isinstance(answer, dict), value
-
-
 def test_workers_send_numpy_ids_not_tensors(tmp_path):
     # A batch crosses from a worker as numpy arrays (pickled in one message); the main process makes the tensors.
     make_dataset(tmp_path, packed=[8], translation=[8])
-    for kind, keys in [("causal_lm", {"ids", "lengths"}), ("mlm", {"ids", "lengths", "labels"}),
-                       ("translation", {"src", "src_lengths", "tgt", "tgt_lengths"})]:
-        loader = ShardLoader(str(tmp_path), kind, "train", micro_batch_size=4)
+    for task, keys in [("causal_lm", {"ids", "lengths"}), ("mlm", {"ids", "lengths", "original_ids", "masked_positions"}),
+                       ("translation", {"src_ids", "src_lengths", "tgt_ids", "tgt_lengths"})]:
+        loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4)
         _, packed, _ = loader._epoch_batches(0, 0).build(0)
         assert set(packed) == keys and all(isinstance(value, np.ndarray) for value in packed.values())

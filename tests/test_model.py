@@ -82,7 +82,7 @@ def test_for_stack_resolves_overrides():
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
     assert (enc.n_layers, enc.n_heads, enc.activation) == (3, 4, "gelu")
     assert (dec.n_layers, dec.n_heads, dec.activation) == (1, 2, "gelu_tanh")
-    assert tiny(d_ff=0).ffn_dim == 4 * 32
+    assert tiny(d_ff=0).d_ff == 4 * 32
 
 
 def test_build_model_dispatches_on_arch():
@@ -211,15 +211,17 @@ def test_all_padding_rows_give_finite_outputs_and_gradients():
 # --- losses ----------------------------------------------------------------------------------
 
 
-def test_gpt_loss_shifts_labels_and_ignores_minus_100():
+def test_gpt_loss_scores_each_position_against_its_label_and_ignores_minus_100():
+    # Labels are aligned with the positions that predict them (launch.tasks shifts them once);
+    # tests/test_tasks.py checks the shift against the next-token loss.
     model = build_model(tiny("gpt")).eval()
     x = ids(2, 8)
-    labels = x.clone()
+    labels = ids(2, 8, seed=1)
     labels[0, 5:] = -100
     out = model(x, labels=labels)
-    assert out.logits is None  # a loss is computed without the logits
+    assert out.logits is None and out.scored_logits is None  # a loss is computed without the logits
     logits = model(x).logits
-    expected = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+    expected = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, expected)
 
 
@@ -230,7 +232,8 @@ def test_bert_loss_counts_only_masked_positions():
     labels[0, 2], labels[1, 5] = 7, 9
     out = model(x, labels=labels)
     full = model(x).logits  # (B, T, V): the head on every position
-    torch.testing.assert_close(out.logits, full[[0, 1], [2, 5]])  # (N, V): only the scored ones
+    assert out.logits is None
+    torch.testing.assert_close(out.scored_logits, full[[0, 1], [2, 5]])  # (N, V): only the scored ones
     expected = (F.cross_entropy(full[0, 2], torch.tensor(7)) + F.cross_entropy(full[1, 5], torch.tensor(9))) / 2
     torch.testing.assert_close(out.loss, expected)
 

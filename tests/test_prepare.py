@@ -90,7 +90,7 @@ def test_a_pair_never_lands_in_two_splits(tiny_dataset):
 
 
 def test_validate_passes_then_catches_corruption(tiny_dataset, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "pipeline.validate", str(tiny_dataset)], cwd=ROOT, capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={tiny_dataset}"], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0 and "0 problem(s)" in ok.stdout
     import shutil
 
@@ -98,7 +98,7 @@ def test_validate_passes_then_catches_corruption(tiny_dataset, tmp_path):
     shutil.copytree(tiny_dataset, broken)
     shard = next(broken.rglob("*.tar"))
     shard.write_bytes(shard.read_bytes()[:700])
-    bad = subprocess.run([sys.executable, "-m", "pipeline.validate", str(broken)], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={broken}"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and "FAIL" in bad.stdout and shard.name in bad.stdout
 
 

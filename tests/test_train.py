@@ -143,7 +143,7 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
 
     # Exported weights reproduce the engine's evaluation loss with the plain model.
     out = tmp_path / "export"
-    run = subprocess.run([sys.executable, "-m", "launch.export", str(run_dir), str(out)], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     from launch.export import load_model_dir
     from launch.tasks import TASKS
@@ -157,8 +157,9 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
         for rank in range(2):  # the engine evaluated with 2 ranks: the same shares, the same masks
             loader = ShardLoader(str(tiny_dataset), "mlm", "valid", micro_batch_size=4, rank=rank, world_size=2, seed=0)
             for batch in loader:
-                output = model(**task.model_inputs(batch, torch.device("cpu")))
-                n = int(task.target_mask(batch).sum())
+                inputs = task.model_inputs(batch)
+                output = model(**inputs)
+                n = int(task.target_mask(inputs).sum())
                 loss_sum += float(output.loss) * n
                 count += n
     engine_eval = [r["eval/loss"] for r in metrics(run_dir) if "eval/loss" in r][-1]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, synthetic_pairs
-from launch.decoding import batch_plan, source_ids
+from launch.decoding import length_sorted_batches, source_ids
 from launch.evaluate import rank_batches, read_pairs, score
 from pipeline.format import EOS_ID, file_sha256, read_manifest
 
@@ -61,12 +61,12 @@ def test_pairs_in_manifest_order_and_batches_independent_of_world_size(tiny_data
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(read_pairs(tiny_dataset, "valid", limit=5), pairs))
 
     lengths = [len(source_ids(src, 63)[0]) for src, _ in pairs]
-    plan = batch_plan(lengths, 8)
-    assert sorted(i for batch in plan for i in batch) == list(range(len(pairs)))
-    assert all(lengths[a[-1]] >= lengths[b[0]] for a, b in zip(plan, plan[1:]))  # longest first
+    batches = length_sorted_batches(lengths, 8)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(pairs)))
+    assert all(lengths[a[-1]] >= lengths[b[0]] for a, b in zip(batches, batches[1:]))  # longest first
     for world in (1, 2, 3):
-        dealt = [rank_batches(plan, rank, world) for rank in range(world)]
-        assert sorted(map(tuple, sum(dealt, []))) == sorted(map(tuple, plan))  # the same batches, each once
+        dealt = [rank_batches(batches, rank, world) for rank in range(world)]
+        assert sorted(map(tuple, sum(dealt, []))) == sorted(map(tuple, batches))  # the same batches, each once
         assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
 
     assert source_ids(range(10, 20), 4) == ([10, 11, 12, 13, EOS_ID], True)

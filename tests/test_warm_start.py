@@ -53,8 +53,8 @@ def test_seq2seq_config_matches_each_source(bert, gpt):
     cfg = seq2seq_config(bert.config, gpt.config, label_smoothing=0.2)
     assert cfg.arch == "seq2seq" and cfg.label_smoothing == 0.2 and cfg.max_seq_len == 24
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
-    assert (enc.n_layers, enc.n_heads, enc.ffn_dim, enc.norm_position, enc.activation, enc.layer_norm_eps) == (2, 4, 64, "post", "gelu", 1e-12)
-    assert (dec.n_layers, dec.n_heads, dec.ffn_dim, dec.norm_position, dec.activation, dec.layer_norm_eps) == (3, 2, 48, "pre", "gelu_tanh", 1e-5)
+    assert (enc.n_layers, enc.n_heads, enc.d_ff, enc.norm_position, enc.activation, enc.layer_norm_eps) == (2, 4, 64, "post", "gelu", 1e-12)
+    assert (dec.n_layers, dec.n_heads, dec.d_ff, dec.norm_position, dec.activation, dec.layer_norm_eps) == (3, 2, 48, "pre", "gelu_tanh", 1e-5)
 
 
 def test_bert_encoder_gpt_decoder_accounts_for_every_tensor(bert, gpt):

@@ -1,0 +1,102 @@
+"""Turn one micro batch of decoded samples into the loader's token batch (the contract is `pipeline.format`).
+
+Collation is split in two. In a DataLoader worker, `pack(task, samples, ...)` turns the
+samples into a few numpy arrays: the token ids padded to the longest row (in their stored
+dtype), the row lengths, and for MLM the results of the seeded masking. In the main process,
+`unpack(task, packed)` makes the int64 tensors and attention masks of the token batch. A dict
+of numpy arrays crosses from a worker pickled in one message; torch tensors would each take a
+separate trip through shared memory, which for batches of this size costs more than building
+the masks again.
+
+The token batch carries no labels: what a task predicts is the trainer's business
+(`launch.tasks` makes the labels, with the ignore index of `model.loss`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+
+
+def pack(task: str, samples: list[list[np.ndarray]], mlm_masking: MLMMasking | None = None,
+         generator: torch.Generator | None = None) -> dict[str, np.ndarray]:
+    """A micro batch of decoded samples (one list of field arrays each) as numpy arrays;
+    MLM draws its masks from `generator`, so a batch's masks depend on its seed alone."""
+    if task == "translation":
+        return _pack_translation([(src, tgt) for src, tgt in samples])
+    ids, lengths = _stack([ids for (ids,) in samples])
+    if task == "causal_lm":
+        return {"ids": ids, "lengths": lengths}
+    return {"ids": ids, "lengths": lengths, **mlm_masking.apply(ids, lengths, generator)}
+
+
+def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The token batch of `pipeline.format.BATCH_FIELDS[task]`, from what `pack` made."""
+    if task == "translation":
+        return {
+            "src_ids": _long(packed["src_ids"]),
+            "src_mask": _mask(packed["src_lengths"], packed["src_ids"].shape[1]),
+            "tgt_ids": _long(packed["tgt_ids"]),
+            "tgt_mask": _mask(packed["tgt_lengths"], packed["tgt_ids"].shape[1]),
+        }
+    batch = {"input_ids": _long(packed["ids"]), "attention_mask": _mask(packed["lengths"], packed["ids"].shape[1])}
+    if task == "mlm":
+        batch["original_ids"] = _long(packed["original_ids"])
+        batch["masked_positions"] = torch.from_numpy(packed["masked_positions"])
+    return batch
+
+
+class MLMMasking:
+    """BERT's masking (Devlin et al. 2019, section 3.1): select `probability` of the real,
+    non-special tokens; of those, `mask_fraction` become <mask>, `random_fraction` a random
+    non-special token, the rest stay as they are."""
+
+    def __init__(self, vocab_size: int, special_ids: list[int], probability: float, mask_fraction: float,
+                 random_fraction: float):
+        self.special_ids = torch.tensor(sorted(special_ids), dtype=torch.long)
+        keep = np.ones(vocab_size, dtype=bool)
+        keep[[i for i in special_ids if i < vocab_size]] = False
+        self.replacement_ids = torch.from_numpy(np.flatnonzero(keep))
+        self.probability, self.mask_fraction, self.random_fraction = probability, mask_fraction, random_fraction
+
+    def apply(self, ids: np.ndarray, lengths: np.ndarray, generator: torch.Generator) -> dict[str, np.ndarray]:
+        """The masked ids (replacing `ids` in the batch), the original ids and the selected positions."""
+        original = torch.from_numpy(ids.astype(np.int64))
+        real = torch.from_numpy(np.arange(original.shape[1]) < lengths[:, None])
+        candidates = real & ~torch.isin(original, self.special_ids)
+        selected = candidates & (torch.rand(original.shape, generator=generator) < self.probability)
+        action = torch.rand(original.shape, generator=generator)
+        to_mask = selected & (action < self.mask_fraction)
+        to_random = selected & (action >= self.mask_fraction) & (action < self.mask_fraction + self.random_fraction)
+        random_ids = self.replacement_ids[torch.randint(len(self.replacement_ids), original.shape, generator=generator)]
+        masked = torch.where(to_mask, torch.full_like(original, MASK_ID), original)
+        masked = torch.where(to_random, random_ids, masked)
+        return {"ids": masked.numpy(), "original_ids": ids, "masked_positions": selected.numpy()}
+
+
+def _pack_translation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    src, src_lengths = _stack([np.concatenate([src, [EOS_ID]]).astype(src.dtype) for src, _ in pairs])
+    tgt, tgt_lengths = _stack([np.concatenate([[BOS_ID], tgt, [EOS_ID]]).astype(tgt.dtype) for _, tgt in pairs])
+    return {"src_ids": src, "src_lengths": src_lengths, "tgt_ids": tgt, "tgt_lengths": tgt_lengths}
+
+
+def _stack(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(B, T) ids padded with <pad> to the longest, and the (B,) lengths."""
+    lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    longest = int(lengths.max())
+    if (lengths == longest).all():  # packed blocks: all of one length
+        return np.stack(sequences), lengths
+    ids = np.full((len(sequences), longest), PAD_ID, dtype=np.result_type(*sequences))
+    ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)  # row by row, each row's start
+    return ids, lengths
+
+
+def _long(ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(ids.astype(np.int64, copy=False))
+
+
+def _mask(lengths: np.ndarray, width: int) -> torch.Tensor:
+    """(B, width) attention mask: 1 over the first `lengths[b]` positions of row b, 0 over the padding."""
+    return torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64))
