@@ -88,6 +88,19 @@ print(os.path.abspath(cfg.run_dir))
 EOF
 }
 
+# launch.preflight, once, on the batch host, with the world the ranks will have: a bad config,
+# dataset, warm-start source or run_dir fails the job in seconds, every problem listed in its
+# log, instead of after every node has started and met. PREFLIGHT=0 skips it.
+preflight() {
+    local world=$1 per_node=$2
+    shift 2
+    if [[ ${PREFLIGHT:-1} == 0 ]]; then
+        log "preflight skipped (PREFLIGHT=0)"
+        return 0
+    fi
+    "$PYTHON" -m launch.preflight --world-size "$world" --ranks-per-node "$per_node" "$@"
+}
+
 # One torchrun per node (an srun task), which starts that node's ranks; the rendezvous is
 # torch's c10d store on the first node. GPUs per node come from the allocation
 # (--gpus-per-node); on CPU, NPROC_PER_NODE ranks per node (default 1).
@@ -111,12 +124,13 @@ train_job() {
     print_job
     local run_dir nproc head head_addr port status
     run_dir=$(resolve_run_dir "$@") || exit 2
+    nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+    preflight $((SLURM_JOB_NUM_NODES * nproc)) "$nproc" "$@" || die "preflight failed (above): no rank started (PREFLIGHT=0 skips it)"
     mkdir -p "$run_dir"
     # Left from a run that ended just as the warning came: they must not stop this one.
     rm -f "$run_dir/STOP" "$run_dir/preempted.json"
     RUN_DIR=$run_dir
     ((WARNED)) && touch "$run_dir/STOP"
-    nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
     head=$(head_node)
     head_addr=$(node_addr "$head")
     port=$(job_port "${RDZV_PORT_BASE:-20000}")

@@ -1,0 +1,300 @@
+"""The dry run (`launch.preflight`, `launch.train ... --dry-run`): a good config passes with its
+figures; each kind of bad config is reported with its key, several at once; the batch scripts
+run it before any rank. Datasets are tiny shard sets made in the test (`shardtools`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from launch.config import TrainConfig
+from launch.engine import estimate_model_state_memory
+from launch.export import save_model_dir
+from launch.preflight import main_dry_run
+from model import build_model
+from pipeline.configure import load_config
+from pipeline.format import TOKENIZER_FILE, file_sha256
+from shardtools import VOCAB_SIZE, make_dataset, save_manifest
+
+TRAIN, VALID = (30, 30), (20,)  # samples per shard
+SEQ_LEN, MAX_TOKENS = 8, 8
+# micro 4 x accumulation 2 x 1 rank = 8 per step: 60 train samples give 7 steps (4 left out).
+SMALL = ["model.max_seq_len=16", "data.micro_batch_size=4", "grad_accum=2", "wandb.mode=disabled"]
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    """A world of one unless a test says otherwise, whatever launched pytest."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def make_data(directory: Path, train=TRAIN, valid=VALID) -> Path:
+    """packed and translation shards for train and valid, a tokenizer file and its sha256 in the
+    manifest, and the block lengths prepare records (packed seq_len, translation.max_tokens)."""
+    manifest = make_dataset(directory, packed=list(train), translation=list(train), seq_len=SEQ_LEN, split="train")
+    valid_manifest = make_dataset(directory, packed=list(valid), translation=list(valid), seq_len=SEQ_LEN,
+                                  split="valid", seed=1)
+    for name, dataset in manifest["datasets"].items():
+        dataset["splits"]["valid"] = valid_manifest["datasets"][name]["splits"]["valid"]
+    manifest["datasets"]["packed"]["seq_len"] = SEQ_LEN
+    manifest["config"] = {"translation": {"max_tokens": MAX_TOKENS}}
+    (directory / TOKENIZER_FILE).write_bytes(b"the dataset's tokenizer")
+    manifest["tokenizer"]["sha256"] = file_sha256(directory / TOKENIZER_FILE)
+    save_manifest(directory, manifest)
+    return directory
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return make_data(tmp_path / "data")
+
+
+def args(data: Path, tmp_path: Path, *overrides: str, config: str = "tiny_gpt.yaml") -> list[str]:
+    return [str(ROOT / "configs" / config), f"data.data_dir={data}", f"run_dir={tmp_path / 'run'}", *SMALL, *overrides]
+
+
+def dry_run(argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """(exit status, stdout, the problem lines)."""
+    code = main_dry_run(argv)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    problems = []
+    if any(line.startswith("problems (") for line in lines):
+        start = next(i for i, line in enumerate(lines) if line.startswith("problems ("))
+        problems = [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
+    return code, out, problems
+
+
+def export(directory: Path, stack_config, tokenizer: Path) -> Path:
+    """An exported model directory (launch.export's layout) of the given config."""
+    torch.manual_seed(0)
+    save_model_dir(directory, build_model(stack_config).state_dict(), stack_config, tokenizer, {"task": "test"})
+    return directory
+
+
+def translation_config(data: Path, tmp_path: Path, *overrides: str) -> TrainConfig:
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_translation.yaml",
+                      [a for a in args(data, tmp_path, *overrides)[1:]])
+    return replace(cfg, model=replace(cfg.model, vocab_size=VOCAB_SIZE))
+
+
+def test_a_good_config_passes_with_its_figures(data, tmp_path, capsys):
+    code, out, problems = dry_run(args(data, tmp_path), capsys)
+    assert code == 0, out
+    assert problems == []
+    assert out.rstrip().splitlines()[-1].startswith("verdict: ready")
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", args(data, tmp_path)[1:])
+    parameters = sum(p.numel() for p in build_model(replace(cfg.model, vocab_size=VOCAB_SIZE)).parameters())
+    assert f"parameters:           {parameters:,}" in out  # aligned label: value
+    assert "global batch:         8 sequences = 4 micro x 2 accumulation x 1 ranks" in out
+    assert "steps per epoch:      7 (60 train sequences; 4 left out per epoch)" in out
+    assert "tokens per step:      64 " in out
+    assert "memory per GPU:" in out and "MiB" in out
+    assert "train 2/2 shards, valid 1/1 shards present" in out
+    assert f"epochs in max_steps:  {cfg.max_steps / 7:,.2f}" in out
+
+
+def test_json_figures_and_the_world_from_the_environment_or_the_flag(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, out, _ = dry_run([*args(data, tmp_path), "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["ok"]
+    figures = report["figures"]
+    assert (figures["world_size"], figures["ranks_per_node"], figures["nodes"]) == (2, 2, 1)
+    assert figures["global_batch_size"] == 16 and figures["steps_per_epoch"] == 60 // 16
+    assert figures["tokens_per_step"] == 16 * SEQ_LEN
+    assert figures["memory_bytes_per_gpu"] == figures["model_state_bytes_per_gpu"] + figures["activation_bytes_per_gpu"] > 0
+    # The flag plans another world than the environment's, anywhere on the command line.
+    code, out, _ = dry_run(["--world-size", "3", *args(data, tmp_path), "--json"], capsys)
+    assert json.loads(out)["figures"]["global_batch_size"] == 24
+
+
+def test_memory_is_deepspeeds_estimate_for_the_zero_stage():
+    with torch.device("meta"):
+        model = build_model(load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["model.vocab_size=1000"]).model)
+    p = sum(t.numel() for t in model.parameters())
+    largest = max(sum(t.numel() for t in m.parameters(recurse=False)) for m in model.modules())
+    gpus = 8
+
+    def gpu(stage, offload_optimizer=False, offload_params=False):
+        return estimate_model_state_memory(model, stage, offload_optimizer, offload_params, 4, 2)["gpu_bytes"]
+
+    # DeepSpeed: 16-bit weights whole, 2 + 4 + 4 + 8 bytes of gradients, masters and moments split.
+    assert gpu(2) == 2 * p + int(18 * p / gpus)
+    assert gpu(1) == gpu(2) + 2 * p - 2 * p // gpus  # 16-bit gradients whole
+    assert gpu(0) == 20 * p
+    assert gpu(2, offload_optimizer=True) == 2 * p
+    assert gpu(3) == 4 * largest + int(18 * p / gpus)
+    assert gpu(3, offload_optimizer=True, offload_params=True) == 4 * largest
+
+
+def _drop_shard(data: Path) -> None:
+    (data / "packed" / "train" / "0000-0001.tar").unlink()
+
+
+def _grow_shard(data: Path) -> None:
+    with open(data / "packed" / "train" / "0000-0000.tar", "ab") as fh:
+        fh.write(b"\0" * 512)
+
+
+def _drop_tokenizer(data: Path) -> None:
+    (data / TOKENIZER_FILE).unlink()
+
+
+def _other_tokenizer(data: Path) -> None:
+    (data / TOKENIZER_FILE).write_bytes(b"another tokenizer")
+
+
+def _drop_manifest(data: Path) -> None:
+    (data / "manifest.json").unlink()
+
+
+BAD = [
+    # (id, overrides ({tmp} is the test's directory), change to the dataset, key, text on the line)
+    ("unknown task", ["task=summarize"], None, "task", "'summarize' is not one of"),
+    ("arch of another task", ["model.arch=bert"], None, "model.arch", "trains gpt, not bert"),
+    ("model config", ["model.n_heads=3"], None, "model.n_heads", "not divisible by n_heads=3"),
+    ("model shorter than the blocks", ["model.max_seq_len=4"], None, "model.max_seq_len", f"({SEQ_LEN})"),
+    ("vocabulary", ["model.vocab_size=1000"], None, "model.vocab_size", f"has {VOCAB_SIZE} pieces"),
+    ("no dataset", ["data.data_dir={tmp}/nowhere"], None, "data.data_dir", "no such directory"),
+    ("no manifest", [], _drop_manifest, "data.data_dir", "no manifest.json"),
+    ("missing shard", [], _drop_shard, "data.data_dir", "packed/train: 1 of 2 shards missing: packed/train/0000-0001.tar"),
+    ("shard size", [], _grow_shard, "data.data_dir", "1 of 2 shards of another size than the manifest's"),
+    ("no tokenizer", [], _drop_tokenizer, "data.data_dir", "tokenizer.model: missing"),
+    ("tokenizer sha256", [], _other_tokenizer, "data.data_dir", "differs from the manifest's"),
+    ("train split below a global batch", ["data.micro_batch_size=31"], None, "data.micro_batch_size",
+     "has 60 sequences, fewer than one global batch of 62"),
+    ("offload without ZeRO-3", ["deepspeed.offload_params=true"], None, "deepspeed.offload_params", "needs zero_stage 3"),
+    ("keep_last", ["checkpoint.keep_last=0"], None, "checkpoint.keep_last", "at least 1"),
+    ("run_dir under a file", ["run_dir={tmp}/a-file/run"], None, "run_dir", "is not a directory"),
+    ("resume from nothing", ["resume={tmp}/no-checkpoint"], None, "resume", "is not auto, none"),
+    ("deepspeed config file", ["deepspeed.config_file={tmp}/ds.json"], None, "deepspeed.config_file", "file not found"),
+]
+
+
+@pytest.mark.parametrize("overrides, change, key, text", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_each_problem_is_reported_with_its_key(data, tmp_path, capsys, overrides, change, key, text):
+    (tmp_path / "a-file").write_text("")
+    if change:
+        change(data)
+    code, out, problems = dry_run(args(data, tmp_path, *(o.format(tmp=tmp_path) for o in overrides)), capsys)
+    assert code == 2, out
+    assert any(line.startswith(f"{key}: ") and text in line for line in problems), out
+    assert out.rstrip().splitlines()[-1].startswith(f"verdict: {len(problems)} problem")
+
+
+def test_every_problem_at_once(data, tmp_path, capsys):
+    _drop_shard(data)
+    _other_tokenizer(data)
+    code, out, problems = dry_run(args(data, tmp_path, "model.n_heads=3", "checkpoint.keep_last=0", "data.micro_batch_size=31",
+                                       "deepspeed.offload_params=true", "model.vocab_size=1000"), capsys)
+    assert code == 2
+    keys = [line.split(": ", 1)[0] for line in problems]
+    assert {"model.n_heads", "checkpoint.keep_last", "data.micro_batch_size", "deepspeed.offload_params",
+            "model.vocab_size"} <= set(keys), out
+    assert sum(key == "data.data_dir" for key in keys) == 2  # the shard and the tokenizer, on lines of their own
+    assert f"problems ({len(problems)}):" in out and len(problems) == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is only a warning where there is no CUDA")
+def test_fp16_on_a_login_node_is_a_warning(data, tmp_path, capsys):
+    code, out, problems = dry_run(args(data, tmp_path, "deepspeed.precision=fp16"), capsys)
+    assert code == 0 and problems == []
+    assert "deepspeed.precision: fp16 runs on GPUs only" in out
+
+
+def test_a_valid_split_below_a_global_batch_disables_evaluation(tmp_path, capsys):
+    data = make_data(tmp_path / "data", valid=(5,))
+    code, out, _ = dry_run(args(data, tmp_path), capsys)
+    assert code == 0, out
+    assert "data.micro_batch_size: the valid split has 5 sequences, fewer than one global batch (8)" in out
+    assert "without evaluation" in out
+
+
+def test_warm_start_sources_are_checked(data, tmp_path, capsys):
+    cfg = translation_config(data, tmp_path)
+    tokenizer = data / TOKENIZER_FILE
+    other = tmp_path / "other.model"
+    other.write_bytes(b"another tokenizer")
+    bert = export(tmp_path / "bert", replace(cfg.model.for_stack("encoder"), arch="bert"), tokenizer)
+    gpt = export(tmp_path / "gpt", replace(cfg.model.for_stack("decoder"), arch="gpt"), tokenizer)
+    good = args(data, tmp_path, f"init.encoder={bert}", f"init.decoder={gpt}", config="tiny_translation.yaml")
+    code, out, problems = dry_run(good, capsys)
+    assert code == 0, out
+    assert "fits the encoder" in out and "fits the decoder" in out
+    assert "steps per epoch:      7 (60 train pairs" in out
+
+    foreign = export(tmp_path / "foreign", replace(cfg.model.for_stack("encoder"), arch="bert"), other)
+    narrow = export(tmp_path / "narrow", replace(cfg.model.for_stack("decoder"), arch="gpt", d_ff=128), tokenizer)
+    code, out, problems = dry_run(args(data, tmp_path, f"init.encoder={foreign}", f"init.decoder={narrow}",
+                                       config="tiny_translation.yaml"), capsys)
+    assert code == 2
+    assert any(line.startswith("init.encoder: ") and "another tokenizer" in line for line in problems), out
+    assert any(line.startswith("init.decoder: ") and "d_ff=128" in line and "d_ff=256" in line for line in problems), out
+
+    code, out, problems = dry_run(args(data, tmp_path, f"init.decoder={tmp_path / 'nothing'}", config="tiny_translation.yaml"),
+                                  capsys)
+    assert code == 2 and problems[0].startswith("init.decoder: ") and "not an exported model directory" in problems[0]
+
+
+def test_translation_pairs_longer_than_the_model_are_a_warning(data, tmp_path, capsys):
+    code, out, _ = dry_run(args(data, tmp_path, "model.max_seq_len=6", config="tiny_translation.yaml"), capsys)
+    assert code == 0, out
+    assert f"model.max_seq_len: 6 is below the data's translation.max_tokens + 1 ({MAX_TOKENS + 1})" in out
+
+
+# ----------------------------------------------------------------------------- the batch scripts
+
+FAKE_SRUN = """#!/bin/sh
+echo "$@" >> "$SRUN_CALLS"
+"""
+FAKE_SCONTROL = """#!/bin/sh
+case "$1 $2" in
+    "show hostnames") echo node1; echo node2 ;;
+    "show node") echo "NodeName=$3 NodeAddr=127.0.0.1 State=IDLE" ;;
+esac
+"""
+
+
+def run_sbatch_script(script: str, argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run a batch script as slurmd would on the batch host of a 2-node job with 2 ranks per
+    node, with stand-ins for srun (it records its command line) and scontrol."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "srun-calls.txt"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "PROJECT_DIR": str(ROOT),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": script.split(".")[0], "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]", "NPROC_PER_NODE": "2", "SRUN_CALLS": str(calls)}
+    run = subprocess.run(["bash", str(ROOT / "slurm" / script), *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    return run, calls
+
+
+def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path):
+    run, calls = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "world size:           4 (--world-size): 2 nodes x 2 ranks" in run.stdout
+    assert "global batch:         32 sequences = 4 micro x 2 accumulation x 4 ranks" in run.stdout
+    assert "-m launch.train" in calls.read_text()
+
+    calls.unlink()
+    run, calls = run_sbatch_script("finetune.sbatch", args(data, tmp_path, "model.n_heads=3", "checkpoint.keep_last=0"),
+                                   tmp_path)
+    assert run.returncode == 2
+    assert "model.n_heads: " in run.stdout and "checkpoint.keep_last: " in run.stdout
+    assert "preflight failed (above): no rank started" in run.stderr
+    assert not calls.exists()  # srun was never called
