@@ -1,7 +1,8 @@
 """What `launch.evaluate` and `launch.translate` share: a translation checkpoint, and token ids in and out of it.
 
-A checkpoint is an exported model directory (`launch.export`) or a training run (its run
-directory, `checkpoints/` directory or one `step_*` checkpoint, consolidated on the fly). A
+A checkpoint is an exported model directory (`launch.export`: safetensors and JSON, nothing
+unpickled) or a training run (its run directory, `checkpoints/` directory or one `step_*`
+checkpoint, verified and consolidated on the fly, weights-only: `launch.engine`). A
 source is encoded as in training (`pipeline.loader`: the source's ids, then </s>), cut to the
 model's `max_seq_len` first; sources are padded into batches and decoded with
 `Seq2Seq.generate` (beam search, greedy for beam 1); hypotheses go back to text with the
@@ -11,7 +12,6 @@ SentencePiece tokenizer the model was trained with.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +20,9 @@ from typing import Iterator, Sequence, TextIO
 import torch
 
 from launch.config import TrainConfig
-from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_run_checkpoint
+from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_model_config, read_run_checkpoint
 from model import ModelConfig, Seq2Seq, build_model
-from pipeline.configure import UserError, config_from_dict, load_config
+from pipeline.configure import UserError, load_config
 from pipeline.format import EOS_ID, PAD_ID, file_sha256
 
 
@@ -61,8 +61,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
     tokenizer file is not the one it was trained with."""
     path = Path(path)
     if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
-        meta = json.loads((path / CONFIG).read_text())
-        model_cfg = config_from_dict(ModelConfig, meta["model"], source=str(path / CONFIG))
+        meta, model_cfg = read_model_config(path)
         tokenizer, recorded = path / TOKENIZER, meta.get("tokenizer_sha256")
         source = Path(meta.get("source") or "")
         data_dir = _run_data_dir(source.parent.parent) if meta.get("source") else ""

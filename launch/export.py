@@ -8,7 +8,12 @@ checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receiv
     tokenizer.model     the SentencePiece model the weights were trained with
 
 Fine-tuning (`init.encoder` / `init.decoder`), evaluation and the Hugging Face converters
-(`model.hf`) read this directory.
+(`model.hf`) read this directory: safetensors and JSON, nothing unpickled.
+
+The checkpoint is verified against its integrity.json and read weights-only
+(`launch.engine.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
+a torch file holding anything but tensors and plain data (a planted pickle payload) is refused
+in one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -75,13 +80,31 @@ def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
     directory = Path(directory)
     if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
         raise UserError(f"{directory} is not an exported model directory (run launch.export)")
-    meta = json.loads((directory / CONFIG).read_text())
-    model_cfg = config_from_dict(ModelConfig, meta["model"], source=str(directory / CONFIG))
+    meta, model_cfg = read_model_config(directory)
     model = build_model(model_cfg)
     load_model(model, str(directory / WEIGHTS), strict=True)
     model.eval()
     meta["model_config"] = model_cfg
     return model, meta
+
+
+def read_model_config(directory: Path) -> tuple[dict, ModelConfig]:
+    """An exported directory's config.json and the model config in it."""
+    meta = read_json(directory / CONFIG)
+    if not isinstance(meta.get("model"), dict):
+        raise UserError(f"{directory / CONFIG} has no model config (not written by launch.export)")
+    return meta, config_from_dict(ModelConfig, meta["model"], source=str(directory / CONFIG))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file of ours; UserError (one line) if it is unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is unreadable: {err}") from err
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds {type(value).__name__}, not an object")
+    return value
 
 
 @dataclass(frozen=True)
@@ -102,7 +125,7 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
     if not config_file.is_file():
         raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
     client_file = root / tag / "client_state.json"
-    client = json.loads(client_file.read_text()) if client_file.is_file() else {}
+    client = read_json(client_file) if client_file.is_file() else {}
     return RunCheckpoint(root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client)
 
 
