@@ -114,6 +114,20 @@ def is_zero_partitioned(checkpoint: str | Path) -> bool:
     return bool(_rank_files(Path(checkpoint)))
 
 
+def saved_shape(root: str | Path, tag: str) -> dict:
+    """How checkpoint `root/tag` was trained: `world_size` (see `saved_world_size`) and, from
+    the trainer's `client_state.json` where it says, `global_batch_size`, `micro_batch_size` and
+    `grad_accum` (absent in checkpoints written before the global batch was recorded)."""
+    info = Path(root) / tag / "client_state.json"
+    try:
+        saved = json.loads(info.read_text()) if info.is_file() else {}
+    except json.JSONDecodeError:
+        saved = {}
+    shape = {key: saved[key] for key in ("global_batch_size", "micro_batch_size", "grad_accum")
+             if isinstance(saved.get(key), int)}
+    return {"world_size": saved_world_size(root, tag), **shape}
+
+
 def saved_world_size(root: str | Path, tag: str) -> int | None:
     """The number of ranks that wrote checkpoint `root/tag`: from the trainer's
     `client_state.json`, else from DeepSpeed's per-rank files; None if neither tells

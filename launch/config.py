@@ -67,6 +67,18 @@ class WandbConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Guarded steps: a step is skipped on every rank when its loss is not finite on any rank, or spikes."""
+
+    # End the job (with a checkpoint of the last good weights) after more skipped steps in a row than this.
+    max_consecutive_skips: int = 5
+    # Skip a step whose loss exceeds the mean of the last spike_window steps by this many standard deviations; 0: off.
+    spike_factor: float = 0.0
+    spike_warmup_steps: int = 100  # applied steps before the spike test starts
+    spike_window: int = 100  # applied steps whose losses give the running mean and standard deviation
+
+
+@dataclass
 class InitConfig:
     """Warm start of a translation model from exported pretraining checkpoints (launch.export)."""
 
@@ -84,6 +96,9 @@ class TrainConfig:
     # time slot; the next job resumes. 0: run to max_steps.
     stop_after_steps: int = 0
     grad_accum: int = 1  # micro batches per optimizer step; global batch = micro x this x ranks
+    # Sequences per optimizer step, whatever the world size: grad_accum is derived from it
+    # (global / (micro x ranks)), so a job requeued onto another number of nodes keeps it. 0: use grad_accum.
+    global_batch_size: int = 0
     eval_every: int = 200  # 0: only at the end
     eval_batches: int = 50  # per rank; 0 = the whole split
     log_every: int = 10  # optimizer steps between logged metrics
@@ -102,6 +117,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,22 @@ class BatchPlan:
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.world_size
+
+
+def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
+    """The batch arithmetic of a run on `world_size` ranks: `grad_accum` as given, or derived
+    from `global_batch_size`, which must then be a multiple of micro batch x ranks."""
+    micro = cfg.data.micro_batch_size
+    if not cfg.global_batch_size:
+        return BatchPlan(micro, cfg.grad_accum, world_size)
+    accum, remainder = divmod(cfg.global_batch_size, micro * world_size)
+    if remainder or not accum:
+        fits = [m for m in range(1, cfg.global_batch_size + 1) if cfg.global_batch_size % (m * world_size) == 0]
+        hint = (f"; data.micro_batch_size={min(fits, key=lambda m: abs(m - micro))} fits" if fits
+                else f"; no micro batch fits {world_size} ranks")
+        raise UserError(f"global_batch_size: {cfg.global_batch_size} is not a multiple of data.micro_batch_size x ranks "
+                        f"= {micro} x {world_size}{hint}")
+    return BatchPlan(micro, accum, world_size)
 
 
 def check_config(cfg: TrainConfig) -> Task:
@@ -136,6 +168,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (task is not None, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
         (cfg.max_steps > 0, "max_steps: must be positive"),
         (cfg.grad_accum > 0, "grad_accum: must be positive"),
+        (cfg.global_batch_size >= 0, "global_batch_size: must be 0 (use grad_accum) or positive"),
+        (not (cfg.global_batch_size and cfg.grad_accum != 1),
+         "global_batch_size: set it or grad_accum, not both (grad_accum is derived from it)"),
         (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
         (cfg.deepspeed.zero_stage in (0, 1, 2, 3), f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3"),
         (cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}"),
@@ -144,6 +179,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.schedule.decay in ("cosine", "linear", "constant"), f"schedule.decay: {cfg.schedule.decay!r} is not cosine, linear or constant"),
         (cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode: {cfg.wandb.mode!r} is not offline, online or disabled"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
+        (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
+        (cfg.guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
+        (cfg.guard.spike_window >= 2, "guard.spike_window: must be at least 2"),
+        (0 <= cfg.data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
     ]
     if task is not None:  # the rules below depend on what the task is
         checks.append((cfg.model.arch == task.arch, f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}"))

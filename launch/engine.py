@@ -22,7 +22,6 @@ the torch.load calls inside DeepSpeed's consolidation. `Engine.load` is DeepSpee
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -160,6 +159,18 @@ class Engine:
     def grad_norm(self) -> float:
         norm = self._engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps DeepSpeed dropped: a non-finite gradient norm (fp16 overflow included)."""
+        return int(self._engine.skipped_steps)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale; None in fp32 and bf16, which have none."""
+        if not self._engine.fp16_enabled():
+            return None
+        return float(getattr(self._engine.optimizer, "cur_scale", getattr(self._engine.optimizer, "loss_scale", 1.0)))
 
     def save(self, directory: str | Path, tag: str, client_state: dict) -> None:
         """Every rank must call this: ZeRO partitions are written by their owners."""
@@ -449,16 +460,17 @@ def _integrity_sha256(checkpoint: Path) -> str | None:
 
 @contextlib.contextmanager
 def _output_to(path: Path) -> Iterator[None]:
-    """Python's and the C level's stdout and stderr (tqdm bars, DeepSpeed's logger, prints) into `path`."""
-    with open(path, "ab", buffering=0) as sink, io.TextIOWrapper(open(path, "ab"), write_through=True) as text:
+    """stdout and stderr (tqdm bars, DeepSpeed's logger, prints) into `path`, at the file
+    descriptors: Python's `sys.stdout` is left in place, since a logging handler that DeepSpeed
+    creates meanwhile keeps whatever object it found there and would write to it after it closed."""
+    with open(path, "ab", buffering=0) as sink:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = [os.dup(1), os.dup(2)]
         try:
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
-            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-                yield
+            yield
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

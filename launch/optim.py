@@ -26,8 +26,31 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW that drops a step whose gradients are not all finite, and says so in
+    `overflow`, the attribute DeepSpeed's engine reads to skip the schedule's step too.
+
+    DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers drop such steps themselves; under ZeRO-0 in
+    fp32 the engine calls this optimizer directly, with gradients already averaged over the
+    ranks, so every rank takes the same decision (`launch.train.train_step`'s guard relies on it)."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False) -> torch.optim.Optimizer:
+    """AdamW over `parameter_groups`; the step-dropping `AdamW` above with `skip_non_finite`
+    (ZeRO-0, where DeepSpeed has no check of its own; under ZeRO it would only add a pass over
+    the gradients, and DeepSpeed would warn about an optimizer it has not tested)."""
+    adamw = AdamW if skip_non_finite else torch.optim.AdamW
+    return adamw(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:

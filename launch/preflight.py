@@ -36,7 +36,7 @@ import torch
 
 from launch import checkpoint as ckpt
 from launch import distributed as dist
-from launch.config import BatchPlan, TrainConfig, config_problems
+from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
 from launch.engine import deepspeed_config, estimate_model_state_memory
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
@@ -176,8 +176,13 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: i
     model_cfg = resolve_model_config(cfg, data, report)
     if task is not None and data is not None:
         check_block_length(cfg.model.max_seq_len, data, report)
+    plan = None
     if cfg.data.micro_batch_size > 0 and cfg.grad_accum > 0:
-        plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, world.size)
+        try:
+            plan = batch_plan(cfg, world.size)
+        except UserError as err:
+            report.problem_line(str(err))
+    if plan is not None:
         batch_figures(cfg, task, plan, data, report)
         if model_cfg is not None and task is not None:
             model_figures(cfg, task, plan, world, model_cfg, data, report)

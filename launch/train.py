@@ -9,6 +9,8 @@ evaluate, save_checkpoint) -> the end-of-run checkpoint. DeepSpeed is reached on
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -18,15 +20,16 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from launch import checkpoint as ckpt
+from launch import preflight
 from launch import distributed as dist
-from launch.config import BatchPlan, TrainConfig, check_config
+from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
 from launch.engine import Engine, deepspeed_config
 from launch.metrics import memory_mb, peak_flops
 from launch.optim import build_optimizer, build_scheduler
@@ -36,6 +39,7 @@ from model import ModelConfig, Pretrained, build_model, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config, strip_launcher_args
 from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
 from pipeline.loader import ShardLoader
+from pipeline.lock import dir_lock
 
 USAGE = "usage: python -m launch.train CONFIG.yaml [key.sub=value ...]"
 
@@ -57,6 +61,44 @@ class Progress:
     step: int = 0
     tokens_seen: int = 0
     run_id: str | None = None  # the W&B run's id, kept across resumes
+    guard: dict = field(default_factory=dict)  # `Guard.state_dict()`: skip counts and the loss history
+
+
+@dataclass
+class Guard:
+    """Guarded steps: a step whose loss is not finite on some rank, or (with `guard.spike_factor`)
+    spikes above the recent losses, is skipped on every rank; see `train_step`."""
+
+    max_consecutive_skips: int
+    spike_factor: float
+    spike_warmup_steps: int
+    spike_window: int
+    skipped: int = 0
+    consecutive: int = 0
+    history: list = field(default_factory=list)  # the last `spike_window` applied steps' losses
+
+    def spike_limit(self) -> float:
+        """The loss above which a step counts as a spike (inf while off or warming up)."""
+        if not self.spike_factor or len(self.history) < max(2, self.spike_warmup_steps):
+            return math.inf
+        mean = sum(self.history) / len(self.history)
+        std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / (len(self.history) - 1))
+        return mean + self.spike_factor * std
+
+    def record(self, loss: float, skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+            self.consecutive += 1
+            return
+        self.consecutive = 0
+        self.history = (self.history + [loss])[-self.spike_window:]
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "consecutive": self.consecutive, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.consecutive = int(state.get("skipped", 0)), int(state.get("consecutive", 0))
+        self.history = [float(x) for x in state.get("history", [])][-self.spike_window:]
 
 
 @dataclass
@@ -70,6 +112,7 @@ class Run:
     tracker: Tracker
     run_id: str
     peak: tuple[float, str]
+    guard: Guard
     step: int = 0
     tokens_seen: int = 0
 
@@ -85,21 +128,41 @@ def setup(cfg: TrainConfig) -> Run:
     task = check_config(cfg)
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
+    plan = batch_plan(cfg, denv.world_size)
+    cfg = replace(cfg, grad_accum=plan.grad_accum)
     data = open_data(cfg, task, denv)
     cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
-    plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
     dist.init_process_group(denv, cfg.dist_timeout_s)
-    resume_from = dist.broadcast_object(ckpt.resolve_resume(cfg.resume, cfg.run_dir) if denv.is_main else None)
-    engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv)
+    resume_from = _on_main(denv, lambda: find_resume(cfg, plan))
+    engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv,
+                                        load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
     run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
     tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters)
+    guard = Guard(cfg.guard.max_consecutive_skips, cfg.guard.spike_factor, cfg.guard.spike_warmup_steps,
+                  cfg.guard.spike_window)
+    guard.load_state_dict(progress.guard)
     if denv.is_main:
         print(f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
               f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
               f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
               f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
-    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, progress.step, progress.tokens_seen)
+    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, guard, progress.step, progress.tokens_seen)
+
+
+def _on_main(denv: dist.DistEnv, work):
+    """`work()` on rank 0, its result (or its UserError, raised on every rank) broadcast: a
+    refusal on rank 0 alone would leave the other ranks waiting at the next collective."""
+    outcome = None
+    if denv.is_main:
+        try:
+            outcome = ("ok", work())
+        except UserError as err:
+            outcome = ("error", str(err))
+    kind, value = dist.broadcast_object(outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
 
 
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
@@ -107,7 +170,7 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     tokenizer = read_manifest(cfg.data.data_dir)["tokenizer"]
     sha256 = tokenizer["sha256"]
     train = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
-                                    expected_tokenizer_sha256=sha256)
+                                    grad_accum=cfg.grad_accum, expected_tokenizer_sha256=sha256)
     try:
         valid = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
                                         expected_tokenizer_sha256=sha256)
@@ -128,8 +191,46 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
     return model_cfg
 
 
-def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str,
-                 denv: dist.DistEnv) -> tuple[Engine, int]:
+def find_resume(cfg: TrainConfig, plan: BatchPlan) -> tuple[Path, str] | None:
+    """The checkpoint to resume from, if any (rank 0 only). One written by another number of
+    ranks is converted to a universal checkpoint beside it, when it keeps the global batch: a
+    run resumes on another world size only with the same global batch, so that each optimizer
+    step sees the samples it would have seen."""
+    found = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
+    if found is None:
+        return None
+    root, tag = found
+    saved = ckpt.saved_shape(root, tag)
+    world = saved.get("world_size")
+    if saved.get("global_batch_size") not in (None, plan.global_batch_size):
+        raise UserError(_global_batch_misfit(root / tag, saved, plan))
+    if world is None or world == plan.world_size or ckpt.is_universal(root, tag):
+        return found
+    print(f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
+          f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
+          f"{plan.world_size}); converting it to a universal checkpoint", file=sys.stderr)
+    from launch.engine import to_universal
+
+    return to_universal(root, tag)
+
+
+def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
+    """One line: the sizes, and overrides that would keep the saved global batch on this world size."""
+    target, world = saved["global_batch_size"], plan.world_size
+    was = (f"{saved['micro_batch_size']} x {saved['grad_accum']} x {saved['world_size']} ranks"
+           if saved.get("micro_batch_size") else f"{saved.get('world_size')} ranks")
+    now = f"{plan.micro_batch_size} x {plan.grad_accum} x {world} ranks = {plan.global_batch_size}"
+    fits = [(micro, target // (micro * world)) for micro in range(1, target + 1)
+            if target % (micro * world) == 0]
+    fits = sorted(fits, key=lambda f: (abs(f[0] - plan.micro_batch_size), f[1]))[:3]
+    hint = ("; set " + " or ".join(f"data.micro_batch_size={m} grad_accum={a}" for m, a in fits)) if fits \
+        else f"; no micro batch x grad_accum makes {target} on {world} ranks: use a world size that divides it"
+    return (f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); this job would use "
+            f"{now}{hint}")
+
+
+def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str, denv: dist.DistEnv, *,
+                 load_universal: bool = False) -> tuple[Engine, int]:
     """The model (random or warm-started), its optimizer and schedule under DeepSpeed; and its
     parameter count, taken before ZeRO-3 partitions the parameters away."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -138,9 +239,9 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
     except ValueError as err:  # the model config's own check (ModelConfig.validate)
         raise UserError(str(err)) from err
     n_parameters = sum(p.numel() for p in model.parameters())
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
-    return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan)), n_parameters
+    return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)), n_parameters
 
 
 def _warm_starts(cfg: TrainConfig, task: Task) -> bool:
@@ -171,16 +272,18 @@ def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dis
     """Engine, loader and RNG state from a checkpoint; where the run stands."""
     root, tag = resume_from
     client = engine.load(root, tag)
-    if client.get("world_size") != denv.world_size:
-        raise UserError(f"checkpoint {root / tag} was written by {client.get('world_size')} ranks, this job has "
-                        f"{denv.world_size}: ZeRO checkpoints are tied to their world size (export it and start anew)")
     if client.get("tokenizer_sha256") != data.tokenizer_sha256:
         raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than this dataset's")
     data.train.load_state_dict(client["loader"])
-    _set_rng_state(client["rng"][denv.rank])
+    saved_world = len(client["rng"])
+    if saved_world == denv.world_size:
+        _set_rng_state(client["rng"][denv.rank])
+    else:  # no rank's random streams carry over to another world size: new ones, from the step
+        fresh_start(int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv)
     if denv.is_main:
-        print(f"resumed from {root / tag} at step {client['step']}", file=sys.stderr)
-    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"))
+        change = f" (written by {saved_world} ranks, resumed on {denv.world_size})" if saved_world != denv.world_size else ""
+        print(f"resumed from {root / tag} at step {client['step']}{change}", file=sys.stderr)
+    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"), client.get("guard", {}))
 
 
 def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
@@ -257,23 +360,91 @@ def _batches(loader: ShardLoader):
 
 
 def train_step(run: Run, batches) -> dict:
-    """One optimizer step: grad_accum micro batches, forward and backward through the engine."""
-    loss_sum, tokens, flops, samples = 0.0, 0, 0.0, 0
-    for _ in range(run.plan.grad_accum):
+    """One optimizer step: grad_accum micro batches, forward and backward through the engine.
+
+    Guarded: before the last backward of the step, one reduction over the ranks carries the
+    step's figures, whether any rank's loss is not finite, and whether any rank was asked to
+    stop; so every rank takes the same decision. A step to skip (a non-finite loss anywhere, or
+    a loss spike) gets a NaN loss on every rank for that backward: DeepSpeed then finds a
+    non-finite gradient norm, which it all-reduces, and drops the update, the gradients and the
+    schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32
+    through `launch.optim.AdamW`). The weights after a skipped step are those before it."""
+    loss_sum, tokens, flops, samples, non_finite = 0.0, 0, 0.0, 0, 0
+    keys: list[str] = []
+    for index in range(run.plan.grad_accum):
         inputs = run.task.model_inputs(next(batches))
+        keys += run.data.train.sample_keys()
         output = run.engine(**{key: value.to(run.engine.device, non_blocking=True) for key, value in inputs.items()})
-        run.engine.backward(output.loss)
-        run.engine.step()
-        loss_sum += float(output.loss.detach())
+        if (run.denv.rank, run.step + 1) in _INJECTED_NAN:
+            output = output._replace(loss=output.loss * math.nan)
+        loss = float(output.loss.detach())
+        non_finite += not math.isfinite(loss)
+        loss_sum += loss if math.isfinite(loss) else 0.0
         tokens += run.task.tokens(inputs)
         flops += run.task.flops(run.cfg.model, inputs)
         samples += inputs["labels"].shape[0]
-    # One reduction carries the step's figures and whether any rank was asked to stop.
-    loss_sum, tokens, flops, samples, stop = dist.all_reduce_sum([loss_sum, tokens, flops, samples, float(_stop_requested(run))])
-    loss = loss_sum / (run.plan.grad_accum * run.denv.world_size)
-    if not math.isfinite(loss):  # every rank sees the same reduced value, so all stop together
-        raise RuntimeError(f"non-finite training loss ({loss}) at step {run.step + 1}; stopping")
-    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples, "stop": stop > 0}
+        if index < run.plan.grad_accum - 1:
+            run.engine.backward(output.loss)
+            run.engine.step()
+    fillers = run.data.train.stats["epoch_filler_batches"]
+    loss_sum, tokens, flops, samples, non_finite, fillers, stop = dist.all_reduce_sum(
+        [loss_sum, tokens, flops, samples, non_finite, fillers, float(_stop_requested(run))])
+    finite_batches = run.plan.grad_accum * run.denv.world_size - non_finite
+    loss = loss_sum / finite_batches if finite_batches else math.nan
+    reason = "non-finite loss" if non_finite else ("loss spike" if loss > run.guard.spike_limit() else "")
+    run.engine.backward(output.loss * math.nan if reason else output.loss)
+    skipped_before = run.engine.skipped_steps
+    run.engine.step()
+    skipped = run.engine.skipped_steps > skipped_before
+    if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
+        raise RuntimeError(f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})")
+    if skipped and not reason:
+        reason = "non-finite gradient norm"
+    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples, "stop": stop > 0,
+            "skipped": reason, "keys": keys, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
+
+
+def _injected_nan(spec: str) -> set[tuple[int, int]]:
+    """Fault injection for testing the guard: PRETRAIN_INJECT_NAN="RANK:STEP[-LAST],..." makes
+    that rank's loss NaN at those steps (1-based), as a bad batch or an overflow would."""
+    out = set()
+    for item in filter(None, spec.replace(" ", "").split(",")):
+        rank, _, steps = item.partition(":")
+        first, _, last = steps.partition("-")
+        out |= {(int(rank), step) for step in range(int(first), int(last or first) + 1)}
+    return out
+
+
+_INJECTED_NAN = _injected_nan(os.environ.get("PRETRAIN_INJECT_NAN", ""))
+
+
+def guard_step(run: Run, result: dict) -> dict:
+    """Count and log a skipped step (RUN_DIR/skipped_batches.jsonl, with the global batch's
+    sample keys, and W&B); end the job, with a checkpoint of the last good state, after more
+    than `guard.max_consecutive_skips` in a row; end it when fillers stand in for more than
+    `data.max_bad_fraction` of an epoch's batches. Returns the metrics to log for the step."""
+    run.guard.record(result["train/loss"], bool(result["skipped"]))
+    metrics = {}
+    if result["skipped"]:
+        keys = [key for rank_keys in dist.all_gather_object(result["keys"]) for key in rank_keys]
+        if run.denv.is_main:
+            row = {"step": run.step, "reason": result["skipped"], "loss": result["train/loss"],
+                   "consecutive": run.guard.consecutive, "sample_keys": keys}
+            with open(Path(run.cfg.run_dir) / "skipped_batches.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(f"step {run.step}: skipped on every rank ({result['skipped']}, loss {result['train/loss']:.4g}); "
+                  f"{run.guard.skipped} skipped so far", file=sys.stderr)
+        metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result["skipped"]}
+        if run.guard.consecutive > run.guard.max_consecutive_skips:
+            save_checkpoint(run)
+            raise UserError(f"{run.guard.consecutive} steps in a row skipped ({result['skipped']}) at step {run.step}, "
+                            f"more than guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
+                            f"weights are checkpointed (see {Path(run.cfg.run_dir) / 'skipped_batches.jsonl'})")
+    if result["filler_fraction"] > run.cfg.data.max_bad_fraction:
+        raise UserError(f"{result['filler_fraction']:.1%} of this epoch's batches are fillers for unreadable data, "
+                        f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
+                        f"in the log (data.data_dir={run.cfg.data.data_dir})")
+    return metrics
 
 
 @torch.no_grad()
@@ -284,7 +455,7 @@ def evaluate(run: Run) -> dict:
     if loader is None:
         return {}
     run.engine.train(False)
-    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "batches_consumed": 0})
+    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "samples_consumed": 0})
     sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
     for index, batch in enumerate(loader):
         if run.cfg.eval_batches and index >= run.cfg.eval_batches:
@@ -314,11 +485,14 @@ def save_checkpoint(run: Run) -> Path:
         "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.data.train.state_dict(),
         "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
         "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
+        "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
+        "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(),
     }
     run.engine.save(root, tag, client_state)
     dist.barrier()
     if run.denv.is_main:
-        info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size")}
+        info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
+                                             "global_batch_size", "micro_batch_size", "grad_accum")}
         (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
@@ -354,6 +528,7 @@ def fit(run: Run) -> dict:
     cfg = run.cfg
     batches = _batches(run.data.train)
     window_tokens = window_flops = window_samples = 0.0
+    window_clipped = window_steps = 0
     window_start = time.perf_counter()
     last_eval: dict = {}
     last_saved = run.step
@@ -365,19 +540,29 @@ def fit(run: Run) -> dict:
         window_tokens += result["tokens"]
         window_flops += result["flops"]
         window_samples += result["samples"]
-        metrics: dict = {}
+        grad_norm = run.engine.grad_norm()
+        window_steps += 1
+        window_clipped += bool(cfg.optim.grad_clip and math.isfinite(grad_norm) and grad_norm > cfg.optim.grad_clip)
+        metrics: dict = guard_step(run, result)
+        if cfg.data.log_sample_keys:  # which samples each step saw, per rank
+            with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": run.step, "keys": result["keys"]}) + "\n")
         if run.step % cfg.log_every == 0 or run.step == stop_at:
             elapsed = time.perf_counter() - window_start
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
             metrics.update({
-                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": run.engine.grad_norm(),
+                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": grad_norm,
+                "train/clipped_fraction": window_clipped / window_steps,
                 "train/tokens_seen": run.tokens_seen, "train/epoch": run.data.train.epoch,
                 "perf/tokens_per_s": window_tokens / elapsed,
                 "perf/samples_per_s": window_samples / elapsed,
                 "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
-                **memory_mb(),
+                **data_counters(run), **memory_mb(),
             })
+            if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
+                metrics.update({"train/loss_scale": run.engine.loss_scale})
             window_tokens = window_flops = window_samples = 0.0
+            window_clipped = window_steps = 0
             window_start = time.perf_counter()
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
             last_eval = evaluate(run)
@@ -396,11 +581,30 @@ def fit(run: Run) -> dict:
             last_saved = run.step
     if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
         save_checkpoint(run)
-    return {"step": run.step, "tokens_seen": run.tokens_seen, **last_eval}
+    return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
+            **data_counters(run), **last_eval}
+
+
+def data_counters(run: Run) -> dict:
+    """Unreadable data met so far, summed over the ranks (a collective: every rank calls it)."""
+    names = ("shards_skipped", "samples_unreadable", "filler_batches")
+    totals = dist.all_reduce_sum([float(run.data.train.stats[name]) for name in names])
+    return {f"data/{name}": int(total) for name, total in zip(names, totals)}
 
 
 def train(cfg: TrainConfig) -> dict:
     install_preemption_handlers()
+    # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
+    # so the log says where the rank was, not only that it died.
+    faulthandler.enable(all_threads=True)
+    # One job per run directory: a second one started on it (the same command twice, a requeue
+    # racing a job that has not died) would interleave checkpoints and metrics with the first.
+    # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
+    with dir_lock(cfg.run_dir, what="train") if dist.read_env().is_main else contextlib.nullcontext():
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict:
     run = setup(cfg)
     if run.denv.is_main:
         (Path(cfg.run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -419,6 +623,8 @@ def train(cfg: TrainConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:  # report the run and every problem; start nothing
+        return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
     cfg = parse_cli(TrainConfig, argv, usage=USAGE)
     train(cfg)
     return 0

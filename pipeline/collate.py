@@ -21,15 +21,15 @@ from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
 
 def pack(task: str, samples: list[list[np.ndarray]], mlm_masking: MLMMasking | None = None,
-         generator: torch.Generator | None = None) -> dict[str, np.ndarray]:
-    """A micro batch of decoded samples (one list of field arrays each) as numpy arrays;
-    MLM draws its masks from `generator`, so a batch's masks depend on its seed alone."""
+         generators: list[torch.Generator] | None = None) -> dict[str, np.ndarray]:
+    """A micro batch of decoded samples (one list of field arrays each) as numpy arrays; MLM
+    draws each sample's mask from its own generator, so a mask depends on that seed alone."""
     if task == "translation":
         return _pack_translation([(src, tgt) for src, tgt in samples])
     ids, lengths = _stack([ids for (ids,) in samples])
     if task == "causal_lm":
         return {"ids": ids, "lengths": lengths}
-    return {"ids": ids, "lengths": lengths, **mlm_masking.apply(ids, lengths, generator)}
+    return {"ids": ids, "lengths": lengths, **mlm_masking.apply(ids, lengths, generators)}
 
 
 def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -61,16 +61,22 @@ class MLMMasking:
         self.replacement_ids = torch.from_numpy(np.flatnonzero(keep))
         self.probability, self.mask_fraction, self.random_fraction = probability, mask_fraction, random_fraction
 
-    def apply(self, ids: np.ndarray, lengths: np.ndarray, generator: torch.Generator) -> dict[str, np.ndarray]:
-        """The masked ids (replacing `ids` in the batch), the original ids and the selected positions."""
+    def apply(self, ids: np.ndarray, lengths: np.ndarray, generators: list[torch.Generator]) -> dict[str, np.ndarray]:
+        """The masked ids (replacing `ids` in the batch), the original ids and the selected
+        positions. Row b's draws come from generators[b] and cover its own length only, so a
+        sample's mask does not depend on the batch it is in."""
         original = torch.from_numpy(ids.astype(np.int64))
-        real = torch.from_numpy(np.arange(original.shape[1]) < lengths[:, None])
-        candidates = real & ~torch.isin(original, self.special_ids)
-        selected = candidates & (torch.rand(original.shape, generator=generator) < self.probability)
-        action = torch.rand(original.shape, generator=generator)
+        select_draw = torch.ones(original.shape)  # 1 on padding: never below the probability
+        action = torch.ones(original.shape)
+        random_ids = torch.zeros(original.shape, dtype=torch.long)
+        for row, (length, generator) in enumerate(zip(lengths.tolist(), generators, strict=True)):
+            select_draw[row, :length] = torch.rand(length, generator=generator)
+            action[row, :length] = torch.rand(length, generator=generator)
+            random_ids[row, :length] = self.replacement_ids[
+                torch.randint(len(self.replacement_ids), (length,), generator=generator)]
+        selected = ~torch.isin(original, self.special_ids) & (select_draw < self.probability)
         to_mask = selected & (action < self.mask_fraction)
         to_random = selected & (action >= self.mask_fraction) & (action < self.mask_fraction + self.random_fraction)
-        random_ids = self.replacement_ids[torch.randint(len(self.replacement_ids), original.shape, generator=generator)]
         masked = torch.where(to_mask, torch.full_like(original, MASK_ID), original)
         masked = torch.where(to_random, random_ids, masked)
         return {"ids": masked.numpy(), "original_ids": ids, "masked_positions": selected.numpy()}

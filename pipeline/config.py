@@ -125,3 +125,8 @@ class LoaderConfig:
     # Of the selected tokens: replaced by <mask>, by a random token, or kept (BERT's 80/10/10).
     mlm_mask_fraction: float = 0.8
     mlm_random_fraction: float = 0.1  # of the selected tokens: replaced by a random token
+    # End training when fillers (batches standing in for unreadable shards or samples) exceed
+    # this fraction of an epoch's batches.
+    max_bad_fraction: float = 0.01
+    # Append each step's sample keys ("shard.tar#member") to RUN_DIR/sample_keys.rankN.jsonl.
+    log_sample_keys: bool = False

@@ -14,36 +14,53 @@ training (webdataset issues #188, #225, #234, #271):
 Design. The manifest knows every shard's sample count, so each epoch's order costs no I/O to work out:
 
 1. The shard order is a permutation drawn from (seed, epoch); the samples inside each shard are
-   permuted by (seed, epoch, shard). Concatenated, they form one virtual stream of N samples.
-2. Only the first N' = floor(N / G) * G are used, G = micro_batch_size * world_size. The rest
-   (fewer than G, and different samples each epoch since the stream is reshuffled) is counted in
-   `stats["samples_dropped_remainder"]` and logged.
-3. Rank r owns stream positions [r N'/W, (r+1) N'/W): B = N' / (W b) batches on every rank.
-   Batch j of a rank is positions [j b, (j+1) b) of its range, a pure function of
-   (seed, epoch, rank, j) - MLM masks included, drawn from a generator seeded by the same key.
+   permuted by (seed, epoch, shard). Concatenated, they form one virtual stream of N samples,
+   the same whatever the number of ranks, workers or the micro batch size.
+2. The stream is cut into global batches of G = micro batch b x grad_accum A x world size W
+   samples, one per optimizer step: step s consumes stream positions [s G, (s + 1) G). Only the
+   first S = floor(N / G) steps are used; the rest (fewer than G samples, different ones each
+   epoch since the stream is reshuffled) is counted in `stats["samples_dropped_remainder"]`.
+   Megatron's sampler does the same with one consumed-samples counter.
+3. Within a step, micro batch slot k = a W + r (accumulation round a, rank r) is positions
+   [s G + k b, s G + (k + 1) b). Rank r's batch j is step j // A, round j % A: B = S A batches on
+   every rank. So the samples of each optimizer step are fixed by G alone: a job resumed on
+   another world size, with grad_accum changed to keep G, trains on exactly the samples the
+   uninterrupted job would have. MLM masks are drawn per sample, from (seed, epoch, stream
+   position), so they do not change either. Everything about batch j is a pure function of
+   (seed, epoch, G, b, W, r, j).
+   The price: a global batch is a contiguous stretch of the stream, so every rank reads through
+   every shard of the epoch (today's layout gave each rank 1/W of them), decoding (np.load, never
+   pickle) only its own samples. Tokens are 2 to 4 bytes each, so at the token rates a GPU
+   trains (10^4 to 10^6 tokens/s) this is at most a few MB/s per rank, read sequentially; and ranks
+   on one node read the same files at about the same time, so the page cache (or the shared shard
+   cache of a remote dataset) serves all but the first.
 4. DataLoader worker w of n builds batches k+w, k+w+n, ... (k: the first batch still owed).
    PyTorch's DataLoader collects from its workers round-robin, so batches arrive as k, k+1, ...
    whatever n is (0 included): the batch stream does not depend on `num_workers`, and a run may
-   resume with a different one. The price, chosen over giving each worker a contiguous slice
-   (which would tie the order to n): every worker reads through each shard of its rank's range,
-   but decodes (np.load, never pickle) only its own samples; the workers move through the same
-   shard at the same time, so the page cache serves the repeated reads.
-5. Resume: the state is (epoch, batches handed to the trainer), counted in the main process
-   because workers prefetch ahead of the trainer. Workers start at batch k directly: shards that
-   lie wholly before the resume point are never opened, so resuming costs the same at any
-   position. The state does not depend on the rank (every rank consumes the same B batches), so
-   one copy saved by rank 0, as DeepSpeed's `client_state` is, restores every rank; a fingerprint
-   of what fixes the order (seed, world size, micro batch, shard list) is checked on load.
+   resume with a different one. Every worker reads through the shards its batches touch but
+   decodes only its own samples; the workers move through the same shard at the same time, so
+   the page cache serves the repeated reads.
+5. Resume: the state is (epoch, samples consumed), counted in the main process because workers
+   prefetch ahead of the trainer, and saved at a step boundary. A loader with the same G resumes
+   at batch consumed / (b W) whatever its W and b; workers start there directly: shards that lie
+   wholly before the resume point are never opened, so resuming costs the same at any position.
+   The state does not depend on the rank, so one copy saved by rank 0, as DeepSpeed's
+   `client_state` is, restores every rank; a fingerprint of what fixes the order (seed, G, shard
+   list) is checked on load.
 6. A shard that cannot be read (missing, wrong size, not a tar, truncated, wrong members or
    sample count) is skipped with a warning and counted; so is a sample that does not decode to
    token ids within the vocabulary (a bad id would otherwise end the job in the embedding on the
-   GPU). A batch touching either is replaced by a filler - the nearest preceding good batch of
-   the epoch, else the nearest following one - so that every rank still yields exactly B batches
-   (a missing batch on one rank is a hang on all). Fillers are a function of the data alone, so
-   a resumed run repeats the same ones; after a resume the preceding batch is rebuilt if needed.
+   GPU). A batch touching either is replaced by a filler so that every rank still yields exactly
+   B batches (a missing batch on one rank is a hang on all): the first readable batch of the
+   epoch in an order drawn from (seed, epoch, rank, j). Fillers are therefore spread over the
+   epoch, not one batch repeated (which a model memorises), and, being a function of the data and
+   the seed, are the same after a resume. `stats` counts skipped shards, unreadable samples and
+   fillers; the trainer ends the job when fillers pass `data.max_bad_fraction` of an epoch.
 7. Reading a shard (`pipeline.shards`: a header scan, checked against webdataset's reader) and
    collating a batch (`pipeline.collate`: numpy in the worker, tensors in the main process) are
    their own modules; this one decides which samples make batch j of a rank, and when.
+   `sample_keys` names the samples of the last batch handed out ("path/of/shard.tar#member"),
+   for logs of skipped steps and for tests.
 """
 
 from __future__ import annotations
@@ -65,29 +82,31 @@ from pipeline.shards import Shard, ShardError, decode_sample, read_shard
 
 log = logging.getLogger(__name__)
 
-# 2: the fingerprint names the task ("kind" in version 1, read as the same thing).
-STATE_VERSION = 2
+# 3: the order is cut in global batches, and the state counts samples (1 and 2 cut it by rank,
+# so their position cannot be carried over: such a run resumes with the code that wrote it).
+STATE_VERSION = 3
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
-_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK = 1, 2, 3
+_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER = 1, 2, 3, 4
 
 
 class ShardLoader:
     """Token batches of one task and split for one rank; iterate once per epoch.
 
-    `stats` holds the epoch's sizes (`batches_per_epoch`, `samples_per_epoch`,
-    `samples_dropped_remainder`: per epoch) and counters since construction: `shards_skipped`,
-    `samples_unreadable`, `filler_batches`, `shard_opens` (over all workers), `samples_decoded`,
-    `batches_yielded`. One iteration at a time.
+    `stats` holds the epoch's sizes (`batches_per_epoch` per rank, `steps_per_epoch`,
+    `samples_per_epoch`, `samples_dropped_remainder`) and counters since construction:
+    `shards_skipped`, `samples_unreadable`, `filler_batches`, `shard_opens` (over all workers),
+    `samples_decoded`, `batches_yielded`; `epoch_filler_batches` counts this epoch's fillers.
+    One iteration at a time.
     """
 
-    def __init__(self, data_dir: str, task: str, split: str, *, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, seed: int = 0, mlm_probability: float = 0.15,
+    def __init__(self, data_dir: str, task: str, split: str, *, micro_batch_size: int, grad_accum: int = 1,
+                 rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0, mlm_probability: float = 0.15,
                  mlm_mask_fraction: float = 0.8, mlm_random_fraction: float = 0.1,
                  expected_tokenizer_sha256: str | None = None, epoch: int = 0):
-        if micro_batch_size < 1:
-            raise UserError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        if micro_batch_size < 1 or grad_accum < 1:
+            raise UserError(f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is not in a world of size {world_size}")
         if num_workers < 0:
@@ -112,7 +131,8 @@ class ShardLoader:
         entries = shard_entries(manifest, task, split)
 
         self.task, self.split = task, split
-        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
+        self.global_batch_size = micro_batch_size * grad_accum * world_size
         self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
         self.vocab_size = int(tokenizer["vocab_size"])
         # The reserved ids are special in every tokenizer of this project, whatever the list says.
@@ -129,27 +149,28 @@ class ShardLoader:
             "task": task,
             "split": split,
             "seed": seed,
-            "world_size": world_size,
-            "micro_batch_size": micro_batch_size,
+            "global_batch_size": self.global_batch_size,
             "shards_sha256": hashlib.sha256(listing).hexdigest(),
         }
 
         total = sum(shard.samples for shard in self._shards)
-        global_batch = micro_batch_size * world_size
-        self._num_batches = total // global_batch
-        if self._num_batches == 0:
+        self.steps_per_epoch = total // self.global_batch_size
+        if self.steps_per_epoch == 0:
             raise UserError(
                 f"{self.data_dir}: {task}/{split} has {total} samples, fewer than one global batch "
-                f"({micro_batch_size} x {world_size} ranks)"
+                f"({micro_batch_size} x {grad_accum} accumulated x {world_size} ranks)"
             )
-        dropped = total - self._num_batches * global_batch
+        self._num_batches = self.steps_per_epoch * grad_accum
+        dropped = total - self.steps_per_epoch * self.global_batch_size
         self.stats = {
             "batches_per_epoch": self._num_batches,
+            "steps_per_epoch": self.steps_per_epoch,
             "samples_per_epoch": total,
             "samples_dropped_remainder": dropped,
             "shards_skipped": 0,
             "samples_unreadable": 0,
             "filler_batches": 0,
+            "epoch_filler_batches": 0,
             "shard_opens": 0,
             "samples_decoded": 0,
             "batches_yielded": 0,
@@ -157,18 +178,20 @@ class ShardLoader:
         self.skipped_shards: list[dict] = []
         self._skipped_seen: set[tuple[int, str]] = set()
         self._consumed = 0
+        self._served: tuple[_EpochBatches, int] | None = None  # the last batch handed out (a filler: its source)
         log.info(
-            "%s/%s: %d samples in %d shards; %d batches of %d per rank per epoch; %d samples per epoch "
-            "dropped (remainder below one global batch of %d)",
-            task, split, total, len(self._shards), self._num_batches, micro_batch_size, dropped, global_batch,
+            "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
+            "%d samples per epoch dropped (remainder below one global batch)",
+            task, split, total, len(self._shards), self.steps_per_epoch, self.global_batch_size, self._num_batches,
+            micro_batch_size, dropped,
         )
 
     @classmethod
-    def from_config(cls, cfg: LoaderConfig, task: str, split: str, *, rank: int, world_size: int,
+    def from_config(cls, cfg: LoaderConfig, task: str, split: str, *, rank: int, world_size: int, grad_accum: int = 1,
                     expected_tokenizer_sha256: str | None = None) -> ShardLoader:
         return cls(
             cfg.data_dir, task, split,
-            micro_batch_size=cfg.micro_batch_size, rank=rank, world_size=world_size,
+            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, rank=rank, world_size=world_size,
             num_workers=cfg.num_workers, seed=cfg.seed, mlm_probability=cfg.mlm_probability,
             mlm_mask_fraction=cfg.mlm_mask_fraction, mlm_random_fraction=cfg.mlm_random_fraction,
             expected_tokenizer_sha256=expected_tokenizer_sha256,
@@ -181,7 +204,7 @@ class ShardLoader:
         order = _rng(self.seed, epoch, _SHARD_ORDER).permutation(len(self._shards))
         return _EpochBatches(
             task=self.task, shards=[self._shards[i] for i in order], seed=self.seed, epoch=epoch, rank=self.rank,
-            rank_start=self.rank * self._num_batches * self.micro_batch_size, micro_batch_size=self.micro_batch_size,
+            world_size=self.world_size, micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
             num_batches=self._num_batches, first_batch=first_batch, vocab_size=self.vocab_size,
             mlm_masking=self.mlm_masking,
         )
@@ -197,9 +220,9 @@ class ShardLoader:
             generator = torch.Generator().manual_seed(self.seed)
             items = iter(DataLoader(epoch_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
                                     generator=generator))
+            if first == 0:
+                self.stats["epoch_filler_batches"] = 0
             try:
-                last_good: tuple[int, dict] | None = None
-                found: dict = {}
                 expected = first
                 for j, packed, events in items:
                     # Exact resume rests on the DataLoader's round-robin order; a change there must fail loudly.
@@ -207,10 +230,10 @@ class ShardLoader:
                         raise RuntimeError(f"batch {j} arrived where batch {expected} was due")
                     self._absorb(epoch, events)
                     if packed is None:
-                        batch = self._filler(epoch_batches, j, first, last_good, found)
+                        source, batch = self._filler(epoch_batches, j)
                     else:
-                        batch = unpack(self.task, packed)  # tensors and masks are made here, not sent
-                        last_good = (j, batch)
+                        source, batch = j, unpack(self.task, packed)  # tensors and masks are made here, not sent
+                    self._served = (epoch_batches, source)
                     expected += 1
                     self._consumed = expected
                     self.stats["batches_yielded"] += 1
@@ -221,43 +244,35 @@ class ShardLoader:
                 del items  # shuts the workers down when the trainer leaves mid-epoch
         self.epoch, self._consumed = epoch + 1, 0
 
-    def _filler(self, epoch_batches: _EpochBatches, j: int, first: int, last_good: tuple[int, dict] | None,
-                found: dict) -> dict:
-        """The batch to repeat for unreadable batch j: the nearest good batch before it, else after it."""
-        source = last_good
-        if source is None:
-            # A run of unreadable batches needs one search, not one per batch: the batch found
-            # stays the answer until a good batch arrives.
-            cached = found.get("source")
-            if cached is not None and (cached[0] < first or cached[0] > j):
-                source = cached
-            else:
-                source = found["source"] = self._search_filler(epoch_batches, j, first)
-        if source is None:
-            raise RuntimeError(
-                f"rank {self.rank}, epoch {epoch_batches.epoch}: none of the {self._num_batches} batches is readable; "
-                f"see the warnings about skipped shards under {self.data_dir}"
-            )
-        self.stats["filler_batches"] += 1
-        log.warning("rank %d, epoch %d: batch %d is unreadable; repeating batch %d in its place",
-                    self.rank, epoch_batches.epoch, j, source[0])
-        return source[1]
-
-    def _search_filler(self, epoch_batches: _EpochBatches, j: int, first: int) -> tuple[int, dict] | None:
-        # Batches first..j-1 were unreadable too; the good batch before them, if any, was served
-        # by an earlier process (this is a resume), so rebuild it as the uninterrupted run had it.
-        for i in range(first - 1, -1, -1):
+    def _filler(self, epoch_batches: _EpochBatches, j: int) -> tuple[int, dict]:
+        """(i, batch i) to stand in for unreadable batch j: the first readable batch of the epoch in
+        an order drawn from (seed, epoch, rank, j), so fillers are spread over the epoch and are
+        the same after a resume. Batches touching a shard already found bad are passed over unread."""
+        epoch = epoch_batches.epoch
+        bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
+        for i in _rng(self.seed, epoch, _FILLER, self.rank, j).permutation(self._num_batches).tolist():
+            if i == j or any(epoch_batches.shards[o].path in bad_paths for o in epoch_batches.shard_orders(i)):
+                continue
             _, packed, events = epoch_batches.build(i)
-            self._absorb(epoch_batches.epoch, events)
+            self._absorb(epoch, events)
             if packed is not None:
+                self.stats["filler_batches"] += 1
+                self.stats["epoch_filler_batches"] += 1
+                log.warning("rank %d, epoch %d: batch %d is unreadable; batch %d stands in for it", self.rank, epoch, j, i)
                 return i, unpack(self.task, packed)
-        ahead = _Reader(epoch_batches, range(j + 1, self._num_batches))
-        for i in ahead.batches:
-            _, packed, events = epoch_batches.build(i, ahead)
-            self._absorb(epoch_batches.epoch, events)
-            if packed is not None:
-                return i, unpack(self.task, packed)
-        return None
+            bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
+        raise RuntimeError(
+            f"rank {self.rank}, epoch {epoch}: none of the {self._num_batches} batches is readable; "
+            f"see the warnings about skipped shards under {self.data_dir}"
+        )
+
+    def sample_keys(self) -> list[str]:
+        """The samples of the batch most recently handed out (a filler's: those of the batch it
+        repeats), as "SHARD_PATH#MEMBER", MEMBER the sample's position in its tar."""
+        if self._served is None:
+            return []
+        epoch_batches, j = self._served
+        return epoch_batches.sample_keys(j)
 
     def _absorb(self, epoch: int, events: dict) -> None:
         self.stats["shard_opens"] += events["shard_opens"]
@@ -274,18 +289,26 @@ class ShardLoader:
             log.warning("skipping sample %d of shard %s (epoch %d): %s", member, path, epoch, reason)
 
     def state_dict(self) -> dict:
+        """The position, valid at an optimizer-step boundary (after a multiple of grad_accum batches)."""
         epoch, consumed = self.epoch, self._consumed
+        if consumed % self.grad_accum:
+            raise RuntimeError(f"loader state asked for mid-step: {consumed} batches of {self.grad_accum} per step")
         if consumed >= self._num_batches:  # a finished epoch resumes at the start of the next
             epoch, consumed = epoch + 1, 0
-        return {"version": STATE_VERSION, "epoch": epoch, "batches_consumed": consumed,
+        return {"version": STATE_VERSION, "epoch": epoch,
+                "samples_consumed": consumed * self.micro_batch_size * self.world_size,
                 "fingerprint": dict(self._fingerprint)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") not in (1, STATE_VERSION):
-            raise UserError(f"loader state version {state.get('version')!r}, expected {STATE_VERSION}")
-        saved = dict(state.get("fingerprint", {}))
-        if state["version"] == 1:
-            saved["task"] = saved.pop("kind", None)
+        version = state.get("version")
+        if version in (1, 2):
+            raise UserError(
+                f"the loader state is of version {version}, whose order was cut by rank: its position cannot be "
+                f"carried into this version's order (resume with the version that wrote it, or start anew)"
+            )
+        if version != STATE_VERSION:
+            raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
+        saved = state.get("fingerprint", {})
         differences = [
             f"{key}: saved {saved.get(key)!r}, now {value!r}"
             for key, value in self._fingerprint.items()
@@ -296,9 +319,14 @@ class ShardLoader:
                 "the loader state does not match this loader, so the batches after a resume would differ: "
                 + "; ".join(differences)
             )
-        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if epoch < 0 or not 0 <= consumed <= self._num_batches:
-            raise UserError(f"loader state epoch {epoch}, batch {consumed} is outside 0..{self._num_batches}")
+        epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
+        per_batch = self.micro_batch_size * self.world_size
+        consumed, remainder = divmod(samples, per_batch)
+        if epoch < 0 or remainder or consumed % self.grad_accum or not 0 <= consumed <= self._num_batches:
+            raise UserError(
+                f"loader state epoch {epoch}, {samples} samples consumed: not a whole number of global batches "
+                f"of {self.global_batch_size} within the epoch's {self.steps_per_epoch}"
+            )
         self.epoch, self._consumed = epoch, consumed
 
 
@@ -306,15 +334,15 @@ class _EpochBatches(IterableDataset):
     """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
     `pipeline.collate.unpack(task, packed)` in the main process makes the token batch."""
 
-    def __init__(self, *, task: str, shards: list[Shard], seed: int, epoch: int, rank: int, rank_start: int,
-                 micro_batch_size: int, num_batches: int, first_batch: int, vocab_size: int,
+    def __init__(self, *, task: str, shards: list[Shard], seed: int, epoch: int, rank: int, world_size: int,
+                 micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int, vocab_size: int,
                  mlm_masking: MLMMasking | None):
         self.task = task
         self.fields = FIELDS[DATASET_FOR_TASK[task]]
         self.shards = shards
         self.starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
-        self.seed, self.epoch, self.rank = seed, epoch, rank
-        self.rank_start, self.micro_batch_size = rank_start, micro_batch_size
+        self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.num_batches, self.first_batch = num_batches, first_batch
         self.vocab_size = vocab_size
         self.mlm_masking = mlm_masking
@@ -327,11 +355,28 @@ class _EpochBatches(IterableDataset):
         for j in mine:
             yield self.build(j, reader)
 
+    def positions(self, j: int) -> np.ndarray:
+        """The stream positions of this rank's batch j: slot a W + r of global batch j // A."""
+        step, round_ = divmod(j, self.grad_accum)
+        global_batch = self.micro_batch_size * self.grad_accum * self.world_size
+        first = step * global_batch + (round_ * self.world_size + self.rank) * self.micro_batch_size
+        return np.arange(first, first + self.micro_batch_size)
+
+    def shard_orders(self, j: int) -> list[int]:
+        """Which shards (by place in this epoch's order) batch j reads."""
+        return sorted(set((np.searchsorted(self.starts, self.positions(j), side="right") - 1).tolist()))
+
+    def sample_keys(self, j: int) -> list[str]:
+        positions = self.positions(j)
+        orders = np.searchsorted(self.starts, positions, side="right") - 1
+        reader = _Reader(self, range(0))
+        return [f"{self.shards[o].path}#{int(reader.permutation(o)[p - self.starts[o]])}"
+                for p, o in zip(positions.tolist(), orders.tolist())]
+
     def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict[str, np.ndarray] | None, dict]:
         reader = reader or _Reader(self, range(j, j + 1))
         events = _new_events()
-        first = self.rank_start + j * self.micro_batch_size
-        positions = np.arange(first, first + self.micro_batch_size)
+        positions = self.positions(j)
         orders = np.searchsorted(self.starts, positions, side="right") - 1
         reader.evict_before(int(orders[0]))
         samples = []
@@ -347,13 +392,14 @@ class _EpochBatches(IterableDataset):
                 events["bad_samples"].append((self.shards[order].path, member, str(err)))
                 return j, None, events
             events["samples_decoded"] += 1
-        return j, self._pack(j, samples), events
+        return j, self._pack(positions, samples), events
 
-    def _pack(self, j: int, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
-        # MLM masks are drawn here, in the worker, from a generator seeded by the batch: where
-        # they are drawn does not matter.
-        generator = _torch_generator(self.seed, self.epoch, self.rank, j, _MLM_MASK) if self.mlm_masking else None
-        return pack(self.task, samples, self.mlm_masking, generator)
+    def _pack(self, positions: np.ndarray, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
+        # MLM masks are drawn here, in the worker, one generator per sample seeded by its stream
+        # position: where they are drawn, and which rank or batch the sample lands in, do not matter.
+        generators = [_torch_generator(self.seed, self.epoch, p, _MLM_MASK) for p in positions.tolist()] \
+            if self.mlm_masking else None
+        return pack(self.task, samples, self.mlm_masking, generators)
 
 
 class _Reader:
@@ -368,10 +414,8 @@ class _Reader:
     def permutation(self, order: int) -> np.ndarray:
         if order not in self.permutations:
             shard = self.epoch_batches.shards[order]
-            self.permutations[order] = _rng(self.epoch_batches.seed, self.epoch_batches.epoch, _SAMPLE_ORDER,
-                                            shard.index).permutation(
-                shard.samples
-            )
+            key = (self.epoch_batches.seed, self.epoch_batches.epoch, _SAMPLE_ORDER, shard.index)
+            self.permutations[order] = _rng(*key).permutation(shard.samples)
         return self.permutations[order]
 
     def evict_before(self, order: int) -> None:
@@ -381,11 +425,14 @@ class _Reader:
             self.permutations.pop(stale, None)
 
     def wanted(self, order: int) -> set[int]:
-        epoch_batches, batches = self.epoch_batches, self.batches
-        start = int(epoch_batches.starts[order])
-        offsets = np.arange(epoch_batches.shards[order].samples)
-        batch = (start + offsets - epoch_batches.rank_start) // epoch_batches.micro_batch_size
-        mine = (batch >= batches.start) & (batch < batches.stop) & ((batch - batches.start) % batches.step == 0)
+        e, batches = self.epoch_batches, self.batches
+        offsets = np.arange(e.shards[order].samples)
+        # Invert `_EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
+        step, slot = np.divmod((e.starts[order] + offsets) // e.micro_batch_size, e.grad_accum * e.world_size)
+        round_, rank = np.divmod(slot, e.world_size)
+        batch = step * e.grad_accum + round_
+        mine = (rank == e.rank) & (batch >= batches.start) & (batch < batches.stop)
+        mine &= (batch - batches.start) % batches.step == 0
         return set(self.permutation(order)[offsets[mine]].tolist())
 
     def members(self, order: int, events: dict) -> dict[int, dict[str, bytes]] | None:

@@ -100,7 +100,7 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
         if len(taken) == 5:
             break
     state = json.loads(json.dumps(interrupted.state_dict()))
-    assert state["epoch"] == 0 and state["batches_consumed"] == 5
+    assert state["epoch"] == 0 and state["samples_consumed"] == 5 * 3 * 2  # 5 batches of 3 on each of 2 ranks
 
     # Another process, another num_workers, another rank's copy of the state: the same batches.
     resumed = ShardLoader(str(tmp_path), task, "train", num_workers=0, **kw)
@@ -117,7 +117,7 @@ def test_resume_at_epoch_end_starts_the_next_epoch(tmp_path):
     for _ in range(len(loader)):
         next(batches)
     state = loader.state_dict()
-    assert (state["epoch"], state["batches_consumed"]) == (1, 0)
+    assert (state["epoch"], state["samples_consumed"]) == (1, 0)
     resumed = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
     resumed.load_state_dict(state)
     assert_same_batches(list(resumed), epoch_batches(tmp_path, micro_batch_size=4, epoch=1))
@@ -140,7 +140,7 @@ def test_resume_skips_shards_without_decoding_them(tmp_path, monkeypatch):
 
     opened.clear()
     resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
-    resumed.load_state_dict({**resumed.state_dict(), "batches_consumed": start})
+    resumed.load_state_dict({**resumed.state_dict(), "samples_consumed": start * 4})
     rest = list(resumed)
     assert_same_batches(rest, full[start:])
 
@@ -200,6 +200,10 @@ def test_corrupt_shards_are_skipped_and_ranks_stay_equal(tmp_path, caplog):
             skipped |= {s["path"] for s in loader.skipped_shards}
             assert loader.stats["shards_skipped"] == len(loader.skipped_shards)
             fillers += loader.stats["filler_batches"]
+            # Fillers are spread over the epoch's good batches, not one batch repeated.
+            repeated = [b for b in unique if sum(tuple(batch_ids(x)) == b for x in batches) > 1]
+            assert max(sum(tuple(batch_ids(x)) == b for x in batches) for b in unique) <= 3
+            assert loader.stats["filler_batches"] < 2 or len(repeated) > 1
     assert skipped == {str(paths[i]) for i in UNREADABLE}
     assert fillers > 0
     assert any("outside the vocabulary" in r.getMessage() for r in caplog.records)
@@ -212,7 +216,7 @@ def test_resume_repeats_the_same_fillers(tmp_path, rank):
     full = epoch_batches(tmp_path, **kw)
     for start in range(1, len(full)):
         resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
-        resumed.load_state_dict({**resumed.state_dict(), "batches_consumed": start})
+        resumed.load_state_dict({**resumed.state_dict(), "samples_consumed": start * 4 * 2})
         assert_same_batches(list(resumed), full[start:])
 
 
@@ -298,8 +302,77 @@ def test_state_from_another_plan_is_refused(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
     state = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2).state_dict()
     other = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=3)
-    with pytest.raises(UserError, match="world_size: saved 2, now 3"):
+    with pytest.raises(UserError, match="global_batch_size: saved 8, now 12"):
         other.load_state_dict(state)
+
+
+# Global batches: the samples of each optimizer step are fixed by the global batch alone.
+
+SHAPES = [dict(world_size=2, grad_accum=1, micro_batch_size=4), dict(world_size=1, grad_accum=2, micro_batch_size=4),
+          dict(world_size=4, grad_accum=1, micro_batch_size=2), dict(world_size=1, grad_accum=1, micro_batch_size=8),
+          dict(world_size=2, grad_accum=2, micro_batch_size=2)]
+
+
+def steps_of(data_dir, task="causal_lm", *, world_size, grad_accum, micro_batch_size, state=None, **kw):
+    """The sample ids of each optimizer step, over all ranks: a list of sets."""
+    per_rank = []
+    for rank in range(world_size):
+        loader = ShardLoader(str(data_dir), task, "train", micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                             rank=rank, world_size=world_size, **kw)
+        if state is not None:
+            loader.load_state_dict(state)
+        per_rank.append([batch_ids(b) for b in loader])
+    steps = len(per_rank[0]) // grad_accum
+    return [{i for rank in per_rank for b in rank[s * grad_accum:(s + 1) * grad_accum] for i in b} for s in range(steps)]
+
+
+def test_the_samples_of_each_step_do_not_depend_on_world_size_or_accumulation(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+    reference = steps_of(tmp_path, **SHAPES[0], seed=3, num_workers=2)
+    assert len(reference) == sum(UNEVEN) // 8 and all(len(step) == 8 for step in reference)
+    for shape in SHAPES[1:]:
+        assert steps_of(tmp_path, **shape, seed=3) == reference, shape
+
+
+def test_resume_on_another_world_size_continues_the_same_steps(tmp_path):
+    make_dataset(tmp_path, packed=UNEVEN)
+    uninterrupted = steps_of(tmp_path, **SHAPES[0], seed=9)
+    for done in (1, 5, len(uninterrupted) - 1):
+        two_ranks = [ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, rank=r, world_size=2, seed=9)
+                     for r in range(2)]
+        for loader in two_ranks:
+            for index, _ in enumerate(loader):
+                if index + 1 == done:
+                    break
+        state = json.loads(json.dumps(two_ranks[0].state_dict()))
+        assert state == two_ranks[1].state_dict() and state["samples_consumed"] == done * 8
+        for shape in SHAPES[1:]:
+            assert steps_of(tmp_path, **shape, seed=9, state=state) == uninterrupted[done:], (done, shape)
+
+
+def test_mlm_masks_follow_the_sample_not_the_rank(tmp_path):
+    make_dataset(tmp_path, packed=[24, 17])
+
+    def masks(**shape):
+        out = {}
+        for rank in range(shape["world_size"]):
+            for batch in ShardLoader(str(tmp_path), "mlm", "train", rank=rank, seed=2, **shape):
+                for row, sample in enumerate(batch_ids(batch)):
+                    out[sample] = (batch["input_ids"][row].tolist(), batch["masked_positions"][row].tolist())
+        return out
+
+    reference = masks(**SHAPES[0])
+    assert len(reference) == 40 and any(any(m) for _, m in reference.values())
+    assert masks(**SHAPES[1]) == reference and masks(**SHAPES[4]) == reference
+
+
+def test_sample_keys_name_the_samples_of_the_last_batch(tmp_path):
+    manifest = make_dataset(tmp_path, packed=[5, 7])
+    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1)
+    by_path = {str(tmp_path / path): sorted(ids) for path, ids in shard_ids(manifest).items()}
+    for batch in loader:
+        keys = loader.sample_keys()
+        assert [by_path[key.split("#")[0]][int(key.split("#")[1])] for key in keys] == batch_ids(batch)
 
 
 def test_workers_send_numpy_ids_not_tensors(tmp_path):

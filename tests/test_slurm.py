@@ -195,6 +195,35 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     assert history == list(range(1, max_steps + 1))
 
 
+def test_requeued_onto_fewer_nodes_continues_with_the_same_global_batch(tiny_dataset, tmp_path):
+    """A node is lost while the job runs (drained here); the warning signal checkpoints and
+    requeues the job, which then gets 1 node instead of 2: it resumes from the 2-rank
+    checkpoint (converted to a universal one) with grad_accum 2, the same global batch, every
+    step once."""
+    run_dir, log = tmp_path / "run", tmp_path / "shrink.log"
+    max_steps = 40
+    job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, f"max_steps={max_steps}", "log_every=1",
+                                                    "eval_every=0", "checkpoint.every_steps=0", "global_batch_size=8"))
+    wait_until(lambda: logged_steps(run_dir) >= 5 or job_info(job)["JobState"] in ENDED, 180, "training to start")
+    nodes = job_info(job)["NodeList"]
+    lost = slurm("scontrol", "show", "hostnames", nodes).split()[-1]
+    slurm("scontrol", "update", f"NodeName={lost}", "State=DRAIN", "Reason=pretrain-test-lost-node")
+    try:
+        slurm("scancel", "--batch", "--signal=USR1", job)
+        wait_until(lambda: job_info(job)["Restarts"] == "1" and job_info(job)["JobState"] == "PENDING", 240,
+                   "the requeue")
+        slurm("scontrol", "update", f"JobId={job}", "NumNodes=1")
+        info = wait_for(job, log, timeout=600)
+    finally:
+        slurm("scontrol", "update", f"NodeName={lost}", "State=RESUME")
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "(written by 2 ranks, resumed on 1)" in text, text[-4000:]
+    assert "global batch 8 (4 x 2 x 1)" in text, text[-4000:]
+    assert json.loads((run_dir / "final.json").read_text())["step"] == max_steps
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, max_steps + 1))
+
+
 def _rank_pids(job_id: str, rank: int) -> list[int]:
     """The trainer processes of one rank of a job: the local cluster's nodes are this machine."""
     pids = []

@@ -179,3 +179,33 @@ def test_same_command_under_the_deepspeed_launcher(tiny_dataset, tmp_path):
     assert "world 2" in run.stderr
     assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_second_job_on_one_run_dir_fails_at_once_and_a_dead_ones_lock_is_taken_over(tiny_dataset, tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={tiny_dataset}",
+               f"run_dir={run_dir}", *TINY, "log_every=1", "eval_every=0", "checkpoint.every_steps=0"]
+    first = subprocess.Popen([*command, "max_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
+            assert first.poll() is None, "the first job ended"
+            time.sleep(0.5)
+        second = subprocess.run([*command, "max_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == 2
+        (line,) = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert f"locked by train pid {first.pid}" in line
+        assert first.poll() is None  # the first job trains on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    third = subprocess.run([*command, "max_steps=3", "resume=none"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"taking over the stale lock of pid {first.pid}" in third.stderr
