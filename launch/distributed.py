@@ -4,18 +4,33 @@ torchrun and the deepspeed launcher export RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_W
 MASTER_ADDR and MASTER_PORT. Under `srun` (one process per rank) only SLURM_* variables are
 set; they are translated here, with the rendezvous on the first node of the allocation. A
 plain `python -m launch.train` is a world of one.
+
+A rank also dies with its launcher (`die_with_parent`): torchrun starts each rank in a session
+of its own, so a `kill -9` of torchrun (a user, or a scheduler without cgroups) would leave the
+ranks training to the end and writing checkpoints, unseen. And a rendezvous port that is
+already taken is reported in one line (`init_process_group`), not as a traceback.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
+import errno
 import os
+import re
+import signal
 import socket
 import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pipeline.configure import UserError
 
 
 @dataclass(frozen=True)
@@ -99,9 +114,185 @@ def init_process_group(denv: DistEnv, timeout_s: int) -> str:
     if backend == "nccl":
         torch.cuda.set_device(denv.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as err:
+            problem = rendezvous_problem(denv)
+            if problem is None:
+                raise
+            raise UserError(problem) from err
     return backend
+
+
+def rendezvous_problem(denv: DistEnv) -> str | None:
+    """Why joining the process group failed, in one line, when the cause is the user's to fix:
+    rank 0 hosts the rendezvous store on MASTER_PORT, and another program holds that port.
+    Asked after the failure, not before: under torchrun the agent already holds the port for
+    the ranks (TORCHELASTIC_USE_AGENT_STORE), so a port in use beforehand is no sign of trouble."""
+    hosts_store = denv.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    if not hosts_store or not port_in_use(denv.master_port):
+        return None
+    return (f"MASTER_PORT={denv.master_port}: port {denv.master_port} on this node is already in use (another job "
+            f"or rendezvous?), so rank 0 cannot host the rendezvous at {denv.master_addr}:{denv.master_port}; "
+            "set MASTER_PORT (torchrun/deepspeed --master_port) to a free port")
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a TCP port on this machine cannot be bound (by any address: the store listens on all)."""
+    with socket.socket() as sock:
+        # As the store does: a port held only by connections in TIME_WAIT is free to take.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
+# ----------------------------------------------------------------------------- dying with the launcher
+
+# Linux's prctl(2) option: the signal this process gets when the thread that forked it exits.
+PR_SET_PDEATHSIG = 1
+WATCH_INTERVAL_S = 1.0
+_armed = False
+
+
+def launcher_kind(env=None) -> str:
+    """Who started this process, from what each launcher exports to its ranks: 'torchrun' (the
+    elastic agent), 'deepspeed' (the per-node `deepspeed.launcher.launch`), 'srun' (we are
+    the task slurmstepd started) or 'plain'."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
+        return "deepspeed"
+    # SLURM_TASK_PID is the task's own pid: a process the task started in turn is not srun's.
+    if "SLURM_STEP_ID" in env and env.get("SLURM_TASK_PID") == str(os.getpid()):
+        return "srun"
+    return "plain"
+
+
+def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
+    """End this process (SIGKILL, nothing written) when the launcher that started it dies.
+
+    Call it first thing in a rank. Two mechanisms:
+    * a watchdog thread compares `os.getppid()` with the parent recorded here every
+      `interval_s` (a dead parent's children are handed to init or a subreaper). It covers
+      every launcher and any platform with a parent pid, and also watches the `deepspeed`
+      runner above DeepSpeed's per-node launcher, which is what a user kills;
+    * under torchrun and the deepspeed launcher, also Linux's PR_SET_PDEATHSIG (the kernel
+      kills us at once, even while the interpreter is stuck in native code). It fires when
+      the parent *thread* that forked us exits, so only launchers known to start their ranks
+      from their main thread get it: torchrun's agent (`SubprocessHandler`, from `_start_workers`
+      on its main thread) and DeepSpeed's `launch.py` (its main loop). slurmstepd is
+      multi-threaded and plain parents are anyone's program: the watchdog alone serves those.
+
+    A launcher that died while we were starting up (importing torch takes seconds) has handed
+    us to init or a subreaper already: under a known launcher a parent that is not that kind of
+    program means exactly that, and we exit at once. A plain run started detached (`nohup`, which
+    leaves SIGHUP ignored, or `setsid`) was meant to outlive its shell: it is left alone.
+    Returns the launcher kind watched, or None when left alone. Calling it again does nothing."""
+    global _armed
+    if _armed:
+        return None
+    kind = launcher_kind()
+    if kind == "plain" and _started_detached():
+        return None
+    parent = os.getppid()
+    if kind != "plain" and not _runs_launcher(parent, kind):
+        _die(f"the {kind} launcher that started this rank is gone (the parent is now pid {parent}, "
+             f"{os.path.basename(_program(parent).split(' ')[0]) or 'unknown'})")
+    if kind in ("torchrun", "deepspeed") and _set_pdeathsig(signal.SIGKILL) and os.getppid() != parent:
+        _die(f"the {kind} launcher (pid {parent}) died as this rank started")  # between the read and prctl
+    runner = _deepspeed_runner(parent) if kind == "deepspeed" else None
+    threading.Thread(target=_watch, args=(kind, parent, runner, interval_s), name="die-with-parent",
+                     daemon=True).start()
+    _armed = True
+    return kind
+
+
+def _watch(kind: str, parent: int, runner: int | None, interval_s: float) -> None:
+    while True:
+        time.sleep(interval_s)
+        if os.getppid() != parent:
+            _die(f"the {kind} launcher (pid {parent}) died")
+        # DeepSpeed's launch.py outlives a killed runner (it is reparented), so ask who its parent is now.
+        if runner is not None and _parent_of(parent) not in (runner, None):
+            _die(f"the deepspeed runner (pid {runner}) died")
+
+
+def _started_detached() -> bool:
+    hangup = getattr(signal, "SIGHUP", None)
+    nohup = hangup is not None and signal.getsignal(hangup) == signal.SIG_IGN
+    setsid = hasattr(os, "getsid") and os.getsid(0) == os.getpid()
+    return nohup or setsid
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Ask the kernel for `sig` when our parent dies (Linux only); whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc to load: the watchdog still serves
+        return False
+
+
+def _runs_launcher(pid: int, kind: str) -> bool:
+    """Whether process `pid` could be a launcher of this kind; True when it cannot be told."""
+    if kind == "srun":
+        name = _read_proc(pid, "comm")
+        return name is None or name.strip() == "slurmstepd"
+    # torchrun's agent and DeepSpeed's launch.py are Python programs, whatever their script is
+    # called: the interpreter is the executable, or the command's first word where that is hidden.
+    try:
+        program = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        program = _program(pid).split(" ")[0]
+    return not program or re.match(r"(python|pypy)", os.path.basename(program)) is not None
+
+
+def _deepspeed_runner(launcher: int) -> int | None:
+    """The `deepspeed` runner above DeepSpeed's per-node launch.py, if that is who started it
+    (a multi-node run starts launch.py through pdsh or ssh instead: nothing more to watch)."""
+    runner = _parent_of(launcher)
+    command = _program(runner) if runner else ""
+    if runner and "deepspeed" in command and "deepspeed.launcher.launch" not in command:
+        return runner
+    return None
+
+
+def _parent_of(pid: int) -> int | None:
+    stat = _read_proc(pid, "stat")
+    if stat is None:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _program(pid: int) -> str:
+    return (_read_proc(pid, "cmdline") or "").replace("\0", " ").strip()
+
+
+def _read_proc(pid: int, name: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _die(reason: str) -> None:
+    """SIGKILL ourselves, as PR_SET_PDEATHSIG would: no checkpoint, no W&B summary, no cleanup."""
+    try:
+        print(f"rank pid {os.getpid()}: {reason}; exiting", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr may be a pipe to the launcher that died
+        pass
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
 
 
 def barrier() -> None:

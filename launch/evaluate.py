@@ -222,4 +222,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    dist.die_with_parent()
     run_main(main)

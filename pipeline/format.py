@@ -92,7 +92,9 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:
-    """The manifest of a prepared dataset; a clear error if it is missing or unreadable."""
+    """The manifest of a prepared dataset; one clear line naming the file if it is missing,
+    unreadable, or lacks what every reader relies on (the tokenizer's identity and size, the
+    datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise UserError(f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)")
@@ -100,9 +102,40 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: unreadable manifest: {err}") from err
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{path}: {problem}")
     return manifest
+
+
+def _manifest_problem(manifest) -> str | None:
+    if not isinstance(manifest, dict):
+        return f"not a dataset manifest: a JSON {_json_kind(manifest)}, expected an object"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
+    tokenizer = manifest.get("tokenizer")
+    if not isinstance(tokenizer, dict):
+        return ("no tokenizer record (an object with the tokenizer's sha256 and vocab_size)" if tokenizer is None
+                else f"the tokenizer record is a JSON {_json_kind(tokenizer)}, expected an object")
+    for key in ("sha256", "vocab_size"):
+        if key not in tokenizer:
+            return f"the tokenizer record has no {key}"
+    sha256 = tokenizer["sha256"]
+    if not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdef" for c in sha256)):
+        return f"the tokenizer's sha256 {sha256!r} is not 64 hex digits"
+    vocab_size = tokenizer["vocab_size"]
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        return f"the tokenizer's vocab_size {vocab_size!r} is not a positive integer"
+    if "datasets" not in manifest:
+        return "no datasets record"
+    if not isinstance(manifest["datasets"], dict):
+        return f"datasets is a JSON {_json_kind(manifest['datasets'])}, expected an object"
+    return None
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
 
 
 def shard_entries(manifest: dict, task: str, split: str) -> list[dict]:

@@ -1,0 +1,153 @@
+"""What a training run needs before it builds anything expensive, checked in seconds at most.
+
+Without these checks the same mistakes end the run late and as tracebacks: a model shorter
+than the data's inputs fails with a ValueError from the position embedding at the first batch
+that is too long (for translation, whenever such a pair comes up), after the process group and
+the DeepSpeed engine are built; a run directory that cannot be written fails at the first
+file, after all of that too. Each check here returns (or raises as a `UserError`) one line
+naming the key to change. They read the dataset's manifest and, only when it cannot answer,
+its shards; they build no model and join no process group. Rendezvous problems (MASTER_PORT
+taken) are found where the process group is joined, in `launch.distributed`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from launch.tasks import TASKS
+from model import ModelConfig
+from pipeline.collate import pack, unpack
+from pipeline.configure import UserError
+from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
+from pipeline.shards import Shard, ShardError, read_shard
+
+TRAINING_SPLITS = ("train", "valid")  # what the trainer reads; test stays for evaluation
+FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)  # a token id with no special meaning, to stand for any
+
+
+@dataclass(frozen=True)
+class LongestInput:
+    """The most positions one model input of the data takes, and where that figure comes from."""
+
+    positions: int
+    source: str  # for the message: "packed blocks of seq_len 128", "the longest source, 40 tokens, in the train split"
+
+
+def data_fits_model(data_dir: str | os.PathLike, manifest: dict, task: str, model_cfg: ModelConfig) -> str | None:
+    """One line if some input of `task`'s data needs more positions than `model.max_seq_len`, else None.
+
+    Packed blocks (causal_lm, mlm) are exactly the manifest's `seq_len` long. A translation pair's
+    sides are bounded by prepare's `translation.max_tokens`; when that bound fits the model,
+    nothing is read. Otherwise the pairs themselves decide (their longest sides, from the shards),
+    so a model shorter than the bound still trains on data that fits it."""
+    longest = longest_input(data_dir, manifest, task, bound_ok=model_cfg.max_seq_len)
+    if longest is None or longest.positions <= model_cfg.max_seq_len:
+        return None
+    return (f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the inputs of {data_dir}, which need "
+            f"{longest.positions} positions ({longest.source}); set model.max_seq_len={longest.positions} or more")
+
+
+def longest_input(data_dir: str | os.PathLike, manifest: dict, task: str, bound_ok: int = 0) -> LongestInput | None:
+    """The most positions an input of `task`'s training splits takes; None if there are no samples.
+    A recorded bound that needs at most `bound_ok` positions is answer enough (no shard is read)."""
+    dataset = DATASET_FOR_TASK[task]
+    record = manifest.get("datasets", {}).get(dataset, {})
+    if dataset == "packed" and isinstance(record.get("seq_len"), int):
+        seq_len = record["seq_len"]
+        return LongestInput(input_positions(task, {"input_ids": seq_len})["input_ids"],
+                            f"packed blocks of seq_len {seq_len}")
+    max_tokens = ((manifest.get("config") or {}).get("translation") or {}).get("max_tokens")
+    if dataset == "translation" and isinstance(max_tokens, int):
+        bound = max(input_positions(task, {name: max_tokens for name in FIELDS[dataset]}).values())
+        if bound <= bound_ok:
+            return LongestInput(bound, f"pairs of at most translation.max_tokens={max_tokens} tokens a side")
+    stored = _longest_stored(Path(data_dir), manifest, task)
+    if not stored:
+        return None
+    positions = input_positions(task, {name: length for name, (length, _) in stored.items()})
+    name = max(positions, key=positions.get)
+    length, split = stored[name]
+    return LongestInput(positions[name], f"the longest {_SIDE[name]}, {length} tokens, in the {split} split")
+
+
+# Each stored field, by the model input it becomes and what the message calls it.
+_MODEL_INPUT = {"input_ids": "input_ids", "src_ids": "src_ids", "tgt_ids": "decoder_input_ids"}
+_SIDE = {"input_ids": "block", "src_ids": "source", "tgt_ids": "target"}
+
+
+def input_positions(task: str, lengths: dict[str, int]) -> dict[str, int]:
+    """The positions of the model input each stored field of a sample becomes, for arrays of these
+    lengths. Asked of the code that builds the inputs, the collation (`pipeline.collate`: </s>
+    after a source, <s> + target + </s>) and the task (`launch.tasks`: the decoder reads the target
+    without its last token), so that what they add or drop is counted in one place: theirs."""
+    dataset = DATASET_FOR_TASK[task]
+    collated_as = "causal_lm" if dataset == "packed" else task  # MLM's masking changes no length
+    sample = [np.full(lengths[name], FIRST_ORDINARY_ID, dtype=np.int64) for name in FIELDS[dataset]]
+    inputs = TASKS[collated_as].model_inputs(unpack(collated_as, pack(collated_as, [sample])))
+    return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in FIELDS[dataset]}
+
+
+def _longest_stored(data_dir: Path, manifest: dict, task: str) -> dict[str, tuple[int, str]]:
+    """Per field, the longest array of the training splits' shards and its split, from the .npy
+    headers. A shard or sample that cannot be read is passed over, as the loader passes it over."""
+    fields = FIELDS[DATASET_FOR_TASK[task]]
+    longest: dict[str, tuple[int, str]] = {}
+    for split in TRAINING_SPLITS:
+        try:
+            entries = shard_entries(manifest, task, split)
+        except UserError:  # no such split: the loader says so where it matters
+            continue
+        for index, entry in enumerate(entries):
+            shard = Shard(index, str(data_dir / entry["path"]), int(entry["samples"]), entry.get("bytes"))
+            try:
+                samples = read_shard(shard, fields, set(range(shard.samples)))
+            except ShardError:
+                continue
+            for members in samples.values():
+                for name in fields:
+                    length = _npy_length(members[name])
+                    if length is not None and length > longest.get(name, (-1, ""))[0]:
+                        longest[name] = (length, split)
+    return longest
+
+
+def _npy_length(raw: bytes) -> int | None:
+    """The number of elements of a .npy array, from its header alone."""
+    stream = io.BytesIO(raw)
+    try:
+        major, _ = np.lib.format.read_magic(stream)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, _ = read_header(stream)
+    except ValueError:
+        return None
+    return int(np.prod(shape))
+
+
+def check_writable_dir(path: str | os.PathLike, key: str) -> Path:
+    """Make directory `path` (and its parents) and write a file in it, or raise one line naming
+    `key`: the run would otherwise fail at its first file, after the engine is built. Trying is
+    the only sure answer: permission bits say nothing to root, nor of a read-only mount."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".writable-"):
+            pass
+    except OSError as err:
+        raise UserError(f"{key}={path}: {_why_not_writable(path, err)}") from err
+    return path
+
+
+def _why_not_writable(path: Path, err: OSError) -> str:
+    blocker = path.absolute()
+    while not blocker.exists() and blocker != blocker.parent:
+        blocker = blocker.parent
+    if not blocker.is_dir():
+        return f"{blocker} is a file, not a directory"
+    where = "" if blocker == path.absolute() else f" in {blocker}"
+    return f"cannot create files{where}: {err.strerror or err}"

@@ -1,0 +1,472 @@
+"""Failures a job must survive or report plainly (issue 16): ranks die with their launcher; a
+broken manifest, a model shorter than its data, an unwritable run directory and a taken
+rendezvous port end the run with one `error:` line and exit status 2, before anything
+expensive; ranks over uneven shards stay in step through several epochs with DataLoader workers.
+
+Processes are found through /proc, so the launcher tests need Linux.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from launch.distributed import launcher_kind, port_in_use
+from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
+from model import ModelConfig
+from pipeline.configure import UserError
+from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
+from pipeline.shards import Shard, read_shard
+from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
+from test_train import TINY
+
+PYTHON = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+LINUX = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped by whoever adopted it) does not count."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def kill_all(pids) -> None:
+    """Clean up after a failed test: the processes it started, by pid."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# A stand-in launcher: starts CHILD (which arms die_with_parent and reports), writes its pid,
+# and then lives on until killed, or exits at once (EXIT_AT_ONCE). With FROM_THREAD it starts
+# the child from a thread that ends right after, which PR_SET_PDEATHSIG takes for the parent dying.
+LAUNCHER = """
+import os, subprocess, sys, threading, time
+env = dict(os.environ, **{KIND_ENV!r})
+def start():
+    child = subprocess.Popen([sys.executable, {child!r}, {report!r}], env=env)
+    open({report!r} + ".pid", "w").write(str(child.pid))
+if {FROM_THREAD}:
+    worker = threading.Thread(target=start)
+    worker.start()
+    worker.join()
+else:
+    start()
+if not {EXIT_AT_ONCE}:
+    time.sleep(600)
+"""
+CHILD = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+# SIG_IGN is what nohup leaves to the program it starts; the default, whatever ran the tests.
+signal.signal(signal.SIGHUP, signal.SIG_IGN if {NOHUP} else signal.SIG_DFL)
+from launch.distributed import die_with_parent
+kind = die_with_parent(interval_s={INTERVAL})
+open(sys.argv[1] + ".partial", "w").write(f"{{os.getpid()}} {{kind}}")
+os.replace(sys.argv[1] + ".partial", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def start_launcher(tmp_path: Path, kind_env: dict, *, from_thread=False, exit_at_once=False, nohup=False,
+                   watch_interval_s=0.2):
+    child, report = tmp_path / "child.py", tmp_path / "armed"
+    child.write_text(CHILD.format(root=str(ROOT), NOHUP=nohup, INTERVAL=watch_interval_s))
+    code = LAUNCHER.format(KIND_ENV=kind_env, child=str(child), report=str(report), FROM_THREAD=from_thread,
+                           EXIT_AT_ONCE=exit_at_once)
+    launcher = subprocess.Popen([PYTHON, "-c", code], env=ENV, stderr=open(tmp_path / "stderr", "w"))
+    return launcher, report
+
+
+def child_pid(report: Path) -> int:
+    pid_file = Path(f"{report}.pid")
+    return int(wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 30, "the child to start"))
+
+
+def armed(report: Path) -> str:
+    """What the child reported once die_with_parent returned: "PID KIND"."""
+    return wait_for(lambda: report.is_file() and report.read_text(), 60, "the child to arm")
+
+
+@LINUX
+@pytest.mark.parametrize("kind_env", [{}, {"TORCHELASTIC_RUN_ID": "test"}], ids=["watchdog", "pdeathsig"])
+def test_a_rank_dies_when_its_launcher_is_killed(tmp_path, kind_env):
+    # Under torchrun the watchdog is slowed down to 10 minutes: only the kernel's PR_SET_PDEATHSIG can act in time.
+    launcher, report = start_launcher(tmp_path, kind_env, watch_interval_s=600 if kind_env else 0.2)
+    pid = None
+    try:
+        pid = child_pid(report)
+        assert armed(report) == f"{pid} {'torchrun' if kind_env else 'plain'}"
+        assert alive(pid)
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not alive(pid), 5, f"the child {pid} to die with its launcher")
+    finally:
+        kill_all([launcher.pid] + ([pid] if pid else []))
+
+
+@LINUX
+def test_a_rank_whose_launcher_died_while_it_started_exits_at_once(tmp_path):
+    launcher, report = start_launcher(tmp_path, {"TORCHELASTIC_RUN_ID": "test"}, exit_at_once=True)
+    pid = child_pid(report)  # it starts before its launcher exits
+    try:
+        launcher.wait()  # by now the child has been handed to init or a subreaper, while it imports torch
+        adopter = parent_of(pid)
+        if adopter and "python" in Path(command_of(adopter).split(" ")[0]).name:
+            pytest.skip("orphans go to a Python process here, which may be a launcher for all a rank can tell")
+        wait_for(lambda: not alive(pid), 60, "the orphaned child to exit")
+        assert not report.exists()  # it never got past die_with_parent
+        assert "launcher that started this rank is gone" in (tmp_path / "stderr").read_text()
+    finally:
+        kill_all([pid])
+
+
+@LINUX
+def test_no_false_kill_and_a_detached_run_is_left_alone(tmp_path):
+    # A plain parent may start us from a thread that ends at once: the watchdog looks at the
+    # parent process, not the thread, so the child lives as long as the launcher.
+    launcher, report = start_launcher(tmp_path, {}, from_thread=True)
+    pid = None
+    try:
+        pid = child_pid(report)
+        armed(report)
+        time.sleep(1.5)
+        assert alive(pid), (tmp_path / "stderr").read_text()
+    finally:
+        kill_all([launcher.pid] + ([pid] if pid else []))
+
+    # Started under nohup: the run was meant to outlive whoever started it.
+    nohup = tmp_path / "nohup"
+    nohup.mkdir()
+    launcher, report = start_launcher(nohup, {}, nohup=True)
+    pid = None
+    try:
+        pid = child_pid(report)
+        assert armed(report) == f"{pid} None"
+        launcher.kill()
+        launcher.wait()
+        time.sleep(1.0)
+        assert alive(pid)
+    finally:
+        kill_all([launcher.pid] + ([pid] if pid else []))
+
+
+def test_launcher_kinds():
+    assert launcher_kind({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}) == "torchrun"
+    assert launcher_kind({"CROSS_RANK": "0", "LOCAL_SIZE": "2", "RANK": "0"}) == "deepspeed"
+    assert launcher_kind({"SLURM_STEP_ID": "0", "SLURM_TASK_PID": str(os.getpid())}) == "srun"
+    # A program that an srun task started in turn, or the batch script's own step, is not srun's task.
+    assert launcher_kind({"SLURM_STEP_ID": "0", "SLURM_TASK_PID": "1"}) == "plain"
+    assert launcher_kind({"SLURM_PROCID": "0", "SLURM_TASK_PID": str(os.getpid())}) == "plain"
+    assert launcher_kind({}) == "plain"
+
+
+# ----------------------------------------------------------------------------- real launchers
+
+
+def train_command(data: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={data}",
+            f"run_dir={run_dir}", *TINY, "wandb.mode=disabled", *overrides]
+
+
+def assert_ranks_die_with(launcher: subprocess.Popen, run_dir: Path, ranks_of) -> None:
+    """Wait until both ranks train, kill -9 the launcher, and expect no rank left within 10 s."""
+    ranks: list[int] = []
+    try:
+        wait_for(lambda: launcher.poll() is not None or all(
+            (run_dir / f"sample_keys.rank{r}.jsonl").is_file() for r in range(2)), 300, "both ranks to train")
+        assert launcher.poll() is None, "the job ended before it was killed"
+        ranks = ranks_of(launcher.pid)
+        assert len(ranks) == 2 and all("launch.train" in command_of(pid) for pid in ranks), ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        killed_at = time.monotonic()
+        try:
+            wait_for(lambda: not any(alive(pid) for pid in ranks), 10, "the ranks to die with their launcher")
+        except AssertionError:
+            steps = len((run_dir / "sample_keys.rank0.jsonl").read_text().splitlines())
+            raise AssertionError(f"ranks {[p for p in ranks if alive(p)]} still alive 10 s after the launcher "
+                                 f"was killed, at step {steps}") from None
+        print(f"\nranks gone {time.monotonic() - killed_at:.1f} s after kill -9 of the launcher")
+    finally:
+        kill_all([launcher.pid] + ranks)
+
+
+@LINUX
+@pytest.mark.slow
+def test_killing_torchrun_kills_its_ranks(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               *train_command(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
+                              "checkpoint.every_steps=0", "data.log_sample_keys=true")]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "stderr", "w"))
+    # torchrun starts each rank in a session of its own: they are its children, found before the kill.
+    assert_ranks_die_with(launcher, run_dir, children)
+    assert not (run_dir / "checkpoints").exists()
+
+
+@LINUX
+@pytest.mark.slow
+def test_killing_the_deepspeed_runner_kills_its_ranks(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port), "--module",
+               *train_command(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
+                              "checkpoint.every_steps=0", "data.log_sample_keys=true")[1:]]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "stderr", "w"))
+
+    # The runner starts deepspeed.launcher.launch, which starts the ranks; a user kills the runner.
+    def ranks_of(runner: int) -> list[int]:
+        (per_node,) = children(runner)
+        return children(per_node)
+
+    per_node = wait_for(lambda: children(launcher.pid)[:1], 60, "deepspeed.launcher.launch")[0]
+    try:
+        assert_ranks_die_with(launcher, run_dir, ranks_of)
+        wait_for(lambda: not alive(per_node), 10, "DeepSpeed's launch.py to end with its ranks")
+    finally:
+        kill_all([per_node])
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> tuple[int, list[str]]:
+    run = subprocess.run([PYTHON, *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+    return run.returncode, run.stderr.splitlines()
+
+
+def assert_one_error_line(code: int, lines: list[str], *fragments: str) -> str:
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, "\n".join(lines[-40:])
+    assert not any("Traceback" in line for line in lines), "\n".join(lines[-40:])
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+BAD_MANIFESTS = {
+    "a JSON list": (lambda m: [m], "a JSON list, expected an object"),
+    "no tokenizer": (lambda m: {k: v for k, v in m.items() if k != "tokenizer"}, "no tokenizer record"),
+    "tokenizer not an object": (lambda m: {**m, "tokenizer": "sp.model"}, "the tokenizer record is a JSON string"),
+    "no sha256": (lambda m: {**m, "tokenizer": {"vocab_size": 10}}, "the tokenizer record has no sha256"),
+    "no vocab_size": (lambda m: {**m, "tokenizer": {"sha256": "ab" * 32}}, "the tokenizer record has no vocab_size"),
+    "bad vocab_size": (lambda m: {**m, "tokenizer": {**m["tokenizer"], "vocab_size": "4096"}},
+                       "vocab_size '4096' is not a positive integer"),
+    "bad sha256": (lambda m: {**m, "tokenizer": {**m["tokenizer"], "sha256": None}}, "sha256 None is not 64 hex"),
+    "datasets a list": (lambda m: {**m, "datasets": []}, "datasets is a JSON list"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MANIFESTS, ids=list(BAD_MANIFESTS))
+def test_a_broken_manifest_is_refused_in_one_line_naming_the_file(tmp_path, case):
+    change, expected = BAD_MANIFESTS[case]
+    manifest = make_dataset(tmp_path, packed=[8])
+    read_manifest(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps(change(manifest)))
+    with pytest.raises(UserError) as err:
+        read_manifest(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / MANIFEST}: ") and expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["a JSON list", "no tokenizer", "no vocab_size"])
+def test_the_tools_report_a_broken_manifest_in_one_line(tmp_path, case):
+    change, expected = BAD_MANIFESTS[case]
+    data = tmp_path / "data"
+    manifest = make_dataset(data, packed=[8])
+    (data / MANIFEST).write_text(json.dumps(change(manifest)))
+    assert_one_error_line(*run_cli("-m", "pipeline.validate", f"data_dir={data}"), str(data / MANIFEST), expected)
+    if case == "no tokenizer":  # the trainer reads it first thing too
+        code, lines = run_cli(*train_command(data, tmp_path / "run", "max_steps=1"))
+        assert_one_error_line(code, lines, str(data / MANIFEST), expected)
+
+
+def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
+    manifest = make_dataset(directory, packed=list(sizes), seq_len=seq_len)
+    manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
+    save_manifest(directory, manifest)
+    (directory / TOKENIZER_FILE).write_bytes(b"")  # the trainer copies it into run_dir, nothing more
+    return manifest
+
+
+def model_config(arch: str, max_seq_len: int) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=VOCAB_SIZE, d_model=8, n_layers=1, n_heads=2, max_seq_len=max_seq_len)
+
+
+def test_a_model_shorter_than_the_packed_blocks_is_found_from_the_manifest(tmp_path):
+    manifest = packed_data(tmp_path, seq_len=32)
+    for task in ("causal_lm", "mlm"):
+        assert data_fits_model(tmp_path, manifest, task, model_config("gpt", 32)) is None
+        assert data_fits_model(tmp_path, manifest, task, model_config("gpt", 16)) == (
+            f"model.max_seq_len=16 is shorter than the inputs of {tmp_path}, which need 32 positions (packed "
+            "blocks of seq_len 32); set model.max_seq_len=32 or more")
+    # Without a recorded seq_len (a dataset made by hand) the blocks themselves are measured.
+    del manifest["datasets"]["packed"]["seq_len"]
+    assert longest_input(tmp_path, manifest, "causal_lm").positions == 32
+
+
+def test_a_model_shorter_than_the_translation_pairs_is_found(tmp_path):
+    manifest = make_dataset(tmp_path, translation=[30, 30])  # sides of 1 to 8 tokens
+    longest = 0
+    for index, entry in enumerate(manifest["datasets"]["translation"]["splits"]["train"]["shards"]):
+        shard = Shard(index, str(tmp_path / entry["path"]), entry["samples"], None)
+        members = read_shard(shard, FIELDS["translation"], set(range(shard.samples))).values()
+        longest = max([longest] + [len(decode_array(raw)) for sample in members for raw in sample.values()])
+    # A side of n tokens takes n + 1 positions: </s> after a source; <s> before a target, whose own </s>
+    # is only predicted.
+    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}) == {"src_ids": 13, "tgt_ids": 8}
+    assert data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", longest + 1)) is None
+    problem = data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", longest))
+    assert problem.startswith(f"model.max_seq_len={longest} is shorter than the inputs of {tmp_path}, which need "
+                              f"{longest + 1} positions (the longest ")
+    assert problem.endswith(f", {longest} tokens, in the train split); set model.max_seq_len={longest + 1} or more")
+
+    # prepare's bound answers when it fits the model, without reading a shard; when it does not, the pairs decide.
+    manifest["config"] = {"translation": {"max_tokens": 96}}
+    assert longest_input(tmp_path, manifest, "translation", bound_ok=64).positions == longest + 1
+    for entry in manifest["datasets"]["translation"]["splits"]["train"]["shards"]:
+        (tmp_path / entry["path"]).unlink()
+    assert longest_input(tmp_path, manifest, "translation", bound_ok=97).positions == 97
+    assert data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", 97)) is None
+
+
+def test_a_model_shorter_than_its_data_stops_the_trainer_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    packed_data(data, seq_len=32, sizes=(40, 40))
+    code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=16", "max_steps=1"))
+    assert_one_error_line(code, lines, "model.max_seq_len=16", "set model.max_seq_len=32")
+    assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)  # found before the engine
+
+
+def test_an_unwritable_run_dir_is_named(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert check_writable_dir(tmp_path / "new" / "run", "run_dir") == tmp_path / "new" / "run"
+    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
+    with pytest.raises(UserError, match=f"^run_dir={afile}: {afile} is a file, not a directory"):
+        check_writable_dir(afile, "run_dir")
+    with pytest.raises(UserError, match=f"^run_dir={afile / 'run'}: {afile} is a file, not a directory"):
+        check_writable_dir(afile / "run", "run_dir")
+    if os.geteuid() != 0:  # root writes through permission bits
+        readonly = tmp_path / "readonly"
+        readonly.mkdir(mode=0o555)
+        with pytest.raises(UserError, match=f"^run_dir={readonly / 'run'}: cannot create files in {readonly}: "
+                                            "Permission denied"):
+            check_writable_dir(readonly / "run", "run_dir")
+
+
+def test_an_unwritable_run_dir_stops_the_trainer_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    packed_data(data, seq_len=32)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, lines = run_cli(*train_command(data, afile / "run", "model.max_seq_len=32", "max_steps=1"))
+    assert_one_error_line(code, lines, "run_dir", f"{afile} is a file, not a directory")
+
+
+def test_a_taken_master_port_stops_the_trainer_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    packed_data(data, seq_len=32)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert port_in_use(port)
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_RANK": "0"}
+        code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"), env=env)
+    assert_one_error_line(code, lines, f"MASTER_PORT={port}", "already in use")
+    assert not port_in_use(port)
+
+
+# ----------------------------------------------------------------------------- uneven shards, several processes
+
+UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples: not a multiple of 2 ranks x micro batch 4, nor of the workers
+
+
+@LINUX
+def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs(tmp_path):
+    from uneven_worker import MICRO_BATCH
+
+    data, out, epochs = tmp_path / "data", tmp_path / "out", 3
+    manifest = make_dataset(data, packed=UNEVEN)
+    out.mkdir()
+    launcher = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 str(ROOT / "tests" / "uneven_worker.py"), str(data), str(out), str(epochs)],
+                                cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = []
+    try:
+        ranks = wait_for(lambda: launcher.poll() is not None or children(launcher.pid), 60, "the ranks")
+        output, _ = launcher.communicate(timeout=240)  # a hang fails here instead of hanging the suite
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the ranks did not finish: out of step over uneven shards?") from None
+    finally:
+        kill_all([launcher.pid] + (ranks if isinstance(ranks, list) else []))
+    assert launcher.returncode == 0, output[-4000:]
+
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    total = sum(UNEVEN)
+    per_rank = total // (2 * MICRO_BATCH)  # whole global batches of 8; the remainder waits for the next epoch
+    every_id = set().union(*shard_ids(manifest).values())
+    orders = []
+    for epoch in range(epochs):
+        for report in reports:
+            assert report[epoch]["epoch"] == epoch and report[epoch]["loader_epoch"] == epoch + 1
+            assert len(report[epoch]["batches"]) == report[epoch]["len"] == per_rank
+            assert report[epoch]["all_reduced_batches"] == 2 * per_rank  # every batch met its partner
+            assert all(len(batch) == MICRO_BATCH for batch in report[epoch]["batches"])
+        seen = [i for report in reports for batch in report[epoch]["batches"] for i in batch]
+        assert len(seen) == len(set(seen)) == per_rank * 2 * MICRO_BATCH  # each sample at most once
+        assert set(seen) <= every_id and len(every_id - set(seen)) == total % (2 * MICRO_BATCH)
+        orders.append(seen)
+    assert orders[0] != orders[1] != orders[2]  # reshuffled each epoch
