@@ -22,6 +22,7 @@ the torch.load calls inside DeepSpeed's consolidation. `Engine.load` is DeepSpee
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -421,10 +422,12 @@ def _convert(source: Path, build: Path, log: Path) -> None:
                            # tensor or pipeline parallelism its only content is a version, which
                            # this adds, so checkpoints written before this conversion existed work too.
                            inject_missing_state=True)
-    with _output_to(log):
-        import deepspeed  # its import prints too
-        from deepspeed.checkpoint import ds_to_universal
+    # Imported outside the redirection: DeepSpeed's logger handler keeps the stream it finds at
+    # import, and must not keep the log file, which closes after the conversion.
+    import deepspeed
+    from deepspeed.checkpoint import ds_to_universal
 
+    with _output_to(log):
         ds_to_universal.main(args)
     client_state = source / "client_state.json"
     if client_state.is_file():
@@ -460,17 +463,19 @@ def _integrity_sha256(checkpoint: Path) -> str | None:
 
 @contextlib.contextmanager
 def _output_to(path: Path) -> Iterator[None]:
-    """stdout and stderr (tqdm bars, DeepSpeed's logger, prints) into `path`, at the file
-    descriptors: Python's `sys.stdout` is left in place, since a logging handler that DeepSpeed
-    creates meanwhile keeps whatever object it found there and would write to it after it closed."""
-    with open(path, "ab", buffering=0) as sink:
+    """Python's and the C level's stdout and stderr (tqdm bars, prints) into `path`.
+
+    Import deepspeed before entering: its logger's handler keeps the `sys.stdout` it finds when
+    it is created, and one created in here would write to this file after it closed."""
+    with open(path, "ab", buffering=0) as sink, io.TextIOWrapper(open(path, "ab"), write_through=True) as text:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = [os.dup(1), os.dup(2)]
         try:
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
-            yield
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -33,6 +33,7 @@ from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
 from launch.engine import Engine, deepspeed_config
 from launch.metrics import memory_mb, peak_flops
 from launch.optim import build_optimizer, build_scheduler
+from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, build_model, warm_start
@@ -133,7 +134,13 @@ def setup(cfg: TrainConfig) -> Run:
     data = open_data(cfg, task, denv)
     cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
     dist.init_process_group(denv, cfg.dist_timeout_s)
-    resume_from = _on_main(denv, lambda: find_resume(cfg, plan))
+    # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
+    # then, if another world size wrote it, its universal copy.
+    candidates = _on_main(denv, lambda: ckpt.resume_candidates(cfg.resume, cfg.run_dir))
+    intact = ckpt.choose_resume(cfg.resume, candidates,
+                                lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
+                                dist.all_gather_object, report=denv.is_main)
+    resume_from = _on_main(denv, lambda: find_resume(intact, plan))
     engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv,
                                         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
@@ -167,7 +174,11 @@ def _on_main(denv: dist.DistEnv, work):
 
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
-    tokenizer = read_manifest(cfg.data.data_dir)["tokenizer"]
+    manifest = read_manifest(cfg.data.data_dir)
+    # Found here, before the engine is built, rather than at the first forward after start-up.
+    if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
+        raise UserError(problem)
+    tokenizer = manifest["tokenizer"]
     sha256 = tokenizer["sha256"]
     train = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
                                     grad_accum=cfg.grad_accum, expected_tokenizer_sha256=sha256)
@@ -191,12 +202,11 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
     return model_cfg
 
 
-def find_resume(cfg: TrainConfig, plan: BatchPlan) -> tuple[Path, str] | None:
-    """The checkpoint to resume from, if any (rank 0 only). One written by another number of
-    ranks is converted to a universal checkpoint beside it, when it keeps the global batch: a
-    run resumes on another world size only with the same global batch, so that each optimizer
-    step sees the samples it would have seen."""
-    found = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
+def find_resume(found: tuple[Path, str] | None, plan: BatchPlan) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (rank 0 only), given the newest intact one. One written by
+    another number of ranks is converted to a universal checkpoint beside it, when it keeps the
+    global batch: a run resumes on another world size only with the same global batch, so that
+    each optimizer step sees the samples it would have seen."""
     if found is None:
         return None
     root, tag = found
@@ -488,12 +498,16 @@ def save_checkpoint(run: Run) -> Path:
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(),
     }
+    if run.denv.is_main:
+        ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
+    dist.barrier()
     run.engine.save(root, tag, client_state)
     dist.barrier()
     if run.denv.is_main:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
                                              "global_batch_size", "micro_batch_size", "grad_accum")}
         (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
+        ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
     dist.barrier()
@@ -597,6 +611,7 @@ def train(cfg: TrainConfig) -> dict:
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
     faulthandler.enable(all_threads=True)
+    check_writable_dir(cfg.run_dir, "run_dir")  # every rank writes its checkpoint partition there
     # One job per run directory: a second one started on it (the same command twice, a requeue
     # racing a job that has not died) would interleave checkpoints and metrics with the first.
     # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
@@ -631,4 +646,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    dist.die_with_parent()  # a rank whose launcher is killed must not train on unseen
     run_main(main)

@@ -19,8 +19,9 @@ Limitations:
   warning names the other host, which is the hint to look. A file system that refuses flock
   outright (Lustre mounted without `flock`) gets a warning and no lock at all, rather than a
   job that cannot start.
-- A lock belongs to the open file, which a `fork()` without `exec` shares: a forked child
-  that outlives its parent (a DataLoader worker, say) keeps the lock until it exits too.
+- A lock belongs to the open file, which a `fork()` without `exec` shares. A forked child (a
+  DataLoader worker, say) closes its copy at once (`os.register_at_fork`), so the lock dies
+  with its holder, not with the last of its children; the holder's own copy keeps the lock.
   Processes started with `subprocess` do not inherit it (the descriptor is close-on-exec).
 - One process taking the same lock twice fails like a second process would.
 """
@@ -142,8 +143,26 @@ def _acquire(directory: Path, path: Path, me: Holder) -> tuple[Optional[int], by
         record = json.dumps({"host": me.host, "pid": me.pid, "since": me.since, "what": me.what}) + "\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode(), 0)
+        _HELD.add(fd)
         return fd, stale_bytes
     raise UserError(f"cannot lock {directory}: {path} was replaced {_ATTEMPTS} times while taking it")
+
+
+# The descriptors of the locks this process holds: a forked child closes them (see the module
+# docstring); only these, since a descriptor number is reused once its lock is released.
+_HELD: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def _release(fd: int, path: Path) -> None:
@@ -154,6 +173,7 @@ def _release(fd: int, path: Path) -> None:
             os.unlink(path)
     except OSError:
         pass
+    _HELD.discard(fd)
     os.close(fd)
 
 

@@ -82,3 +82,35 @@ def test_in_process_contract(tmp_path, caplog):
         with dir_lock(tmp_path / "data", lock_file=beside) as lock:
             assert lock.took_over is None
     assert "names no holder" in caplog.text
+
+
+# Takes the lock, forks a child that outlives it (as a DataLoader worker may), and holds.
+FORKING_HOLDER = """
+import os, sys, time
+from pipeline.lock import dir_lock
+
+with dir_lock(sys.argv[1], what="test"):
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print("held", child, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_the_lock_dies_with_its_holder_not_with_its_forked_children(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path / "run")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    word, child = holder.stdout.readline().split()
+    assert word == "held"
+    try:
+        holder.kill()
+        holder.wait()
+        os.kill(int(child), 0)  # the child lives on
+        taker = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "run"), "0"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+        assert taker.returncode == 0, taker.stderr
+        assert f"taking over the stale lock of pid {holder.pid}" in taker.stderr
+    finally:
+        os.kill(int(child), signal.SIGKILL)

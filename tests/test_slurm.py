@@ -212,7 +212,7 @@ def test_requeued_onto_fewer_nodes_continues_with_the_same_global_batch(tiny_dat
         slurm("scancel", "--batch", "--signal=USR1", job)
         wait_until(lambda: job_info(job)["Restarts"] == "1" and job_info(job)["JobState"] == "PENDING", 240,
                    "the requeue")
-        slurm("scontrol", "update", f"JobId={job}", "NumNodes=1")
+        slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=1")  # one rank per node
         info = wait_for(job, log, timeout=600)
     finally:
         slurm("scontrol", "update", f"NodeName={lost}", "State=RESUME")
