@@ -39,6 +39,7 @@ import torch
 
 from launch import distributed as dist
 from launch.config import EvaluateConfig
+from launch.preconditions import check_writable_dir
 from launch.decoding import (
     Checkpoint,
     length_sorted_batches,
@@ -137,6 +138,7 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
         except (OSError, json.JSONDecodeError) as err:
             raise UserError(f"deepspeed_config: {path}: {err}") from err
     out = Path(cfg.out or Path(cfg.checkpoint) / f"eval-{cfg.split}")
+    check_writable_dir(out, "out")  # before the model is loaded and the split decoded
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     denv = dist.read_env()

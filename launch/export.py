@@ -131,7 +131,10 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
 
 def export(checkpoint: str | Path, out: str | Path) -> dict:
     from launch.engine import consolidated_state_dict
+    from launch.preconditions import check_writable_dir
 
+    # Before the weights are consolidated: an export that cannot be written fails in one line.
+    check_writable_dir(Path(out).absolute().parent, "out")
     run = read_run_checkpoint(checkpoint)
     if not run.tokenizer.is_file():
         raise UserError(f"{run.tokenizer} not found")

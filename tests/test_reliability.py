@@ -470,3 +470,19 @@ def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs
         assert set(seen) <= every_id and len(every_id - set(seen)) == total % (2 * MICRO_BATCH)
         orders.append(seen)
     assert orders[0] != orders[1] != orders[2]  # reshuffled each epoch
+
+
+@pytest.mark.parametrize("entry, args", [
+    ("launch.export", ["checkpoint={missing}", "out={blocked}/model"]),
+    ("pipeline.prepare", [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "output_dir={blocked}/data"]),
+], ids=["export-out", "prepare-output_dir"])
+def test_an_unwritable_output_is_one_line(tmp_path, entry, args):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    missing = tmp_path / "no-run"
+    argv = [arg.format(blocked=blocked, missing=missing) for arg in args]
+    run = subprocess.run([sys.executable, "-m", entry, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(blocked) in errors[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
