@@ -76,6 +76,7 @@ class Guard:
     spike_window: int
     skipped: int = 0
     consecutive: int = 0
+    fp16_overflows: int = 0  # steps DeepSpeed's fp16 loss scaler dropped (not the guard's)
     history: list = field(default_factory=list)  # the last `spike_window` applied steps' losses
 
     def spike_limit(self) -> float:
@@ -95,10 +96,12 @@ class Guard:
         self.history = (self.history + [loss])[-self.spike_window:]
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "consecutive": self.consecutive, "history": list(self.history)}
+        return {"skipped": self.skipped, "consecutive": self.consecutive, "history": list(self.history),
+                "fp16_overflows": self.fp16_overflows}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped, self.consecutive = int(state.get("skipped", 0)), int(state.get("consecutive", 0))
+        self.fp16_overflows = int(state.get("fp16_overflows", 0))
         self.history = [float(x) for x in state.get("history", [])][-self.spike_window:]
 
 
@@ -409,7 +412,9 @@ def train_step(run: Run, batches) -> dict:
     if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
         raise RuntimeError(f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})")
     if skipped and not reason:
-        reason = "non-finite gradient norm"
+        # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
+        # finds its scale (several in a row at the start are normal): counted, not guarded.
+        reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
     return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples, "stop": stop > 0,
             "skipped": reason, "keys": keys, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
 
@@ -426,6 +431,7 @@ def _injected_nan(spec: str) -> set[tuple[int, int]]:
 
 
 _INJECTED_NAN = _injected_nan(os.environ.get("PRETRAIN_INJECT_NAN", ""))
+FP16_OVERFLOW = "fp16 overflow"
 
 
 def guard_step(run: Run, result: dict) -> dict:
@@ -433,9 +439,14 @@ def guard_step(run: Run, result: dict) -> dict:
     sample keys, and W&B); end the job, with a checkpoint of the last good state, after more
     than `guard.max_consecutive_skips` in a row; end it when fillers stand in for more than
     `data.max_bad_fraction` of an epoch's batches. Returns the metrics to log for the step."""
-    run.guard.record(result["train/loss"], bool(result["skipped"]))
     metrics = {}
-    if result["skipped"]:
+    overflow = result["skipped"] == FP16_OVERFLOW
+    if overflow:
+        run.guard.fp16_overflows += 1
+        metrics["train/fp16_overflow_steps"] = run.guard.fp16_overflows
+    else:
+        run.guard.record(result["train/loss"], bool(result["skipped"]))
+    if result["skipped"] and not overflow:
         keys = [key for rank_keys in dist.all_gather_object(result["keys"]) for key in rank_keys]
         if run.denv.is_main:
             row = {"step": run.step, "reason": result["skipped"], "loss": result["train/loss"],
