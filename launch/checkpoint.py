@@ -155,27 +155,6 @@ def _rank_files(directory: Path) -> list[re.Match]:
     return [m for m in (_RANK_FILE.match(p.name) for p in directory.iterdir()) if m]
 
 
-def resolve_resume(resume: str, run_dir: str | Path) -> tuple[Path, str] | None:
-    """(checkpoint root, tag) to resume from, or None to start fresh."""
-    root = checkpoint_root(run_dir)
-    if resume == "none":
-        if latest_tag(root) is not None:
-            raise UserError(f"{run_dir} already holds checkpoints; use resume=auto, or another run_dir")
-        return None
-    if resume == "auto":
-        tag = latest_tag(root)
-        return (root, tag) if tag else None
-    path = Path(resume)
-    if (path / POINTER).is_file():
-        tag = latest_tag(path)
-        if tag is None:
-            raise UserError(f"resume: {path}/{POINTER} names a checkpoint that does not exist")
-        return path, tag
-    if path.is_dir() and path.name.startswith("step_"):
-        return path.parent, path.name
-    raise UserError(f"resume: {resume!r} is not auto, none, a checkpoints directory or a step_* checkpoint")
-
-
 # ----------------------------------------------------------------------------- resume from an intact checkpoint
 #
 # On every rank, in the trainer (it owns the process group; this module stays free of it):

@@ -40,6 +40,7 @@ from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
 from launch.engine import deepspeed_config, estimate_model_state_memory
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
+from launch.preconditions import data_fits_model
 from launch.tasks import TASKS, Task
 from model import ModelConfig, build_model, training_flops
 from model.config import STACKS
@@ -107,9 +108,7 @@ class DataInfo:
     tokenizer_sha256: str | None = None
     samples: dict[str, int] = field(default_factory=dict)  # split -> samples of the task's shard set
     tokens: dict[str, int] = field(default_factory=dict)  # split -> tokens stored (translation: source + target)
-    block_length: int | None = None  # the longest input the model will be given
-    block_source: str = ""
-    every_block: bool = False  # every sample has block_length tokens (packed), not at most (translation)
+    block_length: int | None = None  # the longest input the model will be given (for the token figures)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -175,7 +174,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: i
     data = check_data(cfg, task, report)
     model_cfg = resolve_model_config(cfg, data, report)
     if task is not None and data is not None:
-        check_block_length(cfg.model.max_seq_len, data, report)
+        check_block_length(cfg, task, report)
     plan = None
     if cfg.data.micro_batch_size > 0 and cfg.grad_accum > 0:
         try:
@@ -250,11 +249,10 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
 
     dataset = manifest.get("datasets", {}).get(task.dataset, {})
     if task.dataset == "packed" and "seq_len" in dataset:
-        info.block_length, info.block_source, info.every_block = int(dataset["seq_len"]), "packed blocks of seq_len", True
+        info.block_length = int(dataset["seq_len"])
     elif task.dataset == "translation" and "max_tokens" in (manifest.get("config", {}).get("translation") or {}):
         # The longest pair side plus one special token: the source's </s>, the decoder input's <s>.
         info.block_length = int(manifest["config"]["translation"]["max_tokens"]) + 1
-        info.block_source = "translation.max_tokens + 1"
     return info
 
 
@@ -301,19 +299,16 @@ def resolve_model_config(cfg: TrainConfig, data: DataInfo | None, report: Report
     return model_cfg
 
 
-def check_block_length(max_seq_len: int, data: DataInfo, report: Report) -> None:
-    """Packed blocks are all exactly seq_len long: a model shorter than that fails on its first
-    batch. Translation pairs are only bounded by prepare's max_tokens, so a shorter model fails
-    at the first pair that does not fit, if the data holds one: a warning."""
-    if data.block_length is None:
-        report.warn("model.max_seq_len", "the manifest does not record the data's longest input; not checked")
-    elif max_seq_len < data.block_length:
-        if data.every_block:
-            report.problem("model.max_seq_len", f"{max_seq_len} is below the data's {data.block_source} "
-                                                f"({data.block_length}): the first batch would fail")
-        else:
-            report.warn("model.max_seq_len", f"{max_seq_len} is below the data's {data.block_source} "
-                                             f"({data.block_length}): a batch with a pair that long would stop the run")
+def check_block_length(cfg: TrainConfig, task: Task, report: Report) -> None:
+    """The data's longest input against `model.max_seq_len`, by the trainer's own check
+    (`launch.preconditions.data_fits_model`: packed blocks from the manifest, translation pairs
+    from their recorded bound, or from the shards when the bound does not fit)."""
+    try:
+        manifest = read_manifest(cfg.data.data_dir)
+    except UserError:
+        return  # `check_data` reported it
+    if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
+        report.problem("model.max_seq_len", problem)
 
 
 def batch_figures(cfg: TrainConfig, task: Task | None, plan: BatchPlan, data: DataInfo | None, report: Report) -> None:
@@ -511,10 +506,11 @@ def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:
         report.problem("run_dir", f"{existing} is not writable{made}")
         return
     try:
-        resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
+        candidates = ckpt.resume_candidates(cfg.resume, run_dir)  # newest first, as the trainer tries them
     except UserError as err:
         report.problem("resume", str(err).removeprefix("resume: "))
         return
+    resume_from = candidates[0] if candidates else None
     if resume_from is None:
         report.facts["run_dir"] = f"{run_dir} ({'exists' if run_dir.exists() else 'will be made'}); a fresh start"
         return

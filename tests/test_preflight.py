@@ -165,7 +165,8 @@ BAD = [
     ("unknown task", ["task=summarize"], None, "task", "'summarize' is not one of"),
     ("arch of another task", ["model.arch=bert"], None, "model.arch", "trains gpt, not bert"),
     ("model config", ["model.n_heads=3"], None, "model.n_heads", "not divisible by n_heads=3"),
-    ("model shorter than the blocks", ["model.max_seq_len=4"], None, "model.max_seq_len", f"({SEQ_LEN})"),
+    ("model shorter than the blocks", ["model.max_seq_len=4"], None, "model.max_seq_len",
+     f"need {SEQ_LEN} positions (packed blocks of seq_len {SEQ_LEN})"),
     ("vocabulary", ["model.vocab_size=1000"], None, "model.vocab_size", f"has {VOCAB_SIZE} pieces"),
     ("no dataset", ["data.data_dir={tmp}/nowhere"], None, "data.data_dir", "no such directory"),
     ("no manifest", [], _drop_manifest, "data.data_dir", "no manifest.json"),
@@ -248,10 +249,13 @@ def test_warm_start_sources_are_checked(data, tmp_path, capsys):
     assert code == 2 and problems[0].startswith("init.decoder: ") and "not an exported model directory" in problems[0]
 
 
-def test_translation_pairs_longer_than_the_model_are_a_warning(data, tmp_path, capsys):
-    code, out, _ = dry_run(args(data, tmp_path, "model.max_seq_len=6", config="tiny_translation.yaml"), capsys)
-    assert code == 0, out
-    assert f"model.max_seq_len: 6 is below the data's translation.max_tokens + 1 ({MAX_TOKENS + 1})" in out
+def test_translation_pairs_longer_than_the_model_are_found_in_the_shards(data, tmp_path, capsys):
+    # The pairs' bound (translation.max_tokens) does not fit: the shards tell what the longest pair
+    # needs, as the trainer's own check (launch.preconditions) does.
+    code, out, problems = dry_run(args(data, tmp_path, "model.max_seq_len=6", config="tiny_translation.yaml"), capsys)
+    assert code == 2, out
+    (line,) = [p for p in problems if p.startswith("model.max_seq_len: ")]
+    assert "is shorter than the inputs of" in line and "in the train split" in line
 
 
 # ----------------------------------------------------------------------------- the batch scripts
