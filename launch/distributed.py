@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import datetime
 import errno
+import logging
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.configure import UserError
+from pipeline.configure import UserError, run_main
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,38 @@ def _die(reason: str) -> None:
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
+
+
+# ----------------------------------------------------------------------------- ending a rank
+
+def run_rank(main) -> None:
+    """A rank's entry point: `run_main(main)`, then end the process with `os._exit`, skipping
+    the interpreter's teardown.
+
+    Why: gloo's worker threads (and other native threads of torch and DeepSpeed) can still be
+    releasing tensors when Python finalizes. A native thread that needs the GIL then is ended
+    by `pthread_exit`, whose forced unwinding through C++ code calls std::terminate: a run that
+    finished and saved everything exits with SIGABRT ("terminate called without an active
+    exception", seen under load in CI). By the time `main` returns, everything a rank writes
+    is written and closed (checkpoints, metrics, the W&B run finished, the process group
+    destroyed), so the teardown has nothing left to do but race. An exception other than
+    SystemExit (a bug) takes the normal path, traceback included."""
+    try:
+        run_main(main)
+        code = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # SystemExit("message"): Python prints it and exits 1
+            print(stop.code, file=sys.stderr)
+            code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a pipe to a launcher that is gone
+            pass
+    os._exit(code)
 
 
 def barrier() -> None:

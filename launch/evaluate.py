@@ -51,7 +51,7 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
-from pipeline.configure import UserError, parse_cli, run_main, strip_launcher_args
+from pipeline.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
 from pipeline.tokenizer import load_tokenizer
 
@@ -225,4 +225,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     dist.die_with_parent()
-    run_main(main)
+    dist.run_rank(main)  # ends with os._exit: see run_rank

@@ -37,7 +37,7 @@ from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, build_model, warm_start
-from pipeline.configure import UserError, config_to_dict, parse_cli, run_main, save_config, strip_launcher_args
+from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
 from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
 from pipeline.loader import ShardLoader
 from pipeline.lock import dir_lock
@@ -658,4 +658,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     dist.die_with_parent()  # a rank whose launcher is killed must not train on unseen
-    run_main(main)
+    dist.run_rank(main)  # ends with os._exit: see run_rank

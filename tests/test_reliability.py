@@ -486,3 +486,44 @@ def test_an_unwritable_output_is_one_line(tmp_path, entry, args):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(blocked) in errors[0], run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+RANK_EXIT_SCRIPT = """
+import sys, threading, torch
+from launch.distributed import run_rank
+from pipeline.configure import UserError, run_main
+
+a = torch.randn(400, 400)
+
+def busy():  # a native thread still working when the interpreter finalizes (as gloo's can be)
+    while True:
+        torch.mm(a, a)
+
+def main():
+    for _ in range(2):
+        threading.Thread(target=busy, daemon=True).start()
+    print("finished", end="")  # unflushed: must still reach stdout
+    if sys.argv[2] == "error":
+        raise UserError("a named problem")
+    return 0
+
+(run_rank if sys.argv[1] == "rank" else run_main)(main)
+"""
+
+
+@pytest.mark.parametrize("outcome, code", [("ok", 0), ("error", 2)])
+def test_a_rank_ends_without_the_teardown_abort(tmp_path, outcome, code):
+    """A native thread that needs the GIL while Python finalizes is ended by pthread_exit, and
+    its unwinding through C++ aborts the process: a finished run would exit -6. The plain entry
+    point shows the abort; a rank's entry point (run_rank) exits with its own status."""
+    script = tmp_path / "rank_exit.py"
+    script.write_text(RANK_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, str(script), "plain", outcome], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == -signal.SIGABRT and "terminate called" in plain.stderr, (plain.returncode, plain.stderr[-500:])
+    for _ in range(3):
+        rank = subprocess.run([sys.executable, str(script), "rank", outcome], env=env, capture_output=True, text=True, timeout=120)
+        assert rank.returncode == code, rank.stderr[-500:]
+        assert rank.stdout == "finished"
+        assert "terminate called" not in rank.stderr
+        assert ("error: a named problem" in rank.stderr) == (outcome == "error")
