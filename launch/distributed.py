@@ -49,18 +49,38 @@ class DistEnv:
 
 
 def _first_slurm_host() -> str:
+    """The address of the allocation's first node, where rank 0 hosts the rendezvous (the
+    srun-per-rank path). SLURM's NodeAddr for it if it has one (what slurmd itself is reached
+    at; emulated nodes of a one-machine cluster have 127.0.0.1 there), else its name. Either
+    must resolve: falling back to this machine would leave every other node waiting in the
+    rendezvous until its timeout."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True)
         host = out.stdout.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         host = nodelist.split(",")[0]
-    # A node's name need not resolve (emulated nodes of a test cluster): use what does.
+    candidates = [addr for addr in (_slurm_node_addr(host), host) if addr]
+    for addr in candidates:
+        try:
+            socket.getaddrinfo(addr, None)
+            return addr
+        except OSError:
+            continue
+    raise UserError(f"the first node of the allocation, {host!r} (SLURM_JOB_NODELIST={nodelist}), does not resolve"
+                    f"{' and SLURM gives no address for it' if len(candidates) < 2 else ''}: the ranks could not meet "
+                    "there; set MASTER_ADDR to its address (an IP every node reaches)")
+
+
+def _slurm_node_addr(host: str) -> str | None:
+    """SLURM's NodeAddr for a node, or None where scontrol is missing or does not know it."""
     try:
-        socket.gethostbyname(host)
-        return host
-    except OSError:
-        return "127.0.0.1"
+        out = subprocess.run(["scontrol", "show", "node", host, "--oneliner"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match and match.group(1) != "(null)" else None
 
 
 def _free_port() -> int:
@@ -113,6 +133,7 @@ def init_process_group(denv: DistEnv, timeout_s: int) -> str:
         os.environ[key] = str(value)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
+        check_gpus_per_node(denv, torch.cuda.device_count())
         torch.cuda.set_device(denv.local_rank)
     if not dist.is_initialized():
         try:
@@ -124,6 +145,17 @@ def init_process_group(denv: DistEnv, timeout_s: int) -> str:
                 raise
             raise UserError(problem) from err
     return backend
+
+
+def check_gpus_per_node(denv: DistEnv, gpus: int) -> None:
+    """Refuse, on every rank alike, a node with more ranks than visible GPUs (rank k takes GPU
+    k of its node; the ranks beyond the last GPU would die with "invalid device ordinal")."""
+    if denv.local_world_size > gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UserError(f"{denv.local_world_size} ranks per node, but this node has {gpus} visible GPU"
+                        f"{'' if gpus == 1 else 's'}{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: "
+                        f"start at most {gpus} per node (torchrun/deepspeed --nproc_per_node, srun --ntasks-per-node), "
+                        "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
 
 def rendezvous_problem(denv: DistEnv) -> str | None:
@@ -349,12 +381,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few scalars over ranks (float64 on CPU: gloo is everywhere)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def all_reduce_sum(values: list) -> list[float]:
+    """Sum a few scalars over ranks, in float64. A value may be a Python number or a 0-dim
+    tensor on the compute device (a loss): the sums come back to the host in one copy, so a
+    step that reduces its figures this way waits for the device once, not once per value."""
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+    tensor = torch.stack([value.detach().to(device, torch.float64).reshape(()) if isinstance(value, torch.Tensor)
+                          else torch.tensor(float(value), dtype=torch.float64, device=device) for value in values])
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            tensor = tensor.cuda()
         dist.all_reduce(tensor)
     return tensor.cpu().tolist()
 

@@ -21,7 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from launch.config import MainConfig
+import torch
+
+from launch.config import MainConfig, TrainConfig
 from launch.report import plot_losses, read_metrics
 from pipeline.configure import UserError, parse_cli, run_main, save_config
 
@@ -55,10 +57,23 @@ def _run(stage: str, command: list[str], log: Path) -> None:
     _say(f"{stage}: done in {time.time() - started:.0f} s")
 
 
-def _launcher(nproc: int) -> list[str]:
-    if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return [sys.executable]
+def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+    """`launch.train CONFIG overrides` on `nproc` ranks (torchrun when more than one). With
+    CUDA, one rank per GPU: on a machine with fewer GPUs than `nproc` the job runs on as
+    many ranks as there are GPUs, with gradient accumulation raised to keep the global batch
+    (and so the samples of every step) of `nproc` ranks."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else nproc
+    if gpus < nproc:
+        accum = parse_cli(TrainConfig, [config, *overrides], usage="").grad_accum
+        if (accum * nproc) % gpus:
+            raise UserError(f"nproc={nproc} ranks, but this machine has {gpus} GPUs, and the global batch of "
+                            f"{nproc} ranks x grad_accum {accum} does not divide over {gpus}; set nproc={gpus}")
+        _say(f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} rank{'s' if gpus > 1 else ''} with "
+             f"grad_accum={accum * nproc // gpus} (the same global batch)")
+        nproc, overrides = gpus, [*overrides, f"grad_accum={accum * nproc // gpus}"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+                if nproc > 1 else [sys.executable])
+    return [*launcher, "-m", "launch.train", config, *overrides]
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
@@ -101,10 +116,9 @@ def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Pat
     if _finished(run_dir, cfg.pretrain_steps):
         _say(f"pretrain {name}: skipped, {run_dir} finished {cfg.pretrain_steps} steps")
     else:
-        _run(f"pretrain {name}", [*_launcher(cfg.nproc), "-m", "launch.train", config, f"data.data_dir={cfg.data_dir}",
-                                  f"run_dir={run_dir}", f"max_steps={cfg.pretrain_steps}",
-                                  f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}"],
-             logs / f"pretrain-{name}.log")
+        _run(f"pretrain {name}", _train_command(cfg.nproc, config, [
+            f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.pretrain_steps}",
+            f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}"]), logs / f"pretrain-{name}.log")
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == cfg.pretrain_steps:
@@ -123,10 +137,9 @@ def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, o
         return run_dir
     # Random sides are left to the config's default (""): an empty override would read as null.
     init = [f"init.{stack}={exports[side]}" for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"]
-    _run(f"fine-tune {name}", [*_launcher(cfg.nproc), "-m", "launch.train", cfg.translation_config,
-                               f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-                               f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}", *init],
-         logs / f"finetune-{name}.log")
+    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, [
+        f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
+        f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}", *init]), logs / f"finetune-{name}.log")
     return run_dir
 
 

@@ -35,8 +35,12 @@ def _causal_lm_inputs(batch: Batch) -> Batch:
 
 def _mlm_inputs(batch: Batch) -> Batch:
     # Only the positions the masking selected are scored, against the token that was there.
+    # Their flat indices are found here, on the host: the model's own boolean indexing would
+    # make the device wait for the count at every batch.
     labels = batch["original_ids"].masked_fill(~batch["masked_positions"], IGNORE_INDEX)
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+    scored_index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels,
+            "scored_index": scored_index}
 
 
 def _translation_inputs(batch: Batch) -> Batch:
@@ -60,7 +64,7 @@ def _lm_flops(cfg: ModelConfig, inputs: Batch) -> float:
 
 def _mlm_flops(cfg: ModelConfig, inputs: Batch) -> float:
     rows, seq_len = inputs["input_ids"].shape
-    scored = float((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only
+    scored = float((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only (host inputs)
     return training_flops(cfg, seq_len, scored=scored) * rows
 
 
@@ -99,11 +103,17 @@ class Task:
         return DATASET_FOR_TASK[self.name]
 
     def model_inputs(self, batch: Batch, device: torch.device | None = None) -> Batch:
-        """The model's keyword arguments for a loader batch, on `device`."""
+        """The model's keyword arguments for a loader batch, on `device` (see `to_device`)."""
         inputs = self.make_inputs(batch)
-        if device is None:
-            return inputs
-        return {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
+        return inputs if device is None else self.to_device(inputs, device)
+
+    @staticmethod
+    def to_device(inputs: Batch, device: torch.device) -> Batch:
+        """Model inputs made on the host, moved to `device`. An attention mask with no padding
+        (packed pretraining blocks) is dropped, so that attention takes SDPA's fused causal or
+        unmasked path; it is checked here, on the host, where it costs no device sync."""
+        return {key: value.to(device, non_blocking=True) for key, value in inputs.items()
+                if not (key == "attention_mask" and value.device.type == "cpu" and bool(value.all()))}
 
     @staticmethod
     def target_mask(inputs: Batch) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from model.bert import BERT
 from model.blocks import KVCache, ModelOutput
 from model.config import ModelConfig, StackConfig
-from model.flops import flops_per_token, matmul_params, training_flops
+from model.flops import flops_per_token, llmc_flops_per_token, matmul_params, training_flops
 from model.generation import Hypotheses
 from model.gpt import GPT
 from model.seq2seq import Seq2Seq
@@ -39,6 +39,7 @@ __all__ = [
     "WarmStartReport",
     "build_model",
     "flops_per_token",
+    "llmc_flops_per_token",
     "matmul_params",
     "seq2seq_config",
     "training_flops",

@@ -38,7 +38,8 @@ class BERT(Transformer):
         self.head = MLMHead(cfg, self.embed.tok)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+        scored_index: Optional[Tensor] = None,
     ) -> ModelOutput:
         """input_ids (B, T) with masked positions replaced; attention_mask (B, T) 1 = real;
         labels (B, T): the original token at masked positions, IGNORE_INDEX elsewhere.
@@ -46,11 +47,15 @@ class BERT(Transformer):
         Without labels, `logits` are (B, T, V). With labels, the head runs only on the scored
         positions: `scored_logits` (N, V), one row per label that is not IGNORE_INDEX, in
         row-major order. With 15% of tokens masked that skips 85% of the head's vocabulary
-        projection (as NVIDIA's and Megatron's BERT pretraining do).
+        projection (as NVIDIA's and Megatron's BERT pretraining do). `scored_index` (N,), the
+        flat indices of those labels, may be given (found on the host): a boolean selection on
+        the device makes it wait for the count N.
         """
         h = super().forward(input_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return ModelOutput(logits=self.head(h))  # (B, T, V)
-        scored = labels != IGNORE_INDEX  # (B, T)
-        logits = self.head(h[scored])  # (N, V)
-        return ModelOutput(loss=cross_entropy(logits, labels[scored]), scored_logits=logits)
+        if scored_index is None:
+            scored_index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
+        logits = self.head(h.reshape(-1, h.shape[-1]).index_select(0, scored_index))  # (N, V)
+        return ModelOutput(loss=cross_entropy(logits, labels.reshape(-1).index_select(0, scored_index)),
+                           scored_logits=logits)

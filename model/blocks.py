@@ -285,8 +285,11 @@ class Embeddings(nn.Module):
             self.scale = math.sqrt(cfg.d_model)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        pos = self.pos(positions) if self.learned else self.pos_table[positions]  # (B or 1, T, C)
-        return self.tok(input_ids) * self.scale + pos  # (B, T, C)
+        tok = self.tok(input_ids)  # (B, T, C)
+        # DeepSpeed's bf16/fp16 casts parameters, not buffers: the sinusoid table stays fp32
+        # and takes the dtype of the embeddings here.
+        pos = self.pos(positions) if self.learned else self.pos_table[positions].to(tok.dtype)  # (B or 1, T, C)
+        return tok * self.scale + pos  # (B, T, C)
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -349,9 +352,12 @@ class Transformer(nn.Module):
         if attention_mask is not None and attention_mask.shape != (B, past + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}")
 
-        if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
-            # Nothing is padded (packed pretraining blocks): without an explicit mask SDPA
-            # takes its fused causal path, and positions are the plain arange either way.
+        if (attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
+                and bool(attention_mask.all())):
+            # Nothing is padded: without an explicit mask SDPA takes its fused causal path,
+            # and positions are the plain arange either way. Asked of a mask on the host only,
+            # where it costs no device sync; the trainer drops an all-ones mask before moving
+            # a batch (`launch.tasks.Task.to_device`).
             attention_mask = None
         x = self.embed(input_ids, positions_from_mask(attention_mask, past, T, input_ids.device))  # (B, T, C)
         if not self.pre_norm:

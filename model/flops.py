@@ -20,6 +20,17 @@ A Seq2Seq pair of S source and T target tokens costs 6 x (encoder matmul params)
 12 L_enc S^2 d for the encoder; for the decoder 6 x (decoder self-attention, cross-attention
 q and out, MLP, LM head) x T + 6 x 2 d^2 x S per layer (cross-attention keys and values of
 the memory) + 12 L_dec (T + S) T d (self- and cross-attention).
+
+Other counts a reader may compare with, per token of a sequence of T tokens:
+* PaLM (Chowdhery et al. 2022, appendix B): 6 N + 12 L H Q T, H Q = d, with N the
+  parameters; the formula above is this one with N counted as the matmul weights.
+* llm.c (Karpathy, `gpt2_estimate_mfu`): 6 N + 6 L d T with N *all* the parameters
+  (embeddings, norms and biases included) and causal attention counted half, since half of
+  QK^T is masked. `llmc_flops_per_token` gives it; the trainer logs MFU by both (`perf/mfu`
+  and `perf/mfu_llmc`). For GPT-2 124M at T = 1024 ours is 854 MFLOP per token and llm.c's
+  803 (6% less): it counts half of the attention square, we all of it (as PaLM does); the
+  weights both count are within 1%. llm.c's does not cover a Seq2Seq pair, for which only
+  ours is logged.
 """
 
 from __future__ import annotations
@@ -66,3 +77,11 @@ def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: flo
 def flops_per_token(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> float:
     """`training_flops` divided by the tokens of the sequence (Seq2Seq: seq_len + tgt_len)."""
     return training_flops(cfg, seq_len, tgt_len) / (seq_len + (tgt_len if cfg.arch == "seq2seq" else 0))
+
+
+def llmc_flops_per_token(cfg: ModelConfig, n_parameters: int, seq_len: int) -> float:
+    """llm.c's training FLOPs per token of a T-token sequence: 6 N + 6 L d T, N all parameters
+    (see the module doc); NaN for Seq2Seq, which it does not cover."""
+    if cfg.arch == "seq2seq":
+        return float("nan")
+    return 6.0 * n_parameters + 6.0 * cfg.n_layers * cfg.d_model * seq_len

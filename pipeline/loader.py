@@ -39,7 +39,11 @@ Design. The manifest knows every shard's sample count, so each epoch's order cos
    whatever n is (0 included): the batch stream does not depend on `num_workers`, and a run may
    resume with a different one. Every worker reads through the shards its batches touch but
    decodes only its own samples; the workers move through the same shard at the same time, so
-   the page cache serves the repeated reads.
+   the page cache serves the repeated reads. The workers are started once and kept (persistent):
+   a new epoch, or a new pass of an evaluation, is a position (epoch, k) written to a small
+   shared-memory tensor before the DataLoader is iterated again, which the workers read when they
+   restart their iteration; nothing else about them depends on the epoch. On CUDA the main
+   process pins each batch (`pin_memory`), so its copy to the GPU is asynchronous.
 5. Resume: the state is (epoch, samples consumed), counted in the main process because workers
    prefetch ahead of the trainer, and saved at a step boundary. A loader with the same G resumes
    at batch consumed / (b W) whatever its W and b; workers start there directly: shards that lie
@@ -104,7 +108,7 @@ class ShardLoader:
     def __init__(self, data_dir: str, task: str, split: str, *, micro_batch_size: int, grad_accum: int = 1,
                  rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0, mlm_probability: float = 0.15,
                  mlm_mask_fraction: float = 0.8, mlm_random_fraction: float = 0.1,
-                 expected_tokenizer_sha256: str | None = None, epoch: int = 0):
+                 expected_tokenizer_sha256: str | None = None, epoch: int = 0, pin_memory: bool = False):
         if micro_batch_size < 1 or grad_accum < 1:
             raise UserError(f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -134,6 +138,9 @@ class ShardLoader:
         self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
         self.global_batch_size = micro_batch_size * grad_accum * world_size
         self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
+        self.pin_memory = pin_memory
+        self._workers: DataLoader | None = None  # started at the first iteration, kept (see the module doc, 4)
+        self._cursor = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch) for the workers
         self.vocab_size = int(tokenizer["vocab_size"])
         # The reserved ids are special in every tokenizer of this project, whatever the list says.
         special_ids = sorted(set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", [])))
@@ -188,60 +195,75 @@ class ShardLoader:
 
     @classmethod
     def from_config(cls, cfg: LoaderConfig, task: str, split: str, *, rank: int, world_size: int, grad_accum: int = 1,
-                    expected_tokenizer_sha256: str | None = None) -> ShardLoader:
+                    expected_tokenizer_sha256: str | None = None, pin_memory: bool = False) -> ShardLoader:
         return cls(
             cfg.data_dir, task, split,
             micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, rank=rank, world_size=world_size,
             num_workers=cfg.num_workers, seed=cfg.seed, mlm_probability=cfg.mlm_probability,
             mlm_mask_fraction=cfg.mlm_mask_fraction, mlm_random_fraction=cfg.mlm_random_fraction,
-            expected_tokenizer_sha256=expected_tokenizer_sha256,
+            expected_tokenizer_sha256=expected_tokenizer_sha256, pin_memory=pin_memory,
         )
 
     def __len__(self) -> int:
         return self._num_batches
 
     def _epoch_batches(self, epoch: int, first_batch: int) -> _EpochBatches:
-        order = _rng(self.seed, epoch, _SHARD_ORDER).permutation(len(self._shards))
-        return _EpochBatches(
-            task=self.task, shards=[self._shards[i] for i in order], seed=self.seed, epoch=epoch, rank=self.rank,
-            world_size=self.world_size, micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
-            num_batches=self._num_batches, first_batch=first_batch, vocab_size=self.vocab_size,
-            mlm_masking=self.mlm_masking,
-        )
+        return _epoch_batches(self._batch_spec(), epoch, first_batch)
+
+    def _batch_spec(self) -> dict:
+        """What fixes every epoch's batches apart from (epoch, first batch)."""
+        return dict(task=self.task, shards=self._shards, seed=self.seed, rank=self.rank, world_size=self.world_size,
+                    micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
+                    num_batches=self._num_batches, vocab_size=self.vocab_size, mlm_masking=self.mlm_masking)
+
+    def _items(self, epoch: int, first: int):
+        """(j, packed batch or None, events) for batches first.. of the epoch: in this process
+        without workers, else from the persistent workers, told the position first."""
+        if not self.num_workers:
+            return iter(self._epoch_batches(epoch, first))
+        self._cursor[0], self._cursor[1] = epoch, first
+        if self._workers is None:
+            # A private generator: creating a DataLoader iterator draws a seed from the one it
+            # is given, and drawing from torch's global generator would shift the trainer's
+            # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
+            self._workers = DataLoader(_CursorBatches(self._batch_spec(), self._cursor), batch_size=None,
+                                       num_workers=self.num_workers, collate_fn=_as_is, persistent_workers=True,
+                                       generator=torch.Generator().manual_seed(self.seed))
+        return iter(self._workers)  # the workers restart their iteration at the cursor
+
+    def close(self) -> None:
+        """Stop the workers (they are also stopped when the loader is collected)."""
+        workers, self._workers = self._workers, None
+        iterator = getattr(workers, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
     def __iter__(self):
         epoch, first = self.epoch, self._consumed
         if first < self._num_batches:
             epoch_batches = self._epoch_batches(epoch, first)
-            # Each epoch gets fresh workers: the order they hold is the epoch's.
-            # A private generator: creating a DataLoader iterator draws a seed from the one it
-            # is given, and drawing from torch's global generator would shift the trainer's
-            # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
-            generator = torch.Generator().manual_seed(self.seed)
-            items = iter(DataLoader(epoch_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
-                                    generator=generator))
+            items = self._items(epoch, first)
             if first == 0:
                 self.stats["epoch_filler_batches"] = 0
-            try:
-                expected = first
-                for j, packed, events in items:
-                    # Exact resume rests on the DataLoader's round-robin order; a change there must fail loudly.
-                    if j != expected:
-                        raise RuntimeError(f"batch {j} arrived where batch {expected} was due")
-                    self._absorb(epoch, events)
-                    if packed is None:
-                        source, batch = self._filler(epoch_batches, j)
-                    else:
-                        source, batch = j, unpack(self.task, packed)  # tensors and masks are made here, not sent
-                    self._served = (epoch_batches, source)
-                    expected += 1
-                    self._consumed = expected
-                    self.stats["batches_yielded"] += 1
-                    yield batch
-                if expected != self._num_batches:
-                    raise RuntimeError(f"epoch {epoch} ended after {expected} of {self._num_batches} batches")
-            finally:
-                del items  # shuts the workers down when the trainer leaves mid-epoch
+            expected = first
+            for j, packed, events in items:
+                # Exact resume rests on the DataLoader's round-robin order; a change there must fail loudly.
+                if j != expected:
+                    raise RuntimeError(f"batch {j} arrived where batch {expected} was due")
+                self._absorb(epoch, events)
+                if packed is None:
+                    source, batch = self._filler(epoch_batches, j)
+                else:
+                    source, batch = j, unpack(self.task, packed)  # tensors and masks are made here, not sent
+                if self.pin_memory:
+                    batch = {key: value.pin_memory() for key, value in batch.items()}
+                self._served = (epoch_batches, source)
+                expected += 1
+                self._consumed = expected
+                self.stats["batches_yielded"] += 1
+                yield batch
+            if expected != self._num_batches:
+                raise RuntimeError(f"epoch {epoch} ended after {expected} of {self._num_batches} batches")
         self.epoch, self._consumed = epoch + 1, 0
 
     def _filler(self, epoch_batches: _EpochBatches, j: int) -> tuple[int, dict]:
@@ -328,6 +350,25 @@ class ShardLoader:
                 f"of {self.global_batch_size} within the epoch's {self.steps_per_epoch}"
             )
         self.epoch, self._consumed = epoch, consumed
+
+
+def _epoch_batches(spec: dict, epoch: int, first_batch: int) -> _EpochBatches:
+    """A rank's batches first_batch.. of an epoch, in the epoch's shard order."""
+    shards = spec["shards"]
+    order = _rng(spec["seed"], epoch, _SHARD_ORDER).permutation(len(shards))
+    return _EpochBatches(**{**spec, "shards": [shards[i] for i in order]}, epoch=epoch, first_batch=first_batch)
+
+
+class _CursorBatches(IterableDataset):
+    """What the persistent workers iterate: the batches of the epoch and first batch that the
+    shared `cursor` holds when they (re)start."""
+
+    def __init__(self, spec: dict, cursor: torch.Tensor):
+        self.spec, self.cursor = spec, cursor
+
+    def __iter__(self):
+        epoch, first = (int(value) for value in self.cursor.tolist())
+        return iter(_epoch_batches(self.spec, epoch, first))
 
 
 class _EpochBatches(IterableDataset):

@@ -1,13 +1,35 @@
 """Shared test data: a tiny synthetic English->German corpus made in the test, and a prepared dataset of it."""
 
+import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The suite runs on the CPU wherever it runs, so that its figures (exact loss equalities, gloo)
+# mean the same on a GPU machine as in CI, and a 1-GPU machine can run its 2-rank jobs. CUDA is
+# initialised here first, so the `gpu` tests of this process still see the GPUs; those that
+# start processes of their own give them GPU_ENV, the environment as it was.
+GPU_ENV = dict(os.environ)
+HAS_CUDA = torch.cuda.is_available()
+if HAS_CUDA:
+    torch.cuda.init()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip without CUDA (they are written for a machine the device tool lends)."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 EN_DE = {
     "the": "die", "red": "rote", "green": "grüne", "small": "kleine", "old": "alte", "cat": "Katze",
