@@ -67,6 +67,26 @@ print_job() {
         "project $PROJECT_DIR, python $PYTHON"
 }
 
+# NCCL's settings reach every rank: the NCCL_* and TORCH_NCCL_* variables of the submitting
+# shell (sbatch passes its environment on; srun --export=ALL below passes the batch script's)
+# or set here, e.g. NCCL_SOCKET_IFNAME=ib0 (the interface for the bootstrap and socket
+# transport), NCCL_IB_HCA=mlx5 (the InfiniBand adapters), NCCL_IB_DISABLE=1 (no InfiniBand),
+# NCCL_DEBUG=INFO (what NCCL chose, per rank). One default: a collective that fails or times
+# out raises in the rank (TORCH_NCCL_ASYNC_ERROR_HANDLING=1), so the job ends instead of hanging.
+nccl_env() {
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    local settings
+    settings=$(env | grep -E '^(TORCH_)?NCCL_' | sort | tr '\n' ' ')
+    log "NCCL settings passed to the ranks: ${settings:-none}"
+}
+
+# The rendezvous host must resolve on every node; falling back to this one would leave the
+# other nodes waiting until the rendezvous times out.
+check_addr() {
+    getent hosts "$1" >/dev/null 2>&1 || getent ahosts "$1" >/dev/null 2>&1 ||
+        die "the first node's address '$1' ($2) does not resolve: the nodes could not meet there (set its NodeAddr in SLURM, or fix DNS)"
+}
+
 # ----------------------------------------------------------------------------- training
 
 # The run directory the trainer will use (config + overrides resolved the trainer's way);
@@ -133,6 +153,9 @@ train_job() {
     ((WARNED)) && touch "$run_dir/STOP"
     head=$(head_node)
     head_addr=$(node_addr "$head")
+    head_addr=${head_addr:-$head}
+    check_addr "$head_addr" "$head"
+    nccl_env
     port=$(job_port "${RDZV_PORT_BASE:-20000}")
     log "run_dir $run_dir; $SLURM_JOB_NUM_NODES x $nproc ranks; rendezvous $head_addr:$port ($head)"
 
@@ -144,7 +167,7 @@ train_job() {
     # --kill-on-bad-exit: a node whose ranks fail ends the others at once, instead of
     # leaving them waiting in a collective until dist_timeout_s.
     srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" \
+        --export=ALL "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$nproc" \
         --rdzv_backend=c10d --rdzv_endpoint="$head_addr:$port" --rdzv_id="$SLURM_JOB_ID" --max_restarts=0 \
         -m launch.train "${args[@]}" &
     wait_for_step $! && status=0 || status=$?

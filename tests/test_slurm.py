@@ -61,10 +61,10 @@ def cluster() -> None:
     assert len(ready) >= 2, f"the SLURM cluster needs 2 nodes up; sinfo says {nodes}"
 
 
-def submit(script: str, log: Path, *args: str, flags: tuple[str, ...] = ()) -> str:
+def submit(script: str, log: Path, *args: str, flags: tuple[str, ...] = (), env: dict | None = None) -> str:
     """sbatch from the project root; the flags after the script's #SBATCH lines replace them."""
     out = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={log}", *flags, str(ROOT / "slurm" / script), *args],
-                         cwd=ROOT, env=slurm_env(), capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env={**slurm_env(), **(env or {})}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -121,8 +121,10 @@ SEQ2SEQ = ("task=translation", "model.arch=seq2seq")
 @pytest.mark.parametrize("script, task", [("pretrain.sbatch", ()), ("finetune.sbatch", SEQ2SEQ)], ids=["pretrain", "finetune"])
 def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    # NCCL settings of the submitting shell reach the job (logged by the script for every rank).
     job = submit(script, log, *train_args(tiny_dataset, run_dir, *task, "max_steps=10", "log_every=2", "eval_every=10",
-                                          "checkpoint.every_steps=0", "deepspeed.zero_stage=3"))
+                                          "checkpoint.every_steps=0", "deepspeed.zero_stage=3"),
+                 env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"})
     info = wait_for(job, log, timeout=240)
     print(f"\n{sacct(job)}")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()[-4000:]
@@ -130,6 +132,8 @@ def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
     assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]"
     text = log.read_text()
     assert "world 2" in text and "2 x 1 ranks" in text
+    assert ("NCCL settings passed to the ranks: NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
+            in text)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
     assert (run_dir / "checkpoints" / "step_00000010").is_dir()
     losses = {row["step"]: row["train/loss"] for row in metrics(run_dir) if "train/loss" in row}
