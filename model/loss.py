@@ -8,12 +8,39 @@ head's loss without its (tokens x vocabulary) logits (GPT and the Seq2Seq decode
 A causal LM's loss needs logits for every position, but only to reduce them to one number:
 materialising (B*T, V) float logits, their log-softmax and the gradient of both costs more
 memory traffic than the projection itself on a CPU, and most of the activation memory of a
-small model on a GPU. `linear_cross_entropy` projects `chunk` rows at a time, turns each
-chunk's log-softmax into its gradient in place (softmax minus the smoothed one-hot target) and
-multiplies that straight back into the gradients of the hidden states and the weight, so the
-backward pass only scales what the forward pass left. The same idea as Liger Kernel's fused
-linear cross-entropy and Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
-Models", written in plain torch.
+small model on a GPU. `linear_cross_entropy` projects a chunk of rows at a time into float32
+logits, turns each chunk's log-softmax into its gradient in place (softmax minus the smoothed
+one-hot target) and multiplies that straight back into the gradients of the hidden states and
+the weight, so the backward pass only scales what the forward pass left. The same idea as
+Liger Kernel's fused linear cross-entropy and Wijmans et al. 2024, "Cut Your Losses in
+Large-Vocabulary Language Models", written in plain torch.
+
+Precision. The loss and the gradients are accumulated in float32 (float64 for float64 inputs)
+whatever the training dtype. With fp16 or bf16 inputs the three GEMMs of a chunk (logits, and
+the gradients of h and of the weight) take 16-bit operands (h, the weight, and the (c, V) logit
+gradient rounded to the input dtype) and produce float32: on CUDA `torch.mm` / `torch.addmm`
+with `out_dtype`, cuBLAS with a float32 accumulator, the weight gradient accumulating in place
+across chunks. torch has no such GEMM on a CPU: there the logits come from float32 copies of the
+operands (the same numbers), and the gradient GEMMs run in bf16 with bf16 results added into
+float32 (bf16), or on float32 copies (fp16, whose CPU GEMMs are slow); `_Gemms` has the cases.
+In fp16 the logit gradient, which lies in [-1, 1], is multiplied by FP16_GRAD_SCALE = 2^14
+before rounding, so that probabilities down to ~4e-12 stay representable rather than flushing
+below fp16's 6e-8; the factor comes off in float32.
+
+The gradients are saved in float32 and leave as the inputs' dtype only in backward, after
+being multiplied by the incoming gradient. Under fp16 mixed precision that incoming gradient is
+DeepSpeed's loss scale, so it reaches the gradients before they are rounded to fp16 (saving
+them in fp16 and scaling afterwards flushed small entries of the hidden-state gradient to
+zero). The cost, for 16-bit training, is 4 bytes per element instead of 2 for the saved
+hidden-state gradient (+2 N C bytes for N rows of width C) and for the weight gradient (+2 V C
+bytes; the forward pass built it in float32 before anyway). The 1 / (number of scored rows)
+factor and the zeroing of ignored rows are applied in backward in the same multiplication.
+
+Chunks. On a CPU a chunk is CHUNK_ELEMENTS logits (16 MiB of float32, about what stays in the
+cache hierarchy). On a GPU it is GPU_CHUNK_BYTES of float32 logits (thousands of rows, so the
+GEMMs run at full rate); a chunk holds its float32 logits and their log-softmax at once, then a
+16-bit copy of the gradient, so its peak is about twice that (`chunk_peak_bytes`). Both are
+module constants, and `linear_cross_entropy(..., chunk_rows=...)` overrides them per call.
 
 `LMHead` is the `nn.Linear` onto the vocabulary that uses it when given targets; it stays a
 module (and `lm_head.weight` its key) so that ZeRO-3 gathers its weight around the call.
@@ -28,7 +55,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100  # the label torch's cross_entropy ignores by default
-CHUNK_ELEMENTS = 1 << 22  # float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
+CHUNK_ELEMENTS = 1 << 22  # CPU: float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
+GPU_CHUNK_BYTES = 1 << 29  # other devices: bytes of one chunk's float32 logits: 512 MiB, 2,560 rows at V = 50,257
+FP16_GRAD_SCALE = 2.0**14  # |d loss / d logit| <= 1 per row, so at most 2^14 after scaling: fp16 holds up to 65,504
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_OUT_DTYPE_GEMMS: dict = {}  # device type -> which 16-bit GEMMs with float32 output it has (`_out_dtype_gemms`)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
@@ -43,8 +75,95 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) 
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _chunk_rows(vocab_size: int) -> int:
-    return max(64, CHUNK_ELEMENTS // vocab_size)
+def rows_per_chunk(vocab_size: int, device: torch.device | str) -> int:
+    """Rows per chunk of `linear_cross_entropy` on `device` (see the module docstring)."""
+    if torch.device(device).type == "cpu":
+        return max(64, CHUNK_ELEMENTS // vocab_size)
+    return max(128, GPU_CHUNK_BYTES // (4 * vocab_size) // 128 * 128)
+
+
+def chunk_peak_bytes(vocab_size: int, device: torch.device | str) -> int:
+    """The transient memory of one chunk: its float32 logits and their log-softmax, live together."""
+    return 8 * rows_per_chunk(vocab_size, device) * vocab_size
+
+
+def _out_dtype_gemms(device: torch.device) -> str:
+    """Which GEMMs of 16-bit operands give a float32 result on `device` in this torch: 'addmm'
+    (`mm` with `out_dtype`, and `addmm` accumulating in place into a float32 matrix), 'mm' (the
+    first only) or '' (neither: a CPU, or a torch before `out_dtype`). Probed once per device type."""
+    if device.type not in _OUT_DTYPE_GEMMS:
+        a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
+        c = torch.zeros(8, 8, device=device)
+        found = ""
+        try:  # the errors: no such keyword, a dtype check, no kernel for the device
+            torch.mm(a, a, out_dtype=torch.float32)
+            found = "mm"
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            found = "addmm"
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+        _OUT_DTYPE_GEMMS[device.type] = found
+    return _OUT_DTYPE_GEMMS[device.type]
+
+
+class _Gemms:
+    """The GEMMs of one call, with results in the accumulation dtype `acc` (float32, or float64
+    for float64 inputs). `mode` says how they get there from the inputs' dtype:
+
+    - 'native': the inputs are in `acc` already (float32 or float64).
+    - 'addmm' / 'mm': 16-bit operands into GEMMs with float32 output and accumulator (CUDA);
+      'addmm' also accumulates the weight gradient in place, 'mm' adds each chunk's product.
+    - 'bf16': bf16 on a CPU, which has no bf16 GEMM with float32 output but a fast one with bf16
+      output (twice the float32 rate here): the two gradient GEMMs run in bf16 and their (c, C)
+      and (V, C) results are rounded to bf16 before float32 takes over; the logits, which the
+      loss and softmax are sensitive to, come from float32 copies of the operands.
+    - 'upcast': operands cast to float32 first: fp16 on a CPU, where fp16 GEMMs are slow, and
+      either 16-bit dtype on a device without `out_dtype` GEMMs (a torch before they came).
+    """
+
+    def __init__(self, h: Tensor, weight: Tensor, bias: Optional[Tensor]):
+        self.acc = torch.promote_types(h.dtype, torch.float32)
+        self.bias = bias
+        if h.dtype not in _LOW_PRECISION:
+            self.mode = "native"
+        else:
+            self.mode = _out_dtype_gemms(h.device) or ("bf16" if h.dtype == torch.bfloat16 and h.device.type == "cpu" else "upcast")
+        self.weight = self.logits_weight = weight  # as the gradient GEMMs and the logits GEMM take it
+        if self.mode in ("bf16", "upcast"):  # one cast per call, not per chunk
+            self.logits_weight = weight.to(self.acc)
+            self.bias = None if bias is None else bias.to(self.acc)
+            if self.mode == "upcast":
+                self.weight = self.logits_weight
+
+    def log_probs(self, hc: Tensor) -> Tensor:
+        """Log-softmax (c, V) in `acc` of the logits of the rows hc (c, C)."""
+        if self.mode in ("addmm", "mm"):
+            logits = torch.mm(hc, self.weight.t(), out_dtype=self.acc)
+            if self.bias is not None:
+                logits += self.bias
+        else:
+            logits = F.linear(hc.to(self.acc), self.logits_weight, self.bias)
+        return torch.log_softmax(logits, dim=-1)  # one fused kernel
+
+    def mm(self, a: Tensor, b: Tensor, out: Tensor) -> None:
+        """out = a @ b, out in `acc`, a and b in the inputs' dtype (b the weight as `self.weight`)."""
+        if self.mode in ("addmm", "mm"):
+            torch.mm(a, b, out_dtype=self.acc, out=out)
+        elif self.mode == "bf16":
+            out.copy_(torch.mm(a, b))
+        else:
+            torch.mm(a.to(self.acc), b, out=out)
+
+    def addmm_(self, c: Tensor, a: Tensor, b: Tensor) -> None:
+        """c += a @ b in place, c in `acc`, a and b in the inputs' dtype."""
+        if self.mode == "addmm":
+            torch.addmm(c, a, b, out_dtype=self.acc, out=c)
+        elif self.mode == "mm":
+            c += torch.mm(a, b, out_dtype=self.acc)
+        elif self.mode == "bf16":
+            c += torch.mm(a, b)
+        else:
+            c.addmm_(a.to(self.acc), b.to(self.acc))
 
 
 def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> Tensor:
@@ -58,56 +177,96 @@ def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: fl
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float, rows: int) -> Tensor:
         # h (N, C), weight (V, C), bias (V,) or None, targets (N,) with IGNORE_INDEX ignored.
-        acc = torch.promote_types(h.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        gemms = _Gemms(h, weight, bias)
+        acc = gemms.acc
+        vocab = weight.shape[0]
         valid = targets != IGNORE_INDEX  # (N,)
         count = valid.sum().clamp(min=1)
         safe = targets.clamp(min=0)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros_like(weight, dtype=acc)
-        grad_b = None if bias is None else torch.zeros_like(bias, dtype=acc)
+        # The logit gradient goes into the GEMMs times `scale`, and every row with weight `keep`
+        # (0 or 1); 1 / (count * scale) and the row weights of grad_h are applied in backward.
+        low = h.dtype in _LOW_PRECISION
+        scale = FP16_GRAD_SCALE if h.dtype == torch.float16 else 1.0
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=acc, device=weight.device) if bias is not None and need_b else None
         total = h.new_zeros((), dtype=acc)
-        rows = _chunk_rows(weight.shape[0])
         for start in range(0, h.shape[0], rows):
-            hc, tc, kc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
-            logp = F.log_softmax(F.linear(hc, weight, bias).to(acc), dim=-1)  # (c, V), one fused kernel
-            total += _chunk_loss(logp, tc, kc, label_smoothing)
+            stop = start + rows
+            hc, tc, kc = h[start:stop], safe[start:stop], valid[start:stop]
+            grad = gemms.log_probs(hc)  # (c, V) in acc
+            total += _chunk_loss(grad, tc, kc, label_smoothing)
             # d loss / d logits = softmax - (1 - e) one-hot - e / V, for each kept row, / count.
-            grad = logp.exp_()  # (c, V), in place
+            grad.exp_()
             grad[torch.arange(len(tc), device=grad.device), tc] -= 1.0 - label_smoothing
-            if label_smoothing:
-                grad -= label_smoothing / grad.shape[1]
-            # The row weights (0 for ignored rows) go onto the (c, C) factors, not the (c, V) one.
-            scale = (kc / count).to(acc)[:, None]  # (c, 1)
-            grad_w += grad.t() @ (hc.to(acc) * scale)  # (V, C); out of place, which FLOP counters see
+            if low:  # scaled, smoothed and rounded to the input dtype in one pass
+                g = torch.empty_like(grad, dtype=h.dtype)
+                if label_smoothing:
+                    torch.add(grad.new_full((), -label_smoothing / vocab * scale), grad, alpha=scale, out=g)
+                else:
+                    torch.mul(grad, scale, out=g)
+                del grad  # the float32 chunk goes before the GEMMs
+            else:
+                if label_smoothing:
+                    grad -= label_smoothing / vocab
+                g = grad
+            if grad_h is not None:
+                gemms.mm(g, gemms.weight, out=grad_h[start:stop])  # (c, C)
+            if grad_w is not None:  # ignored rows are zeroed on the narrow (c, C) factor
+                gemms.addmm_(grad_w, g.t(), hc * kc[:, None].to(hc.dtype))  # (V, C)
             if grad_b is not None:
-                grad_b += grad.t() @ scale.squeeze(1)
-            grad_h[start : start + rows] = (grad.to(h.dtype) @ weight) * scale.to(h.dtype)  # (c, C)
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+                gemms.addmm_(grad_b[None], kc[None].to(g.dtype), g)  # (1, V)
+            del g
+        inv = 1.0 / (count.to(acc) * scale)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, valid.to(acc)[:, None] * inv, inv)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None if grad_b is None else grad_b * grad_loss, None, None
+        grad_h, grad_w, grad_b, row_factor, inv = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+
+        def scaled(grad: Optional[Tensor], factor: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+            # One pass: the float product (loss scale included) rounded once to the input's dtype.
+            return None if grad is None else torch.mul(grad, factor, out=torch.empty_like(grad, dtype=dtype))
+
+        factor = inv * grad_loss
+        return (
+            scaled(grad_h, row_factor * grad_loss, h_dtype),
+            scaled(grad_w, factor, w_dtype),
+            scaled(grad_b, factor, b_dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def linear_cross_entropy(
-    h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float = 0.0
+    h: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    label_smoothing: float = 0.0,
+    *,
+    chunk_rows: Optional[int] = None,
 ) -> Tensor:
     """Mean cross-entropy of `F.linear(h, weight, bias)` against `targets` over the rows whose
-    target is not IGNORE_INDEX (0 when there are none), as `cross_entropy` gives for the same logits. h (..., C), targets (...)."""
+    target is not IGNORE_INDEX (0 when there are none), as `cross_entropy` gives for the same
+    logits. h (..., C), targets (...); `chunk_rows` overrides the device's chunk size."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, C), (N,)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, bias, targets, label_smoothing)
-    acc = torch.promote_types(h.dtype, torch.float32)
+    rows = chunk_rows or rows_per_chunk(weight.shape[0], h.device)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearCrossEntropy.apply(h, weight, bias, targets, label_smoothing, rows)
+    gemms = _Gemms(h, weight, bias)
     valid = targets != IGNORE_INDEX
     safe = targets.clamp(min=0)
-    total = h.new_zeros((), dtype=acc)
-    rows = _chunk_rows(weight.shape[0])
+    total = h.new_zeros((), dtype=gemms.acc)
     for start in range(0, h.shape[0], rows):
-        logp = F.log_softmax(F.linear(h[start : start + rows], weight, bias).to(acc), dim=-1)
+        logp = gemms.log_probs(h[start : start + rows])
         total += _chunk_loss(logp, safe[start : start + rows], valid[start : start + rows], label_smoothing)
     return total / valid.sum().clamp(min=1)
 

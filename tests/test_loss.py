@@ -1,0 +1,186 @@
+"""The fused LM loss (`model.loss.linear_cross_entropy`): the loss and gradients of
+`F.cross_entropy` on materialised logits for any chunking (float64, float32), and in fp16 / bf16
+with a loss scale as accurate as rounding to 16 bits allows, at thousands of rows on a CPU and
+at GPT-2's shape on CUDA (marked gpu)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.loss as loss_module
+from model.loss import IGNORE_INDEX, linear_cross_entropy
+
+LOSS_SCALE = 1024.0  # what DeepSpeed's fp16 scaler sends into backward as the loss's gradient
+
+
+def make(n: int, c: int, v: int, dtype: torch.dtype, bias: bool, seed: int = 0, device: str = "cpu"):
+    """Hidden states ~ N(0, 1) (a final layer norm's output), a GPT-2-initialised projection
+    (std 0.02), a small bias, targets with every 7th row ignored."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, c, generator=g)
+    w = torch.randn(v, c, generator=g) * 0.02
+    b = torch.randn(v, generator=g) * 0.1 if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = IGNORE_INDEX
+    return [None if x is None else x.to(device=device, dtype=dtype if x.is_floating_point() else None) for x in (h, w, b, t)]
+
+
+def fused(h, w, b, t, smoothing, **kwargs):
+    return linear_cross_entropy(h, w, b, t, smoothing, **kwargs)
+
+
+def reference(h, w, b, t, smoothing):
+    return F.cross_entropy(F.linear(h, w, b), t, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
+
+
+def loss_and_grads(loss_fn, h, w, b, t, smoothing, dtype=None, scale=1.0, **kwargs):
+    """The loss and the gradients of fresh leaves (cast to `dtype`) from backward of loss * scale,
+    divided by the scale in float32 or wider."""
+    leaves = [None if x is None else x.detach().to(dtype or x.dtype).requires_grad_() for x in (h, w, b)]
+    loss = loss_fn(*leaves, t, smoothing, **kwargs)
+    (loss * scale).backward()
+    wide = torch.promote_types(leaves[0].dtype, torch.float32)
+    return loss.detach(), [x.grad.to(wide) / scale for x in leaves if x is not None]
+
+
+# --- chunking: exact in float64, every chunk size ---------------------------------------------
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 150, None])  # 150 rows: one chunk of the whole batch
+def test_any_chunking_matches_cross_entropy_on_logits(rows, bias, smoothing):
+    h, w, b, t = make(150, 16, 40, torch.float64, bias)
+    h, t = h.reshape(3, 50, 16), t.reshape(3, 50)  # (B, T, C) as the models pass it
+    t[1, 10:] = IGNORE_INDEX  # a run of ignored rows across chunk boundaries
+    got = loss_and_grads(fused, h, w, b, t, smoothing, scale=2.5, chunk_rows=rows)
+    want = loss_and_grads(lambda h, *a: reference(h.reshape(-1, 16), *a), h, w, b, t.reshape(-1), smoothing, scale=2.5)
+    torch.testing.assert_close(got, want)  # float64 tolerances: rtol 1e-7
+    with torch.no_grad():  # the no-grad path: the same chunks and kernels, so the same number
+        assert torch.equal(fused(h, w, b, t, smoothing, chunk_rows=rows), got[0])
+
+
+@pytest.mark.parametrize("rows", [64, 1000, 4096])
+def test_float32_keeps_float32_precision(rows):
+    # float32 inputs run float32 GEMMs with no rounding step of their own: errors are float32
+    # accumulation-order differences against F.cross_entropy, well under 1e-5 relative.
+    h, w, b, t = make(4096, 32, 300, torch.float32, bias=True)
+    loss, grads = loss_and_grads(fused, h, w, b, t, 0.1, chunk_rows=rows)
+    want_loss, want = loss_and_grads(reference, h, w, b, t, 0.1)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_loss_of_no_targets_is_zero_and_its_gradients_zero():
+    h, w, b, t = make(64, 16, 40, torch.float16, bias=True)
+    loss, grads = loss_and_grads(fused, h, w, b, torch.full_like(t, IGNORE_INDEX), 0.1)
+    assert loss.item() == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in grads)
+
+
+def test_gradients_only_for_the_inputs_that_need_them():
+    h, w, b, t = make(200, 16, 40, torch.float64, bias=True)
+    _, (gh, gw, gb) = loss_and_grads(reference, h, w, b, t, 0.0)
+    for needs in ((True, False, False), (False, True, False), (False, False, True)):
+        leaves = [x.clone().requires_grad_(need) for x, need in zip((h, w, b), needs)]
+        linear_cross_entropy(*leaves, t, chunk_rows=64).backward()
+        for leaf, need, ref in zip(leaves, needs, (gh, gw, gb)):
+            if need:
+                torch.testing.assert_close(leaf.grad, ref)
+            else:
+                assert leaf.grad is None
+
+
+def test_backward_twice_gives_the_same_gradients():
+    # backward scales the saved gradients out of place: a retained graph gives them again.
+    h, w, _, t = make(100, 16, 40, torch.bfloat16, bias=False)
+    h.requires_grad_()
+    loss = linear_cross_entropy(h, w, None, t)
+    (first,) = torch.autograd.grad(loss * 8.0, h, retain_graph=True)
+    (second,) = torch.autograd.grad(loss * 8.0, h)
+    assert torch.equal(first, second)
+
+
+def test_chunk_sizes_per_device(monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 1000 * 40)
+    assert loss_module.rows_per_chunk(40, "cpu") == 1000
+    rows = loss_module.rows_per_chunk(50257, "cuda")  # GPT-2's vocabulary: thousands of rows
+    assert rows >= 2048 and rows % 128 == 0 and 4 * rows * 50257 <= loss_module.GPU_CHUNK_BYTES
+    assert loss_module.chunk_peak_bytes(50257, "cuda") <= 2 * loss_module.GPU_CHUNK_BYTES
+
+
+# --- fp16 / bf16 with a loss scale --------------------------------------------------------------
+
+
+def assert_16bit_close(got, ref, dtype, name):
+    """`got` (from 16-bit inputs) against the float32 reference `ref` on the same, upcast inputs.
+
+    u is the unit roundoff (2^-11 fp16, 2^-8 bf16). The gradients leave as the input dtype, so
+    rounding the result alone costs up to u relative per entry (u / 2 in norm, as measured).
+    Rounding the (c, V) logit gradient to 16 bits before the GEMMs adds an absolute error that
+    scales with the terms summed, not with their possibly cancelling sum, so the entrywise bound
+    has a term in u x rms(ref); a CPU's bf16 GEMMs round their result once more (2u relative).
+    Measured at 16k rows: norm error <= 1.01u, entrywise excess over 2u |ref| <= 2.2u x rms.
+    Saving the gradients in fp16 before the loss scale (the old design) gave 25u in norm and
+    flushed 1.4% of grad_h to zero, entries up to 2% of rms: all three checks fail on it."""
+    u = torch.finfo(dtype).eps / 2
+    rms = ref.pow(2).mean().sqrt().item()
+    flushed = ((got == 0) & (ref.abs() > 4 * u * rms)).sum().item()
+    assert flushed == 0, f"{name}: {flushed} entries zeroed that the reference has"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel <= 2 * u, f"{name}: relative error {rel:.2e} > 2u = {2 * u:.2e}"
+    torch.testing.assert_close(got, ref, rtol=2 * u, atol=4 * u * rms, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n, bias, smoothing, rows",
+    [
+        (16384, False, 0.0, None),  # GPT: no bias; CPU chunks of 8192 rows at V = 512
+        (16384, True, 0.1, 1000),  # partial last chunk
+        (4096, True, 0.1, 4096),  # one chunk of the whole batch
+        (4096, False, 0.0, 64),
+    ],
+)
+def test_16bit_gradients_with_a_loss_scale_match_float32(dtype, n, bias, smoothing, rows):
+    h, w, b, t = make(n, 64, 512, dtype, bias)
+    loss, grads = loss_and_grads(fused, h, w, b, t, smoothing, scale=LOSS_SCALE, chunk_rows=rows)
+    want_loss, want = loss_and_grads(reference, h, w, b, t, smoothing, dtype=torch.float32, scale=LOSS_SCALE)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)  # float32 logits and log-softmax
+    for name, got, ref in zip(("grad_h", "grad_w", "grad_b"), grads, want):
+        assert_16bit_close(got, ref, dtype, name)
+
+
+# --- CUDA, GPT-2's shape ------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_runs_16bit_gemms_with_float32_accumulation():
+    # Without out_dtype GEMMs the loss falls back to float32 copies of its operands: correct, slow.
+    assert loss_module._out_dtype_gemms(torch.device("cuda")) == "addmm"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_gpt2_shape_16bit_gradients_match_float32(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a float32 reference
+    n, c, v = 16384, 768, 50257
+    h, w, _, t = make(n, c, v, dtype, bias=False, device="cuda")
+    loss, (gh, gw) = loss_and_grads(fused, h, w, None, t, 0.0, scale=LOSS_SCALE)  # CUDA chunks: several
+    # The reference in float32, in chunks of rows to bound its (rows, V) logits: its loss is the
+    # sum over chunks of summed losses / the number of scored rows.
+    h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+    count = (t != IGNORE_INDEX).sum()
+    want_loss = 0.0
+    for start in range(0, n, 4096):
+        part = F.cross_entropy(F.linear(h32[start : start + 4096], w32), t[start : start + 4096], ignore_index=IGNORE_INDEX, reduction="sum") / count
+        (part * LOSS_SCALE).backward()
+        want_loss += part.item()
+    torch.testing.assert_close(loss.item(), want_loss, rtol=1e-5, atol=0)
+    assert_16bit_close(gh, h32.grad / LOSS_SCALE, dtype, "grad_h")
+    assert_16bit_close(gw, w32.grad / LOSS_SCALE, dtype, "grad_w")
