@@ -152,6 +152,49 @@ def test_16bit_gradients_with_a_loss_scale_match_float32(dtype, n, bias, smoothi
         assert_16bit_close(got, ref, dtype, name)
 
 
+@pytest.mark.parametrize("mode", ["addmm", "mm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_out_dtype_gemm_branches_emulated_on_cpu(mode, dtype, monkeypatch):
+    # The CUDA branches (16-bit operands into GEMMs with float32 results) on a CPU: torch.mm and
+    # torch.addmm given out_dtype stand in with float32 copies of the operands (exact products,
+    # float32 accumulation, as cuBLAS), after CUDA's dtype checks. What this checks is the
+    # branches' plumbing (transposes, out= slices, in-place accumulation, bias); numbers on a GPU
+    # are the gpu tests' business.
+    mm, addmm = torch.mm, torch.addmm
+    calls = []
+
+    def fake_mm(a, b, out_dtype=None, *, out=None):
+        if out_dtype is None:
+            return mm(a, b, out=out)
+        assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and out_dtype == torch.float32
+        assert out is None or out.dtype == out_dtype
+        calls.append("mm")
+        return mm(a.float(), b.float(), out=out)
+
+    def fake_addmm(c, a, b, out_dtype=None, *, out=None):
+        if out_dtype is None:
+            return addmm(c, a, b, out=out)
+        assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and out_dtype == torch.float32
+        assert c.dtype in (out_dtype, a.dtype) and (out is None or out.dtype == out_dtype)
+        assert mode == "addmm", "the 'mm' mode never calls addmm with out_dtype"
+        calls.append("addmm")
+        return addmm(c, a.float(), b.float(), out=out)
+
+    monkeypatch.setattr(torch, "mm", fake_mm)
+    monkeypatch.setattr(torch, "addmm", fake_addmm)
+    monkeypatch.setitem(loss_module._OUT_DTYPE_GEMMS, "cpu", mode)
+    h, w, b, t = make(2000, 32, 300, dtype, bias=True)
+    loss, grads = loss_and_grads(fused, h, w, b, t, 0.1, scale=LOSS_SCALE, chunk_rows=300)
+    want_loss, want = loss_and_grads(reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    for name, got, ref in zip(("grad_h", "grad_w", "grad_b"), grads, want):
+        assert_16bit_close(got, ref, dtype, name)
+    # 7 chunks: logits, grad_h and (in 'mm' mode) grad_w and grad_b through mm, else addmm
+    assert calls.count("mm") == 7 * (2 if mode == "addmm" else 4) and calls.count("addmm") == 7 * 2 * (mode == "addmm")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(h, w, b, t, 0.1, chunk_rows=300), loss, rtol=0, atol=0)
+
+
 # --- CUDA, GPT-2's shape ------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
