@@ -44,7 +44,7 @@ from launch.preconditions import data_fits_model
 from launch.tasks import TASKS, Task
 from model import ModelConfig, build_model, training_flops
 from model.config import STACKS
-from model.loss import CHUNK_ELEMENTS
+from model.loss import chunk_peak_bytes
 from model.warm_start import ARCHITECTURE_FIELDS, SOURCE_CLASSES
 from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, file_sha256, read_manifest, shard_entries
@@ -409,8 +409,9 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
     activation checkpointing a block keeps only its input, plus one block's tensors while it is
     recomputed. Embeddings: a dropout mask, and the norm's input in a post-LN stack. Heads: GPT's
     and the decoder's chunked loss (`model.loss`) keeps the final hidden states and their
-    gradient per token, the (V x d) weight gradient it computes in the forward pass and one
-    chunk of fp32 logits at a time; BERT's head keeps four d-wide inputs per masked position and
+    gradient (fp32, so that fp16's loss scale reaches it) per token, the (V x d) fp32 weight
+    gradient it computes in the forward pass and one chunk of fp32 logits and their
+    log-softmax at a time (sized for a GPU: `model.loss.chunk_peak_bytes`); BERT's head keeps four d-wide inputs per masked position and
     their logits (16-bit, then fp32 and its log-softmax). Padding (translation pairs are padded
     to the batch's longest) and the allocator's slack come on top.
     """
@@ -428,8 +429,8 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
         return kept + embeddings
 
     d, vocab = model_cfg.d_model, model_cfg.vocab_size
-    lm_head_per_token = element * 2 * d
-    lm_head_fixed = element * vocab * d + 4 * CHUNK_ELEMENTS
+    lm_head_per_token = element * d + 4 * d  # the final hidden state, and its gradient kept in fp32
+    lm_head_fixed = 4 * vocab * d + chunk_peak_bytes(vocab, "cuda")  # the fp32 weight gradient, one chunk
     if task.arch == "seq2seq":
         encoder = stack(model_cfg.for_stack("encoder"), source_len)
         decoder = stack(model_cfg.for_stack("decoder"), target_len, source_len)

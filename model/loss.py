@@ -163,7 +163,9 @@ class _Gemms:
         elif self.mode == "bf16":
             c += torch.mm(a, b)
         else:
-            c.addmm_(a.to(self.acc), b.to(self.acc))
+            # out=c, not c.addmm_: the same GEMM in place, and FLOP counters (torch's
+            # FlopCounterMode, the MFU check in tests/test_flops.py) count aten.addmm, not addmm_.
+            torch.addmm(c, a.to(self.acc), b.to(self.acc), out=c)
 
 
 def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> Tensor:
