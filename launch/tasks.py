@@ -111,9 +111,16 @@ class Task:
     def to_device(inputs: Batch, device: torch.device) -> Batch:
         """Model inputs made on the host, moved to `device`. An attention mask with no padding
         (packed pretraining blocks) is dropped, so that attention takes SDPA's fused causal or
-        unmasked path; it is checked here, on the host, where it costs no device sync."""
-        return {key: value.to(device, non_blocking=True) for key, value in inputs.items()
+        unmasked path; it is checked here, on the host, where it costs no device sync. To CUDA
+        every tensor goes from pinned memory (the loader pins its batches; the labels made here
+        are pinned now), so the copies are asynchronous: a non_blocking copy from pageable
+        memory is a synchronous one."""
+        kept = {key: value for key, value in inputs.items()
                 if not (key == "attention_mask" and value.device.type == "cpu" and bool(value.all()))}
+        if torch.device(device).type == "cuda":
+            kept = {key: value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
+                    for key, value in kept.items()}
+        return {key: value.to(device, non_blocking=True) for key, value in kept.items()}
 
     @staticmethod
     def target_mask(inputs: Batch) -> torch.Tensor:
