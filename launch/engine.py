@@ -87,9 +87,46 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
             raise UserError("deepspeed.config_file: checkpoint.load_universal is set by the trainer, from the "
                             "checkpoint it resumes from; remove it")
         config = _deep_merge(config, {k: v for k, v in user.items() if v != "auto"})
+    config = _bf16_accumulation(config)
     if load_universal:
         config = _deep_merge(config, {"checkpoint": {"load_universal": True}})
     return config
+
+
+_BF16_NAMES = ("bf16", "bfloat16", "torch.bfloat16")  # DeepSpeed's names for bf16 in `data_types` (DtypeEnum)
+
+
+def _bf16_accumulation(config: dict) -> dict:
+    """bf16 under ZeRO 1-3: gradients summed in fp32, over the micro batches of a step
+    (`data_types.grad_accum_dtype`) and over the ranks (`communication_data_type`), not in
+    bf16, whose 8-bit mantissa drops the small contributions of later micro batches and ranks.
+    DeepSpeed's default for both is the model's dtype. Both, so that a step is the same sum
+    whatever its split into ranks x micro batches: a run resumed on another world size keeps its
+    global batch (`launch.train.find_resume`), and with fp32 accumulation but a bf16 reduction the
+    next step would differ in the bf16 rounding (tests/test_universal.py). The reduction then
+    moves twice the bytes of a bf16 one.
+
+    What DeepSpeed 0.19 makes of it, by stage (`DeepSpeedEngine._do_optimizer_sanity_check`):
+    ZeRO-1 wraps AdamW in its BF16_Optimizer (fp32 gradient buffers beside the bf16 weights;
+    with optimizer offload, its ZeRO optimizer, which keeps an fp32 `grad_accum` per parameter);
+    ZeRO-2 and ZeRO-3 accumulate each rank's gradient partition in fp32. Without ZeRO (stage 0)
+    it raises NotImplementedError: its bf16 wrapper (FP16_UnfusedOptimizer) accumulates in
+    `param.grad`, in bf16, so stage 0 is left at DeepSpeed's defaults (`Engine` warns when it
+    accumulates), and a user's JSON asking for fp32 there is refused in one line. Values the
+    user's JSON sets are kept. Set for every step count alike (grad_accum 1 too): the optimizer
+    DeepSpeed builds, and so the checkpoint's layout, does not depend on the world size."""
+    if config.get("bf16", {}).get("enabled") is not True:
+        return config
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+    if stage == 0:
+        if accum is not None and str(accum) not in _BF16_NAMES:
+            raise UserError(f"deepspeed.config_file: data_types.grad_accum_dtype={accum} with bf16 needs ZeRO "
+                            f"(deepspeed.zero_stage >= 1); DeepSpeed accumulates in bf16 without it")
+        return config
+    if accum is None:
+        config = _deep_merge(config, {"data_types": {"grad_accum_dtype": "fp32"}})
+    return config if "communication_data_type" in config else {**config, "communication_data_type": "fp32"}
 
 
 def inference_config(micro_batch_size: int, world_size: int, user: dict | None = None) -> dict:
@@ -126,6 +163,26 @@ class Engine:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         self.config = config
         self._engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        if optimizer is not None and self._engine.global_rank == 0:
+            print(self.describe(), file=sys.stderr)
+            accum = self._engine.gradient_accumulation_steps()
+            if self._engine.bfloat16_enabled() and not self._engine.zero_optimization() and accum > 1:
+                print(f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} micro batches in "
+                      f"bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set deepspeed.zero_stage=1 or more",
+                      file=sys.stderr)
+
+    @property
+    def optimizer_name(self) -> str:
+        """The class of the optimizer DeepSpeed steps (ours, inside its wrapper): e.g. AdamW, DeepSpeedCPUAdam."""
+        return type(self._engine.basic_optimizer).__name__
+
+    def describe(self) -> str:
+        wrapper = type(self._engine.optimizer).__name__
+        inside = "" if self._engine.optimizer is self._engine.basic_optimizer else f" in DeepSpeed's {wrapper}"
+        offload = ", states offloaded to CPU" if self._engine.zero_cpu_offload() else ""
+        accum = str(self._engine.get_data_types()[1]).removeprefix("torch.")
+        reduce = str(self._engine.communication_data_type).removeprefix("torch.")
+        return f"optimizer: {self.optimizer_name}{inside}{offload}; gradients accumulated in {accum}, reduced in {reduce}"
 
     @property
     def module(self) -> torch.nn.Module:
@@ -367,7 +424,8 @@ def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
       parallelism and ZeRO-1 with fp32 gradient accumulation); the fp32 masters and moments
       are whole in that file.
     - stages 1 and 2, fp32 or bf16: converted. Each rank's `*zero_pp_rank_R_*optim_states.pt`
-      holds its flat partition of the fp32 masters and moments.
+      holds its flat partition of the fp32 masters and moments (ZeRO-1 in bf16: BF16_Optimizer's,
+      which accumulates gradients in fp32, `_bf16_accumulation`).
     - stage 3, fp32 or bf16: converted. The parameters are partitioned as well.
     A checkpoint with per-rank optimizer files (BF16_Optimizer's too) is converted whatever
     wrote it. The copy is loaded by an engine built with `deepspeed_config(...,

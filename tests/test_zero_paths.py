@@ -1,0 +1,101 @@
+"""DeepSpeed paths beside the default: bf16 gradient accumulation in fp32 (ZeRO 1-3) and
+activation checkpointing under ZeRO-3, 2 ranks under torchrun on CPU. Offload: test_offload.py."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
+from pipeline.configure import UserError
+from test_train import metrics, train
+
+
+def _config(stage: int, precision: str, config_file: str = "") -> dict:
+    from launch.engine import deepspeed_config
+
+    cfg = TrainConfig(grad_accum=4, deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, config_file=config_file))
+    return deepspeed_config(cfg, BatchPlan(2, 4, 2))
+
+
+def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(tmp_path):
+    for stage in (1, 2, 3):
+        config = _config(stage, "bf16")
+        assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
+        assert not {"data_types", "communication_data_type"} & set(_config(stage, "fp32"))  # fp32 anyway
+    # DeepSpeed has no fp32 accumulation for bf16 without ZeRO (NotImplementedError at initialize).
+    assert not {"data_types", "communication_data_type"} & set(_config(0, "bf16"))
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}))
+    config = _config(2, "bf16", str(user))  # the user's choices are kept
+    assert config["data_types"] == {"grad_accum_dtype": "bf16"} and config["communication_data_type"] == "bf16"
+    user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
+    with pytest.raises(UserError) as refused:
+        _config(0, "bf16", str(user))
+    assert "\n" not in str(refused.value) and "data_types.grad_accum_dtype=fp32" in str(refused.value)
+    user.write_text(json.dumps({"zero_optimization": {"stage": 0}}))  # the user's JSON turns ZeRO off
+    assert not {"data_types", "communication_data_type"} & set(_config(2, "bf16", str(user)))
+
+
+@pytest.mark.slow
+def test_bf16_with_grad_accum_trains_under_zero_1(tiny_dataset, tmp_path):
+    """ZeRO-1 with bf16 and fp32 accumulation is DeepSpeed's BF16_Optimizer (fp32 gradient buffers)."""
+    run_dir = tmp_path / "run"
+    run = train("tiny_gpt.yaml", tiny_dataset, run_dir, "max_steps=10", "log_every=1", "eval_every=0",
+                "checkpoint.every_steps=0", "grad_accum=2", "deepspeed.zero_stage=1", "deepspeed.precision=bf16")
+    assert ("optimizer: AdamW in DeepSpeed's BF16_Optimizer; gradients accumulated in float32, reduced in float32"
+            in run.stderr)
+    losses = [r["train/loss"] for r in metrics(run_dir) if "train/loss" in r]
+    print("\nbf16 ZeRO-1 grad_accum=2 losses:", [round(x, 4) for x in losses])
+    assert len(losses) == 10 and losses[-1] < 0.9 * losses[0], losses
+
+
+PROBE = '''
+"""Counts each call of a function that torch.utils.checkpoint runs: in the forward, and again
+in the backward (the recomputation), by rank, in files under $AC_PROBE_DIR."""
+import os
+
+if os.environ.get("AC_PROBE_DIR"):
+    import torch
+    import torch.utils.checkpoint as _checkpointing
+
+    _original = _checkpointing.checkpoint
+
+    def checkpoint(function, *args, **kwargs):
+        def counted(*a, **k):
+            phase = "forward" if torch._C._current_graph_task_id() == -1 else "recompute"
+            with open(os.path.join(os.environ["AC_PROBE_DIR"], f"{phase}.rank{os.environ.get('RANK', '0')}"), "a") as fh:
+                fh.write(".")
+            return function(*a, **k)
+        return _original(counted, *args, **kwargs)
+
+    _checkpointing.checkpoint = checkpoint
+'''
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_under_zero_3_reproduces_the_losses(tiny_dataset, tmp_path, monkeypatch):
+    """model.activation_checkpointing (torch.utils.checkpoint, non-reentrant) recomputes each block
+    in the backward, where ZeRO-3 must gather the block's parameters again: the losses (and so
+    the updates) equal a run without it. Dropout on: the recomputation replays its RNG."""
+    common = ["max_steps=5", "log_every=1", "eval_every=0", "checkpoint.every_steps=0", "deepspeed.zero_stage=3",
+              "model.dropout=0.1"]
+    plain = tmp_path / "plain"
+    train("tiny_gpt.yaml", tiny_dataset, plain, *common)
+    probe = tmp_path / "probe"
+    (probe / "counts").mkdir(parents=True)
+    (probe / "sitecustomize.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("AC_PROBE_DIR", str(probe / "counts"))
+    checkpointed = tmp_path / "checkpointed"
+    train("tiny_gpt.yaml", tiny_dataset, checkpointed, *common, "model.activation_checkpointing=true")
+    # Each rank checkpointed both blocks at each of the 5 steps, and recomputed each in its backward.
+    counts = {path.name: len(path.read_text()) for path in (probe / "counts").iterdir()}
+    assert counts == {f"{phase}.rank{rank}": 2 * 5 for phase in ("forward", "recompute") for rank in (0, 1)}, counts
+    expected = {r["step"]: r["train/loss"] for r in metrics(plain) if "train/loss" in r}
+    got = {r["step"]: r["train/loss"] for r in metrics(checkpointed) if "train/loss" in r}
+    print("\nstep  plain        checkpointed", *(f"{s:4d}  {expected[s]:.8f}  {got[s]:.8f}" for s in sorted(expected)),
+          sep="\n", file=sys.stderr)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(got)], abs=1e-6, rel=0)
