@@ -4,7 +4,8 @@ The training loop talks to `Engine` (forward, backward, step, save, load); the D
 is derived from the run config here, from the batch arithmetic computed once in
 `launch.config.BatchPlan`. AdamW and its parameter groups are built by the caller
 (`launch.optim`) and handed in, as is the learning-rate schedule, which DeepSpeed then
-steps at every accumulation boundary and saves with the checkpoint.
+steps at every accumulation boundary and saves with the checkpoint; with ZeRO-Offload that
+AdamW is DeepSpeed's CPU Adam, built here (`cpu_adam`) for `launch.optim`.
 
 ZeRO checkpoints are tied to the world size that wrote them (DeepSpeed #2898): `to_universal`
 turns one into DeepSpeed's universal checkpoint (Lian et al. 2024, "Universal Checkpointing",
@@ -53,7 +54,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
         "steps_per_print": 10**9,  # the loop does its own logging
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        # Our AdamW (torch's) is used with offload too: DeepSpeedCPUAdam needs a compiled op.
+        # With offload the trainer hands in DeepSpeedCPUAdam (`cpu_adam`), or torch's AdamW where
+        # DeepSpeed's CPU Adam op cannot be built; DeepSpeed would refuse the latter.
         "zero_force_ds_cpu_optimizer": False,
     }
     if ds.zero_stage > 0:
@@ -153,9 +155,46 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return merged
 
 
+def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """AdamW for ZeRO-Offload, whose fp32 master weights and Adam moments live in CPU memory:
+    DeepSpeed's DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, bias correction, as
+    torch's AdamW), over the caller's parameter groups, each with its own weight decay.
+
+    Its C++ op is built by DeepSpeed with the host's compiler at first use and cached
+    (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions). If it cannot be built, torch's AdamW
+    (the same update, slower) takes its place, with a one-line warning. Under a process group
+    the ranks agree first: if the op fails on any rank, every rank falls back, so that all
+    partitions are stepped by the same optimizer."""
+    failure = None
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        # Copies: a failed construction leaves the groups as they were, for the fallback.
+        optimizer: torch.optim.Optimizer = DeepSpeedCPUAdam([dict(group) for group in param_groups], lr=lr,
+                                                            betas=betas, eps=eps, adamw_mode=True)
+    except Exception as err:  # the JIT build (no compiler, no headers) or the load of the op
+        cause = err.__cause__ or err
+        failure = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed:
+        built = torch.tensor([failure is None], dtype=torch.int32)
+        torch.distributed.all_reduce(built, op=torch.distributed.ReduceOp.MIN)
+        if not built.item() and failure is None:
+            failure = "it could not be built on another rank"
+    if failure is None:
+        return optimizer
+    if not distributed or torch.distributed.get_rank() == 0:
+        print(f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
+              f"AdamW, which is slower", file=sys.stderr)
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+
+
 class Engine:
     """A DeepSpeed engine seen through the few calls the loop makes. Without an optimizer
-    (evaluation: `inference_config`) only `module`, `device` and forwards are of use."""
+    (evaluation: `inference_config`) only `module`, `device` and forwards are of use.
+
+    A training engine says on rank 0, in one line, which optimizer DeepSpeed steps, inside which
+    of its wrappers, and in which dtype the gradients are accumulated (`describe`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, config: dict):
         import deepspeed

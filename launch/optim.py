@@ -45,12 +45,24 @@ class AdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False,
+                    cpu_offload: bool = False) -> torch.optim.Optimizer:
     """AdamW over `parameter_groups`; the step-dropping `AdamW` above with `skip_non_finite`
     (ZeRO-0, where DeepSpeed has no check of its own; under ZeRO it would only add a pass over
-    the gradients, and DeepSpeed would warn about an optimizer it has not tested)."""
+    the gradients, and DeepSpeed would warn about an optimizer it has not tested).
+
+    `cpu_offload` (ZeRO-Offload of the optimizer, `deepspeed.offload_optimizer`: the fp32 master
+    weights and moments live in CPU memory): DeepSpeed's vectorised CPU Adam in AdamW mode
+    (`launch.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be built.
+    ZeRO-Offload drops non-finite steps itself."""
+    groups = parameter_groups(model, cfg.weight_decay)
+    betas = (cfg.beta1, cfg.beta2)
+    if cpu_offload:
+        from launch.engine import cpu_adam  # DeepSpeed is imported by launch.engine alone
+
+        return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     adamw = AdamW if skip_non_finite else torch.optim.AdamW
-    return adamw(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
