@@ -621,3 +621,14 @@ def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload
             estimator += ", plus the 16-bit gradients that stage 1 keeps whole"
     return {"gpu_bytes": int(gpu), "cpu_bytes_per_node": int(cpu), "parameters": parameters,
             "largest_layer_parameters": largest_layer, "estimator": estimator}
+
+
+def zero3_leaf_modules(modules: list[torch.nn.Module]) -> None:
+    """Make each of `modules` a ZeRO-3 leaf (DeepSpeed's `set_z3_leaf_module`), before the
+    engine is built: ZeRO-3 then gathers all of its parameters around its own forward and puts
+    no hooks on its submodules. A compiled forward of each leaf (`launch.train.compile_model`)
+    is then one graph; with hooks inside, each parameter gather is a graph break."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for module in modules:
+        set_z3_leaf_module(module, True)

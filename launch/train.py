@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib.util
 import json
 import math
 import os
@@ -255,7 +256,47 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0,
                                 cpu_offload=cfg.deepspeed.offload_optimizer)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+    if cfg.compile:
+        compile_model(model)
     return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)), n_parameters
+
+
+def compile_model(model: torch.nn.Module) -> None:
+    """`compile: true`: torch.compile (inductor) each transformer block's forward for training,
+    in place, before DeepSpeed wraps the model. Nothing compiles here: the first forward does.
+
+    The module keeps its class and its state dict its keys (no `_orig_mod.` prefix), so
+    checkpoints, resume and export read the same names as without compilation. The blocks
+    (`model.blocks.Block`, where nearly all the work is) rather than the whole model:
+    - ZeRO-3 gathers parameters in hooks around every submodule, and in a compiled model each
+      gather is a graph break, after which dynamo compiles the hook frames again for every
+      module until its recompile limit. Each block is made a ZeRO-3 leaf instead
+      (`launch.engine.zero3_leaf_modules`; no effect below stage 3): one gather around the
+      block, no hooks inside it, which stay outside the compiled forward, eager.
+    - The loss (`model.loss`) chunks its rows in a Python loop, which a compiled graph
+      specializes to each sequence length (translation's lengths vary: a recompile per batch
+      until the limit), and uses GEMMs with a float32 output that inductor cannot lower on CPU.
+      It stays eager, as do the embeddings and the masks.
+    The blocks of one class share a graph; a second sequence length recompiles it once with a
+    dynamic length. `evaluate` runs eagerly: its no-grad, eval-mode forwards would need graphs
+    of their own, counted against the same recompile limit. With dropout, inductor draws other
+    random masks than eager mode does."""
+    if torch.cuda.is_available():
+        if importlib.util.find_spec("triton") is None:
+            raise UserError("compile: inductor needs Triton on a GPU, which is not installed (pip install triton, "
+                            "or compile=false)")
+    else:
+        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        if shutil.which(cxx) is None:
+            raise UserError(f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
+                            f"or set CXX, or compile=false)")
+    from launch.engine import zero3_leaf_modules
+    from model.blocks import Block
+
+    blocks = [module for module in model.modules() if isinstance(module, Block)]
+    zero3_leaf_modules(blocks)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend="inductor")
 
 
 def _warm_starts(cfg: TrainConfig, task: Task) -> bool:
@@ -469,6 +510,7 @@ def guard_step(run: Run, result: dict) -> dict:
     return metrics
 
 
+@torch.compiler.set_stance("force_eager")  # see compile_model: no eval graphs or their recompiles
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
     """Token-weighted loss (and perplexity; masked-token accuracy for mlm) on the valid split.
