@@ -272,7 +272,7 @@ def make_batches(cfg, count: int) -> list[dict]:
 
 
 def device_line(device, tiny: bool, args: argparse.Namespace) -> str:
-    import deepspeed
+    from importlib.metadata import version  # only launch/engine.py imports deepspeed
     import torch
 
     if device.type == "cuda":
@@ -282,7 +282,7 @@ def device_line(device, tiny: bool, args: argparse.Namespace) -> str:
     else:
         what = f"cpu: {platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, no CUDA"
     shapes = "tiny shapes (a smoke run: no GPU figures)" if tiny else "gpt2_small shapes"
-    return (f"device: {what}; torch {torch.__version__}, deepspeed {deepspeed.__version__}; {shapes}; "
+    return (f"device: {what}; torch {torch.__version__}, deepspeed {version('deepspeed')}; {shapes}; "
             f"{args.precision}{', compiled' if args.compile else ''}")
 
 

@@ -37,7 +37,7 @@ from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
-from model import ModelConfig, Pretrained, build_model, warm_start
+from model import ModelConfig, Pretrained, build_model, llmc_flops_per_token, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
 from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
 from pipeline.loader import ShardLoader
@@ -120,6 +120,7 @@ class Run:
     guard: Guard
     step: int = 0
     tokens_seen: int = 0
+    n_parameters: int = 0  # all of them, for llm.c's FLOPs count
 
 
 # ----------------------------------------------------------------------------- setup
@@ -158,7 +159,8 @@ def setup(cfg: TrainConfig) -> Run:
               f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
               f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
               f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
-    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, guard, progress.step, progress.tokens_seen)
+    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, guard, progress.step, progress.tokens_seen,
+               n_parameters)
 
 
 def _on_main(denv: dist.DistEnv, work):
@@ -185,10 +187,11 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     tokenizer = manifest["tokenizer"]
     sha256 = tokenizer["sha256"]
     train = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
-                                    grad_accum=cfg.grad_accum, expected_tokenizer_sha256=sha256)
+                                    grad_accum=cfg.grad_accum, expected_tokenizer_sha256=sha256,
+                                    pin_memory=torch.cuda.is_available())
     try:
         valid = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
-                                        expected_tokenizer_sha256=sha256)
+                                        expected_tokenizer_sha256=sha256, pin_memory=torch.cuda.is_available())
     except UserError as err:  # e.g. a valid split smaller than one global batch
         valid = None
         if denv.is_main:
@@ -424,26 +427,32 @@ def train_step(run: Run, batches) -> dict:
     non-finite gradient norm, which it all-reduces, and drops the update, the gradients and the
     schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32
     through `launch.optim.AdamW`). The weights after a skipped step are those before it."""
-    loss_sum, tokens, flops, samples, non_finite = 0.0, 0, 0.0, 0, 0
+    tokens, flops, flops_llmc, samples = 0, 0.0, 0.0, 0
+    # The losses stay on the device until the one reduction of the step: reading each micro
+    # batch's loss on the host would wait for the device at every micro batch.
+    loss_sum = non_finite = torch.zeros((), dtype=torch.float32, device=run.engine.device)
     keys: list[str] = []
     for index in range(run.plan.grad_accum):
-        inputs = run.task.model_inputs(next(batches))
+        inputs = run.task.model_inputs(next(batches))  # on the host: the counts below cost no device sync
         keys += run.data.train.sample_keys()
-        output = run.engine(**{key: value.to(run.engine.device, non_blocking=True) for key, value in inputs.items()})
+        output = run.engine(**run.task.to_device(inputs, run.engine.device))
         if (run.denv.rank, run.step + 1) in _INJECTED_NAN:
             output = output._replace(loss=output.loss * math.nan)
-        loss = float(output.loss.detach())
-        non_finite += not math.isfinite(loss)
-        loss_sum += loss if math.isfinite(loss) else 0.0
+        loss = output.loss.detach().float()
+        finite = torch.isfinite(loss)
+        non_finite = non_finite + (~finite).float()
+        loss_sum = loss_sum + torch.where(finite, loss, torch.zeros_like(loss))
         tokens += run.task.tokens(inputs)
         flops += run.task.flops(run.cfg.model, inputs)
+        flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(run.cfg.model, run.n_parameters,
+                                                                     inputs["labels"].shape[1])
         samples += inputs["labels"].shape[0]
         if index < run.plan.grad_accum - 1:
             run.engine.backward(output.loss)
             run.engine.step()
     fillers = run.data.train.stats["epoch_filler_batches"]
-    loss_sum, tokens, flops, samples, non_finite, fillers, stop = dist.all_reduce_sum(
-        [loss_sum, tokens, flops, samples, non_finite, fillers, float(_stop_requested(run))])
+    loss_sum, tokens, flops, flops_llmc, samples, non_finite, fillers, stop = dist.all_reduce_sum(
+        [loss_sum, tokens, flops, flops_llmc, samples, non_finite, fillers, float(_stop_requested(run))])
     finite_batches = run.plan.grad_accum * run.denv.world_size - non_finite
     loss = loss_sum / finite_batches if finite_batches else math.nan
     reason = "non-finite loss" if non_finite else ("loss spike" if loss > run.guard.spike_limit() else "")
@@ -457,7 +466,8 @@ def train_step(run: Run, batches) -> dict:
         # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
         # finds its scale (several in a row at the start are normal): counted, not guarded.
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
-    return {"train/loss": loss, "tokens": tokens, "flops": flops, "samples": samples, "stop": stop > 0,
+    return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
+            "stop": stop > 0,
             "skipped": reason, "keys": keys, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
 
 
@@ -595,18 +605,22 @@ def _log(run: Run, metrics: dict) -> None:
 def fit(run: Run) -> dict:
     cfg = run.cfg
     batches = _batches(run.data.train)
-    window_tokens = window_flops = window_samples = 0.0
+    # The throughput window times training steps only: evaluation and checkpoints between
+    # two logged steps would otherwise count as slow training.
+    window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
     window_clipped = window_steps = 0
-    window_start = time.perf_counter()
     last_eval: dict = {}
     last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
     while run.step < stop_at:
+        step_start = time.perf_counter()
         result = train_step(run, batches)
+        window_time += time.perf_counter() - step_start
         run.step += 1
         run.tokens_seen += int(result["tokens"])
         window_tokens += result["tokens"]
         window_flops += result["flops"]
+        window_flops_llmc += result["flops_llmc"]
         window_samples += result["samples"]
         grad_norm = run.engine.grad_norm()
         window_steps += 1
@@ -616,8 +630,9 @@ def fit(run: Run) -> dict:
             with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
                 fh.write(json.dumps({"step": run.step, "keys": result["keys"]}) + "\n")
         if run.step % cfg.log_every == 0 or run.step == stop_at:
-            elapsed = time.perf_counter() - window_start
+            elapsed = max(window_time, 1e-9)
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
+            achieved_llmc = window_flops_llmc / elapsed / run.denv.world_size
             metrics.update({
                 "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": grad_norm,
                 "train/clipped_fraction": window_clipped / window_steps,
@@ -627,11 +642,12 @@ def fit(run: Run) -> dict:
                 "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
                 **data_counters(run), **memory_mb(),
             })
+            if run.denv.is_main and math.isfinite(achieved_llmc):  # llm.c's count has no Seq2Seq form
+                metrics["perf/mfu_llmc"] = achieved_llmc / run.peak[0]
             if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
                 metrics.update({"train/loss_scale": run.engine.loss_scale})
-            window_tokens = window_flops = window_samples = 0.0
+            window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
             window_clipped = window_steps = 0
-            window_start = time.perf_counter()
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
             last_eval = evaluate(run)
             metrics.update(last_eval)
@@ -686,6 +702,9 @@ def _train(cfg: TrainConfig) -> dict:
             (Path(cfg.run_dir) / "final.json").write_text(json.dumps(final, indent=1) + "\n")
         return final
     finally:
+        for loader in (run.data.train, run.data.valid):
+            if loader is not None:
+                loader.close()  # its workers, before the rank ends (they would outlive it a while)
         run.tracker.finish()
         dist.destroy()
 
