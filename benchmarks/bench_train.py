@@ -1,7 +1,8 @@
 """Training throughput of our GPT and BERT against Hugging Face's, and MFU; prints figures, asserts nothing.
 
     python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--shapes tiny,small]
-                                     [--precisions fp32,bf16] [--steps 20] [--rounds 3] [--quick]
+                                     [--precisions fp32,bf16] [--compile off,on] [--steps 20]
+                                     [--rounds 3] [--quick]
 
 1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
    our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
@@ -13,6 +14,11 @@
    its own benchmark). Timed rounds alternate ours, theirs, ours, theirs...: each round is
    `--steps` optimizer steps between barriers, after one untimed warm-up round of each. Tokens/s
    counts every input token of every rank; the table gives the median round and the ratio.
+   With `--compile off,on` (the default) the same job also trains a compiled copy of each, from
+   the same weights, in the same alternation (ours, theirs, ours compiled, theirs compiled, ...):
+   ours as `compile: true` compiles it (`launch.train.compile_model`: each block's forward),
+   theirs as their users would (`model.compile()`, the whole model, in place). Each compiled
+   pair gives its own row and ratio; the untimed warm-up round is where they compile.
 2. MFU: in the same job, before training, every rank measures a square (1024) GEMM in fp32 and
    in bf16 on its own threads, all ranks at once (as they train). MFU = model FLOPs per step
    (`model.flops.training_flops`, as the trainer logs it) x steps/s / the sum of the ranks'
@@ -30,6 +36,7 @@ configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -52,6 +59,7 @@ SHAPES = {
     "base": dict(d_model=768, n_layers=12, n_heads=12, d_ff=3072),
 }
 CONFIGS = {"gpt": "configs/tiny_gpt.yaml", "bert": "configs/tiny_bert.yaml"}
+COMPILED = "+compile"  # the key suffix of a compiled model's figures
 
 
 # ---------------------------------------------------------------- one torchrun job (every rank)
@@ -66,6 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     from launch.metrics import measure_gemm_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.tasks import TASKS
+    from launch.train import compile_model
     from model import build_model, hf
     from model.loss import IGNORE_INDEX
     from pipeline.configure import load_config
@@ -95,16 +104,24 @@ def worker(args: argparse.Namespace) -> None:
     peaks = dict(zip(peaks, dist.all_reduce_sum(list(peaks.values()))))
 
     torch.manual_seed(0)
-    ours = build_model(cfg.model)
-    theirs = hf.gpt_to_hf(ours) if args.arch == "gpt" else hf.bert_to_hf(ours)
-    if args.arch == "bert":
-        # BERT's token-type table (one type, zeros after conversion) is a bias ours does not have:
-        # frozen, the two models train the same parameters.
-        theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
-    n_params = sum(p.numel() for p in ours.parameters())
+    initial = build_model(cfg.model)
+    n_params = sum(p.numel() for p in initial.parameters())
+    models = {}
+    for compiled in args.compile.split(","):
+        suffix = COMPILED if compiled == "on" else ""
+        ours = copy.deepcopy(initial)
+        theirs = hf.gpt_to_hf(ours) if args.arch == "gpt" else hf.bert_to_hf(ours)
+        if args.arch == "bert":
+            # BERT's token-type table (one type, zeros after conversion) is a bias ours does not have:
+            # frozen, the two models train the same parameters.
+            theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
+        if suffix:
+            compile_model(ours)  # what `compile: true` does in launch.train
+            theirs.compile()  # what their users would do: the whole model, in place
+        models["ours" + suffix], models["hf" + suffix] = ours, theirs
     plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
     engines = {}
-    for name, model in (("ours", ours), ("hf", theirs)):
+    for name, model in models.items():
         model.train()
         optimizer = build_optimizer(model, cfg.optim)
         engines[name] = Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
@@ -119,6 +136,7 @@ def worker(args: argparse.Namespace) -> None:
     device = engines["ours"].device
     on_device = {name: [{k: v.to(device) for k, v in x.items()} for x in batches_of]
                  for name, batches_of in (("ours", inputs), ("hf", theirs_inputs))}
+    on_device.update({name + COMPILED: batches_of for name, batches_of in list(on_device.items())})
 
     def run_round(name: str, engine: Engine) -> tuple[float, float]:
         dist.barrier()
@@ -130,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         return time.perf_counter() - start, float(loss)
 
-    seconds = {"ours": [], "hf": []}
+    seconds = {name: [] for name in engines}
     losses = {}
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
@@ -143,7 +161,8 @@ def worker(args: argparse.Namespace) -> None:
                   "seq_len": int(batches[0]["input_ids"].shape[1]), "vocab_size": cfg.model.vocab_size,
                   "parameters": n_params, "steps": len(inputs), "tokens_per_round": tokens, "flops_per_round": flops,
                   "seconds": seconds, "last_loss": losses, "peaks": peaks, "hf_class": type(theirs).__name__,
-                  "hf_attention": getattr(theirs.config, "_attn_implementation", None)}
+                  "hf_attention": getattr(theirs.config, "_attn_implementation", None),
+                  "torch": torch.__version__}
         Path(args.result).write_text(json.dumps(result))
     dist.destroy()
 
@@ -154,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, result: Path) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                __file__, "--worker", "--arch", arch, "--shape", shape, "--precision", precision, "--data", str(args.data),
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--result", str(result)]
+               "--steps", str(args.steps), "--rounds", str(args.rounds), "--compile", args.compile, "--result", str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -163,8 +182,14 @@ def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, res
     return json.loads(result.read_text())
 
 
-def summarize(r: dict) -> dict:
-    ours, theirs = statistics.median(r["seconds"]["ours"]), statistics.median(r["seconds"]["hf"])
+def modes(r: dict) -> list[str]:
+    """The key suffixes of a job's pairs: "" (both eager) and/or COMPILED (both compiled)."""
+    return [suffix for suffix in ("", COMPILED) if "ours" + suffix in r["seconds"]]
+
+
+def summarize(r: dict, suffix: str = "") -> dict:
+    """Figures of one pair, ours and theirs both eager (suffix "") or both compiled (COMPILED)."""
+    ours, theirs = statistics.median(r["seconds"]["ours" + suffix]), statistics.median(r["seconds"]["hf" + suffix])
     achieved = r["flops_per_round"] / ours
     return {"ours_tps": r["tokens_per_round"] / ours, "hf_tps": r["tokens_per_round"] / theirs, "ratio": theirs / ours,
             "achieved": achieved, "mfu": achieved / r["peaks"][r["precision"]],
@@ -174,9 +199,10 @@ def summarize(r: dict) -> dict:
 def table(results: list[dict]) -> str:
     lines = ["| model (ours vs HF) | shape | params | precision | ours tok/s | HF tok/s | ours / HF | ours GFLOP/s | "
              "GEMM peak fp32 / bf16 | MFU vs fp32 peak | MFU vs bf16 peak |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        s = summarize(r)
-        lines.append(f"| {r['arch'].upper()} vs {r['hf_class']} | {r['shape']} | {r['parameters'] / 1e6:.2f} M | {r['precision']} | "
+    for r, suffix in [(r, suffix) for r in results for suffix in modes(r)]:
+        s = summarize(r, suffix)
+        precision = r["precision"] + (", both compiled" if suffix else "")
+        lines.append(f"| {r['arch'].upper()} vs {r['hf_class']} | {r['shape']} | {r['parameters'] / 1e6:.2f} M | {precision} | "
                      f"{s['ours_tps']:,.0f} | {s['hf_tps']:,.0f} | **{s['ratio']:.2f}x** | {s['achieved'] / 1e9:.1f} | "
                      f"{r['peaks']['fp32'] / 1e9:.0f} / {r['peaks']['bf16'] / 1e9:.0f} | {100 * s['mfu_fp32']:.1f}% | "
                      f"{100 * s['mfu_bf16']:.1f}% |")
@@ -190,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archs", default="gpt,bert")
     parser.add_argument("--shapes", default="tiny,small", help=f"of {', '.join(SHAPES)} (default: %(default)s)")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--compile", default="off,on", choices=("off", "on", "off,on"),
+                        help="eager pairs, compiled pairs or both in each job (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each model")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round")
@@ -209,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
         return 2
     if args.quick:
-        args.shapes, args.precisions, args.steps, args.rounds = "tiny", "fp32", 4, 1
+        args.shapes, args.precisions, args.compile, args.steps, args.rounds = "tiny", "fp32", "off", 4, 1
     shapes = args.shapes.split(",")
     for shape in shapes:
         if shape not in SHAPES:
@@ -219,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
-          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating", flush=True)
+          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
@@ -227,12 +255,20 @@ def main(argv: list[str] | None = None) -> int:
                 for precision in args.precisions.split(","):
                     started = time.time()
                     r = run_job(args, arch, shape, precision, Path(tmp) / "result.json")
-                    s = summarize(r)
-                    print(f"{arch} {shape} {precision}: ours {s['ours_tps']:,.0f} tok/s, HF {s['hf_tps']:,.0f} tok/s, "
-                          f"{s['ratio']:.2f}x; MFU {100 * s['mfu']:.1f}% of {r['peaks'][precision] / 1e9:.1f} GFLOP/s "
-                          f"({precision} GEMM peak, all ranks); rounds ours {[round(x, 2) for x in r['seconds']['ours']]} s, "
-                          f"HF {[round(x, 2) for x in r['seconds']['hf']]} s; last losses ours {r['last_loss']['ours']:.3f}, "
-                          f"HF {r['last_loss']['hf']:.3f}; {time.time() - started:.0f} s", flush=True)
+                    for suffix in modes(r):
+                        s = summarize(r, suffix)
+                        ours, theirs = "ours" + suffix, "hf" + suffix
+                        print(f"{arch} {shape} {precision}{', both compiled' if suffix else ''}: ours {s['ours_tps']:,.0f} "
+                              f"tok/s, HF {s['hf_tps']:,.0f} tok/s, {s['ratio']:.2f}x; MFU {100 * s['mfu']:.1f}% of "
+                              f"{r['peaks'][precision] / 1e9:.1f} GFLOP/s ({precision} GEMM peak, all ranks); rounds ours "
+                              f"{[round(x, 2) for x in r['seconds'][ours]]} s, HF {[round(x, 2) for x in r['seconds'][theirs]]} s; "
+                              f"last losses ours {r['last_loss'][ours]:.3f}, HF {r['last_loss'][theirs]:.3f}", flush=True)
+                    speedup = ""
+                    if len(modes(r)) == 2:
+                        eager, compiled = summarize(r), summarize(r, COMPILED)
+                        speedup = (f"compiled / eager: ours {compiled['ours_tps'] / eager['ours_tps']:.2f}x, "
+                                   f"HF {compiled['hf_tps'] / eager['hf_tps']:.2f}x; ")
+                    print(f"  {speedup}{time.time() - started:.0f} s", flush=True)
                     results.append(r)
     print()
     print(table(results))
