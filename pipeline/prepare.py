@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, scancel, a time limit) unwinds like Ctrl-C, through the cleanup in
     # `prepare`; Python's default would die on the spot and leave the staging directory.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # the same, and noted for the task loop (ray_runner.INTERRUPTED)
     manifest = prepare(cfg)
     print(summary(manifest))
     print(f"wrote {cfg.output_dir}/{MANIFEST}")
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupt(signum: int, frame) -> None:
+    from pipeline.ray_runner import INTERRUPTED  # no Ray import: ray_runner imports it lazily
+
+    INTERRUPTED.set()
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

@@ -69,6 +69,13 @@ def _init(ray: Any, cfg: RayConfig) -> None:
             signal.signal(signal.SIGTERM, sigterm)
 
 
+# Set by the driver's SIGINT/SIGTERM handler (`pipeline.prepare`). The handler also raises
+# KeyboardInterrupt, but one raised while the main thread waits inside Ray's blocking calls can
+# be absorbed there (seen under load: a SIGINT'd prepare ran to the end and exited 0), so the
+# task loop checks this flag too.
+INTERRUPTED = threading.Event()
+
+
 def run_tasks(
     fn: Callable[..., Any],
     arguments: Sequence[tuple],
@@ -92,11 +99,13 @@ def run_tasks(
     next_index = 0
     with tqdm(total=len(arguments), desc=desc, disable=not progress, unit="task", dynamic_ncols=True) as bar:
         while next_index < len(arguments) or pending:
+            if INTERRUPTED.is_set():
+                raise KeyboardInterrupt("interrupted")
             # Twice the workers in flight, so none idles while the driver collects a result.
             while next_index < len(arguments) and len(pending) < 2 * num_workers:
                 pending[remote.remote(*arguments[next_index], **shared_refs)] = next_index
                 next_index += 1
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)  # wakes to see INTERRUPTED
             for ref in done:
                 index = pending.pop(ref)
                 try:
