@@ -90,7 +90,10 @@ def chunk_peak_bytes(vocab_size: int, device: torch.device | str) -> int:
 def _out_dtype_gemms(device: torch.device) -> str:
     """Which GEMMs of 16-bit operands give a float32 result on `device` in this torch: 'addmm'
     (`mm` with `out_dtype`, and `addmm` accumulating in place into a float32 matrix), 'mm' (the
-    first only) or '' (neither: a CPU, or a torch before `out_dtype`). Probed once per device type."""
+    first only) or '' (neither: a CPU, or a torch before `out_dtype`). Probed once per device type,
+    never while torch.compile traces (its fake tensors accept calls the real kernels refuse)."""
+    if torch.compiler.is_compiling():
+        return _OUT_DTYPE_GEMMS.get(device.type, "")
     if device.type not in _OUT_DTYPE_GEMMS:
         a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
         c = torch.zeros(8, 8, device=device)
