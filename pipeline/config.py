@@ -7,7 +7,7 @@ trainer's config. See `pipeline.configure` for how YAML and overrides are merged
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
 
 TASKS = ("causal_lm", "mlm", "translation")
 SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext")
@@ -117,7 +117,21 @@ class PrepareConfig:
 class LoaderConfig:
     """How the trainer streams a prepared dataset (embedded in the training config)."""
 
-    data_dir: str = "data/gettext-en-de"  # a dataset written by pipeline.prepare
+    # A dataset written by pipeline.prepare: a directory, or a URL (http(s)://, s3://, any
+    # fsspec protocol whose package is installed) whose shards are fetched into `cache_dir`.
+    data_dir: str = "data/gettext-en-de"
+    # A URL's shards are downloaded here, whole, then read; ranks and workers of one node may
+    # share it (one download per shard, none read half-written). "" = ~/.cache/pretrain-pipeline/shards.
+    cache_dir: str = ""
+    # Size cap of cache_dir: the least recently used shards are removed to stay under it. Give
+    # it room for (prefetch_shards + 2) shards per DataLoader worker at least.
+    cache_max_gb: float = 50.0
+    # Retries of a failed download, after waits of fetch_backoff_s, doubling each time; a shard
+    # that still fails is skipped like a corrupt one (counted; fillers keep the ranks in step).
+    fetch_retries: int = 3
+    fetch_backoff_s: float = 1.0  # the first wait before retrying a download
+    fetch_timeout_s: float = 60.0  # a connection or a read that waits longer fails (and is retried)
+    prefetch_shards: int = 2  # shards downloaded ahead of the reader, per DataLoader worker (0: none)
     micro_batch_size: int = 8  # sequences per rank per forward pass
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     seed: int = 0  # shard and sample order, and MLM masks
@@ -130,3 +144,18 @@ class LoaderConfig:
     max_bad_fraction: float = 0.01
     # Append each step's sample keys ("shard.tar#member") to RUN_DIR/sample_keys.rankN.jsonl.
     log_sample_keys: bool = False
+    # causal_lm / mlm: each token attends only within its own document of the packed block
+    # (block-causal for GPT, block-diagonal for BERT), positions restarting at 0 at each
+    # document, as if each were run alone. FlexAttention on CUDA (SDPA with a dense mask where
+    # it cannot run: on the CPU, without Triton, with attention dropout); the run logs which.
+    # Needs a dataset prepared with document boundaries (its packed shards hold `doc_starts`).
+    document_mask: bool = False
+    # Weighted mixture of the dataset's sources for the train split, {source name: weight}
+    # (weights are normalized; sources left out are not read). An epoch of the mixture has as
+    # many samples as the named sources together, a share of them in proportion to its weight:
+    # a source whose share exceeds its size is repeated, a larger one is read in part, each
+    # epoch continuing where the last stopped. {} = every source in its natural proportion.
+    mixture: Dict[str, float] = field(default_factory=dict)
+    # Resume with other mixture weights than the checkpoint's (refused otherwise): the run
+    # continues at the same (epoch, sample) position, drawing with the new weights from there.
+    allow_mixture_change: bool = False

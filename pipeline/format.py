@@ -10,8 +10,11 @@ A prepared dataset directory holds:
 
 Each tar is a WebDataset shard: samples are consecutive members sharing a key
 (`{bucket:04d}_{index:08d}`), one `.npy` member per field (integer arrays, never pickle).
-`packed` samples have `input_ids` (exactly `seq_len` tokens: documents joined with `</s>`);
-`translation` samples have `src_ids` and `tgt_ids` (no special tokens added).
+`packed` samples have `input_ids` (exactly `seq_len` tokens: documents joined with `</s>`)
+and `doc_starts` (same dtype: the in-block positions where a document, or the rest of one
+cut by the previous block, starts: 0 first, then every position right after an `</s>` inside
+the block, never `seq_len`); datasets written before `doc_starts` existed list only
+`input_ids` in the manifest's `fields`. `translation` samples have `src_ids` and `tgt_ids` (no special tokens added).
 
 The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
 `path`, `samples`, `tokens`, `bytes` and `sha256`.
@@ -49,7 +52,7 @@ SPLITS = ("train", "valid", "test")
 # Task -> the shard set that serves it: causal_lm and mlm read the same packed
 # blocks (masks are drawn at load time, so every epoch sees new ones).
 DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
-FIELDS = {"packed": ("input_ids",), "translation": ("src_ids", "tgt_ids")}
+FIELDS = {"packed": ("input_ids", "doc_starts"), "translation": ("src_ids", "tgt_ids")}
 BATCH_FIELDS = {
     "causal_lm": ("input_ids", "attention_mask"),
     "mlm": ("input_ids", "attention_mask", "original_ids", "masked_positions"),
@@ -91,15 +94,28 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(data_dir: str | os.PathLike) -> dict:
-    """The manifest of a prepared dataset; one clear line naming the file if it is missing,
-    unreadable, or lacks what every reader relies on (the tokenizer's identity and size, the
-    datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise UserError(f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)")
+def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
+    """The manifest of a prepared dataset, in a directory or at a URL (`pipeline.remote`, fetched
+    with the `fetch` settings, never cached); one clear line naming the file if it is missing,
+    unreachable, unreadable, or lacks what every reader relies on (the tokenizer's identity and
+    size, the datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
+    from pipeline import remote
+
+    if remote.is_url(data_dir):
+        path = remote.join(data_dir, MANIFEST)
+        try:
+            text = remote.read_bytes(path, fetch)
+        except FileNotFoundError as err:
+            raise UserError(f"no {MANIFEST} at {data_dir}: not a prepared dataset (run pipeline.prepare)") from err
+        except remote.FetchError as err:
+            raise UserError(f"{path}: cannot fetch the manifest: {err}") from err
+    else:
+        path = Path(data_dir) / MANIFEST
+        if not path.is_file():
+            raise UserError(f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)")
+        text = path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(text.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: unreadable manifest: {err}") from err
     problem = _manifest_problem(manifest)
@@ -169,7 +185,8 @@ def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str
             record = {"__key__": key}
             for field_name, array in sample.items():
                 record[f"{field_name}.npy"] = encode_array(array)
-                tokens += int(array.size)
+                if field_name.endswith("_ids"):  # token fields; not doc_starts (positions)
+                    tokens += int(array.size)
             writer.write(record)
         writer.close()
     os.replace(partial, path)

@@ -65,6 +65,23 @@ Design. The manifest knows every shard's sample count, so each epoch's order cos
    their own modules; this one decides which samples make batch j of a rank, and when.
    `sample_keys` names the samples of the last batch handed out ("path/of/shard.tar#member"),
    for logs of skipped steps and for tests.
+8. Mixtures (`data.mixture: {source: weight}`, train split only). A dataset prepared from several
+   sources tags each shard with its source. Each source s (N_s samples) is read as its own endless
+   stream of passes: pass q is its shards in an order drawn from (seed, q, source), each shard's
+   samples in an order drawn from (seed, q, shard). An epoch of the mixture has N = sum of the
+   named sources' N_s positions, n_s = N w_s of them (rounded by largest remainder, so they add
+   up to N) for source s, laid out in an order drawn from (seed, epoch); the k-th position of
+   source s in epoch e takes sample e n_s + k of its stream. So a source whose share exceeds its
+   size is repeated (whole passes, each in a new order), a larger one is sub-sampled, every
+   epoch taking the next stretch of its stream, and the share over an epoch is the weight's to
+   one sample. Everything above holds unchanged: positions are still cut into global batches, a
+   batch is still a pure function of (seed, epoch, G, b, W, r, j), resume costs the same at any
+   position, and a worker reads each source's shards forward, holding at most one or two per
+   source. The weights fix n_s, which is part of the fingerprint: a resume with other weights is
+   refused unless `data.allow_mixture_change=true`, which keeps (epoch, samples consumed) and
+   draws with the new weights from there. Tokens read per source are counted
+   (`stats["tokens_by_source"]`, from the batches handed out). Without a mixture the dataset is
+   one source, e N + position indexes it, and the orders are those of 1.
 """
 
 from __future__ import annotations
@@ -72,17 +89,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline import remote
 from pipeline.collate import MLMMasking, pack, unpack
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
-from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, read_manifest, shard_entries
-from pipeline.shards import Shard, ShardError, decode_sample, read_shard
+from pipeline.format import SPECIAL_TOKENS, read_manifest, shard_entries
+from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +112,19 @@ STATE_VERSION = 3
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
-_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER = 1, 2, 3, 4
+_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER, _MIXTURE = 1, 2, 3, 4, 5
+DEFAULT_SOURCE = "default"  # the source of shard records that name none (one-source datasets)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source's shards (manifest order) and what it gives each epoch of the stream."""
+
+    name: str
+    tag: int  # keeps its shard orders apart from the other sources' (a hash of the name)
+    shards: tuple[Shard, ...]
+    samples: int  # N_s, in its shards
+    per_epoch: int  # n_s: its samples in one epoch (N_s unmixed)
 
 
 class ShardLoader:
@@ -108,7 +140,9 @@ class ShardLoader:
     def __init__(self, data_dir: str, task: str, split: str, *, micro_batch_size: int, grad_accum: int = 1,
                  rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0, mlm_probability: float = 0.15,
                  mlm_mask_fraction: float = 0.8, mlm_random_fraction: float = 0.1,
-                 expected_tokenizer_sha256: str | None = None, epoch: int = 0, pin_memory: bool = False):
+                 expected_tokenizer_sha256: str | None = None, epoch: int = 0, pin_memory: bool = False,
+                 mixture: dict[str, float] | None = None, allow_mixture_change: bool = False,
+                 fetch: remote.FetchConfig | None = None, document_mask: bool = False):
         if micro_batch_size < 1 or grad_accum < 1:
             raise UserError(f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -122,8 +156,8 @@ class ShardLoader:
                 f"mlm_mask_fraction ({mlm_mask_fraction}) and mlm_random_fraction ({mlm_random_fraction}) "
                 "must be non-negative and add up to at most 1"
             )
-        self.data_dir = Path(data_dir)
-        manifest = read_manifest(self.data_dir)
+        self.data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)  # a URL: see pipeline.remote
+        manifest = read_manifest(self.data_dir, fetch)
         tokenizer = manifest.get("tokenizer") or {}
         if expected_tokenizer_sha256 is not None and tokenizer.get("sha256") != expected_tokenizer_sha256:
             raise UserError(
@@ -133,6 +167,9 @@ class ShardLoader:
         if "vocab_size" not in tokenizer:
             raise UserError(f"{self.data_dir}: the manifest's tokenizer record has no vocab_size")
         entries = shard_entries(manifest, task, split)
+        # The members the shards hold (all read, for each shard's verdict) and those decoded.
+        self.stored_fields, self.fields = sample_fields(manifest, task, document_mask, str(self.data_dir))
+        self.document_mask = document_mask
 
         self.task, self.split = task, split
         self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
@@ -146,11 +183,16 @@ class ShardLoader:
         special_ids = sorted(set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", [])))
         self.mlm_masking = MLMMasking(self.vocab_size, special_ids, mlm_probability, mlm_mask_fraction,
                                       mlm_random_fraction) if task == "mlm" else None
-        self._shards = [
-            Shard(index, str(self.data_dir / entry["path"]), int(entry["samples"]), entry.get("bytes"))
-            for index, entry in enumerate(entries)
-            if int(entry["samples"]) > 0
-        ]
+        by_source: dict[str, list[Shard]] = {}
+        for index, entry in enumerate(entries):
+            shard = Shard(index, remote.join(self.data_dir, entry["path"]), int(entry["samples"]), entry.get("bytes"),
+                          entry.get("sha256"), fetch)
+            shards = by_source.setdefault(str(entry.get("source", DEFAULT_SOURCE)), [])
+            if shard.samples > 0:
+                shards.append(shard)
+        self.sources = _sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
+        self.mixed = bool(mixture)
+        self.allow_mixture_change = allow_mixture_change
         listing = json.dumps([[e["path"], int(e["samples"]), e.get("sha256")] for e in entries]).encode()
         self._fingerprint = {
             "task": task,
@@ -158,9 +200,11 @@ class ShardLoader:
             "seed": seed,
             "global_batch_size": self.global_batch_size,
             "shards_sha256": hashlib.sha256(listing).hexdigest(),
+            # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
+            "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
 
-        total = sum(shard.samples for shard in self._shards)
+        total = sum(source.per_epoch for source in self.sources)
         self.steps_per_epoch = total // self.global_batch_size
         if self.steps_per_epoch == 0:
             raise UserError(
@@ -181,6 +225,7 @@ class ShardLoader:
             "shard_opens": 0,
             "samples_decoded": 0,
             "batches_yielded": 0,
+            "tokens_by_source": {source.name: 0 for source in self.sources},
         }
         self.skipped_shards: list[dict] = []
         self._skipped_seen: set[tuple[int, str]] = set()
@@ -189,9 +234,11 @@ class ShardLoader:
         log.info(
             "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
             "%d samples per epoch dropped (remainder below one global batch)",
-            task, split, total, len(self._shards), self.steps_per_epoch, self.global_batch_size, self._num_batches,
-            micro_batch_size, dropped,
+            task, split, total, sum(len(s.shards) for s in self.sources), self.steps_per_epoch, self.global_batch_size,
+            self._num_batches, micro_batch_size, dropped,
         )
+        if self.mixed:
+            log.info("%s/%s mixture: %s", task, split, describe_mixture(self.sources))
 
     @classmethod
     def from_config(cls, cfg: LoaderConfig, task: str, split: str, *, rank: int, world_size: int, grad_accum: int = 1,
@@ -202,6 +249,9 @@ class ShardLoader:
             num_workers=cfg.num_workers, seed=cfg.seed, mlm_probability=cfg.mlm_probability,
             mlm_mask_fraction=cfg.mlm_mask_fraction, mlm_random_fraction=cfg.mlm_random_fraction,
             expected_tokenizer_sha256=expected_tokenizer_sha256, pin_memory=pin_memory,
+            # Only training draws by weight: validation reads every source as it is.
+            mixture=dict(cfg.mixture) if split == "train" else None, allow_mixture_change=cfg.allow_mixture_change,
+            fetch=remote.FetchConfig.from_loader_config(cfg), document_mask=cfg.document_mask,
         )
 
     def __len__(self) -> int:
@@ -212,9 +262,10 @@ class ShardLoader:
 
     def _batch_spec(self) -> dict:
         """What fixes every epoch's batches apart from (epoch, first batch)."""
-        return dict(task=self.task, shards=self._shards, seed=self.seed, rank=self.rank, world_size=self.world_size,
+        return dict(task=self.task, sources=self.sources, mixed=self.mixed, seed=self.seed, rank=self.rank, world_size=self.world_size,
                     micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
-                    num_batches=self._num_batches, vocab_size=self.vocab_size, mlm_masking=self.mlm_masking)
+                    num_batches=self._num_batches, vocab_size=self.vocab_size, mlm_masking=self.mlm_masking,
+                    stored_fields=self.stored_fields, fields=self.fields, document_mask=self.document_mask)
 
     def _items(self, epoch: int, first: int):
         """(j, packed batch or None, events) for batches first.. of the epoch: in this process
@@ -273,7 +324,7 @@ class ShardLoader:
         epoch = epoch_batches.epoch
         bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
         for i in _rng(self.seed, epoch, _FILLER, self.rank, j).permutation(self._num_batches).tolist():
-            if i == j or any(epoch_batches.shards[o].path in bad_paths for o in epoch_batches.shard_orders(i)):
+            if i == j or epoch_batches.shard_paths(i) & bad_paths:
                 continue
             _, packed, events = epoch_batches.build(i)
             self._absorb(epoch, events)
@@ -299,6 +350,8 @@ class ShardLoader:
     def _absorb(self, epoch: int, events: dict) -> None:
         self.stats["shard_opens"] += events["shard_opens"]
         self.stats["samples_decoded"] += events["samples_decoded"]
+        for name, tokens in events["tokens_by_source"].items():
+            self.stats["tokens_by_source"][name] += tokens
         for path, reason in events["skipped"]:
             if (epoch, path) in self._skipped_seen:  # every worker that reads a bad shard reports it
                 continue
@@ -331,10 +384,17 @@ class ShardLoader:
         if version != STATE_VERSION:
             raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
         saved = state.get("fingerprint", {})
+        mixture_changed = saved.get("mixture") != self._fingerprint["mixture"]
+        if mixture_changed and not self.allow_mixture_change:
+            raise UserError(
+                f"data.mixture: the checkpoint's run drew {_shares(saved.get('mixture'))} per epoch, this run would draw "
+                f"{_shares(self._fingerprint['mixture'])}; pass data.allow_mixture_change=true to continue from the "
+                "same position with the new weights"
+            )
         differences = [
             f"{key}: saved {saved.get(key)!r}, now {value!r}"
             for key, value in self._fingerprint.items()
-            if saved.get(key) != value
+            if saved.get(key) != value and key != "mixture"
         ]
         if differences:
             raise UserError(
@@ -344,6 +404,12 @@ class ShardLoader:
         epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
         per_batch = self.micro_batch_size * self.world_size
         consumed, remainder = divmod(samples, per_batch)
+        if mixture_changed:
+            if consumed >= self._num_batches:  # the new mixture's epoch is shorter: it is over
+                epoch, consumed, remainder = epoch + 1, 0, 0
+            log.warning("data.mixture changed on resume (data.allow_mixture_change=true): was %s per epoch, now %s; "
+                        "continuing at epoch %d, batch %d with the new weights", _shares(saved.get("mixture")),
+                        _shares(self._fingerprint["mixture"]), epoch, consumed)
         if epoch < 0 or remainder or consumed % self.grad_accum or not 0 <= consumed <= self._num_batches:
             raise UserError(
                 f"loader state epoch {epoch}, {samples} samples consumed: not a whole number of global batches "
@@ -353,10 +419,8 @@ class ShardLoader:
 
 
 def _epoch_batches(spec: dict, epoch: int, first_batch: int) -> _EpochBatches:
-    """A rank's batches first_batch.. of an epoch, in the epoch's shard order."""
-    shards = spec["shards"]
-    order = _rng(spec["seed"], epoch, _SHARD_ORDER).permutation(len(shards))
-    return _EpochBatches(**{**spec, "shards": [shards[i] for i in order]}, epoch=epoch, first_batch=first_batch)
+    """A rank's batches first_batch.. of an epoch."""
+    return _EpochBatches(**spec, epoch=epoch, first_batch=first_batch)
 
 
 class _CursorBatches(IterableDataset):
@@ -371,27 +435,42 @@ class _CursorBatches(IterableDataset):
         return iter(_epoch_batches(self.spec, epoch, first))
 
 
+# A shard's place in the stream: (source, pass of that source, place in the pass's shard order).
+ShardKey = tuple[int, int, int]
+
+
 class _EpochBatches(IterableDataset):
     """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
-    `pipeline.collate.unpack(task, packed)` in the main process makes the token batch."""
+    `pipeline.collate.unpack(task, packed)` in the main process makes the token batch.
 
-    def __init__(self, *, task: str, shards: list[Shard], seed: int, epoch: int, rank: int, world_size: int,
-                 micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int, vocab_size: int,
-                 mlm_masking: MLMMasking | None):
+    Where a stream position's sample lies (see the module doc, 8): the position's source s and its
+    index i in that source's own endless stream of passes, pass q = i // N_s; pass q is the
+    source's shards in an order drawn from (seed, q[, source]), and each shard's samples in an
+    order drawn from (seed, q, shard). Unmixed, the one source is the whole dataset, i = epoch N +
+    position and q = epoch: the orders of the module doc, 1."""
+
+    def __init__(self, *, task: str, sources: tuple[Source, ...], mixed: bool, seed: int, epoch: int, rank: int,
+                 world_size: int, micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int,
+                 vocab_size: int, mlm_masking: MLMMasking | None, stored_fields: tuple[str, ...],
+                 fields: tuple[str, ...], document_mask: bool):
         self.task = task
-        self.fields = FIELDS[DATASET_FOR_TASK[task]]
-        self.shards = shards
-        self.starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
+        self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask  # read, decoded
+        self.sources, self.mixed = sources, mixed
         self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.num_batches, self.first_batch = num_batches, first_batch
         self.vocab_size = vocab_size
         self.mlm_masking = mlm_masking
+        self._passes: dict[tuple[int, int], tuple[list[Shard], np.ndarray]] = {}
+        self._layout: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         mine = range(self.first_batch + worker, self.num_batches, workers)
+        # Remote shards: downloaded ahead, in the order this worker reads them from its first batch
+        # (computed lazily, by the prefetch thread); those before it are never fetched.
+        remote.prefetch(self.shard(key) for j in mine for key in self.locate(self.positions(j))[0])
         reader = _Reader(self, mine)
         for j in mine:
             yield self.build(j, reader)
@@ -403,36 +482,87 @@ class _EpochBatches(IterableDataset):
         first = step * global_batch + (round_ * self.world_size + self.rank) * self.micro_batch_size
         return np.arange(first, first + self.micro_batch_size)
 
-    def shard_orders(self, j: int) -> list[int]:
-        """Which shards (by place in this epoch's order) batch j reads."""
-        return sorted(set((np.searchsorted(self.starts, self.positions(j), side="right") - 1).tolist()))
+    def source_pass(self, s: int, q: int) -> tuple[list[Shard], np.ndarray]:
+        """Source s's shards in the order of its pass q, and the pass index each one starts at."""
+        if (s, q) not in self._passes:
+            source = self.sources[s]
+            key = (self.seed, q, _SHARD_ORDER, source.tag) if self.mixed else (self.seed, q, _SHARD_ORDER)
+            shards = [source.shards[i] for i in _rng(*key).permutation(len(source.shards))]
+            starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
+            self._passes[(s, q)] = (shards, starts)
+        return self._passes[(s, q)]
+
+    def mixture_layout(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Mixed: each position's source, its index among that source's positions this epoch, and,
+        per source, its positions. The epoch holds n_s positions of source s, in an order drawn
+        from (seed, epoch): over an epoch the shares are exactly the weights' (to one sample)."""
+        if self._layout is None:
+            labels = np.repeat(np.arange(len(self.sources), dtype=np.int16), [s.per_epoch for s in self.sources])
+            labels = labels[_rng(self.seed, self.epoch, _MIXTURE).permutation(len(labels))]
+            where = [np.flatnonzero(labels == s) for s in range(len(self.sources))]
+            occurrence = np.empty(len(labels), dtype=np.int64)
+            for positions in where:
+                occurrence[positions] = np.arange(len(positions))
+            self._layout = (labels, occurrence, where)
+        return self._layout
+
+    def locate(self, positions: np.ndarray) -> tuple[list[ShardKey], list[int]]:
+        """Each position's shard, and the sample's place in that shard's (permuted) order."""
+        if self.mixed:
+            labels, occurrence, _ = self.mixture_layout()
+            sources = labels[positions].astype(np.int64)
+            per_epoch = np.array([s.per_epoch for s in self.sources], dtype=np.int64)
+            indices = self.epoch * per_epoch[sources] + occurrence[positions]
+        else:
+            sources = np.zeros(len(positions), dtype=np.int64)
+            indices = self.epoch * self.sources[0].samples + positions
+        sizes = np.array([s.samples for s in self.sources], dtype=np.int64)
+        passes, offsets = np.divmod(indices, sizes[sources])
+        orders = np.empty_like(offsets)
+        for s, q in {(int(s), int(q)) for s, q in zip(sources, passes)}:
+            chosen = (sources == s) & (passes == q)
+            starts = self.source_pass(s, q)[1]
+            orders[chosen] = np.searchsorted(starts, offsets[chosen], side="right") - 1
+            offsets[chosen] -= starts[orders[chosen]]
+        keys = list(zip(sources.tolist(), passes.tolist(), orders.tolist()))
+        return keys, offsets.tolist()
+
+    def shard(self, key: ShardKey) -> Shard:
+        return self.source_pass(key[0], key[1])[0][key[2]]
+
+    def shard_paths(self, j: int) -> set[str]:
+        """The shards batch j reads."""
+        return {self.shard(key).path for key in self.locate(self.positions(j))[0]}
 
     def sample_keys(self, j: int) -> list[str]:
-        positions = self.positions(j)
-        orders = np.searchsorted(self.starts, positions, side="right") - 1
         reader = _Reader(self, range(0))
-        return [f"{self.shards[o].path}#{int(reader.permutation(o)[p - self.starts[o]])}"
-                for p, o in zip(positions.tolist(), orders.tolist())]
+        return [f"{self.shard(key).path}#{int(reader.permutation(key)[offset])}"
+                for key, offset in zip(*self.locate(self.positions(j)))]
 
     def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict[str, np.ndarray] | None, dict]:
         reader = reader or _Reader(self, range(j, j + 1))
         events = _new_events()
         positions = self.positions(j)
-        orders = np.searchsorted(self.starts, positions, side="right") - 1
-        reader.evict_before(int(orders[0]))
+        keys, offsets = self.locate(positions)
+        reader.evict_before(keys)
         samples = []
-        for position, order in zip(positions.tolist(), orders.tolist()):
-            members = reader.members(order, events)
+        for key, offset in zip(keys, offsets):
+            members = reader.members(key, events)
             if members is None:
                 return j, None, events
-            member = int(reader.permutation(order)[position - self.starts[order]])
+            member = int(reader.permutation(key)[offset])
             try:
                 # Each member serves one batch of this reader: let it go as soon as it is decoded.
                 samples.append(decode_sample(members.pop(member), self.fields, self.vocab_size))
             except ValueError as err:
-                events["bad_samples"].append((self.shards[order].path, member, str(err)))
+                events["bad_samples"].append((self.shard(key).path, member, str(err)))
                 return j, None, events
             events["samples_decoded"] += 1
+        tokens = events["tokens_by_source"]
+        for key, sample in zip(keys, samples):
+            name = self.sources[key[0]].name
+            tokens[name] = tokens.get(name, 0) + sum(
+                array.size for field_name, array in zip(self.fields, sample) if field_name.endswith("_ids"))
         return j, self._pack(positions, samples), events
 
     def _pack(self, positions: np.ndarray, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
@@ -440,7 +570,7 @@ class _EpochBatches(IterableDataset):
         # position: where they are drawn, and which rank or batch the sample lands in, do not matter.
         generators = [_torch_generator(self.seed, self.epoch, p, _MLM_MASK) for p in positions.tolist()] \
             if self.mlm_masking else None
-        return pack(self.task, samples, self.mlm_masking, generators)
+        return pack(self.task, samples, self.mlm_masking, generators, document_mask=self.document_mask)
 
 
 class _Reader:
@@ -449,48 +579,113 @@ class _Reader:
     def __init__(self, epoch_batches: _EpochBatches, batches: range):
         self.epoch_batches = epoch_batches
         self.batches = batches
-        self.loaded: dict[int, dict[int, dict[str, bytes]] | None] = {}
-        self.permutations: dict[int, np.ndarray] = {}
+        self.loaded: dict[ShardKey, dict[int, dict[str, bytes]] | None] = {}
+        self.permutations: dict[ShardKey, np.ndarray] = {}
 
-    def permutation(self, order: int) -> np.ndarray:
-        if order not in self.permutations:
-            shard = self.epoch_batches.shards[order]
-            key = (self.epoch_batches.seed, self.epoch_batches.epoch, _SAMPLE_ORDER, shard.index)
-            self.permutations[order] = _rng(*key).permutation(shard.samples)
-        return self.permutations[order]
+    def permutation(self, key: ShardKey) -> np.ndarray:
+        if key not in self.permutations:
+            shard = self.epoch_batches.shard(key)
+            self.permutations[key] = _rng(self.epoch_batches.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(
+                shard.samples)
+        return self.permutations[key]
 
-    def evict_before(self, order: int) -> None:
-        # Batches only move forward through the stream, so nothing behind `order` is needed again.
-        for stale in [o for o in self.loaded if o < order]:
+    def evict_before(self, keys: list[ShardKey]) -> None:
+        # Each source's samples are read forward through its passes, so nothing behind the first
+        # shard this batch reads of a source is needed again.
+        first: dict[int, tuple[int, int]] = {}
+        for source, pass_, order in keys:
+            first.setdefault(source, (pass_, order))
+        for stale in [k for k in self.loaded if k[0] in first and k[1:] < first[k[0]]]:
             del self.loaded[stale]
             self.permutations.pop(stale, None)
 
-    def wanted(self, order: int) -> set[int]:
+    def wanted(self, key: ShardKey) -> set[int]:
         e, batches = self.epoch_batches, self.batches
-        offsets = np.arange(e.shards[order].samples)
+        source_index, pass_, order = key
+        source = e.sources[source_index]
+        offsets = np.arange(e.shard(key).samples)
+        indices = pass_ * source.samples + e.source_pass(source_index, pass_)[1][order] + offsets
+        if e.mixed:  # index in the source's stream -> its position in this epoch, if it falls in it
+            within = indices - e.epoch * source.per_epoch
+            inside = (within >= 0) & (within < source.per_epoch)
+            offsets, positions = offsets[inside], e.mixture_layout()[2][source_index][within[inside]]
+        else:
+            positions = indices - e.epoch * source.samples
         # Invert `_EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
-        step, slot = np.divmod((e.starts[order] + offsets) // e.micro_batch_size, e.grad_accum * e.world_size)
+        step, slot = np.divmod(positions // e.micro_batch_size, e.grad_accum * e.world_size)
         round_, rank = np.divmod(slot, e.world_size)
         batch = step * e.grad_accum + round_
         mine = (rank == e.rank) & (batch >= batches.start) & (batch < batches.stop)
         mine &= (batch - batches.start) % batches.step == 0
-        return set(self.permutation(order)[offsets[mine]].tolist())
+        return set(self.permutation(key)[offsets[mine]].tolist())
 
-    def members(self, order: int, events: dict) -> dict[int, dict[str, bytes]] | None:
-        if order not in self.loaded:
-            shard = self.epoch_batches.shards[order]
+    def members(self, key: ShardKey, events: dict) -> dict[int, dict[str, bytes]] | None:
+        if key not in self.loaded:
+            shard = self.epoch_batches.shard(key)
             events["shard_opens"] += 1
             try:
-                self.loaded[order] = read_shard(shard, self.epoch_batches.fields, self.wanted(order))
+                self.loaded[key] = read_shard(shard, self.epoch_batches.stored_fields, self.wanted(key))
             except ShardError as err:
-                self.loaded[order] = None
+                self.loaded[key] = None
                 events["skipped"].append((shard.path, str(err)))
-        return self.loaded[order]
+        return self.loaded[key]
 
 
 def _new_events() -> dict:
     # Workers are other processes: what they notice travels to the main process with each batch.
-    return {"shard_opens": 0, "samples_decoded": 0, "skipped": [], "bad_samples": []}
+    return {"shard_opens": 0, "samples_decoded": 0, "skipped": [], "bad_samples": [], "tokens_by_source": {}}
+
+
+def _sources(by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str) -> tuple[Source, ...]:
+    """The sources an epoch draws from: unmixed, one holding every shard in manifest order;
+    mixed, the named ones, each with its share of the epoch (see `mixture_shares`)."""
+    if not mixture:
+        shards = tuple(sorted((shard for shards in by_source.values() for shard in shards), key=lambda s: s.index))
+        total = sum(shard.samples for shard in shards)
+        return (Source(DEFAULT_SOURCE if len(by_source) != 1 else next(iter(by_source)), 0, shards, total, total),)
+    unknown = [name for name in mixture if name not in by_source]
+    if unknown:
+        raise UserError(f"data.mixture: {where} has no source {unknown[0]!r}; its sources: {', '.join(sorted(by_source))}")
+    for name, weight in mixture.items():
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise UserError(f"data.mixture.{name}: a weight must be a positive number, got {weight!r}")
+    sizes = {name: sum(shard.samples for shard in by_source[name]) for name in mixture}
+    empty = [name for name, size in sizes.items() if size == 0]
+    if empty:
+        raise UserError(f"data.mixture: source {empty[0]!r} has no samples in {where}")
+    shares = mixture_shares(sizes, mixture)
+    return tuple(Source(name, _name_tag(name), tuple(by_source[name]), sizes[name], shares[name]) for name in mixture)
+
+
+def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
+    """Samples per epoch of each source: the epoch has as many samples as the sources together,
+    divided in proportion to the weights, rounded by largest remainder (ties to the earlier
+    name in `weights`), so the counts add up exactly."""
+    total, weight_sum = sum(sizes.values()), sum(weights.values())
+    exact = {name: total * weight / weight_sum for name, weight in weights.items()}
+    shares = {name: int(math.floor(value)) for name, value in exact.items()}
+    names = list(weights)
+    by_remainder = sorted(names, key=lambda name: (-(exact[name] - shares[name]), names.index(name)))
+    for name in by_remainder[: total - sum(shares.values())]:
+        shares[name] += 1
+    return shares
+
+
+def describe_mixture(sources: tuple[Source, ...]) -> str:
+    total = sum(source.per_epoch for source in sources)
+    return ", ".join(f"{s.name} {s.per_epoch / total:.3f} ({s.per_epoch} of {total} samples per epoch, "
+                     f"{s.per_epoch / s.samples:.2f} passes over its {s.samples})" for s in sources)
+
+
+def _shares(per_epoch: dict[str, int] | None) -> str:
+    if not per_epoch:
+        return "every source as it is (no mixture)"
+    total = sum(per_epoch.values())
+    return "{" + ", ".join(f"{name}: {count / total:.3f}" for name, count in per_epoch.items()) + "}"
+
+
+def _name_tag(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def _as_is(item):

@@ -3,7 +3,9 @@
 `read_shard` hands the loader the raw `.npy` members of the samples it wants from one shard,
 after checking the whole shard against its manifest record: a shard is good or bad as a whole,
 so every worker and every rank reaches the same verdict and the batch stream stays the same.
-`decode_sample` turns a sample's members into token-id arrays checked against the vocabulary.
+`decode_sample` turns a sample's members into arrays: token ids checked against the
+vocabulary, a packed block's `doc_starts` checked to be positions of document starts in it.
+`stored_fields` says which members a dataset's samples hold (the manifest's `fields`).
 
 Speed without changing a verdict: a shard is taken apart by a scan of its 512-byte tar headers
 (checksums and number fields checked), not through tarfile. The reference stays webdataset's
@@ -11,25 +13,36 @@ reader over tarfile (`read_shard_with_webdataset`): every shard the scan does no
 (another member type, a damaged header, data cut short, no end-of-archive block...) goes to
 it, so a shard is read, or refused for the same reason, either way. Arrays are `np.load`ed
 without pickle.
+
+A shard whose path is a URL is read from its copy in the shared shard cache (`pipeline.remote`),
+fetched first if need be; one that cannot be fetched, after the retries, is a `ShardError` like
+any other unreadable shard.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.format import decode_array
+from pipeline import remote
+from pipeline.configure import UserError
+from pipeline.format import DATASET_FOR_TASK, FIELDS, decode_array
+
+# Members that hold positions in another member rather than token ids: what they index.
+POSITION_FIELDS = {"doc_starts": "input_ids"}
 
 
 @dataclass(frozen=True)
 class Shard:
     index: int  # position in the manifest's list: the stable name its in-shard order is seeded by
-    path: str
+    path: str  # a local path or a URL
     samples: int
     bytes: int | None
+    sha256: str | None = None  # the manifest's; names (and checks) a remote shard's copy in the cache
+    fetch: remote.FetchConfig | None = None  # how a remote shard is fetched (None: the defaults)
 
 
 class ShardError(Exception):
@@ -44,6 +57,14 @@ def read_shard(shard: Shard, fields: tuple[str, ...], wanted: set[int]) -> dict[
     A well-formed shard is taken apart by `scan_tar`; anything it does not vouch for goes to
     `read_shard_with_webdataset`, the reference reader, which gives the verdict.
     """
+    if remote.is_url(shard.path):
+        remote.reading(shard.path)
+        try:
+            with remote.cached(shard.path, shard.fetch or remote.FetchConfig(), size=shard.bytes,
+                               sha256=shard.sha256) as local:
+                return read_shard(replace(shard, path=local), fields, wanted)
+        except remote.FetchError as err:
+            raise ShardError(f"cannot fetch: {err}") from err
     try:
         size = os.path.getsize(shard.path)
     except OSError as err:
@@ -186,9 +207,38 @@ def read_shard_with_webdataset(shard: Shard, fields: tuple[str, ...],
     return kept
 
 
+def stored_fields(manifest: dict, task: str) -> tuple[str, ...]:
+    """The members each sample of the task's shards holds, as the manifest lists them (its
+    dataset's `fields`); a manifest that lists none predates the list, when samples held token ids only."""
+    name = DATASET_FOR_TASK[task]
+    fields = manifest.get("datasets", {}).get(name, {}).get("fields")
+    if fields is None:
+        return tuple(field for field in FIELDS[name] if field not in POSITION_FIELDS)
+    if not (isinstance(fields, list) and fields and all(isinstance(field, str) for field in fields)):
+        raise UserError(f"the manifest's {name!r} dataset lists its fields as {fields!r}, expected a list of names")
+    return tuple(fields)
+
+
+def sample_fields(manifest: dict, task: str, document_mask: bool, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the members a sample holds, those the loader decodes): every stored member is read, so
+    that a shard's verdict does not depend on the flag; `doc_starts` is decoded only for the
+    document mask, which a dataset prepared without document boundaries cannot serve."""
+    stored = stored_fields(manifest, task)
+    if not document_mask:
+        return stored, tuple(field for field in stored if field not in POSITION_FIELDS)
+    if DATASET_FOR_TASK[task] != "packed":
+        raise UserError(f"data.document_mask applies to packed blocks (causal_lm, mlm), not to {task}")
+    if "doc_starts" not in stored:
+        raise UserError(f"data.document_mask=true, but {where} was prepared without document boundaries (its packed "
+                        "shards hold no doc_starts): prepare it again with this version, or set data.document_mask=false")
+    return stored, ("input_ids", "doc_starts")
+
+
 def decode_sample(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int) -> list[np.ndarray]:
-    """The token ids of one sample, in the integer dtype they are stored in (checked to be in the vocabulary)."""
-    arrays = []
+    """The arrays of one sample's `fields`, in the integer dtype they are stored in: token ids
+    checked to be in the vocabulary, `doc_starts` to be document starts of its block (0 first,
+    strictly increasing, inside the block; the block's field comes first in `fields`)."""
+    arrays: dict[str, np.ndarray] = {}
     for name in fields:
         try:
             array = decode_array(raw[name])
@@ -196,9 +246,20 @@ def decode_sample(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: in
             raise ValueError(f"{name}: not a npy array: {type(err).__name__}: {err}") from err
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
             raise ValueError(f"{name}: {array.dtype} array of shape {array.shape}, expected non-empty 1-D integers")
-        if array.min() < 0 or array.max() >= vocab_size:
+        if name in POSITION_FIELDS:
+            length = arrays[POSITION_FIELDS[name]].size
+            starts = array.astype(np.int64)
+            if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= length:
+                raise ValueError(f"{name}: {_preview(starts)} are not document starts in a block of {length} "
+                                 f"tokens (0 first, strictly increasing, below {length})")
+        elif array.min() < 0 or array.max() >= vocab_size:
             raise ValueError(
                 f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab_size}"
             )
-        arrays.append(array)
-    return arrays
+        arrays[name] = array
+    return list(arrays.values())
+
+
+def _preview(values: np.ndarray, shown: int = 8) -> str:
+    head = ", ".join(str(v) for v in values[:shown].tolist())
+    return f"[{head}{', ...' if len(values) > shown else ''}]"

@@ -1,0 +1,300 @@
+"""A dataset served over HTTP (a real http.server on 127.0.0.1, started by each test): the same
+batches as from the local path, retries, skipped shards, the shared cache (atomic, LRU-capped,
+one download for two processes, nothing half-written left by a killed download), O(1) resume."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from pipeline import remote
+from pipeline.configure import UserError
+from pipeline.loader import ShardLoader
+from pipeline.remote import FetchConfig
+from tests.shardtools import make_dataset
+
+UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Serves server.root; server.fail[path] = how many more requests of it get a 500 (-1: all);
+    paths in server.trickle are sent slowly, server.trickle_s per 256 bytes."""
+
+    def do_GET(self):
+        server = self.server
+        path = self.path.split("?", 1)[0]
+        with server.lock:
+            server.requests.append(path)
+            failures = server.fail.get(path, 0)
+            if failures > 0:
+                server.fail[path] = failures - 1
+        if failures:
+            self.send_error(500, "injected failure")
+            return
+        file = server.root / path.lstrip("/")
+        if not file.is_file():
+            self.send_error(404)
+            return
+        body = file.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            if path in server.trickle:
+                for start in range(0, len(body), 256):
+                    self.wfile.write(body[start:start + 256])
+                    self.wfile.flush()
+                    time.sleep(server.trickle_s)
+            else:
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client was killed: what the test is about
+
+    def log_message(self, *args):
+        pass
+
+
+@dataclass
+class Served:
+    local: Path  # the dataset on disk
+    url: str  # the same dataset over HTTP
+    server: ThreadingHTTPServer
+    cache: Path
+
+    def requests(self, relative: str) -> int:
+        with self.server.lock:
+            return self.server.requests.count("/" + relative)
+
+    def shard_requests(self) -> list[str]:
+        with self.server.lock:
+            return [path.lstrip("/") for path in self.server.requests if path.endswith(".tar")]
+
+    def fetch(self, **kw) -> FetchConfig:
+        return FetchConfig(cache_dir=str(self.cache), backoff_s=0.01, timeout_s=10, **kw)
+
+
+def serve(tmp_path: Path, **dataset) -> Served:
+    local = tmp_path / "data"
+    make_dataset(local, **dataset)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.root, server.lock, server.requests = tmp_path, threading.Lock(), []
+    server.fail, server.trickle, server.trickle_s = {}, set(), 0.05
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return Served(local, f"http://127.0.0.1:{server.server_address[1]}/data", server, tmp_path / "cache")
+
+
+@pytest.fixture
+def served(tmp_path):
+    served = serve(tmp_path, packed=UNEVEN)
+    try:
+        yield served
+    finally:
+        served.server.shutdown()
+        served.server.server_close()
+
+
+def batches(data_dir, state=None, **kw) -> tuple[list[dict], ShardLoader]:
+    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4, **kw)
+    if state is not None:
+        loader.load_state_dict(state)
+    try:
+        return list(loader), loader
+    finally:
+        loader.close()
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+def shards_read(data_dir: Path, state: dict | None = None) -> set[str]:
+    """The shards (relative to the served root) that an epoch, or its rest after `state`, reads."""
+    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4)
+    if state is not None:
+        loader.load_state_dict(state)
+    read = set()
+    for _ in loader:
+        read |= {key.split("#")[0] for key in loader.sample_keys()}
+    return {str(Path(path).relative_to(data_dir.parent)) for path in read}
+
+
+def mid_epoch_state(data_dir, batch: int) -> dict:
+    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4)
+    stream = iter(loader)
+    for _ in range(batch):
+        next(stream)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_url_gives_the_local_batches_also_after_a_resume(served, num_workers):
+    local, _ = batches(served.local, num_workers=num_workers)
+    remote_batches, loader = batches(served.url, num_workers=num_workers, fetch=served.fetch())
+    assert_same_batches(remote_batches, local)
+    assert loader.stats["shards_skipped"] == 0
+    assert set(served.shard_requests()) == shards_read(served.local)
+    assert len(served.shard_requests()) == len(set(served.shard_requests()))  # downloaded once, then read from the cache
+
+    state = mid_epoch_state(served.local, 15)
+    resumed_local, _ = batches(served.local, state, num_workers=num_workers)
+    resumed_remote, _ = batches(served.url, state, num_workers=num_workers, fetch=served.fetch())
+    assert_same_batches(resumed_remote, resumed_local)
+    assert resumed_local == [] or len(resumed_local) == len(local) - 15
+
+
+def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
+    state = mid_epoch_state(served.local, 20)
+    needed = shards_read(served.local, state)
+    assert 0 < len(needed) < len(shards_read(served.local))  # the resume point lies past some shard, or the test proves nothing
+
+    resumed, _ = batches(served.url, state, fetch=served.fetch())
+    assert len(resumed) == len(list(ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4))) - 20
+    assert set(served.shard_requests()) == needed
+
+
+def test_a_shard_that_fails_twice_is_retried_and_read(served):
+    shard = "data/packed/train/0000-0003.tar"
+    served.server.fail["/" + shard] = 2
+    local, _ = batches(served.local)
+    remote_batches, loader = batches(served.url, fetch=served.fetch(retries=3))
+    assert served.requests(shard) == 3
+    assert loader.stats["shards_skipped"] == 0
+    assert_same_batches(remote_batches, local)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, tmp_path, num_workers):
+    shard = "packed/train/0000-0003.tar"
+    served.server.fail["/data/" + shard] = -1
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(served.local, corrupt)
+    (corrupt / shard).write_bytes(b"not a tar")
+    local, local_loader = batches(corrupt, num_workers=num_workers)
+    remote_batches, loader = batches(served.url, num_workers=num_workers, fetch=served.fetch(retries=2))
+    assert loader.stats["shards_skipped"] == local_loader.stats["shards_skipped"] == 1
+    assert loader.stats["filler_batches"] == local_loader.stats["filler_batches"] > 0
+    assert loader.skipped_shards[0]["path"] == f"{served.url}/{shard}"
+    assert "cannot fetch" in loader.skipped_shards[0]["reason"] and "500" in loader.skipped_shards[0]["reason"]
+    assert_same_batches(remote_batches, local)
+    # Three attempts by the prefetcher (the reader takes its verdict), at most three more by the
+    # reader if it came first: never one attempt per batch.
+    assert 3 <= served.requests("data/" + shard) <= 6
+    assert not list(served.cache.glob("*.part"))
+
+
+def _fetch_in_subprocess(url: str, fetch: FetchConfig) -> subprocess.Popen:
+    code = ("import hashlib, sys; from pipeline import remote\n"
+            f"path = remote.local_file({url!r}, remote.FetchConfig(cache_dir={fetch.cache_dir!r}, timeout_s=30))\n"
+            "print(hashlib.sha256(open(path, 'rb').read()).hexdigest())")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_a_killed_download_leaves_no_file_under_the_final_name(served):
+    shard = "data/packed/train/0000-0001.tar"  # 40 samples: some kB, a few seconds at the trickle
+    served.server.trickle.add("/" + shard)
+    fetch = served.fetch()
+    child = _fetch_in_subprocess(f"{served.url}/packed/train/0000-0001.tar", fetch)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(path.stat().st_size > 0 for path in served.cache.glob("*.part")):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the download never started"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert not list(served.cache.glob("*.data"))
+    assert len(list(served.cache.glob("*.part"))) == 1  # the dead download's, under its temporary name
+
+    served.server.trickle.clear()
+    path = remote.local_file(f"{served.url}/packed/train/0000-0001.tar", fetch)
+    assert Path(path).read_bytes() == (served.local / "packed/train/0000-0001.tar").read_bytes()
+    assert not list(served.cache.glob("*.part"))  # the next fetch cleaned it up
+
+
+def test_two_processes_fetching_one_shard_download_it_once(served):
+    relative = "packed/train/0000-0001.tar"
+    served.server.trickle.add(f"/data/{relative}")
+    served.server.trickle_s = 0.005
+    fetch = served.fetch()
+    children = [_fetch_in_subprocess(f"{served.url}/{relative}", fetch) for _ in range(2)]
+    outputs = [child.communicate(timeout=60) for child in children]
+    assert [child.returncode for child in children] == [0, 0], outputs
+    expected = hashlib.sha256((served.local / relative).read_bytes()).hexdigest()
+    assert [out.strip() for out, _ in outputs] == [expected, expected]
+    assert served.requests(f"data/{relative}") == 1
+
+
+def test_the_cache_keeps_under_its_cap_evicting_the_least_recently_used(tmp_path):
+    served = serve(tmp_path, packed=[10, 10, 10, 10])  # shards of one size
+    try:
+        size = (served.local / "packed/train/0000-0000.tar").stat().st_size
+        fetch = served.fetch(max_bytes=int(2.5 * size))
+        url = [f"{served.url}/packed/train/0000-{part:04d}.tar" for part in range(4)]
+
+        def cached() -> set[str]:
+            entries = list(served.cache.glob("*.data"))
+            assert sum(path.stat().st_size for path in entries) <= fetch.max_bytes
+            return {path.name.split("-", 1)[1] for path in entries}
+
+        remote.local_file(url[0], fetch, size=size)
+        time.sleep(0.01)
+        remote.local_file(url[1], fetch, size=size)
+        time.sleep(0.01)
+        remote.local_file(url[0], fetch, size=size)  # used again: 1 is now the least recently used
+        time.sleep(0.01)
+        remote.local_file(url[2], fetch, size=size)
+        assert cached() == {"0000-0000_tar.data", "0000-0002_tar.data"}
+        time.sleep(0.01)
+        remote.local_file(url[3], fetch, size=size)
+        assert cached() == {"0000-0002_tar.data", "0000-0003_tar.data"}
+        assert served.requests("data/packed/train/0000-0000.tar") == 1
+
+        # A cap below one shard: that shard alone stays, the others go.
+        small = served.fetch(max_bytes=size // 2)
+        remote.local_file(url[1], small, size=size)
+        assert {path.name.split("-", 1)[1] for path in served.cache.glob("*.data")} == {"0000-0001_tar.data"}
+    finally:
+        served.server.shutdown()
+        served.server.server_close()
+
+
+def test_an_unreachable_or_unknown_url_is_one_line(served):
+    port = served.server.server_address[1]
+    with pytest.raises(UserError, match=r"no manifest\.json at http://127\.0\.0\.1:\d+/nowhere: not a prepared"):
+        ShardLoader(f"http://127.0.0.1:{port}/nowhere", "causal_lm", "train", micro_batch_size=4,
+                    fetch=served.fetch(retries=0))
+    served.server.shutdown()
+    served.server.server_close()
+    with pytest.raises(UserError, match="cannot fetch the manifest") as err:
+        ShardLoader(f"http://127.0.0.1:{port}/data", "causal_lm", "train", micro_batch_size=4,
+                    fetch=FetchConfig(retries=1, backoff_s=0.01))
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="unknown protocol 'nosuch'"):
+        ShardLoader("nosuch://bucket/data", "causal_lm", "train", micro_batch_size=4)
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match="s3fs"):
+            ShardLoader("s3://bucket/data", "causal_lm", "train", micro_batch_size=4)
