@@ -39,7 +39,8 @@ def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
         if present != expected:
             raise ValueError(f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}")
         samples += 1
-        tokens += sum(int(decode_array(sample[name]).size) for name in expected)
+        # Token fields only: doc_starts holds positions within the block, not tokens.
+        tokens += sum(int(decode_array(sample[name]).size) for name in expected if name.endswith("_ids.npy"))
     return samples, tokens
 
 
@@ -67,7 +68,7 @@ def validate(data_dir: str | Path) -> list[str]:
                 if file_sha256(path) != shard["sha256"]:
                     problems.append(f"{shard['path']}: sha256 differs from the manifest")
                 try:
-                    samples, tokens = _count_samples(path, FIELDS[name])
+                    samples, tokens = _count_samples(path, tuple(dataset.get("fields", FIELDS[name])))
                 except Exception as err:  # any decoding failure is a finding, not a crash
                     problems.append(f"{shard['path']}: unreadable: {str(err).splitlines()[0]}")
                     continue

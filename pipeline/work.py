@@ -163,7 +163,13 @@ def _pack(documents: list[list[int]], seq_len: int, dtype: np.dtype, stats: Coun
     stats["tokens"] += len(stream)
     stats["tail_tokens_dropped"] += len(stream) - n_blocks * seq_len
     blocks = stream[: n_blocks * seq_len].reshape(n_blocks, seq_len).astype(dtype)
-    return [{"input_ids": block} for block in blocks]
+    return [{"input_ids": block, "doc_starts": doc_starts(block)} for block in blocks]
+
+
+def doc_starts(block: np.ndarray) -> np.ndarray:
+    """The in-block positions where a document (or the rest of one) starts: 0, then each position after an </s>."""
+    after_eos = np.flatnonzero(block[:-1] == EOS_ID) + 1
+    return np.concatenate(([0], after_eos)).astype(block.dtype)
 
 
 def _filter_pairs(pairs: list[tuple], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter) -> list[dict]:

@@ -47,7 +47,8 @@ def test_manifest_counts_equal_the_data(tiny_dataset):
         for split, entry in dataset["splits"].items():
             samples = read_dataset(tiny_dataset, name, split)
             assert len(samples) == entry["samples"]
-            assert sum(int(a.size) for s in samples for a in s.values()) == entry["tokens"]
+            # doc_starts holds positions, not tokens
+            assert sum(int(a.size) for s in samples for k, a in s.items() if k.endswith("_ids")) == entry["tokens"]
             for shard in entry["shards"]:
                 assert shard["sha256"] == file_sha256(tiny_dataset / shard["path"])
                 assert shard["bytes"] == (tiny_dataset / shard["path"]).stat().st_size
@@ -69,7 +70,12 @@ def test_packed_blocks_are_documents_joined_by_eos(tiny_dataset):
     for shard in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:
         bucket = shard["path"].split("/")[-1].split("-")[0]
         for sample in wds.WebDataset(str(tiny_dataset / shard["path"]), shardshuffle=False, empty_check=False):
-            by_bucket.setdefault(bucket, []).append(decode_array(sample["input_ids.npy"]))
+            block = decode_array(sample["input_ids.npy"])
+            # doc_starts: 0, then every position right after an </s> inside the block (never seq_len)
+            expected = [0] + [i + 1 for i in range(len(block) - 1) if block[i] == 3]
+            starts = decode_array(sample["doc_starts.npy"])
+            assert starts.dtype == block.dtype and starts.tolist() == expected
+            by_bucket.setdefault(bucket, []).append(block)
     assert len(by_bucket) == 3
     for blocks in by_bucket.values():
         assert all(b.shape == (32,) for b in blocks)
