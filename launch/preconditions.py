@@ -22,10 +22,11 @@ import numpy as np
 
 from launch.tasks import TASKS
 from model import ModelConfig
+from pipeline import remote
 from pipeline.collate import pack, unpack
 from pipeline.configure import UserError
 from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
-from pipeline.shards import Shard, ShardError, read_shard
+from pipeline.shards import Shard, ShardError, read_shard, stored_fields
 
 TRAINING_SPLITS = ("train", "valid")  # what the trainer reads; test stays for evaluation
 FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)  # a token id with no special meaning, to stand for any
@@ -67,7 +68,7 @@ def longest_input(data_dir: str | os.PathLike, manifest: dict, task: str, bound_
         bound = max(input_positions(task, {name: max_tokens for name in FIELDS[dataset]}).values())
         if bound <= bound_ok:
             return LongestInput(bound, f"pairs of at most translation.max_tokens={max_tokens} tokens a side")
-    stored = _longest_stored(Path(data_dir), manifest, task)
+    stored = _longest_stored(data_dir, manifest, task)
     if not stored:
         return None
     positions = input_positions(task, {name: length for name, (length, _) in stored.items()})
@@ -88,15 +89,16 @@ def input_positions(task: str, lengths: dict[str, int]) -> dict[str, int]:
     without its last token), so that what they add or drop is counted in one place: theirs."""
     dataset = DATASET_FOR_TASK[task]
     collated_as = "causal_lm" if dataset == "packed" else task  # MLM's masking changes no length
-    sample = [np.full(lengths[name], FIRST_ORDINARY_ID, dtype=np.int64) for name in FIELDS[dataset]]
+    token_fields = [name for name in FIELDS[dataset] if name in _MODEL_INPUT]  # not doc_starts: no input of its own
+    sample = [np.full(lengths[name], FIRST_ORDINARY_ID, dtype=np.int64) for name in token_fields]
     inputs = TASKS[collated_as].model_inputs(unpack(collated_as, pack(collated_as, [sample])))
-    return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in FIELDS[dataset]}
+    return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in token_fields}
 
 
-def _longest_stored(data_dir: Path, manifest: dict, task: str) -> dict[str, tuple[int, str]]:
+def _longest_stored(data_dir: str | os.PathLike, manifest: dict, task: str) -> dict[str, tuple[int, str]]:
     """Per field, the longest array of the training splits' shards and its split, from the .npy
     headers. A shard or sample that cannot be read is passed over, as the loader passes it over."""
-    fields = FIELDS[DATASET_FOR_TASK[task]]
+    fields = stored_fields(manifest, task)  # every member, as the loader reads them
     longest: dict[str, tuple[int, str]] = {}
     for split in TRAINING_SPLITS:
         try:
@@ -104,13 +106,14 @@ def _longest_stored(data_dir: Path, manifest: dict, task: str) -> dict[str, tupl
         except UserError:  # no such split: the loader says so where it matters
             continue
         for index, entry in enumerate(entries):
-            shard = Shard(index, str(data_dir / entry["path"]), int(entry["samples"]), entry.get("bytes"))
+            shard = Shard(index, remote.join(data_dir, entry["path"]), int(entry["samples"]), entry.get("bytes"),
+                          entry.get("sha256"))
             try:
                 samples = read_shard(shard, fields, set(range(shard.samples)))
             except ShardError:
                 continue
             for members in samples.values():
-                for name in fields:
+                for name in (name for name in fields if name in _MODEL_INPUT):
                     length = _npy_length(members[name])
                     if length is not None and length > longest.get(name, (-1, ""))[0]:
                         longest[name] = (length, split)

@@ -9,6 +9,12 @@ keyword arguments), its FLOPs, its extra evaluation metrics and whether it can b
 Labels are aligned with the positions that predict them for every task: `labels[:, t]` is
 the token position t should predict, `model.loss.IGNORE_INDEX` where nothing is scored. The
 models never shift them.
+
+With `data.document_mask` the loader's batch also has `document_ids` (which document of a
+packed block each token belongs to), passed on to GPT and BERT as they are: attention and
+positions stay within each document (`model.blocks`). The labels do not change: the `</s>` that
+ends a document still predicts the first token of the next, seeing only its own document. FLOPs
+are counted as for full attention (what a dense kernel computes; FlexAttention skips part of it).
 """
 
 from __future__ import annotations
@@ -26,11 +32,16 @@ from pipeline.format import DATASET_FOR_TASK, PAD_ID
 Batch = dict[str, torch.Tensor]
 
 
+def _documents(batch: Batch) -> Batch:
+    """The document structure of packed blocks, when the loader gives one (`data.document_mask`)."""
+    return {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+
+
 def _causal_lm_inputs(batch: Batch) -> Batch:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # Position t predicts token t + 1; the last position and padding predict nothing.
     labels = F.pad(ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **_documents(batch)}
 
 
 def _mlm_inputs(batch: Batch) -> Batch:
@@ -40,7 +51,7 @@ def _mlm_inputs(batch: Batch) -> Batch:
     labels = batch["original_ids"].masked_fill(~batch["masked_positions"], IGNORE_INDEX)
     scored_index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels,
-            "scored_index": scored_index}
+            "scored_index": scored_index, **_documents(batch)}
 
 
 def _translation_inputs(batch: Batch) -> Batch:
@@ -111,7 +122,8 @@ class Task:
     def to_device(inputs: Batch, device: torch.device) -> Batch:
         """Model inputs made on the host, moved to `device`. An attention mask with no padding
         (packed pretraining blocks) is dropped, so that attention takes SDPA's fused causal or
-        unmasked path; it is checked here, on the host, where it costs no device sync. To CUDA
+        unmasked path; it is checked here, on the host, where it costs no device sync (the
+        document structure, `document_ids`, is never dropped: it is a mask of its own). To CUDA
         every tensor goes from pinned memory (the loader pins its batches; the labels made here
         are pinned now), so the copies are asynchronous: a non_blocking copy from pageable
         memory is a synchronous one."""

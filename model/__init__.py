@@ -8,7 +8,7 @@ imported only inside `model.hf`'s functions.
 from torch import nn
 
 from model.bert import BERT
-from model.blocks import KVCache, ModelOutput
+from model.blocks import KVCache, ModelOutput, attention_kernels
 from model.config import ModelConfig, StackConfig
 from model.flops import flops_per_token, llmc_flops_per_token, matmul_params, training_flops
 from model.generation import Hypotheses
@@ -37,6 +37,7 @@ __all__ = [
     "StackConfig",
     "WarmStartError",
     "WarmStartReport",
+    "attention_kernels",
     "build_model",
     "flops_per_token",
     "llmc_flops_per_token",

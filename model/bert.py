@@ -39,10 +39,12 @@ class BERT(Transformer):
 
     def forward(
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-        scored_index: Optional[Tensor] = None,
+        scored_index: Optional[Tensor] = None, *, document_ids: Optional[Tensor] = None,
     ) -> ModelOutput:
         """input_ids (B, T) with masked positions replaced; attention_mask (B, T) 1 = real;
-        labels (B, T): the original token at masked positions, IGNORE_INDEX elsewhere.
+        labels (B, T): the original token at masked positions, IGNORE_INDEX elsewhere;
+        document_ids (B, T): the document of each token of a packed block, for a block-diagonal
+        mask and positions restarting at each document (see `model.blocks`).
 
         Without labels, `logits` are (B, T, V). With labels, the head runs only on the scored
         positions: `scored_logits` (N, V), one row per label that is not IGNORE_INDEX, in
@@ -51,7 +53,7 @@ class BERT(Transformer):
         flat indices of those labels, may be given (found on the host): a boolean selection on
         the device makes it wait for the count N.
         """
-        h = super().forward(input_ids, attention_mask)  # (B, T, C)
+        h = super().forward(input_ids, attention_mask, document_ids=document_ids)  # (B, T, C)
         if labels is None:
             return ModelOutput(logits=self.head(h))  # (B, T, V)
         if scored_index is None:

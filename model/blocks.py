@@ -1,12 +1,23 @@
 """The one set of blocks that GPT, BERT and Seq2Seq are built from.
 
 `Attention` (self or cross, causal or bidirectional, padding masks, key/value cache) runs on
-torch's `scaled_dot_product_attention`; `MLP`; `Block` (pre- or post-LN residual
+torch's `scaled_dot_product_attention`, or on FlexAttention for document masks on CUDA; `MLP`; `Block` (pre- or post-LN residual
 sublayers); `DecoderBlock` (a Block plus a cross-attention submodule with its own keys);
 `Embeddings`; and `Transformer`, the stack of embeddings, blocks and one norm. The three
 models subclass or compose `Transformer` and differ only in masks and heads, so every stack
 has the same parameter names (`embed.*`, `blocks.{i}.attn`, `.attn_norm`, `.mlp`,
 `.mlp_norm`, `norm`) and a pretrained GPT or BERT loads into a Seq2Seq unchanged.
+
+Document masks: a packed block holds several documents (the loader's `document_ids`). Given
+them, a token attends only to tokens of its own document (block-causal in GPT, block-diagonal in
+BERT) and positions restart at 0 at each document's first token, so each document is computed
+as if it were alone (as in Llama 3's pretraining, and Krell et al. 2021, "Efficient
+Sequence Packing without Cross-contamination"). On the CPU the mask is a dense (B, 1, T, T)
+SDPA mask. On CUDA it is a FlexAttention `BlockMask` (Dong et al. 2024, "Flex Attention"),
+whose kernel skips the blocks of the score matrix that lie wholly outside every document rather
+than computing and masking them; SDPA with the dense mask stands in where FlexAttention cannot
+run (no Triton, or attention dropout in this forward, which FlexAttention does not do).
+`Transformer.attention_kernel` names what the last forward ran.
 
 References: Vaswani et al. 2017, "Attention Is All You Need" (post-LN, sinusoidal positions);
 Radford et al. 2019, GPT-2 (pre-LN, residual init scaling); Devlin et al. 2019, BERT;
@@ -15,9 +26,11 @@ karpathy/nanoGPT `model.py`; torchtune `modules/transformer.py` (blocks by compo
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +133,63 @@ def self_attention_mask(
     return _never_empty(mask), False
 
 
+def document_attention_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal: bool) -> Tensor:
+    """The (B, 1, T, T) SDPA mask, True = may attend, that keeps each token within its document.
+
+    `document_ids` (B, T) numbers the documents of each row (contiguous runs of one id);
+    `key_mask` (B, T) is 1 for real tokens, 0 for padding. Causal: a token also sees no later one.
+    """
+    mask = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+    if causal:
+        T = document_ids.shape[1]
+        mask = mask & torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    if key_mask is not None:
+        mask = mask & key_mask.bool()[:, None, :]
+    return _never_empty(mask[:, None])  # (B, 1, T, T)
+
+
+def document_block_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal: bool) -> Any:
+    """`document_attention_mask` as a FlexAttention BlockMask: the same rule, evaluated per
+    (query, key) pair, from which FlexAttention learns which blocks of the score matrix it may skip."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = document_ids.shape
+    keys = None if key_mask is None else key_mask.bool()
+
+    def may_attend(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        allowed = document_ids[b, q] == document_ids[b, kv]
+        if causal:
+            allowed = allowed & (q >= kv)
+        if keys is not None:
+            allowed = allowed & keys[b, kv]
+        return allowed
+
+    return create_block_mask(may_attend, B, None, T, T, device=document_ids.device)
+
+
+@functools.cache
+def flex_attention_available() -> bool:
+    """Whether this torch has FlexAttention and Triton, which its CUDA kernels are compiled with."""
+    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None  # torch >= 2.5
+    return has_flex and importlib.util.find_spec("triton") is not None
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
+    """FlexAttention; compiled on CUDA, where only the compiled form is the fused kernel. The
+    eager form (on the CPU, for tests) computes the whole score matrix: correct, not fast."""
+    global _compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask)
+
+
 def padding_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
     """A (B, 1, 1, S) SDPA mask from a (B, S) padding mask (1 = real), for cross-attention."""
     return None if key_mask is None else _never_empty(key_mask.bool()[:, None, None, :])
@@ -141,6 +211,16 @@ def positions_from_mask(key_mask: Optional[Tensor], past: int, length: int, devi
     if key_mask is None:
         return torch.arange(past, past + length, device=device)[None]  # (1, T)
     return (key_mask.long().cumsum(dim=-1) - 1).clamp(min=0)[:, -length:]  # (B, T)
+
+
+def positions_in_documents(document_ids: Tensor) -> Tensor:
+    """Position ids (B, T) counted from each document's first token: 0 wherever the id changes."""
+    T = document_ids.shape[1]
+    t = torch.arange(T, device=document_ids.device)  # (T,)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, t, 0).cummax(dim=1).values  # (B, T): where each token's document starts
+    return t - first  # (B, T)
 
 
 # --- layers ------------------------------------------------------------------------------
@@ -170,6 +250,7 @@ class Attention(nn.Module):
         is_causal: bool = False,
         cache: Optional[KV] = None,
     ) -> Tensor:
+        """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document mask on CUDA)."""
         B, T, C = x.shape
         q = self._heads(self.q_proj(x))  # (B, H, T, Dh)
         if memory is None:
@@ -182,9 +263,14 @@ class Attention(nn.Module):
             k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))  # (B, H, S, Dh)
             if cache is not None:
                 cache.k, cache.v = k, v
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
-        )  # (B, H, T, Dh)
+        if mask is not None and not isinstance(mask, Tensor):
+            if self.training and self.dropout > 0:
+                raise ValueError("FlexAttention has no attention dropout: use SDPA's mask when dropout is on")
+            y = _flex_attention(q, k, v, mask)  # (B, H, T, Dh)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            )  # (B, H, T, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
 
 
@@ -305,6 +391,11 @@ def init_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
+def attention_kernels(model: nn.Module) -> list[str]:
+    """What the stacks of `model` ran their self-attention on in their last forward."""
+    return sorted({m.attention_kernel for m in model.modules() if isinstance(m, Transformer) and m.attention_kernel})
+
+
 class Transformer(nn.Module):
     """A stack: embeddings, blocks and one LayerNorm; returns hidden states (B, T, C).
 
@@ -324,6 +415,11 @@ class Transformer(nn.Module):
         block = DecoderBlock if cross_attention else Block
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        # The kernel of document masks: "auto" (FlexAttention where it can run, see the module
+        # doc), "sdpa" or "flex_attention" (eager on the CPU: for tests). Not a parameter.
+        self.document_attention = "auto"
+        # What the last forward's self-attention ran: "sdpa", or "<kernel> (document mask)".
+        self.attention_kernel = ""
         self.apply(lambda m: init_weights(m, cfg.init_std))
         if self.pre_norm:
             # GPT-2: each residual branch adds variance to a stream that is never
@@ -340,9 +436,12 @@ class Transformer(nn.Module):
         memory: Optional[Tensor] = None,
         memory_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        document_ids: Optional[Tensor] = None,
     ) -> Tensor:
         """input_ids (B, T); attention_mask (B, past + T), 1 = real token, covering cached
-        positions too; memory (B, S, C) and memory_mask (B, S) for cross-attention."""
+        positions too; memory (B, S, C) and memory_mask (B, S) for cross-attention;
+        document_ids (B, T), the document of each token of a packed block (contiguous runs of
+        one id per row): each token attends within its document only, positions from its start."""
         if (memory is not None) != self.cross_attention:
             raise ValueError("encoder memory is required by, and only by, a stack with cross-attention")
         B, T = input_ids.shape
@@ -351,6 +450,11 @@ class Transformer(nn.Module):
             raise ValueError(f"{past + T} positions exceed max_seq_len={self.cfg.max_seq_len}")
         if attention_mask is not None and attention_mask.shape != (B, past + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}")
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids mark the documents of whole packed blocks; decoding takes none")
+            if document_ids.shape != (B, T):
+                raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, expected {(B, T)}")
 
         if (attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
                 and bool(attention_mask.all())):
@@ -359,11 +463,22 @@ class Transformer(nn.Module):
             # where it costs no device sync; the trainer drops an all-ones mask before moving
             # a batch (`launch.tasks.Task.to_device`).
             attention_mask = None
-        x = self.embed(input_ids, positions_from_mask(attention_mask, past, T, input_ids.device))  # (B, T, C)
+        if document_ids is None:
+            positions = positions_from_mask(attention_mask, past, T, input_ids.device)  # (1 or B, T)
+        else:
+            positions = positions_in_documents(document_ids)  # (B, T)
+        x = self.embed(input_ids, positions)  # (B, T, C)
         if not self.pre_norm:
             x = self.norm(x)
         x = self.drop(x)
-        mask, is_causal = self_attention_mask(attention_mask, T, past + T, self.causal, x.device)
+        if document_ids is None:
+            mask, is_causal = self_attention_mask(attention_mask, T, past + T, self.causal, x.device)
+            self.attention_kernel = "sdpa"
+        else:
+            kernel = self._document_kernel(x.device)
+            make_mask = document_block_mask if kernel == "flex_attention" else document_attention_mask
+            mask, is_causal = make_mask(document_ids, attention_mask, self.causal), False
+            self.attention_kernel = f"{kernel} (document mask)"
         cross = (memory, padding_mask(memory_mask)) if self.cross_attention else ()
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
@@ -372,3 +487,12 @@ class Transformer(nn.Module):
             else:
                 x = block(x, mask, is_causal, layer_cache, *cross)
         return self.norm(x) if self.pre_norm else x  # (B, T, C)
+
+    def _document_kernel(self, device: torch.device) -> str:
+        if self.document_attention not in ("auto", "sdpa", "flex_attention"):
+            raise ValueError(f"document_attention={self.document_attention!r}: expected auto, sdpa or flex_attention")
+        if self.document_attention != "auto":
+            return self.document_attention
+        dropout_active = self.training and self.cfg.dropout > 0
+        return "flex_attention" if device.type == "cuda" and not dropout_active and flex_attention_available() \
+            else "sdpa"

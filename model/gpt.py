@@ -37,13 +37,17 @@ class GPT(Transformer):
         memory_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
         label_smoothing: float = 0.0,
+        document_ids: Optional[Tensor] = None,
     ) -> ModelOutput:
         """input_ids (B, T); attention_mask (B, T) 1 = real, 0 = pad (B, past + T with a
-        cache); labels (B, T): the token each position predicts, IGNORE_INDEX for none.
+        cache); labels (B, T): the token each position predicts, IGNORE_INDEX for none;
+        document_ids (B, T): the document of each token of a packed block, for a block-causal
+        mask and positions restarting at each document (see `model.blocks`).
 
         With labels the output has the loss and no logits: `model.loss` computes it without
         materialising the (B, T, V) logits, which a training step never needs."""
-        h = super().forward(input_ids, attention_mask, memory=memory, memory_mask=memory_mask, cache=cache)
+        h = super().forward(input_ids, attention_mask, memory=memory, memory_mask=memory_mask, cache=cache,
+                            document_ids=document_ids)
         if labels is None:
             return ModelOutput(logits=self.lm_head(h))  # (B, T, V)
         return ModelOutput(loss=self.lm_head(h, labels, label_smoothing))

@@ -8,6 +8,11 @@ of numpy arrays crosses from a worker pickled in one message; torch tensors woul
 separate trip through shared memory, which for batches of this size costs more than building
 the masks again.
 
+With `data.document_mask`, a packed sample also holds its `doc_starts` (where each document
+starts in the block, `pipeline.format`), and the batch gains `document_ids` (B, T) int64: the
+document of each token, counted from 0 in each row (padding takes its row's last document).
+The model keeps attention, and positions, within each document (`model.blocks`).
+
 The token batch carries no labels: what a task predicts is the trainer's business
 (`launch.tasks` makes the labels, with the ignore index of `model.loss`).
 """
@@ -21,15 +26,22 @@ from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
 
 def pack(task: str, samples: list[list[np.ndarray]], mlm_masking: MLMMasking | None = None,
-         generators: list[torch.Generator] | None = None) -> dict[str, np.ndarray]:
-    """A micro batch of decoded samples (one list of field arrays each) as numpy arrays; MLM
-    draws each sample's mask from its own generator, so a mask depends on that seed alone."""
+         generators: list[torch.Generator] | None = None, document_mask: bool = False) -> dict[str, np.ndarray]:
+    """A micro batch of decoded samples (one list of field arrays each: input_ids, and
+    doc_starts with `document_mask`) as numpy arrays; MLM draws each sample's mask from its own
+    generator, so a mask depends on that seed alone."""
     if task == "translation":
         return _pack_translation([(src, tgt) for src, tgt in samples])
-    ids, lengths = _stack([ids for (ids,) in samples])
+    if document_mask:
+        blocks, doc_starts = zip(*samples)
+        ids, lengths = _stack(list(blocks))
+        packed = {"ids": ids, "lengths": lengths, "document_ids": _document_ids(doc_starts, ids.shape[1])}
+    else:
+        ids, lengths = _stack([ids for (ids,) in samples])
+        packed = {"ids": ids, "lengths": lengths}
     if task == "causal_lm":
-        return {"ids": ids, "lengths": lengths}
-    return {"ids": ids, "lengths": lengths, **mlm_masking.apply(ids, lengths, generators)}
+        return packed
+    return {**packed, **mlm_masking.apply(ids, lengths, generators)}
 
 
 def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -45,6 +57,8 @@ def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     if task == "mlm":
         batch["original_ids"] = _long(packed["original_ids"])
         batch["masked_positions"] = torch.from_numpy(packed["masked_positions"])
+    if "document_ids" in packed:
+        batch["document_ids"] = _long(packed["document_ids"])
     return batch
 
 
@@ -97,6 +111,15 @@ def _stack(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     ids = np.full((len(sequences), longest), PAD_ID, dtype=np.result_type(*sequences))
     ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)  # row by row, each row's start
     return ids, lengths
+
+
+def _document_ids(doc_starts: tuple[np.ndarray, ...], width: int) -> np.ndarray:
+    """(B, width) int32: the document of each position, 0 from each row's start, +1 at each of
+    its doc_starts after the first; positions past a row's end keep its last document."""
+    boundaries = np.zeros((len(doc_starts), width), dtype=np.int32)
+    rows = np.repeat(np.arange(len(doc_starts)), [len(starts) - 1 for starts in doc_starts])
+    boundaries[rows, np.concatenate([starts[1:] for starts in doc_starts]).astype(np.int64)] = 1
+    return boundaries.cumsum(axis=1, dtype=np.int32)
 
 
 def _long(ids: np.ndarray) -> torch.Tensor:
