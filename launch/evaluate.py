@@ -51,6 +51,7 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
+from pipeline import remote
 from pipeline.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
 from pipeline.tokenizer import load_tokenizer
@@ -62,13 +63,14 @@ Corpus BLEU and chrF of a translation model on one split; also under torchrun or
 
 def read_pairs(data_dir: str | Path, split: str, limit: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """(source ids, target ids) of a split's translation shards, in manifest order, then tar order."""
-    data_dir = Path(data_dir)
+    data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)  # a URL: read through the shard cache
     fields = FIELDS["translation"]
     pairs: list[tuple[np.ndarray, np.ndarray]] = []
     for entry in shard_entries(read_manifest(data_dir), "translation", split):
         if limit and len(pairs) >= limit:
             break
-        path = data_dir / entry["path"]
+        path = Path(remote.local_file(remote.join(data_dir, entry["path"]), size=entry.get("bytes"),
+                                      sha256=entry.get("sha256")))
         if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
             raise UserError(f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair")
         samples: dict[str, dict[str, bytes]] = {}
@@ -200,7 +202,8 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
     src_text = [detokenize(tokenizer, src) for src, _ in pairs]
     result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": cfg.beam, "split": cfg.split,
-              "checkpoint": str(Path(cfg.checkpoint).resolve()), "data": str(Path(data_dir).resolve()),
+              "checkpoint": str(Path(cfg.checkpoint).resolve()),
+              "data": data_dir if remote.is_url(data_dir) else str(Path(data_dir).resolve()),
               "max_len": max_len, "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
               "world_size": denv.world_size, "zero_stage": cfg.zero_stage, "decode_seconds": round(elapsed, 3)}
     out.mkdir(parents=True, exist_ok=True)

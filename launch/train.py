@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import hashlib
 import importlib.util
 import json
 import math
@@ -37,10 +38,11 @@ from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
-from model import ModelConfig, Pretrained, build_model, llmc_flops_per_token, warm_start
+from model import ModelConfig, Pretrained, attention_kernels, build_model, llmc_flops_per_token, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
-from pipeline.format import MANIFEST, TOKENIZER_FILE, file_sha256, read_manifest
-from pipeline.loader import ShardLoader
+from pipeline import remote
+from pipeline.format import MANIFEST, TOKENIZER_FILE, read_manifest
+from pipeline.loader import ShardLoader, describe_mixture
 from pipeline.lock import dir_lock
 
 USAGE = "usage: python -m launch.train CONFIG.yaml [key.sub=value ...]"
@@ -64,6 +66,7 @@ class Progress:
     tokens_seen: int = 0
     run_id: str | None = None  # the W&B run's id, kept across resumes
     guard: dict = field(default_factory=dict)  # `Guard.state_dict()`: skip counts and the loss history
+    tokens_by_source: dict = field(default_factory=dict)  # training tokens read per source, all ranks
 
 
 @dataclass
@@ -121,6 +124,9 @@ class Run:
     step: int = 0
     tokens_seen: int = 0
     n_parameters: int = 0  # all of them, for llm.c's FLOPs count
+    # Tokens read per source, all ranks, before this process started (from the checkpoint);
+    # the train loader counts this process's, this rank's.
+    tokens_by_source_before: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -159,8 +165,10 @@ def setup(cfg: TrainConfig) -> Run:
               f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
               f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
               f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
+        if data.train.mixed:
+            print(f"mixture: {describe_mixture(data.train.sources)}", file=sys.stderr)
     return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, guard, progress.step, progress.tokens_seen,
-               n_parameters)
+               n_parameters, dict(progress.tokens_by_source))
 
 
 def _on_main(denv: dist.DistEnv, work):
@@ -341,7 +349,8 @@ def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dis
     if denv.is_main:
         change = f" (written by {saved_world} ranks, resumed on {denv.world_size})" if saved_world != denv.world_size else ""
         print(f"resumed from {root / tag} at step {client['step']}{change}", file=sys.stderr)
-    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"), client.get("guard", {}))
+    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"), client.get("guard", {}),
+                    client.get("tokens_by_source", {}))
 
 
 def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
@@ -362,9 +371,11 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
         if dropped:
             print(f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job", file=sys.stderr)
         save_config(cfg, run_dir / "config.yaml")
-        shutil.copyfile(Path(cfg.data.data_dir) / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+        # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked against the manifest's sha256.
+        shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), remote.FetchConfig.from_loader_config(
+            cfg.data), sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
     peak = peak_flops(cfg.deepspeed.precision) if denv.is_main else (float("nan"), "")
-    summary = {"git_commit": git_commit(), "data_manifest_sha256": file_sha256(Path(cfg.data.data_dir) / MANIFEST),
+    summary = {"git_commit": git_commit(), "data_manifest_sha256": hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST))).hexdigest(),
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
@@ -560,7 +571,7 @@ def save_checkpoint(run: Run) -> Path:
         "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
         "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
-        "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(),
+        "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
     }
     if run.denv.is_main:
         ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
@@ -569,7 +580,7 @@ def save_checkpoint(run: Run) -> Path:
     dist.barrier()
     if run.denv.is_main:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
-                                             "global_batch_size", "micro_batch_size", "grad_accum")}
+                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
         (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
         ckpt.move_pointer(root, tag)
@@ -612,9 +623,13 @@ def fit(run: Run) -> dict:
     last_eval: dict = {}
     last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+    told_kernel = not (cfg.data.document_mask and run.denv.is_main)
     while run.step < stop_at:
         step_start = time.perf_counter()
         result = train_step(run, batches)
+        if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
+            print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
+            told_kernel = True
         window_time += time.perf_counter() - step_start
         run.step += 1
         run.tokens_seen += int(result["tokens"])
@@ -670,10 +685,21 @@ def fit(run: Run) -> dict:
 
 
 def data_counters(run: Run) -> dict:
-    """Unreadable data met so far, summed over the ranks (a collective: every rank calls it)."""
+    """Unreadable data met so far, and the training tokens read per source since the run began,
+    summed over the ranks (a collective: every rank calls it)."""
     names = ("shards_skipped", "samples_unreadable", "filler_batches")
     totals = dist.all_reduce_sum([float(run.data.train.stats[name]) for name in names])
-    return {f"data/{name}": int(total) for name, total in zip(names, totals)}
+    counters = {f"data/{name}": int(total) for name, total in zip(names, totals)}
+    counters.update({f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()})
+    return counters
+
+
+def tokens_by_source(run: Run) -> dict[str, int]:
+    """Training tokens read per source since the run began, all ranks (a collective)."""
+    mine = run.data.train.stats["tokens_by_source"]
+    names = sorted(set(mine) | set(run.tokens_by_source_before))
+    totals = dist.all_reduce_sum([float(mine.get(name, 0)) for name in names])
+    return {name: int(run.tokens_by_source_before.get(name, 0) + total) for name, total in zip(names, totals)}
 
 
 def train(cfg: TrainConfig) -> dict:

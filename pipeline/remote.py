@@ -135,11 +135,17 @@ def read_bytes(path: str | os.PathLike, fetch: FetchConfig | None = None) -> byt
 
 def local_file(path: str | os.PathLike, fetch: FetchConfig | None = None, *, size: int | None = None,
                sha256: str | None = None) -> str:
-    """A local path holding `path`'s bytes: `path` itself, or its copy in the cache (fetched if needed)."""
+    """A local path holding `path`'s bytes: `path` itself, or its copy in the cache (fetched if
+    needed; a one-line UserError if it cannot be)."""
     if not is_url(path):
         return str(path)
-    with cached(path, fetch or FetchConfig(), size=size, sha256=sha256) as local:
-        return local
+    try:
+        with cached(path, fetch or FetchConfig(), size=size, sha256=sha256) as local:
+            return local
+    except FileNotFoundError as err:
+        raise UserError(f"{path}: not found") from err
+    except FetchError as err:
+        raise UserError(f"{path}: cannot fetch: {err}") from err
 
 
 # Fetches that failed in this process's prefetch thread: the reader that comes for them takes the
@@ -299,11 +305,11 @@ def prefetch(shards) -> None:
     first = next(shards, None)
     if first is None or not is_url(first.path) or (first.fetch or FetchConfig()).prefetch < 1:
         if _prefetcher is not None and _prefetcher.pid == os.getpid():
-            _prefetcher.follow(iter(()))
+            _prefetcher.follow(iter(()), 0)
         return
     if _prefetcher is None or _prefetcher.pid != os.getpid():  # a forked worker inherits no thread
         _prefetcher = _Prefetcher()
-    _prefetcher.follow(itertools.chain([first], shards))
+    _prefetcher.follow(itertools.chain([first], shards), (first.fetch or FetchConfig()).prefetch)
 
 
 def reading(url: str) -> None:
@@ -319,12 +325,12 @@ class _Prefetcher:
     def __init__(self):
         self.pid = os.getpid()
         self.changed = threading.Condition()
-        self.follow(iter(()))
+        self.follow(iter(()), 0)
         threading.Thread(target=self._run, name="shard-prefetch", daemon=True).start()
 
-    def follow(self, stream) -> None:
+    def follow(self, stream, lookahead: int) -> None:
         with self.changed:
-            self.stream = stream
+            self.stream, self.lookahead = stream, lookahead
             self.shards: list = []  # drawn from the stream so far, each path once
             self.place: dict[str, int] = {}
             self.position = -1  # the latest shard the reader has come to
@@ -349,18 +355,16 @@ class _Prefetcher:
 
     def _due(self) -> object | None:
         """The next shard to fetch, if one is due (caller holds the condition)."""
-        lookahead = (self.shards[0].fetch or FetchConfig()).prefetch if self.shards else 1
-        self._draw(max(self.next, self.position + lookahead))
         if self.sought is not None:
             if self.sought not in self.place:  # the reader is a little ahead; a filler's shard is not in the stream
-                self._draw(len(self.shards) + lookahead)
+                self._draw(len(self.shards) + self.lookahead)
             i = self.place.get(self.sought, -1)
             if i > self.position:
                 self.position = i
                 self.next = max(self.next, i + 1)  # the reader fetches its own shard
             self.sought = None
-        if self.next < len(self.shards) and self.next <= self.position + (self.shards[self.next].fetch
-                                                                           or FetchConfig()).prefetch:
+        self._draw(self.position + self.lookahead)
+        if self.next < len(self.shards) and self.next <= self.position + self.lookahead:
             self.next += 1
             return self.shards[self.next - 1]
         return None
@@ -384,7 +388,7 @@ class _Prefetcher:
             return self._due()
         except Exception as err:  # a stream that cannot be drawn from: prefetching stops, reading goes on
             log.debug("shard prefetch stopped: %s", err)
-            self.stream, self.shards, self.place, self.sought = iter(()), [], {}, None
+            self.follow(iter(()), 0)
             return None
 
 

@@ -5,6 +5,8 @@ one download for two processes, nothing half-written left by a killed download),
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -87,14 +89,19 @@ class Served:
 
 
 def serve(tmp_path: Path, **dataset) -> Served:
+    """A dataset made with `dataset`'s shard sizes, served from a thread of this process."""
     local = tmp_path / "data"
     make_dataset(local, **dataset)
+    return serve_directory(local, tmp_path / "cache")
+
+
+def serve_directory(local: Path, cache: Path) -> Served:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
-    server.root, server.lock, server.requests = tmp_path, threading.Lock(), []
+    server.root, server.lock, server.requests = local.parent, threading.Lock(), []
     server.fail, server.trickle, server.trickle_s = {}, set(), 0.05
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return Served(local, f"http://127.0.0.1:{server.server_address[1]}/data", server, tmp_path / "cache")
+    return Served(local, f"http://127.0.0.1:{server.server_address[1]}/{local.name}", server, cache)
 
 
 @pytest.fixture
@@ -158,6 +165,30 @@ def test_the_url_gives_the_local_batches_also_after_a_resume(served, num_workers
     resumed_remote, _ = batches(served.url, state, num_workers=num_workers, fetch=served.fetch())
     assert_same_batches(resumed_remote, resumed_local)
     assert resumed_local == [] or len(resumed_local) == len(local) - 15
+
+
+def test_shards_are_prefetched_ahead_of_the_reader_and_no_further(served):
+    order = []  # the shards in the order the epoch first reads them
+    local = ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4)
+    for _ in local:
+        for key in local.sample_keys():
+            shard = str(Path(key.split("#")[0]).relative_to(served.local.parent))
+            if shard not in order:
+                order.append(shard)
+    loader = ShardLoader(served.url, "causal_lm", "train", micro_batch_size=4, fetch=served.fetch(prefetch=2))
+    stream = iter(loader)
+    next(stream)
+    read = {"data/" + key.split("#")[0].removeprefix(served.url + "/") for key in loader.sample_keys()}
+    assert read == set(order[:len(read)])
+    ahead = order[:len(read) + 2]  # the reader's shards and the two after the last of them
+    deadline = time.monotonic() + 20
+    while len(served.shard_requests()) < len(ahead):
+        assert time.monotonic() < deadline, served.shard_requests()
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert sorted(served.shard_requests()) == sorted(ahead)
+    rest = list(stream)
+    assert len(rest) == len(local) - 1
 
 
 def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
@@ -293,8 +324,32 @@ def test_an_unreachable_or_unknown_url_is_one_line(served):
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="unknown protocol 'nosuch'"):
         ShardLoader("nosuch://bucket/data", "causal_lm", "train", micro_batch_size=4)
-    try:
-        import s3fs  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("s3fs") is None:
         with pytest.raises(UserError, match="s3fs"):
             ShardLoader("s3://bucket/data", "causal_lm", "train", micro_batch_size=4)
+
+
+def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset, tmp_path):
+    """launch.train end to end, one process: the same losses, step for step, and the tokenizer copied."""
+    served = serve_directory(tiny_dataset, tmp_path / "cache")
+    try:
+        losses = []
+        for name, data_dir in (("local", tiny_dataset), ("url", served.url)):
+            run_dir = tmp_path / name
+            command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"),
+                       f"data.data_dir={data_dir}", f"run_dir={run_dir}", f"data.cache_dir={served.cache}",
+                       "max_steps=3", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+                       "model.max_seq_len=64", "data.micro_batch_size=4", "data.num_workers=1", "eval_batches=0",
+                       "wandb.mode=offline", "threads_per_rank=1", "log_every=1", "eval_every=0",
+                       "checkpoint.every_steps=0"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+            run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-4000:]
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            losses.append([row["train/loss"] for row in rows if "train/loss" in row])
+            assert (run_dir / "tokenizer.model").read_bytes() == (tiny_dataset / "tokenizer.model").read_bytes()
+        assert len(losses[0]) == 3 and losses[1] == losses[0]
+        assert served.shard_requests()  # the URL run read its shards over HTTP
+    finally:
+        served.server.shutdown()
+        served.server.server_close()
