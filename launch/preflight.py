@@ -46,6 +46,7 @@ from model import ModelConfig, build_model, training_flops
 from model.config import STACKS
 from model.loss import chunk_peak_bytes
 from model.warm_start import ARCHITECTURE_FIELDS, SOURCE_CLASSES
+from pipeline import remote
 from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, file_sha256, read_manifest, shard_entries
 
@@ -201,13 +202,16 @@ def resolve_world(world_size: int | None, ranks_per_node: int | None) -> World:
 
 
 def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo | None:
-    """The manifest, the tokenizer it names and every shard of the splits training reads."""
-    data_dir = Path(cfg.data.data_dir)
-    if not data_dir.is_dir():
+    """The manifest, the tokenizer it names and every shard of the splits training reads (of a
+    URL, the manifest and the tokenizer, fetched; its shards are checked when they are fetched)."""
+    url = remote.is_url(cfg.data.data_dir)
+    data_dir = cfg.data.data_dir if url else Path(cfg.data.data_dir)
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
+    if not url and not data_dir.is_dir():
         report.problem("data.data_dir", f"{data_dir}: no such directory (prepare it with pipeline.prepare)")
         return None
     try:
-        manifest = read_manifest(data_dir)
+        manifest = read_manifest(data_dir, fetch)
     except UserError as err:
         report.problem("data.data_dir", str(err))
         return None
@@ -215,9 +219,15 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
     info = DataInfo(vocab_size=tokenizer.get("vocab_size"), tokenizer_sha256=tokenizer.get("sha256"))
     if info.vocab_size is None:
         report.problem("data.data_dir", f"{data_dir}: the manifest's tokenizer record has no vocab_size")
-    tokenizer_file = data_dir / TOKENIZER_FILE
+    tokenizer_file = remote.join(data_dir, TOKENIZER_FILE)
     tokenizer_state = "missing"
-    if not tokenizer_file.is_file():
+    if url:
+        try:
+            remote.local_file(tokenizer_file, fetch, sha256=info.tokenizer_sha256)
+            tokenizer_state = "fetched, sha256 matches the manifest"
+        except UserError as err:
+            report.problem("data.data_dir", f"{err} (the manifest's tokenizer, which training copies into run_dir)")
+    elif not Path(tokenizer_file).is_file():
         report.problem("data.data_dir", f"{tokenizer_file}: missing (the manifest's tokenizer, which training copies "
                                         "into run_dir)")
     elif (actual := file_sha256(tokenizer_file)) != info.tokenizer_sha256:
@@ -243,6 +253,9 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
             continue
         info.samples[split] = sum(int(entry["samples"]) for entry in entries)
         info.tokens[split] = sum(int(entry.get("tokens", 0)) for entry in entries)
+        if url:
+            checked.append(f"{split} {len(entries)} shards listed (remote: checked when fetched)")
+            continue
         checked.append(f"{split} {len(entries) - _check_shards(data_dir, task.dataset, split, entries, report)}"
                        f"/{len(entries)} shards")
     report.facts["shards"] = f"{task.dataset}: {', '.join(checked) or 'none'} present with the manifest's sizes"

@@ -188,7 +188,7 @@ def _on_main(denv: dist.DistEnv, work):
 
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
-    manifest = read_manifest(cfg.data.data_dir)
+    manifest = read_manifest(cfg.data.data_dir, remote.FetchConfig.from_loader_config(cfg.data))
     # Found here, before the engine is built, rather than at the first forward after start-up.
     if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
         raise UserError(problem)

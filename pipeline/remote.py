@@ -330,6 +330,7 @@ class _Prefetcher:
 
     def follow(self, stream, lookahead: int) -> None:
         with self.changed:
+            _failed.clear()  # verdicts stand for the stream they were reached in (an epoch): the next one tries again
             self.stream, self.lookahead = stream, lookahead
             self.shards: list = []  # drawn from the stream so far, each path once
             self.place: dict[str, int] = {}

@@ -353,3 +353,22 @@ def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset,
     finally:
         served.server.shutdown()
         served.server.server_close()
+
+
+def test_the_dry_run_reads_a_url_s_manifest_and_fetches_its_tokenizer(tmp_path, capsys, monkeypatch):
+    from test_preflight import args, dry_run, make_data
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    served = serve_directory(make_data(tmp_path / "data"), tmp_path / "cache")
+    try:
+        code, out, problems = dry_run(args(served.url, tmp_path, f"data.cache_dir={served.cache}"), capsys)
+        assert code == 0 and problems == [], out
+        assert "tokenizer.model fetched, sha256 matches the manifest" in out
+        (served.local / "tokenizer.model").write_bytes(b"another tokenizer")
+        code, out, problems = dry_run(args(served.url, tmp_path, f"data.cache_dir={tmp_path / 'cache2'}",
+                                              "data.fetch_backoff_s=0.01"), capsys)
+        assert code != 0 and len(problems) == 1 and "sha256" in problems[0] and "tokenizer.model" in problems[0], out
+    finally:
+        served.server.shutdown()
+        served.server.server_close()
