@@ -1,6 +1,7 @@
 """Throughput of the data pipeline against the bare libraries it is built on; prints figures, asserts nothing.
 
     python benchmarks/bench_data.py [--data DIR] [--repeats N] [--prepare-repeats N] [--quick]
+                                    [--scale 1,10,20] [--skip-loader]
 
 1. Loader: `pipeline.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
    `webdataset.WebDataset` read of the same shards (np.load of `input_ids.npy`, stacked into a
@@ -16,12 +17,25 @@
    `pipeline.ray_runner.ray_session` / `run_tasks` for the run, not from editing the pipeline.
    One more run trains the tokenizer as shipped (2 workers) to show what training adds. The
    baseline is one process encoding the same texts the encode stage encodes (found with the
-   pipeline's own scan and dedup functions) with `sp.encode(texts, num_threads=1)`.
+   pipeline's own scan and dedup functions) with `sp.encode(texts, num_threads=1)`, timed in
+   the same run. Printed: the encode stage's tokens/s per Ray worker (tokens / (stage seconds x
+   workers)) and its ratio to that baseline (target >= 0.4, and >= 1.0 M tokens/s), and the
+   2-worker / 1-worker speed-up of the whole encode stage (target >= 1.8x); Ray's start and stop
+   are timed apart from the stages.
+3. Scale (`--scale 1,10,20`): a synthetic parallel corpus (jsonl with a text and a target field)
+   drawn from the default corpus's pairs by a seeded sampler, each record two random pairs
+   joined, so it is not de-duplicated away; 1x is 20,000 records (about as many tokens as the
+   default corpus's encode stage), 20x about 50 M tokens. Each size is prepared once with the
+   largest worker count and the dataset's tokenizer; printed: tokens, wall time, tokens/s, the
+   scan and encode stage times and the peak RSS of each Ray worker (its process's maximum
+   over the tasks it ran), so that a user can extrapolate to a corpus of their size. Generated
+   in a temporary directory, deleted afterwards.
 
 Data: DIR defaults to data/gettext-en-de. The script does not prepare it (a benchmark should not
 write into data/ behind your back): without DIR/manifest.json it prints how to make it and
 exits 2. `--quick` is a smoke run: two repeats, num_workers 0 and 1, 40 batches per loader run,
-prepare on the first 8 catalogs only, no tokenizer-training run.
+prepare on the first 8 catalogs only, no tokenizer-training run, and with `--scale` 2,000
+records per 1x.
 """
 
 from __future__ import annotations
@@ -29,7 +43,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
+import random
 import platform
 import shlex
 import shutil
@@ -168,10 +184,14 @@ def stage_timer(timings: dict):
 
     def timed_run_tasks(fn, arguments, **kwargs):
         started = time.perf_counter()
+        desc = kwargs.get("desc", fn.__name__)
         try:
-            return run_tasks(fn, arguments, **kwargs)
+            results = run_tasks(fn, arguments, **kwargs)
         finally:
-            timings[kwargs.get("desc", fn.__name__)] = time.perf_counter() - started
+            timings[desc] = time.perf_counter() - started
+        # The tasks report their worker's peak RSS (the process's maximum so far); kept aside, not a stage time.
+        timings.setdefault("_rss", {})[desc] = max((r.get("peak_rss_mb", 0.0) for r in results), default=0.0)
+        return results
 
     # prepare() imports these names from the module at call time, so patching the module suffices.
     ray_runner.ray_session, ray_runner.run_tasks = timed_session, timed_run_tasks
@@ -206,21 +226,25 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
     from pipeline.prepare import CHUNK_BYTES
-    from pipeline.sources import expand_paths, plan_units
-    from pipeline.work import MONO, PAIRS, _bucket_records, _unique, scan_unit
+    from pipeline.sources import expand_paths, plan_units, source_list
+    from pipeline.work import MONO, PAIRS, scan_unit, unique_records
 
-    units = plan_units(expand_paths(cfg.source), cfg.source, CHUNK_BYTES)
+    units = [unit for index, source in enumerate(source_list(cfg))
+             for unit in plan_units(expand_paths(source), source, CHUNK_BYTES, index)]
     for index, unit in enumerate(units):
         scan_unit(index, unit, cfg, str(work_dir))
+    unit_sources = [unit.source for unit in units]
+    stats = [Counter() for _ in source_list(cfg)]
     texts: list[str] = []
     for dataset in sorted({DATASET_FOR_TASK[task] for task in cfg.tasks}):
         for split in SPLITS:
             for bucket in range(cfg.shard.buckets):
+                family = MONO if dataset == "packed" else PAIRS
+                lines = [line.decode("utf-8") for _, line in unique_records(str(work_dir), unit_sources, family, split, bucket, stats)]
                 if dataset == "packed":
-                    records = _unique(_bucket_records(str(work_dir), len(units), MONO, split, bucket), Counter())
-                    texts.extend(record[0] for record in records)
+                    texts.extend(lines)
                 else:
-                    pairs = _unique(_bucket_records(str(work_dir), len(units), PAIRS, split, bucket), Counter())
+                    pairs = [line.split("\t", 1) for line in lines]
                     texts.extend(source for source, _ in pairs)
                     texts.extend(target for _, target in pairs)
     return texts
@@ -264,7 +288,8 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
             runs.setdefault(f"{num_workers}", []).append(result)
             timings = result["timings"]
             print(f"prepare ray.num_workers={num_workers} (fixed tokenizer), repeat {repeat + 1}: "
-                  f"wall {timings['wall']:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items() if k != "wall")
+                  f"wall {timings['wall']:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()
+                                                                if k != "wall" and not k.startswith("_"))
                   + ("; SHARDS DIFFER from the dataset's" if result["identical"] is False else ""), flush=True)
     trained = None
     if train_run:
@@ -277,11 +302,88 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
             "trained": trained, "trained_workers": workers[-1]}
 
 
+# ---------------------------------------------------------------- scale
+
+
+SCALE_RECORDS = 20_000  # records per 1x: about the default corpus's encode-stage tokens
+RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share out
+
+
+def corpus_pairs(cfg) -> list[tuple[str, str]]:
+    """The distinct cleaned (source, target) pairs of the dataset's source, with the pipeline's readers."""
+    from pipeline.prepare import CHUNK_BYTES
+    from pipeline.sources import expand_paths, plan_units, read_unit
+
+    pairs: dict[tuple[str, str], None] = {}
+    for unit in plan_units(expand_paths(cfg.source), cfg.source, CHUNK_BYTES):
+        for source, target in read_unit(unit, cfg.source, Counter()):
+            pairs[(source, target or source)] = None
+    return list(pairs)
+
+
+def synthetic_corpus(pairs: list[tuple[str, str]], records: int, directory: Path, seed: int = 0) -> list[str]:
+    """`records` jsonl records, each two pairs drawn by a seeded sampler and joined; written in files of RECORDS_PER_FILE."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for start in range(0, records, RECORDS_PER_FILE):
+        path = directory / f"part-{start // RECORDS_PER_FILE:05d}.jsonl"
+        with open(path, "w", encoding="utf-8") as fh:
+            for _ in range(min(RECORDS_PER_FILE, records - start)):
+                (s1, t1), (s2, t2) = rng.choice(pairs), rng.choice(pairs)
+                fh.write(json.dumps({"text": f"{s1} {s2}", "target": f"{t1} {t2}"}, ensure_ascii=False) + "\n")
+        paths.append(str(path))
+    return paths
+
+
+def bench_scale(data_dir: Path, scales: list[int], per_x: int, num_workers: int, tmp: Path) -> list[dict]:
+    base = prepare_config(data_dir, tmp / "scale-out", num_workers, True, None)
+    pairs = corpus_pairs(base)
+    rows = []
+    for scale in scales:
+        corpus = tmp / f"scale-{scale}x"
+        paths = synthetic_corpus(pairs, per_x * scale, corpus)
+        cfg = prepare_config(data_dir, tmp / "scale-out", num_workers, True, paths)
+        cfg.source.format, cfg.source.text_field, cfg.source.target_field = "jsonl", "text", "target"
+        result = run_prepare(cfg)
+        shutil.rmtree(corpus, ignore_errors=True)
+        manifest, timings = result["manifest"], result["timings"]
+        tokens = sum(d["stats"].get("tokens", 0) for d in manifest["datasets"].values())
+        row = {"scale": scale, "records": per_x * scale, "tokens": tokens, "wall": timings["wall"],
+               "scan": timings.get("scan", 0.0), "encode": timings.get("encode", 0.0),
+               "ray": timings.get("ray_start", 0.0) + timings.get("ray_stop", 0.0), "rss": timings.get("_rss", {})}
+        rows.append(row)
+        print(f"scale {scale}x: {row['records']:,} records, {tokens:,} tokens written, wall {row['wall']:.1f} s "
+              f"(scan {row['scan']:.1f}, encode {row['encode']:.1f}, Ray start+stop {row['ray']:.1f}), peak RSS per worker "
+              f"scan {row['rss'].get('scan', 0):.0f} MB, encode {row['rss'].get('encode', 0):.0f} MB", flush=True)
+    return rows
+
+
+def scale_table(rows: list[dict], num_workers: int) -> str:
+    lines = [f"Scale: synthetic jsonl pairs from the default corpus, {num_workers} Ray workers, fixed tokenizer; "
+             "tokens = tokens written to shards (packed + translation); tokens/s over the scan + encode stages "
+             "(Ray start/stop excluded) and over the wall",
+             "",
+             "| size | records | tokens | wall s | scan s | encode s | tokens/s, stages | tokens/s, wall | "
+             "peak RSS per worker, scan / encode (MB) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        stages = row["scan"] + row["encode"]
+        lines.append(f"| {row['scale']}x | {row['records']:,} | {row['tokens']:,} | {row['wall']:.1f} | {row['scan']:.1f} | "
+                     f"{row['encode']:.1f} | {_rate(row['tokens'] / stages)} | {_rate(row['tokens'] / row['wall'])} | "
+                     f"{row['rss'].get('scan', 0):.0f} / {row['rss'].get('encode', 0):.0f} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- report
 
 
 def _rate(per_second: float) -> str:
     return f"{per_second / 1e6:.2f} M" if per_second >= 1e6 else f"{per_second / 1e3:.0f} k"
+
+
+def _stage_keys(timings: dict) -> list[str]:
+    return [k for k in timings if k != "wall" and not k.startswith("_")]
 
 
 def _median_timing(results: list[dict], key: str) -> float:
@@ -324,13 +426,26 @@ def prepare_table(result: dict, repeats: int) -> str:
     for label, baseline in (("sp.encode, 1 process, 1 thread", result["baseline"]),
                             ("sp.encode, 1 process, library default threads", result["baseline_all_threads"])):
         lines.append(f"| {label} | | {baseline['seconds']:.2f} | | {_rate(tokens / baseline['seconds'])} |")
+    sp_rate = tokens / result["baseline"]["seconds"]
+    lines += ["", "| Ray workers | encode stage s | tokens/s per worker | / sp.encode 1 thread | "
+              "speed-up over 1 worker | Ray start s | Ray stop s | peak RSS per worker, scan / encode (MB) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    one = _median_timing(result["runs"]["1"], "encode") if "1" in result["runs"] else None
+    for workers, runs in result["runs"].items():
+        encode = _median_timing(runs, "encode")
+        per_worker = tokens / (encode * int(workers))
+        rss = runs[0]["timings"].get("_rss", {})
+        lines.append(f"| {workers} | {encode:.2f} | {_rate(per_worker)} | {per_worker / sp_rate:.2f} | "
+                     f"{(one / encode) if one else float('nan'):.2f}x | {_median_timing(runs, 'ray_start'):.2f} | "
+                     f"{_median_timing(runs, 'ray_stop'):.2f} | {rss.get('scan', 0):.0f} / {rss.get('encode', 0):.0f} |")
+    lines.append("(targets: >= 1.0 M tokens/s per worker, >= 0.40 of sp.encode on 1 thread, 2 workers >= 1.8x one)")
     return "\n".join(lines)
 
 
 def stage_breakdown(result: dict) -> str:
     parts = []
     for workers, runs in result["runs"].items():
-        keys = [k for k in runs[0]["timings"] if k != "wall"]
+        keys = _stage_keys(runs[0]["timings"])
         other = statistics.median(r["timings"]["wall"] - sum(r["timings"][k] for k in keys) for r in runs)
         detail = ", ".join(f"{k} {_median_timing(runs, k):.1f}" for k in keys)
         checks = {r["identical"] for r in runs}
@@ -339,7 +454,7 @@ def stage_breakdown(result: dict) -> str:
                      f"shards identical to the dataset's: {identical}")
     if result["trained"] is not None:
         timings = result["trained"]["timings"]
-        between = timings["wall"] - sum(v for k, v in timings.items() if k != "wall")
+        between = timings["wall"] - sum(timings[k] for k in _stage_keys(timings))
         parts.append(f"  trained tokenizer: outside the Ray stages (tokenizer training, manifest) {between:.1f} s; "
                      f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}")
     return "Prepare stage medians (s):\n" + "\n".join(parts)
@@ -365,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prepare-repeats", type=int, default=None,
                         help="prepare runs per worker count (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("--scale", default="", help="synthetic corpus sizes, e.g. 1,10,20 (x the default corpus)")
+    parser.add_argument("--skip-loader", action="store_true", help="prepare figures only")
     args = parser.parse_args(argv)
+    scales = [int(x) for x in args.scale.split(",") if x.strip()]
     repeats = args.repeats or (2 if args.quick else 7)
     prepare_repeats = args.prepare_repeats or (1 if args.quick else 3)
     data_dir = args.data.resolve()
@@ -382,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     started = time.perf_counter()
 
-    loader_rows = bench_loader(data_dir, [0, 1] if args.quick else [0, 1, 2], repeats, 40 if args.quick else None)
+    loader_rows = None if args.skip_loader else bench_loader(
+        data_dir, [0, 1] if args.quick else [0, 1, 2], repeats, 40 if args.quick else None)
 
     source_paths = None
     if args.quick:
@@ -391,17 +510,22 @@ def main(argv: list[str] | None = None) -> int:
         source_paths = expand_paths(prepare_config(data_dir, data_dir, 1, True, None).source)[:8]
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
         prepare_result = bench_prepare(data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp))
+        scale_rows = bench_scale(data_dir, scales, 2_000 if args.quick else SCALE_RECORDS, 2, Path(tmp)) if scales else None
 
     total = time.perf_counter() - started
     print()
     print(f"Figures from a {header}; load average {os.getloadavg()[0]:.2f} at the end.")
     print()
-    print(loader_table(loader_rows, repeats))
-    print()
+    if loader_rows:
+        print(loader_table(loader_rows, repeats))
+        print()
     print(prepare_table(prepare_result, prepare_repeats))
     print()
     print(stage_breakdown(prepare_result))
     print()
+    if scale_rows:
+        print(scale_table(scale_rows, 2))
+        print()
     print(f"Benchmark wall time {total:.0f} s. Command: `{command}`" + (" (quick: smoke sizes)" if args.quick else ""))
     return 0
 

@@ -10,17 +10,21 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 TASKS = ("causal_lm", "mlm", "translation")
-SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext")
+SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext", "parquet")
 
 
 @dataclass
 class SourceConfig:
+    # The source's name: its shards' folder and its key in the manifest's per-source counts
+    # (and in a training mixture). Letters, digits, '_', '.', '-'.
+    name: str = "default"
     # text: one document per line or per blank-line-separated paragraph (`text_split`);
     # jsonl: a document in `text_field` (a pair when `target_field` is set too);
     # tsv: (source, target) pairs in `source_column` and `target_column`;
-    # gettext: compiled .mo or source .po catalogs, msgid -> msgstr pairs.
+    # gettext: compiled .mo or source .po catalogs, msgid -> msgstr pairs;
+    # parquet: a string column `text_field` (and `target_field` for pairs), read row group by row group.
     format: str = "gettext"
-    # Files or globs; `.gz` files are read decompressed. The default is the system's
+    # Files or globs; `.gz` and `.zst` files are read decompressed. The default is the system's
     # English->German message catalogs, which every Debian or Ubuntu machine has.
     paths: List[str] = field(
         default_factory=lambda: ["/usr/share/locale/${source.target_lang}/LC_MESSAGES/*.mo"]
@@ -28,8 +32,8 @@ class SourceConfig:
     source_lang: str = "en"  # language of the source side; a label kept in the manifest
     target_lang: str = "de"  # language of the target side; the default paths use it
     text_split: str = "line"  # line | paragraph
-    text_field: str = "text"  # jsonl: the key of the (source) text
-    target_field: str = ""  # jsonl: the key of the target text; "" = monolingual
+    text_field: str = "text"  # jsonl: the key of the (source) text; parquet: its column
+    target_field: str = ""  # jsonl, parquet: the key (column) of the target text; "" = monolingual
     source_column: int = 0  # tsv: column of the source text (from 0)
     target_column: int = 1  # tsv: column of the target text (from 0)
     # Longer monolingual documents are cut into pieces of at most this many characters,
@@ -42,6 +46,12 @@ class SourceConfig:
     # characters), stays below and is kept, replaced. A source in which over half the texts
     # are dropped for this stops prepare. 1.0 keeps every text.
     max_replaced_fraction: float = 0.1
+    # With several sources: this source's relative share of the tokenizer's training sample.
+    # The sample's `tokenizer.sample_texts` slots are divided in proportion to the shares; a
+    # source with fewer distinct training texts than its slots gives all it has and its unused
+    # slots go to the others, again in proportion. Within a source the texts are its bottom-k
+    # by salted hash, as with one source.
+    tokenizer_share: float = 1.0
 
 
 @dataclass
@@ -105,6 +115,12 @@ class PrepareConfig:
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     source: SourceConfig = field(default_factory=SourceConfig)
+    # Several sources in one prepare, each with its own `name`, format, paths and fields (the
+    # keys of `source`); each keeps its own shards and counts. Splits and de-duplication are
+    # global: a text's split depends on the text alone, and a text found in two sources is kept
+    # by the one listed first. Translation pairs come from the parallel sources only. Give
+    # either `source` or `sources`, not both; [] = the single `source`.
+    sources: List[SourceConfig] = field(default_factory=list)
     split: SplitConfig = field(default_factory=SplitConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)

@@ -8,6 +8,10 @@ A prepared dataset directory holds:
     packed/{split}/{bucket:04d}-{part:04d}.tar        causal_lm and mlm blocks
     translation/{split}/{bucket:04d}-{part:04d}.tar   (source, target) pairs
 
+With several sources (`sources:` in the prepare config) each source has its own shards, in
+`packed/{split}/{source}/{bucket:04d}-{part:04d}.tar` (and the same under `translation/`);
+with one the paths are as above.
+
 Each tar is a WebDataset shard: samples are consecutive members sharing a key
 (`{bucket:04d}_{index:08d}`), one `.npy` member per field (integer arrays, never pickle).
 `packed` samples have `input_ids` (exactly `seq_len` tokens: documents joined with `</s>`)
@@ -17,7 +21,9 @@ the block, never `seq_len`); datasets written before `doc_starts` existed list o
 `input_ids` in the manifest's `fields`. `translation` samples have `src_ids` and `tgt_ids` (no special tokens added).
 
 The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
-`path`, `samples`, `tokens`, `bytes` and `sha256`.
+`path`, `samples`, `tokens`, `bytes`, `sha256` and `source` (the source's name; a shard
+record without it belongs to the single source "default"); each split entry has `samples`,
+`tokens` and `sources: {name: {samples, tokens}}`.
 
 The loader (`pipeline.loader`) hands the trainer token batches, `BATCH_FIELDS[task]`, all
 (B, T) tensors made by `pipeline.collate`: ids int64 padded with <pad>, masks int64 with
@@ -68,8 +74,10 @@ def sample_key(bucket: int, index: int) -> str:
     return f"{bucket:04d}_{index:08d}"
 
 
-def shard_name(dataset: str, split: str, bucket: int, part: int) -> str:
-    return f"{dataset}/{split}/{bucket:04d}-{part:04d}.tar"
+def shard_name(dataset: str, split: str, bucket: int, part: int, source: str | None = None) -> str:
+    """A shard's path in the dataset; `source` names the source's own folder when a prepare has several."""
+    folder = f"{dataset}/{split}/{source}" if source else f"{dataset}/{split}"
+    return f"{folder}/{bucket:04d}-{part:04d}.tar"
 
 
 def encode_array(array: np.ndarray) -> bytes:
@@ -173,27 +181,124 @@ def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str
     Returns the shard's manifest record, with `path` as given. The file appears under its
     final name only once complete.
     """
-    import webdataset as wds
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    tokens = 0
-    with open(partial, "wb") as fh:
-        writer = wds.TarWriter(fh, encoder=False, mtime=0, user="", group="", mode=0o444)
+    with ShardWriter(path) as writer:
         for key, sample in zip(keys, samples, strict=True):
-            record = {"__key__": key}
-            for field_name, array in sample.items():
-                record[f"{field_name}.npy"] = encode_array(array)
-                if field_name.endswith("_ids"):  # token fields; not doc_starts (positions)
-                    tokens += int(array.size)
-            writer.write(record)
-        writer.close()
-    os.replace(partial, path)
-    return {
-        "path": str(path),
-        "samples": len(keys),
-        "tokens": tokens,
-        "bytes": path.stat().st_size,
-        "sha256": file_sha256(path),
-    }
+            writer.write(key, sample)
+    return writer.record
+
+
+# The tar layout `write_shard` produces, byte for byte what webdataset.TarWriter(encoder=False,
+# mtime=0, user="", group="", mode=0o444) writes through tarfile (tests/test_prepare.py checks
+# it): one ustar header per member, its data padded to 512 bytes, two zero blocks, then zeros
+# up to a multiple of 10240 bytes. Written directly because TarWriter (tarfile's header code,
+# np.save per member and importing webdataset, which imports torch) cost several times
+# SentencePiece's own time in prepare's encode stage.
+_BLOCK, _RECORD = 512, 20 * 512
+_NAME_MAX = 100
+
+
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+# The header's fields around the name (0:100) and size (124:136); the checksum field (148:156)
+# counts as spaces while the checksum is summed.
+_HEADER_MIDDLE = _octal(0o444, 8) + _octal(0, 8) + _octal(0, 8)  # mode, uid, gid
+_HEADER_TAIL = (_octal(0, 12) + b"        " + b"0" + bytes(100) + b"ustar\x0000" + bytes(32) + bytes(32)
+                + bytes(8) + bytes(8) + bytes(155) + bytes(12))  # mtime ... prefix, pad to 512
+_HEADER_SUM = sum(_HEADER_MIDDLE) + sum(_HEADER_TAIL)
+
+
+def _tar_header(name: bytes, size: int) -> bytes:
+    if len(name) > _NAME_MAX:
+        raise ValueError(f"tar member name longer than {_NAME_MAX} bytes: {name!r}")
+    size_field = _octal(size, 12)
+    checksum = _HEADER_SUM + sum(name) + sum(size_field)
+    tail = _HEADER_TAIL[:12] + b"%06o\0 " % checksum + _HEADER_TAIL[20:]
+    return name + bytes(_NAME_MAX - len(name)) + _HEADER_MIDDLE + size_field + tail
+
+
+_NPY_HEADERS: dict[tuple, bytes] = {}
+
+
+def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The bytes `np.save` writes before an array's data (cached: shapes repeat)."""
+    key = (shape, dtype.str)
+    header = _NPY_HEADERS.get(key)
+    if header is None:
+        header = encode_array(np.zeros(shape, dtype=dtype))[: -np.dtype(dtype).itemsize * int(np.prod(shape))
+                                                            or None]
+        _NPY_HEADERS[key] = header
+    return header
+
+
+class ShardWriter:
+    """Write one shard sample by sample, hashing as it goes (no second read for the sha256).
+
+    Written to `PATH.partial` and renamed on `close`; `record` is then the manifest record.
+    Fields are written in sorted order, as TarWriter does; fields ending in `_ids` count as tokens.
+    """
+
+    def __init__(self, path: str | os.PathLike, flush_bytes: int = 1 << 20):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self._fh = open(self.partial, "wb")
+        self._digest = hashlib.sha256()
+        self._parts: list[bytes] = []
+        self._pending = 0
+        self._flush_bytes = flush_bytes
+        self.bytes = self.samples = self.tokens = 0
+        self.record: dict | None = None
+
+    def write(self, key: str, sample: dict[str, np.ndarray]) -> None:
+        parts, written = self._parts, 0
+        for field_name in sorted(sample):
+            array = np.ascontiguousarray(sample[field_name])
+            data = array.tobytes()
+            header = npy_header(array.shape, array.dtype)
+            size = len(header) + len(data)
+            parts.append(_tar_header(f"{key}.{field_name}.npy".encode(), size))
+            parts.append(header)
+            parts.append(data)
+            padding = -size % _BLOCK
+            if padding:
+                parts.append(bytes(padding))
+            written += _BLOCK + size + padding
+            if field_name.endswith("_ids"):  # token fields; not doc_starts (positions)
+                self.tokens += array.size
+        self.samples += 1
+        self._pending += written
+        if self._pending >= self._flush_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        data = b"".join(self._parts)
+        self._fh.write(data)
+        self._digest.update(data)
+        self.bytes += len(data)
+        self._parts, self._pending = [], 0
+
+    def close(self) -> dict:
+        if self.record is None:
+            end = self.bytes + self._pending + 2 * _BLOCK
+            self._parts.append(bytes(2 * _BLOCK + (-end % _RECORD)))
+            self._flush()
+            self._fh.close()
+            os.replace(self.partial, self.path)
+            self.record = {"path": str(self.path), "samples": self.samples, "tokens": int(self.tokens),
+                           "bytes": self.bytes, "sha256": self._digest.hexdigest()}
+        return self.record
+
+    def abort(self) -> None:
+        self._fh.close()
+        self.partial.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()

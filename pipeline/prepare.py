@@ -26,7 +26,8 @@ from pipeline.config import TASKS, PrepareConfig
 from pipeline.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
 from pipeline.lock import dir_lock
-from pipeline.sources import Unit, check_usable, describe_skipped, expand_paths, is_parallel, plan_units
+from pipeline.sources import (Unit, check_sources, check_usable, describe_skipped, expand_paths, is_parallel, plan_units,
+                              source_list, source_where)
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
@@ -39,8 +40,12 @@ def prepare(cfg: PrepareConfig) -> dict:
     check_config(cfg)
     started = time.time()
     output = Path(cfg.output_dir)
-    files = expand_paths(cfg.source)
-    units = plan_units(files, cfg.source, CHUNK_BYTES)
+    files, units = [], []
+    # Source by source: unit order is source order (the first source keeps a shared text).
+    for index, source in enumerate(source_list(cfg)):
+        source_files = expand_paths(source, source_where(cfg, index))
+        files.append(source_files)
+        units.extend(plan_units(source_files, source, CHUNK_BYTES, index, source_where(cfg, index)))
     given_model = None
     if cfg.tokenizer.model_path:
         path = Path(cfg.tokenizer.model_path)
@@ -56,7 +61,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     with dir_lock(output, what="prepare", lock_file=output.with_name(output.name + LOCK_SUFFIX)):
         staging = _staging_dir(output, cfg.overwrite)
         try:
-            log(f"prepare: {len(files)} files in {len(units)} units -> {output} ({cfg.ray.num_workers} Ray workers)")
+            log(f"prepare: {sum(map(len, files))} files in {len(units)} units -> {output} ({cfg.ray.num_workers} Ray workers)")
             manifest = _build(cfg, files, units, given_model, staging, started, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
@@ -69,16 +74,16 @@ def check_config(cfg: PrepareConfig) -> None:
     unknown = [k for k in cfg.tasks if k not in TASKS]
     if unknown or not cfg.tasks:
         raise UserError(f"tasks: {unknown or cfg.tasks} not valid; choose from {', '.join(TASKS)}")
-    if "translation" in cfg.tasks and not is_parallel(cfg.source):
-        raise UserError(f"tasks: translation needs a parallel source (tsv, gettext, or jsonl with target_field), not {cfg.source.format}")
+    check_sources(cfg)
+    if "translation" in cfg.tasks and not any(is_parallel(source) for source in source_list(cfg)):
+        formats = ", ".join(source.format for source in source_list(cfg))
+        raise UserError(f"tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with target_field), not {formats}")
     if cfg.seq_len < 2:
         raise UserError(f"seq_len: must be at least 2, got {cfg.seq_len}")
     if not (0 <= cfg.split.valid and 0 <= cfg.split.test and cfg.split.valid + cfg.split.test < 1):
         raise UserError("split.valid and split.test: fractions in [0, 1) that leave some training data")
     if cfg.shard.buckets < 1 or cfg.shard.max_samples < 1:
         raise UserError("shard.buckets and shard.max_samples: must be at least 1")
-    if not 0 <= cfg.source.max_replaced_fraction <= 1:
-        raise UserError(f"source.max_replaced_fraction: a fraction in [0, 1], got {cfg.source.max_replaced_fraction}")
 
 
 def _staging_dir(output: Path, overwrite: bool) -> Path:
@@ -104,7 +109,7 @@ def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
     log(f"prepare: {why}; removed {staging}")
 
 
-def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model: bytes | None, staging: Path,
+def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_model: bytes | None, staging: Path,
            started: float, log) -> dict:
     """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.ray_runner import ray_session, run_tasks
@@ -116,16 +121,23 @@ def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model:
             scan_unit, [(i, unit) for i, unit in enumerate(units)], num_workers=cfg.ray.num_workers,
             desc="scan", progress=cfg.progress, shared={"cfg": cfg, "work_dir": str(work_dir)},
         )
-        source_stats = _merge_stats(scanned)
-        undecodable_by_file: Counter = Counter()
-        for unit, result in zip(units, scanned):
-            undecodable_by_file[unit.path] += result["stats"].get("undecodable_dropped", 0)
-        check_usable(source_stats, cfg.source, len(files), undecodable_by_file)
+        sources = source_list(cfg)
+        by_source = []
+        for index, source in enumerate(sources):
+            results = [result for unit, result in zip(units, scanned) if unit.source == index]
+            stats = _merge_stats(results)
+            undecodable_by_file: Counter = Counter()
+            for unit, result in zip(units, scanned):
+                if unit.source == index:
+                    undecodable_by_file[unit.path] += result["stats"].get("undecodable_dropped", 0)
+            try:
+                check_usable(stats, source, len(files[index]), undecodable_by_file)
+            except UserError as err:
+                raise UserError(f"{source_where(cfg, index)}: {err}" if cfg.sources else str(err)) from err
+            by_source.append(stats)
+        source_stats = _merge_stats([{"stats": stats} for stats in by_source])
         if given_model is None:
-            sample = BottomKSample(cfg.tokenizer.sample_texts)
-            for result in scanned:
-                sample.merge(result["sample"])
-            texts = [text for _, text in sample.items()]
+            texts = tokenizer_sample(cfg, units, scanned)
             log(f"prepare: training the tokenizer on {len(texts)} texts")
             model_bytes = train_tokenizer(texts, cfg.tokenizer)
         else:
@@ -135,7 +147,8 @@ def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model:
         processor = processor_from_bytes(model_bytes)
 
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
-        jobs = [(d, s, b, len(units)) for d in datasets for s in SPLITS for b in range(cfg.shard.buckets)]
+        unit_sources = [unit.source for unit in units]
+        jobs = [(d, s, b, unit_sources) for d in datasets for s in SPLITS for b in range(cfg.shard.buckets)]
         encoded = run_tasks(
             encode_bucket, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
             shared={"work_dir": str(work_dir), "out_dir": str(staging), "tokenizer_model": model_bytes, "cfg": cfg},
@@ -146,13 +159,19 @@ def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model:
         "tokenizer": {"file": TOKENIZER_FILE, **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
                       "trained": given_model is None},
         "config": config_to_dict(cfg),
-        "sources": {"files": len(files), "units": len(units), **source_stats},
+        "sources": {"files": sum(map(len, files)), "units": len(units), **source_stats,
+                    "by_source": {source.name: {"format": source.format, "files": len(files[index]),
+                                                "units": sum(unit.source == index for unit in units), **by_source[index]}
+                                  for index, source in enumerate(sources)}},
         "datasets": {},
         "seconds": round(time.time() - started, 1),
     }
     for name in datasets:
+        results = [r for r in encoded if r["dataset"] == name]
         entry = {"tasks": [k for k in TASKS if DATASET_FOR_TASK[k] == name], "fields": list(FIELDS[name]),
-                 "splits": {}, "stats": _merge_stats([r for r in encoded if r["dataset"] == name])}
+                 "splits": {}, "stats": _merge_stats(results),
+                 "stats_by_source": {source.name: _merge_stats([{"stats": r["source_stats"][source.name]} for r in results])
+                                     for source in sources}}
         if name == "packed":
             entry["seq_len"] = cfg.seq_len
         for split in SPLITS:
@@ -160,6 +179,9 @@ def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model:
             entry["splits"][split] = {
                 "samples": sum(s["samples"] for s in shards),
                 "tokens": sum(s["tokens"] for s in shards),
+                "sources": {source.name: {"samples": sum(s["samples"] for s in shards if s["source"] == source.name),
+                                          "tokens": sum(s["tokens"] for s in shards if s["source"] == source.name)}
+                            for source in sources},
                 "shards": shards,
             }
         manifest["datasets"][name] = entry
@@ -169,6 +191,33 @@ def _build(cfg: PrepareConfig, files: list[str], units: list[Unit], given_model:
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return manifest
+
+
+def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict]) -> list[str]:
+    """The tokenizer's training texts: each source's bottom-k texts, `tokenizer.sample_texts`
+    slots divided by `tokenizer_share` (a source short of texts leaves its slots to the others,
+    in proportion), then all ordered by hash. With one source: its bottom-k, as ever."""
+    sources = source_list(cfg)
+    samples = [BottomKSample(cfg.tokenizer.sample_texts) for _ in sources]
+    for unit, result in zip(units, scanned):
+        samples[unit.source].merge(result["sample"])
+    items = [sample.items() for sample in samples]
+    quota = [0] * len(sources)
+    open_sources, slots = list(range(len(sources))), cfg.tokenizer.sample_texts
+    while open_sources and slots > 0:  # water-filling: the shares of the sources that still have texts
+        total = sum(sources[i].tokenizer_share for i in open_sources)
+        offer = {i: int(slots * sources[i].tokenizer_share / total) for i in open_sources}
+        for i in open_sources[: slots - sum(offer.values())]:  # rounding remainder, in source order
+            offer[i] += 1
+        for i in open_sources:
+            quota[i] += min(offer[i], len(items[i]) - quota[i])
+        slots = cfg.tokenizer.sample_texts - sum(quota)
+        open_sources = [i for i in open_sources if quota[i] < len(items[i])]
+    chosen: dict[int, str] = {}
+    for i in range(len(sources)):
+        for key, text in items[i][: quota[i]]:
+            chosen.setdefault(key, text)  # a text two sources share is one training text
+    return [chosen[key] for key in sorted(chosen)]
 
 
 def _merge_stats(results: list[dict]) -> dict:
@@ -203,9 +252,18 @@ def summary(manifest: dict) -> str:
     sources = manifest["sources"]
     keep = ("files", "records", "empty", "bad_bytes_replaced", "untranslated", "fuzzy", "malformed_records", "unreadable_files", "long_texts_cut")
     lines.append("sources: " + ", ".join(f"{k}={sources[k]}" for k in keep if k in sources))
-    skipped = describe_skipped(sources, config_from_dict(PrepareConfig, manifest["config"], "manifest").source)
-    if skipped:
-        lines.append(f"skipped: {skipped}")
+    cfg = config_from_dict(PrepareConfig, manifest["config"], "manifest")
+    by_source = sources.get("by_source", {})
+    for source in source_list(cfg):
+        skipped = describe_skipped(by_source.get(source.name, sources), source)
+        if skipped:
+            lines.append(f"skipped{' in ' + source.name if cfg.sources else ''}: {skipped}")
+    if cfg.sources:
+        for name, entry in by_source.items():
+            counts = ", ".join(f"{d}/{split} {e['sources'][name]['samples']}" for d, dataset in manifest["datasets"].items()
+                               for split, e in dataset["splits"].items())
+            lines.append(f"source {name} ({entry['format']}): {entry['files']} files, {entry.get('records', 0)} records; "
+                         f"samples {counts}")
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
     tok = manifest["tokenizer"]

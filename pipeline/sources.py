@@ -1,4 +1,4 @@
-"""Corpus readers: plain text, JSON Lines, TSV pairs and gettext catalogs (.mo and .po).
+"""Corpus readers: plain text, JSON Lines, TSV pairs, gettext catalogs (.mo and .po) and parquet.
 
 Every reader yields `(source, target)` tuples: `target` is None for monolingual documents.
 Readers never crash on bad bytes: they decode with replacement and count the replaced
@@ -12,6 +12,14 @@ The gettext reader follows the GNU .mo layout (gettext manual, "The Format of GN
 Files"): a header of five 32-bit words, then tables of (length, offset) for originals and
 translations; an original is `[msgctxt \\x04] msgid [\\x00 msgid_plural]` and a
 translation holds the plural forms separated by NUL. `.po` files are parsed with polib.
+
+Any file ending in `.gz` or `.zst` is read decompressed, as a stream (such a file is one work
+unit: a compressed stream cannot be entered mid-file). A parquet file is read with pyarrow one
+row group at a time, only the text (and target) columns, in record batches, so a file larger
+than memory works; its work units are runs of row groups of about `chunk_bytes`.
+
+A prepare may have several sources (`PrepareConfig.sources`); `source_list` gives them, the
+legacy single `source:` as a list of one. Each `Unit` carries the index of its source.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import IO, Iterator, Mapping, Optional
 
-from pipeline.config import SOURCE_FORMATS, SourceConfig
+from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
 from pipeline.configure import UserError
 
 Record = tuple[str, Optional[str]]
@@ -81,54 +89,136 @@ def text_hash(text: str, salt: str) -> int:
 
 @dataclass(frozen=True)
 class Unit:
-    """One Ray task's share of the input: a whole file, or a byte range of a large text file."""
+    """One Ray task's share of the input: a whole file, a byte range of a large text file, or
+    a run of row groups [start, end) of a parquet file."""
 
     path: str
     start: int = 0
     end: int = -1  # -1: to the end of the file
+    source: int = 0  # index in `source_list(cfg)`
 
 
-def expand_paths(cfg: SourceConfig) -> list[str]:
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def source_list(cfg: PrepareConfig) -> list[SourceConfig]:
+    """The sources of a prepare: `sources`, or the single `source` as a list of one."""
+    return list(cfg.sources) if cfg.sources else [cfg.source]
+
+
+def source_where(cfg: PrepareConfig, index: int) -> str:
+    """How messages name a source's keys: `source` for the single source, `sources[i]` (with its name) otherwise."""
+    return f"sources[{index}] ({cfg.sources[index].name})" if cfg.sources else "source"
+
+
+def check_sources(cfg: PrepareConfig) -> None:
+    """One-line errors for a mixture of nothing, `source` and `sources` both given, duplicate or
+    unusable names, unknown formats and shares that are not positive numbers."""
+    if cfg.sources and cfg.source != SourceConfig():
+        raise UserError("source and sources: both given; put the single source in the list `sources` (or give only `source`)")
+    names = [s.name for s in source_list(cfg)]
+    for index, source in enumerate(source_list(cfg)):
+        where = source_where(cfg, index)
+        if not _NAME.fullmatch(source.name):
+            raise UserError(f"{where}.name: {source.name!r} is not a name (letters, digits, '_', '.', '-'; "
+                            "it becomes a folder of shards)")
+        if names.count(source.name) > 1:
+            raise UserError(f"sources: the name {source.name!r} is given to {names.count(source.name)} sources; names must differ")
+        if source.format not in SOURCE_FORMATS:
+            raise UserError(f"{where}.format: {source.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+        if not source.tokenizer_share > 0:
+            raise UserError(f"{where}.tokenizer_share: must be a positive number, got {source.tokenizer_share}")
+        if not 0 <= source.max_replaced_fraction <= 1:
+            raise UserError(f"{where}.max_replaced_fraction: a fraction in [0, 1], got {source.max_replaced_fraction}")
+
+
+def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
     """The sorted, de-duplicated list of input files; a clear error for a path that matches nothing."""
     if cfg.format not in SOURCE_FORMATS:
-        raise UserError(f"source.format: {cfg.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+        raise UserError(f"{where}.format: {cfg.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
     if not cfg.paths:
-        raise UserError("source.paths: no input files given")
+        raise UserError(f"{where}.paths: no input files given")
     files: set[str] = set()
     for pattern in cfg.paths:
         if glob.has_magic(pattern):
             matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
             if not matched:
-                raise UserError(f"source.paths: no file matches {pattern!r}")
+                raise UserError(f"{where}.paths: no file matches {pattern!r}")
             files.update(matched)
         elif os.path.isfile(pattern):
             files.add(pattern)
         else:
-            raise UserError(f"source.paths: file not found: {pattern}")
+            raise UserError(f"{where}.paths: file not found: {pattern}")
     return sorted(files)
 
 
-def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int) -> list[Unit]:
+COMPRESSED = (".gz", ".zst")
+
+
+def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int, source: int = 0, where: str = "source") -> list[Unit]:
     """Split the inputs into work units. Only uncompressed line-oriented files are cut into
-    byte ranges (a reader can start mid-file at the next newline); the rest are whole."""
+    byte ranges (a reader can start mid-file at the next newline), and parquet files into runs
+    of row groups; the rest are whole."""
     units = []
     for path in files:
+        if cfg.format == "parquet":
+            units.extend(_parquet_units(path, cfg, chunk_bytes, source, where))
+            continue
         size = os.path.getsize(path)
         splittable = (
             cfg.format in ("text", "jsonl", "tsv")
-            and not path.endswith(".gz")
+            and not path.endswith(COMPRESSED)
             and not (cfg.format == "text" and cfg.text_split == "paragraph")
         )
         if not splittable or size <= chunk_bytes:
-            units.append(Unit(path))
+            units.append(Unit(path, source=source))
             continue
         for start in range(0, size, chunk_bytes):
-            units.append(Unit(path, start, min(start + chunk_bytes, size)))
+            units.append(Unit(path, start, min(start + chunk_bytes, size), source))
+    return units
+
+
+def _parquet_columns(cfg: SourceConfig) -> list[str]:
+    return [cfg.text_field] + ([cfg.target_field] if cfg.target_field else [])
+
+
+def _parquet_units(path: str, cfg: SourceConfig, chunk_bytes: int, source: int, where: str) -> list[Unit]:
+    """Runs of whole row groups of about `chunk_bytes` (uncompressed) each; the schema is checked here, once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+        schema = meta.schema.to_arrow_schema()
+    except (OSError, pa.ArrowException) as err:
+        raise UserError(f"{where}.paths: {path}: not a readable parquet file: {str(err).splitlines()[0]}") from err
+    for key, column in (("text_field", cfg.text_field), ("target_field", cfg.target_field)):
+        if not column:
+            continue
+        if column not in schema.names:
+            raise UserError(f"{where}.{key}: {path} has no column {column!r} (columns: {', '.join(schema.names)})")
+        kind = schema.field(column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise UserError(f"{where}.{key}: column {column!r} of {path} holds {kind}, not strings")
+    units, start, size = [], 0, 0
+    for group in range(meta.num_row_groups):
+        size += meta.row_group(group).total_byte_size
+        if size >= chunk_bytes:
+            units.append(Unit(path, start, group + 1, source))
+            start, size = group + 1, 0
+    if start < meta.num_row_groups or not units:
+        units.append(Unit(path, start, meta.num_row_groups, source))
     return units
 
 
 def _open_binary(path: str) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return zstandard.open(path, "rb")
+    return open(path, "rb")
 
 
 def _lines(unit: Unit) -> Iterator[bytes]:
@@ -314,12 +404,33 @@ def _read_gettext(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
         stats[f"unreadable: {os.path.basename(unit.path)}: {err}"] += 1
 
 
-_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext}
+PARQUET_BATCH_ROWS = 8192  # rows per record batch read from a row group
+
+
+def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    """The rows of row groups [start, end), batch by batch: memory holds one batch of the needed columns."""
+    import pyarrow.parquet as pq
+
+    columns = _parquet_columns(cfg)
+    with pq.ParquetFile(unit.path) as parquet:
+        for group in range(unit.start, unit.end):
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns):
+                texts = batch.column(0).to_pylist()
+                targets = batch.column(1).to_pylist() if cfg.target_field else [None] * len(texts)
+                for text, target in zip(texts, targets):
+                    stats["lines"] += 1
+                    if text is None or (cfg.target_field and target is None):
+                        _malformed(stats, "text_not_string" if text is None else "target_not_string")
+                        continue
+                    yield text, target
+
+
+_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext, "parquet": _read_parquet}
 
 
 def is_parallel(cfg: SourceConfig) -> bool:
     """Whether the source yields (source, target) pairs."""
-    return cfg.format in ("tsv", "gettext") or (cfg.format == "jsonl" and bool(cfg.target_field))
+    return cfg.format in ("tsv", "gettext") or (cfg.format in ("jsonl", "parquet") and bool(cfg.target_field))
 
 
 def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
@@ -338,8 +449,21 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
                 continue
             stats["records"] += 1
             yield source, target
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
-        raise UserError(f"cannot read {unit.path}: {err}") from err
+    except (OSError, EOFError, gzip.BadGzipFile, *_decompress_errors(unit.path)) as err:
+        raise UserError(f"cannot read {unit.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+
+
+def _decompress_errors(path: str) -> tuple[type[BaseException], ...]:
+    """What a corrupt .zst stream or parquet file raises (the libraries are imported only when used)."""
+    if path.endswith(".zst"):
+        import zstandard
+
+        return (zstandard.ZstdError,)
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+
+        return (pa.ArrowException,)
+    return ()
 
 
 def _undecodable(text: str, limit: float) -> bool:

@@ -8,23 +8,37 @@ global and the output never depends on how many workers ran it:
    and keep this unit's bottom-k tokenizer sample.
 2. `encode_bucket`: read one (split, bucket) from every unit in unit order, drop exact
    duplicates, tokenize, then pack blocks (`packed`) or filter pairs (`translation`), and
-   write WebDataset shards.
+   write WebDataset shards, one shard sequence per source.
+
+A unit belongs to one source (`Unit.source`), and units are numbered source by source, so
+"unit order" is source order first: a text that two sources share is kept by the one listed
+first, and its split (a hash of the text alone) is the same whichever source it came from.
+
+Stage 2 streams: a bucket's records are read line by line, de-duplicated against a set of
+8-byte hashes (not the texts), and tokenized, packed and written `ENCODE_CHUNK` texts at a
+time into shards that are closed as they fill, so a task's memory is bounded by the bucket's
+number of distinct records (8 bytes each), not by its text; the output is the same as
+all-at-once. Bucket files hold one record per line, raw UTF-8: a text, or `source TAB target`
+(cleaned texts hold no tab or newline: `clean_text` collapses all whitespace), which reads
+several times faster than JSON.
 
 Nothing here imports Ray; `pipeline.ray_runner` runs these functions as tasks.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import resource
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from pipeline.config import PrepareConfig
-from pipeline.format import EOS_ID, sample_key, shard_name, token_dtype, write_shard
-from pipeline.sources import Unit, chunk_text, is_parallel, read_unit, text_hash
+from pipeline.format import EOS_ID, ShardWriter, sample_key, shard_name, token_dtype
+from pipeline.sources import Unit, chunk_text, is_parallel, read_unit, source_list, text_hash
 from pipeline.tokenizer import BottomKSample, processor_from_bytes
 
 MONO, PAIRS = "mono", "pairs"
@@ -42,7 +56,7 @@ def assign_split(key: int, valid: float, test: float) -> str:
 
 
 def bucket_file(work_dir: str | Path, unit_index: int, family: str, split: str, bucket: int) -> Path:
-    return Path(work_dir) / f"u{unit_index:06d}" / f"{family}-{split}-{bucket:04d}.jsonl"
+    return Path(work_dir) / f"u{unit_index:06d}" / f"{family}-{split}-{bucket:04d}.txt"
 
 
 class _BucketWriters:
@@ -52,13 +66,13 @@ class _BucketWriters:
         self.work_dir, self.unit_index = work_dir, unit_index
         self.handles: dict[tuple[str, str, int], object] = {}
 
-    def write(self, family: str, split: str, bucket: int, record: list) -> None:
+    def write(self, family: str, split: str, bucket: int, record: str) -> None:
         key = (family, split, bucket)
         if key not in self.handles:
             path = bucket_file(self.work_dir, self.unit_index, family, split, bucket)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.handles[key] = open(path, "w", encoding="utf-8")
-        self.handles[key].write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.handles[key] = open(path, "w", encoding="utf-8", newline="\n")
+        self.handles[key].write(record + "\n")
 
     def close(self) -> None:
         for handle in self.handles.values():
@@ -69,101 +83,197 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     """Stage 1 for one unit: returns its statistics and its tokenizer-sample candidates."""
     stats: Counter = Counter()
     sample = BottomKSample(cfg.tokenizer.sample_texts)
+    source_cfg = source_list(cfg)[unit.source]
     want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
     want_pairs = "translation" in cfg.tasks
-    parallel = is_parallel(cfg.source)
+    parallel = is_parallel(source_cfg)
     salt, buckets = cfg.split.salt, cfg.shard.buckets
     writers = _BucketWriters(work_dir, unit_index)
     try:
-        for source, target in read_unit(unit, cfg.source, stats):
+        for source, target in read_unit(unit, source_cfg, stats):
             source_key = text_hash(source, salt)
             split = assign_split(source_key, cfg.split.valid, cfg.split.test)
             stats[f"split_{split}"] += 1
             if want_pairs and parallel:
                 pair_bucket = text_hash(source + "\t" + target, salt) % buckets
-                writers.write(PAIRS, split, pair_bucket, [source, target])
+                writers.write(PAIRS, split, pair_bucket, source + "\t" + target)
             texts = [source, target] if parallel else [source]
             for text in texts:
-                pieces = chunk_text(text, cfg.source.max_doc_chars)
+                pieces = chunk_text(text, source_cfg.max_doc_chars)
                 stats["long_texts_cut"] += len(pieces) > 1
                 for piece in pieces:
                     if split == "train":
                         sample.add(text_hash(piece, salt + "tok"), piece)
                     if want_mono:
                         key = source_key if piece is source else text_hash(piece, salt)
-                        writers.write(MONO, split, key % buckets, [piece])
+                        writers.write(MONO, split, key % buckets, piece)
     finally:
         writers.close()
-    return {"stats": dict(stats), "sample": sample.items()}
+    return {"stats": dict(stats), "sample": sample.items(), "peak_rss_mb": peak_rss_mb()}
 
 
-def _bucket_records(work_dir: str, n_units: int, family: str, split: str, bucket: int) -> Iterator[list]:
-    for unit_index in range(n_units):
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (a Ray worker's, over the tasks it ran); for benchmarks, not the manifest."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def unique_records(work_dir: str, unit_sources: list[int], family: str, split: str, bucket: int,
+                   stats: list[Counter]) -> Iterator[tuple[int, bytes]]:
+    """(source index, raw record line without its newline) of one bucket, in unit order, the
+    first occurrence of each distinct record only; a duplicate is counted for the source that
+    loses it. Records are told apart by a 64-bit hash (a collision, about n**2 / 2**65 for n
+    records, would drop a record as a duplicate, the same one in every run)."""
+    seen: set[bytes] = set()
+    for unit_index, source in enumerate(unit_sources):
         path = bucket_file(work_dir, unit_index, family, split, bucket)
-        if path.is_file():
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    yield json.loads(line)
-
-
-def _unique(records: Iterator[list], stats: Counter) -> list[tuple]:
-    seen: set[tuple] = set()
-    unique = []
-    for record in records:
-        record = tuple(record)
-        if record in seen:
-            stats["duplicates_dropped"] += 1
+        if not path.is_file():
             continue
-        seen.add(record)
-        unique.append(record)
-    return unique
+        with open(path, "rb") as fh:
+            for line in fh:
+                digest = hashlib.blake2b(line, digest_size=8).digest()
+                if digest in seen:
+                    stats[source]["duplicates_dropped"] += 1
+                    continue
+                seen.add(digest)
+                yield source, line[:-1]
+
+
+def _chunks(records: Iterator[tuple[int, bytes]], size: int) -> Iterator[tuple[int, list[bytes]]]:
+    """Runs of at most `size` consecutive records of one source."""
+    current, chunk = -1, []
+    for source, line in records:
+        if source != current or len(chunk) >= size:
+            if chunk:
+                yield current, chunk
+            current, chunk = source, []
+        chunk.append(line)
+    if chunk:
+        yield current, chunk
+
+
+class _ShardSequence:
+    """The shards of one (dataset, split, bucket, source): samples keyed in order, a new shard every `max_samples`."""
+
+    def __init__(self, out_dir: str, dataset: str, split: str, bucket: int, source: str | None, max_samples: int):
+        self.out_dir, self.dataset, self.split, self.bucket = out_dir, dataset, split, bucket
+        self.source, self.max_samples = source, max_samples
+        self.records: list[dict] = []
+        self.writer: ShardWriter | None = None
+        self.relative = ""
+        self.index = 0
+
+    def write(self, sample: dict) -> None:
+        if self.writer is None:
+            self.relative = shard_name(self.dataset, self.split, self.bucket, len(self.records), self.source)
+            self.writer = ShardWriter(Path(self.out_dir) / self.relative)
+        self.writer.write(sample_key(self.bucket, self.index), sample)
+        self.index += 1
+        if self.writer.samples >= self.max_samples:
+            self._close()
+
+    def _close(self) -> None:
+        record = self.writer.close()
+        record["path"] = self.relative
+        self.records.append(record)
+        self.writer = None
+
+    def finish(self) -> list[dict]:
+        if self.writer is not None:
+            self._close()
+        return self.records
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+
+_PROCESSORS: dict[str, object] = {}
+
+
+def _processor(model_bytes: bytes):
+    """The tokenizer, loaded once per worker process rather than once per task (tens of ms each)."""
+    key = hashlib.sha256(model_bytes).hexdigest()
+    if key not in _PROCESSORS:
+        _PROCESSORS.clear()
+        _PROCESSORS[key] = processor_from_bytes(model_bytes)
+    return _PROCESSORS[key]
 
 
 def _encode(processor, texts: list[str]) -> list[list[int]]:
-    ids: list[list[int]] = []
-    for start in range(0, len(texts), ENCODE_CHUNK):
-        ids.extend(processor.encode(texts[start : start + ENCODE_CHUNK]))
-    return ids
-
-
-def _write_shards(out_dir: str, dataset: str, split: str, bucket: int, samples: list[dict], max_samples: int) -> list[dict]:
-    records = []
-    for part, start in enumerate(range(0, len(samples), max_samples)):
-        chunk = samples[start : start + max_samples]
-        relative = shard_name(dataset, split, bucket, part)
-        keys = [sample_key(bucket, start + i) for i in range(len(chunk))]
-        record = write_shard(Path(out_dir) / relative, keys, chunk)
-        record["path"] = relative
-        records.append(record)
-    return records
+    # One thread: a Ray worker is one CPU; SentencePiece's default would use every core.
+    return processor.encode(texts, num_threads=1)
 
 
 def encode_bucket(
-    dataset: str, split: str, bucket: int, n_units: int, work_dir: str, out_dir: str, tokenizer_model: bytes, cfg: PrepareConfig
+    dataset: str, split: str, bucket: int, unit_sources: list[int], work_dir: str, out_dir: str, tokenizer_model: bytes,
+    cfg: PrepareConfig
 ) -> dict:
-    """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics."""
-    stats: Counter = Counter()
-    processor = processor_from_bytes(tokenizer_model)
+    """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per source."""
+    started = time.perf_counter()
+    processor = _processor(tokenizer_model)
     dtype = token_dtype(processor.get_piece_size())
-    if dataset == "packed":
-        texts = [record[0] for record in _unique(_bucket_records(work_dir, n_units, MONO, split, bucket), stats)]
-        samples = _pack(_encode(processor, texts), cfg.seq_len, dtype, stats)
-        stats["documents"] += len(texts)
-    else:
-        pairs = _unique(_bucket_records(work_dir, n_units, PAIRS, split, bucket), stats)
-        samples = _filter_pairs(pairs, processor, cfg, dtype, stats)
-    shards = _write_shards(out_dir, dataset, split, bucket, samples, cfg.shard.max_samples)
-    return {"dataset": dataset, "split": split, "bucket": bucket, "shards": shards, "stats": dict(stats)}
+    names = [source.name for source in source_list(cfg)]
+    several = len(names) > 1
+    stats = [Counter() for _ in names]
+    sequences = [_ShardSequence(out_dir, dataset, split, bucket, name if several else None, cfg.shard.max_samples)
+                 for name in names]
+    family = MONO if dataset == "packed" else PAIRS
+    records = unique_records(work_dir, unit_sources, family, split, bucket, stats)
+    try:
+        if dataset == "packed":
+            packers = [_Packer(cfg.seq_len, dtype, sequence.write) for sequence in sequences]
+            for source, lines in _chunks(records, ENCODE_CHUNK):
+                texts = [line.decode("utf-8") for line in lines]
+                stats[source]["documents"] += len(texts)
+                packers[source].add(_encode(processor, texts), stats[source])
+            for packer, source_stats in zip(packers, stats):
+                packer.finish(source_stats)
+        else:
+            for source, lines in _chunks(records, ENCODE_CHUNK):
+                pairs = [line.decode("utf-8").split("\t", 1) for line in lines]
+                for sample in _filter_pairs(pairs, processor, cfg, dtype, stats[source]):
+                    sequences[source].write(sample)
+        shards = []
+        for name, sequence in zip(names, sequences):
+            for record in sequence.finish():
+                shards.append({**record, "source": name})
+    except BaseException:
+        for sequence in sequences:
+            sequence.abort()
+        raise
+    total: Counter = Counter()
+    for source_stats in stats:
+        total.update(source_stats)
+    return {"dataset": dataset, "split": split, "bucket": bucket, "shards": shards, "stats": dict(total),
+            "source_stats": {name: dict(s) for name, s in zip(names, stats)},
+            "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
 
 
-def _pack(documents: list[list[int]], seq_len: int, dtype: np.dtype, stats: Counter) -> list[dict]:
-    """Documents joined with </s> and cut into blocks of exactly `seq_len` tokens; the short tail is dropped and counted."""
-    stream = np.fromiter((t for doc in documents for t in (*doc, EOS_ID)), dtype=np.int64)
-    n_blocks = len(stream) // seq_len
-    stats["tokens"] += len(stream)
-    stats["tail_tokens_dropped"] += len(stream) - n_blocks * seq_len
-    blocks = stream[: n_blocks * seq_len].reshape(n_blocks, seq_len).astype(dtype)
-    return [{"input_ids": block, "doc_starts": doc_starts(block)} for block in blocks]
+class _Packer:
+    """Documents joined with </s> and cut into blocks of exactly `seq_len` tokens, streamed:
+    `add` takes documents in order and emits the blocks they complete; `finish` drops (and
+    counts) the short tail. The blocks are the same however the documents are chunked."""
+
+    def __init__(self, seq_len: int, dtype: np.dtype, emit: Callable[[dict], None]):
+        self.seq_len, self.dtype, self.emit = seq_len, dtype, emit
+        self.carry = np.empty(0, dtype=np.int64)
+
+    def add(self, documents: list[list[int]], stats: Counter) -> None:
+        flat: list[int] = []
+        for doc in documents:
+            flat.extend(doc)
+            flat.append(EOS_ID)
+        stats["tokens"] += len(flat)
+        stream = np.concatenate((self.carry, np.array(flat, dtype=np.int64)))
+        n_blocks = len(stream) // self.seq_len
+        blocks = stream[: n_blocks * self.seq_len].reshape(n_blocks, self.seq_len).astype(self.dtype)
+        self.carry = stream[n_blocks * self.seq_len :]
+        for block in blocks:
+            self.emit({"input_ids": block, "doc_starts": doc_starts(block)})
+
+    def finish(self, stats: Counter) -> None:
+        stats["tail_tokens_dropped"] += len(self.carry)
+        self.carry = self.carry[:0]
 
 
 def doc_starts(block: np.ndarray) -> np.ndarray:
@@ -172,13 +282,12 @@ def doc_starts(block: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], after_eos)).astype(block.dtype)
 
 
-def _filter_pairs(pairs: list[tuple], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter) -> list[dict]:
+def _filter_pairs(pairs: list[list[str]], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter) -> Iterator[dict]:
     limits = cfg.translation
     sources = _encode(processor, [p[0] for p in pairs])
     targets = _encode(processor, [p[1] for p in pairs])
     if limits.reverse:
         sources, targets = targets, sources
-    samples = []
     for src, tgt in zip(sources, targets):
         shorter, longer = sorted((len(src), len(tgt)))
         if shorter < limits.min_tokens or longer > limits.max_tokens:
@@ -189,5 +298,4 @@ def _filter_pairs(pairs: list[tuple], processor, cfg: PrepareConfig, dtype: np.d
             continue
         stats["pairs"] += 1
         stats["tokens"] += len(src) + len(tgt)
-        samples.append({"src_ids": np.asarray(src, dtype=dtype), "tgt_ids": np.asarray(tgt, dtype=dtype)})
-    return samples
+        yield {"src_ids": np.array(src, dtype=dtype), "tgt_ids": np.array(tgt, dtype=dtype)}
