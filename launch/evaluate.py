@@ -61,15 +61,16 @@ USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.su
 Corpus BLEU and chrF of a translation model on one split; also under torchrun or the deepspeed launcher."""
 
 
-def read_pairs(data_dir: str | Path, split: str, limit: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def read_pairs(data_dir: str | Path, split: str, limit: int = 0,
+               fetch: remote.FetchConfig | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """(source ids, target ids) of a split's translation shards, in manifest order, then tar order."""
     data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)  # a URL: read through the shard cache
     fields = FIELDS["translation"]
     pairs: list[tuple[np.ndarray, np.ndarray]] = []
-    for entry in shard_entries(read_manifest(data_dir), "translation", split):
+    for entry in shard_entries(read_manifest(data_dir, fetch), "translation", split):
         if limit and len(pairs) >= limit:
             break
-        path = Path(remote.local_file(remote.join(data_dir, entry["path"]), size=entry.get("bytes"),
+        path = Path(remote.local_file(remote.join(data_dir, entry["path"]), fetch, size=entry.get("bytes"),
                                       sha256=entry.get("sha256")))
         if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
             raise UserError(f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair")

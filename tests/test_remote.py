@@ -372,3 +372,18 @@ def test_the_dry_run_reads_a_url_s_manifest_and_fetches_its_tokenizer(tmp_path, 
     finally:
         served.server.shutdown()
         served.server.server_close()
+
+
+def test_evaluation_pairs_read_from_a_url_are_the_local_ones(tmp_path):
+    from launch.evaluate import read_pairs
+
+    served = serve(tmp_path, translation=[5, 9, 3])
+    try:
+        local = read_pairs(served.local, "train")
+        pairs = read_pairs(served.url, "train", fetch=served.fetch())
+        assert len(list(served.cache.glob("*.data"))) == 3
+        assert len(pairs) == len(local) == 17
+        assert all((a == c).all() and (b == d).all() for (a, b), (c, d) in zip(pairs, local))
+    finally:
+        served.server.shutdown()
+        served.server.server_close()
