@@ -142,8 +142,6 @@ def local_file(path: str | os.PathLike, fetch: FetchConfig | None = None, *, siz
     try:
         with cached(path, fetch or FetchConfig(), size=size, sha256=sha256) as local:
             return local
-    except FileNotFoundError as err:
-        raise UserError(f"{path}: not found") from err
     except FetchError as err:
         raise UserError(f"{path}: cannot fetch: {err}") from err
 
@@ -214,7 +212,10 @@ def _download(url: str, directory: Path, key: str, fetch: FetchConfig, size: int
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()
 
-    _with_retries(url, fetch, attempt)
+    try:
+        _with_retries(url, fetch, attempt)
+    except FileNotFoundError as err:
+        raise FetchError(f"not found ({err})") from err
     stats["downloads"] += 1
 
 

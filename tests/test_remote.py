@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
@@ -32,7 +33,8 @@ UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Serves server.root; server.fail[path] = how many more requests of it get a 500 (-1: all);
+    """Serves server.root; server.fail[path] = how many more requests of it get a 500 (-1: all),
+    paths in server.missing get a 404;
     paths in server.trickle are sent slowly, server.trickle_s per 256 bytes."""
 
     def do_GET(self):
@@ -47,7 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(500, "injected failure")
             return
         file = server.root / path.lstrip("/")
-        if not file.is_file():
+        if not file.is_file() or path in server.missing:
             self.send_error(404)
             return
         body = file.read_bytes()
@@ -99,7 +101,7 @@ def serve_directory(local: Path, cache: Path) -> Served:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
     server.root, server.lock, server.requests = local.parent, threading.Lock(), []
-    server.fail, server.trickle, server.trickle_s = {}, set(), 0.05
+    server.fail, server.missing, server.trickle, server.trickle_s = {}, set(), set(), 0.05
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return Served(local, f"http://127.0.0.1:{server.server_address[1]}/{local.name}", server, cache)
 
@@ -201,20 +203,27 @@ def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
     assert set(served.shard_requests()) == needed
 
 
-def test_a_shard_that_fails_twice_is_retried_and_read(served):
+def test_a_shard_that_fails_twice_is_retried_and_read(served, caplog):
     shard = "data/packed/train/0000-0003.tar"
     served.server.fail["/" + shard] = 2
     local, _ = batches(served.local)
-    remote_batches, loader = batches(served.url, fetch=served.fetch(retries=3))
+    with caplog.at_level(logging.WARNING, logger="pipeline.remote"):
+        remote_batches, loader = batches(served.url, fetch=served.fetch(retries=3))
     assert served.requests(shard) == 3
+    retries = [r.getMessage() for r in caplog.records if r.name == "pipeline.remote"]
+    assert len(retries) == 2 and all(shard in m and "500" in m for m in retries), retries
+    assert "attempt 1 of 4" in retries[0] and "attempt 2 of 4" in retries[1]
     assert loader.stats["shards_skipped"] == 0
     assert_same_batches(remote_batches, local)
 
 
-@pytest.mark.parametrize("num_workers", [0, 1])
-def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, tmp_path, num_workers):
+@pytest.mark.parametrize("num_workers, failure", [(0, "500"), (1, "500"), (0, "404")])
+def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, tmp_path, num_workers, failure):
     shard = "packed/train/0000-0003.tar"
-    served.server.fail["/data/" + shard] = -1
+    if failure == "500":
+        served.server.fail["/data/" + shard] = -1
+    else:
+        served.server.missing.add("/data/" + shard)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(served.local, corrupt)
     (corrupt / shard).write_bytes(b"not a tar")
@@ -223,11 +232,12 @@ def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, t
     assert loader.stats["shards_skipped"] == local_loader.stats["shards_skipped"] == 1
     assert loader.stats["filler_batches"] == local_loader.stats["filler_batches"] > 0
     assert loader.skipped_shards[0]["path"] == f"{served.url}/{shard}"
-    assert "cannot fetch" in loader.skipped_shards[0]["reason"] and "500" in loader.skipped_shards[0]["reason"]
+    reason = loader.skipped_shards[0]["reason"]
+    assert "cannot fetch" in reason and ("500" in reason if failure == "500" else "not found" in reason), reason
     assert_same_batches(remote_batches, local)
     # Three attempts by the prefetcher (the reader takes its verdict), at most three more by the
-    # reader if it came first: never one attempt per batch.
-    assert 3 <= served.requests("data/" + shard) <= 6
+    # reader if it came first: never one attempt per batch. A missing file is not retried.
+    assert 3 <= served.requests("data/" + shard) <= 6 if failure == "500" else served.requests("data/" + shard) <= 2
     assert not list(served.cache.glob("*.part"))
 
 
