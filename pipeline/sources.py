@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import IO, Iterator, Mapping, Optional
 
 from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
-from pipeline.configure import UserError
+from pipeline.configure import UserError, config_from_dict
 
 Record = tuple[str, Optional[str]]
 
@@ -114,7 +115,8 @@ def source_where(cfg: PrepareConfig, index: int) -> str:
 def check_sources(cfg: PrepareConfig) -> None:
     """One-line errors for a mixture of nothing, `source` and `sources` both given, duplicate or
     unusable names, unknown formats and shares that are not positive numbers."""
-    if cfg.sources and cfg.source != SourceConfig():
+    # `source` with its defaults (paths resolved, as in a loaded config) means it was not given.
+    if cfg.sources and cfg.source != config_from_dict(PrepareConfig, {}).source:
         raise UserError("source and sources: both given; put the single source in the list `sources` (or give only `source`)")
     names = [s.name for s in source_list(cfg)]
     for index, source in enumerate(source_list(cfg)):
@@ -217,7 +219,8 @@ def _open_binary(path: str) -> IO[bytes]:
     if path.endswith(".zst"):
         import zstandard
 
-        return zstandard.open(path, "rb")
+        # Buffered, for readline and line iteration, which the decompression reader lacks.
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
 
@@ -228,7 +231,7 @@ def _lines(unit: Unit) -> Iterator[bytes]:
             fh.seek(unit.start - 1)
             # Whatever line the previous byte belongs to is the previous unit's.
             fh.readline()
-        pos = fh.tell()
+        pos = fh.tell() if unit.start > 0 else 0  # a .zst stream cannot tell(); it is read whole
         for line in fh:
             if unit.end >= 0 and pos >= unit.end:
                 break

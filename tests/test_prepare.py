@@ -259,3 +259,65 @@ def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path):
     message = error_lines(run.stderr)
     assert len(message) == 1 and run.stderr.endswith(message[0] + "\n") and "mostly undecodable" in message[0] and str(corpus) in message[0], run.stderr[-2000:]
     assert not out.exists() and not out.with_name("data.partial").exists()
+
+
+def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_workers(tmp_path):
+    """A TSV source of pairs and a parquet source of monolingual text, 50 of whose texts are the
+    English side of a pair: per-source shards and counts, global dedup (the first source keeps
+    a shared text), translation pairs from the parallel source only, the same bytes with 1 and 2 workers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = synthetic_pairs(300)
+    write_tsv(tmp_path / "pairs.tsv", pairs)
+    rng = random.Random(3)
+    mono = [f"{rng.choice(['a', 'the'])} note {i} " + " ".join(rng.choice(["red", "blue", "cat"]) for _ in range(6))
+            for i in range(250)] + [en for en, _ in pairs[:50]]
+    pq.write_table(pa.table({"body": mono}), tmp_path / "docs.parquet", row_group_size=64)
+    config = tmp_path / "two.yaml"
+    config.write_text(
+        "sources:\n"
+        f"  - {{name: pairs, format: tsv, paths: ['{tmp_path / 'pairs.tsv'}']}}\n"
+        f"  - {{name: docs, format: parquet, paths: ['{tmp_path / 'docs.parquet'}'], text_field: body, tokenizer_share: 0.5}}\n")
+    settings = [a for a in prepare_args(tmp_path / "unused", tmp_path / "x") if not a.startswith(("source.", "output_dir"))]
+    outs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        run = subprocess.run([sys.executable, "-m", "pipeline.prepare", str(config), f"output_dir={out}", *settings,
+                              f"ray.num_workers={workers}"], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs[workers] = out
+    files = sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(outs[2]) for p in outs[2].rglob("*") if p.is_file())
+    for relative in files:
+        if relative.suffix in (".tar", ".model"):
+            assert (outs[1] / relative).read_bytes() == (outs[2] / relative).read_bytes(), relative
+
+    out = outs[2]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["sources"]["by_source"]["pairs"]["records"] == 300
+    assert manifest["sources"]["by_source"]["docs"]["records"] == 300
+    # The 50 shared texts were kept by the first source and dropped from the second.
+    assert manifest["datasets"]["packed"]["stats_by_source"]["docs"]["duplicates_dropped"] == 50
+    assert manifest["datasets"]["packed"]["stats_by_source"]["docs"]["documents"] == 250
+    for name, dataset in manifest["datasets"].items():
+        for split, entry in dataset["splits"].items():
+            by_source = {"pairs": [0, 0], "docs": [0, 0]}
+            for shard in entry["shards"]:
+                assert shard["path"].startswith(f"{name}/{split}/{shard['source']}/")
+                samples = [{k[:-4]: decode_array(v) for k, v in s.items() if k.endswith(".npy")}
+                           for s in wds.WebDataset(str(out / shard["path"]), shardshuffle=False, empty_check=False)]
+                by_source[shard["source"]][0] += len(samples)
+                by_source[shard["source"]][1] += sum(a.size for s in samples for k, a in s.items() if k.endswith("_ids"))
+            assert {k: [v["samples"], v["tokens"]] for k, v in entry["sources"].items()} == by_source
+            assert entry["samples"] == sum(v[0] for v in by_source.values())
+        if name == "translation":
+            assert all(s["source"] == "pairs" for e in dataset["splits"].values() for s in e["shards"])
+    assert manifest["datasets"]["packed"]["splits"]["train"]["sources"]["docs"]["samples"] > 0
+    # A text's split never depends on its source: no English side of a test pair is in docs' training blocks.
+    sp = load_tokenizer(out / "tokenizer.model")
+    test_sources = {normalize_key(sp.decode(s["src_ids"].tolist())) for s in read_dataset(out, "translation", "test")}
+    train_docs = [shard for shard in manifest["datasets"]["packed"]["splits"]["train"]["shards"] if shard["source"] == "docs"]
+    text = " ".join(sp.decode(decode_array(s["input_ids.npy"]).tolist()) for shard in train_docs
+                    for s in wds.WebDataset(str(out / shard["path"]), shardshuffle=False, empty_check=False))
+    assert test_sources and not any(source in normalize_key(text) for source in test_sources)

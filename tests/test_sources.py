@@ -262,3 +262,102 @@ def test_good_input_has_nothing_to_describe(tmp_path):
     assert len(records) == 2 and describe_skipped(stats, source_cfg(format="tsv")) == "" and check(path, format="tsv") == ""
     (tmp_path / "empty.txt").write_text("\n\n")
     assert check(tmp_path / "empty.txt", format="text") == "no usable records in 1 file of source.paths: text: 2 empty"
+
+
+# ---------------------------------------------------------------- parquet, .gz and .zst, several sources
+
+
+def _mono_texts(n, seed=1):
+    rng = random.Random(seed)
+    return [f"line {i} " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(1, 9))) for i in range(n)]
+
+
+def test_parquet_read_in_row_groups_equals_the_same_rows_as_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, targets = _mono_texts(500), _mono_texts(500, seed=2)
+    texts[7], targets[9] = "  ", None  # an empty text and a missing target are skipped like jsonl's
+    pq.write_table(pa.table({"body": texts, "de": targets, "other": list(range(500))}), tmp_path / "a.parquet",
+                   row_group_size=64)
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t, "de": g}) + "\n" for t, g in zip(texts, targets)))
+    for target in ("''", "de"):
+        cfg = source_cfg(paths=f"[{tmp_path / 'a.parquet'}]", format="parquet", text_field="body", target_field=target)
+        # Units of whole row groups: a small chunk size gives several, covering every group once.
+        units = plan_units(expand_paths(cfg), cfg, 4000)
+        assert len(units) > 2 and [u.start for u in units][0] == 0 and units[-1].end == 8
+        assert all(a.end == b.start for a, b in zip(units, units[1:]))
+        stats = Counter()
+        from_parquet = [r for unit in units for r in read_unit(unit, cfg, stats)]
+        from_jsonl, _ = read_all(jsonl, format="jsonl", text_field="body", target_field=target)
+        assert from_parquet == from_jsonl and len(from_parquet) == (498 if target == "de" else 499)
+
+
+def test_parquet_schema_problems_are_one_line_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a b c"], "n": [1]}), tmp_path / "a.parquet")
+    with pytest.raises(UserError, match=r"source.text_field: .* has no column 'body' \(columns: text, n\)"):
+        read_all(tmp_path / "a.parquet", format="parquet", text_field="body")
+    with pytest.raises(UserError, match=r"source.target_field: column 'n' .* holds int64, not strings"):
+        read_all(tmp_path / "a.parquet", format="parquet", target_field="n")
+    (tmp_path / "b.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(UserError, match="not a readable parquet file"):
+        read_all(tmp_path / "b.parquet", format="parquet")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "text"])
+def test_gz_and_zst_give_the_same_records_as_plain(tmp_path, fmt):
+    import zstandard
+
+    texts = _mono_texts(300) + ["caf\u00e9 \u00fcber", "   "]
+    data = ("".join(json.dumps({"text": t}) + "\n" for t in texts) if fmt == "jsonl" else "\n".join(texts) + "\n").encode()
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "a.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "a.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    plain, plain_stats = read_all(tmp_path / "a", format=fmt)
+    assert len(plain) == 301
+    for name in ("a.gz", "a.zst"):
+        records, stats = read_all(tmp_path / name, format=fmt)
+        assert records == plain and stats == plain_stats, name
+    # A compressed file is one unit even when large: it cannot be entered mid-stream.
+    cfg = source_cfg(paths=f"[{tmp_path / 'a.zst'}]", format=fmt)
+    assert len(plan_units(expand_paths(cfg), cfg, 100)) == 1
+    (tmp_path / "bad.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
+    with pytest.raises(UserError, match="cannot read .*bad.zst"):
+        read_all(tmp_path / "bad.zst", format=fmt)
+
+
+def prepare_cfg(*overrides):
+    return load_config(PrepareConfig, None, list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sources=[{name: a, format: csv, paths: [x]}]"], r"^sources\[0\] \(a\)\.format: 'csv' is not one of"),
+    (["sources=[{name: a, format: text, paths: [x]}, {name: a, format: jsonl, paths: [y]}]"],
+     r"^sources: the name 'a' is given to 2 sources"),
+    (["source.format=text", "sources=[{name: a, format: text, paths: [x]}]"], r"^source and sources: both given"),
+    (["sources=[{name: 'a/b', format: text, paths: [x]}]"], r"^sources\[0\] \(a/b\)\.name: 'a/b' is not a name"),
+    (["sources=[{name: a, format: text, paths: [x], tokenizer_share: 0}]"], r"^sources\[0\] \(a\)\.tokenizer_share: must be"),
+    (["sources=[{name: a, format: text, paths: []}]"], r"^sources\[0\] \(a\)\.paths: no input files given"),
+    (["sources=[{name: a, format: text, paths: [/no/such/file]}]"], r"^sources\[0\] \(a\)\.paths: file not found"),
+    (["sources=[{name: a, format: text, paths: [x]}]", "tasks=[translation]"], r"^tasks: translation needs a parallel source"),
+])
+def test_bad_source_configs_are_one_line_errors(tmp_path, overrides, message):
+    from pipeline.prepare import prepare
+
+    overrides = [o.replace("[x]", f"[{tmp_path / 'x'}]").replace("[y]", f"[{tmp_path / 'x'}]") for o in overrides]
+    (tmp_path / "x").write_text("some text\n")
+    with pytest.raises(UserError, match=message) as err:
+        prepare(prepare_cfg(f"output_dir={tmp_path / 'out'}", "tasks=[causal_lm]", *overrides))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_source_is_a_list_of_one_named_default():
+    from pipeline.sources import source_list
+
+    cfg = prepare_cfg("source.format=text")
+    assert [s.format for s in source_list(cfg)] == ["text"] and source_list(cfg)[0].name == "default"
