@@ -193,6 +193,15 @@ def test_shards_are_prefetched_ahead_of_the_reader_and_no_further(served):
     assert len(rest) == len(local) - 1
 
 
+def test_a_dataset_prepared_anew_at_the_same_url_is_not_read_from_stale_cache_entries(served):
+    first, _ = batches(served.url, fetch=served.fetch())
+    make_dataset(served.local, packed=UNEVEN, seed=1)  # other tokens, the same shard names and byte sizes
+    local, _ = batches(served.local)
+    again, _ = batches(served.url, fetch=served.fetch())
+    assert_same_batches(again, local)
+    assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
+
+
 def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
     state = mid_epoch_state(served.local, 20)
     needed = shards_read(served.local, state)
