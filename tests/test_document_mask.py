@@ -12,8 +12,11 @@ is refused with the mask on and read as before with it off. End to end: `launch.
 
 from __future__ import annotations
 
+import math
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -188,3 +191,140 @@ def test_flex_attention_on_cuda(arch):
     model.document_attention = "auto"
     model.eval()
     assert_each_document_as_if_alone(model, inputs)
+
+
+# --- the data: doc_starts in the shards -> document_ids in the batch ---------------------------
+
+
+def test_collate_numbers_documents_from_doc_starts():
+    from pipeline.collate import pack, unpack
+
+    samples = [[np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
+               [np.array([9, 3, 9], np.uint16), np.array([0, 2], np.uint16)]]
+    batch = unpack("causal_lm", pack("causal_lm", samples, document_mask=True))
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]]  # padding: the last document
+    assert batch["document_ids"].dtype == torch.long
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("starts, problem", [([1, 3], "0 first"), ([0, 3, 3], "strictly increasing"),
+                                             ([0, 5, 2], "strictly increasing"), ([0, 6], "below 6")])
+def test_bad_doc_starts_make_an_unreadable_sample(starts, problem):
+    from pipeline.format import encode_array
+    from pipeline.shards import decode_sample
+
+    raw = {"input_ids": encode_array(np.array([9, 9, 3, 9, 3, 9], np.uint16)),
+           "doc_starts": encode_array(np.array(starts, np.uint16))}
+    with pytest.raises(ValueError, match=problem.split()[0]):
+        decode_sample(raw, ("input_ids", "doc_starts"), vocab_size=40)
+    raw["doc_starts"] = encode_array(np.array([0, 3, 5], np.uint16))
+    ids, doc_starts = decode_sample(raw, ("input_ids", "doc_starts"), vocab_size=40)
+    assert doc_starts.tolist() == [0, 3, 5]
+
+
+def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
+    """A copy of a tests/shardtools dataset (input_ids only, no `fields` in its manifest, as
+    written before doc_starts) whose samples also hold doc_starts, listed in the manifest."""
+    import json
+
+    from pipeline.format import decode_array, write_shard
+    from pipeline.shards import Shard, read_shard
+    from pipeline.work import doc_starts
+
+    manifest = json.loads((old_dir / "manifest.json").read_text())
+    for record in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:
+        members = read_shard(Shard(0, str(old_dir / record["path"]), record["samples"], None), ("input_ids",),
+                             set(range(record["samples"])))
+        blocks = [decode_array(members[i]["input_ids"]) for i in range(record["samples"])]
+        keys = [f"{Path(record['path']).stem}_{i:04d}" for i in range(record["samples"])]
+        written = write_shard(new_dir / record["path"], keys, [{"input_ids": b, "doc_starts": doc_starts(b)} for b in blocks])
+        record.update({**written, "path": record["path"]})
+    manifest["datasets"]["packed"]["fields"] = ["input_ids", "doc_starts"]
+    (new_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "mlm"])
+def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tmp_path, task):
+    from pipeline.loader import ShardLoader
+    from pipeline.configure import UserError
+    from tests.shardtools import make_dataset
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    make_dataset(old, packed=[5, 7, 4], seq_len=12)
+    with_doc_starts(old, new)
+
+    def batches(data_dir, **kw):
+        return list(ShardLoader(str(data_dir), task, "train", micro_batch_size=2, num_workers=1, seed=3, **kw))
+
+    before = batches(old)
+    for a, b in zip(before, batches(new), strict=True):  # doc_starts stored, not asked for: today's batches
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    masked = batches(new, document_mask=True)
+    for a, b in zip(before, masked, strict=True):
+        assert set(b) == set(a) | {"document_ids"} and all(torch.equal(a[key], b[key]) for key in a)
+        ids = b.get("original_ids", b["input_ids"])
+        # A document starts at 0 and right after each </s> inside the block.
+        expected = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1)
+        assert torch.equal(b["document_ids"], expected)
+    with pytest.raises(UserError, match="prepared without document boundaries.*prepare it again"):
+        ShardLoader(str(old), task, "train", micro_batch_size=2, document_mask=True)
+
+
+def test_document_mask_is_for_packed_blocks_only(tmp_path):
+    from pipeline.configure import UserError
+    from pipeline.loader import ShardLoader
+    from tests.shardtools import make_dataset
+
+    make_dataset(tmp_path, translation=[4])
+    with pytest.raises(UserError, match="document_mask applies to packed blocks"):
+        ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=2, document_mask=True)
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+def test_prepared_blocks_number_their_documents_after_each_eos(tiny_dataset):
+    """What pipeline.prepare writes, as the loader hands it out: a new document at 0 and right
+    after each </s> of a block, in every block of an epoch."""
+    from pipeline.loader import ShardLoader
+
+    loader = ShardLoader(str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True)
+    documents_seen = 0
+    for batch in loader:
+        ids = batch["input_ids"]
+        expected = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1)
+        assert torch.equal(batch["document_ids"], expected)
+        documents_seen += int(batch["document_ids"][:, -1].sum()) + len(ids)
+    assert documents_seen > 1.5 * len(loader) * 8  # blocks of several documents, not one each
+    assert loader.stats["samples_unreadable"] == 0
+
+
+@pytest.mark.parametrize("config", ["tiny_gpt.yaml", "tiny_bert.yaml"])
+def test_train_with_document_mask(tiny_dataset, tmp_path, config):
+    """`launch.train ... data.document_mask=true` on a dataset prepared by pipeline.prepare (with
+    doc_starts): it trains, says which attention kernel ran, and its first loss differs from
+    the unmasked run's (the mask reaches the model)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    tiny = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
+            "data.micro_batch_size=4", "data.num_workers=0", "eval_every=3", "eval_batches=1", "log_every=1",
+            "max_steps=3", "wandb.mode=offline", "threads_per_rank=1", "deepspeed.zero_stage=0"]
+    first_losses = {}
+    for masked in (True, False):
+        run_dir = tmp_path / f"run-{masked}"
+        command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / config), f"data.data_dir={tiny_dataset}",
+                   f"run_dir={run_dir}", *tiny, f"data.document_mask={str(masked).lower()}"]
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert ("attention: sdpa (document mask)" in run.stderr) == masked, run.stderr[-2000:]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses = [row["train/loss"] for row in rows if "train/loss" in row]
+        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+        first_losses[masked] = losses[0]
+    assert first_losses[True] != first_losses[False]
