@@ -33,6 +33,9 @@ The loader (`pipeline.loader`) hands the trainer token batches, `BATCH_FIELDS[ta
 * `mlm`: `input_ids` with BERT's masking applied, `attention_mask`, `original_ids` (the ids
   before masking) and `masked_positions` (bool: the tokens selected for prediction).
 * `translation`: `src_ids` (source + </s>), `src_mask`, `tgt_ids` (<s> + target + </s>), `tgt_mask`.
+* with `data.document_mask` (causal_lm, mlm): also `document_ids`, the document of each token
+  in its block (0 at the start, +1 at each of its `doc_starts`), which keeps attention and
+  positions within each document (`model.blocks`).
 
 A token batch has no labels: which token each position predicts is the task's decision
 (`launch.tasks`), with the ignore index of the model's loss (`model.loss`).
