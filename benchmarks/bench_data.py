@@ -190,7 +190,8 @@ def stage_timer(timings: dict):
         finally:
             timings[desc] = time.perf_counter() - started
         # The tasks report their worker's peak RSS (the process's maximum so far); kept aside, not a stage time.
-        timings.setdefault("_rss", {})[desc] = max((r.get("peak_rss_mb", 0.0) for r in results), default=0.0)
+        flat = [r for result in results for r in (result if isinstance(result, list) else [result])]
+        timings.setdefault("_rss", {})[desc] = max((r.get("peak_rss_mb", 0.0) for r in flat), default=0.0)
         return results
 
     # prepare() imports these names from the module at call time, so patching the module suffices.
@@ -285,6 +286,7 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
             result = run_prepare(cfg)
             # A --quick subset cannot match the full dataset: None means not checked.
             result["identical"] = None if source_paths is not None else shard_digests(result["manifest"]) == reference
+            result["digests"] = shard_digests(result["manifest"])
             runs.setdefault(f"{num_workers}", []).append(result)
             timings = result["timings"]
             print(f"prepare ray.num_workers={num_workers} (fixed tokenizer), repeat {repeat + 1}: "
@@ -457,6 +459,10 @@ def stage_breakdown(result: dict) -> str:
         between = timings["wall"] - sum(timings[k] for k in _stage_keys(timings))
         parts.append(f"  trained tokenizer: outside the Ray stages (tokenizer training, manifest) {between:.1f} s; "
                      f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}")
+    digests = [r["digests"] for runs in result["runs"].values() for r in runs]
+    parts.append(f"  shards of every run identical to each other (1 and 2 workers, all repeats): "
+                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'}"
+                 " (a dataset prepared before doc_starts existed differs from all of them: prepare it again)")
     return "Prepare stage medians (s):\n" + "\n".join(parts)
 
 

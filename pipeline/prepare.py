@@ -2,7 +2,10 @@
 
 plan (files -> work units) -> Ray: scan units into hash buckets -> train SentencePiece on a
 bottom-k sample -> Ray: encode buckets into shards -> manifest.json. See `pipeline.work`
-for what each task does and `pipeline.format` for what is written.
+for what each task does and `pipeline.format` for what is written. Several sources
+(`sources:`) go through the same two stages together, unit order being source order; the
+manifest keeps each source's statistics (`sources.by_source`, `datasets[...].stats_by_source`)
+and each split's per-source counts (`splits[...].sources`).
 
 Everything is built in `OUTPUT_DIR.partial` and moved into place only when complete, so an
 interrupted run never leaves a directory that looks prepared, and an existing dataset is
@@ -113,7 +116,7 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
            started: float, log) -> dict:
     """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.ray_runner import ray_session, run_tasks
-    from pipeline.work import encode_bucket, scan_unit
+    from pipeline.work import encode_splits, scan_unit
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
@@ -148,11 +151,14 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
 
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         unit_sources = [unit.source for unit in units]
-        jobs = [(d, s, b, unit_sources) for d in datasets for s in SPLITS for b in range(cfg.shard.buckets)]
+        jobs = [(d, b, unit_sources) for d in datasets for b in range(cfg.shard.buckets)]
         encoded = run_tasks(
-            encode_bucket, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
+            encode_splits, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
             shared={"work_dir": str(work_dir), "out_dir": str(staging), "tokenizer_model": model_bytes, "cfg": cfg},
         )
+        # One task per (dataset, bucket) made all its splits; in (dataset, split, bucket) order, as shards are listed.
+        encoded = sorted((r for results in encoded for r in results),
+                         key=lambda r: (r["dataset"], SPLITS.index(r["split"]), r["bucket"]))
 
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pipeline.config import PrepareConfig
-from pipeline.format import EOS_ID, ShardWriter, sample_key, shard_name, token_dtype
+from pipeline.format import EOS_ID, SPLITS, ShardWriter, sample_key, shard_name, token_dtype
 from pipeline.sources import Unit, chunk_text, is_parallel, read_unit, source_list, text_hash
 from pipeline.tokenizer import BottomKSample, processor_from_bytes
 
@@ -247,6 +247,14 @@ def encode_bucket(
     return {"dataset": dataset, "split": split, "bucket": bucket, "shards": shards, "stats": dict(total),
             "source_stats": {name: dict(s) for name, s in zip(names, stats)},
             "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
+
+
+def encode_splits(dataset: str, bucket: int, unit_sources: list[int], work_dir: str, out_dir: str, tokenizer_model: bytes,
+                  cfg: PrepareConfig) -> list[dict]:
+    """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
+    rather than three, since valid and test buckets are small and a task costs milliseconds."""
+    return [encode_bucket(dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg)
+            for split in SPLITS]
 
 
 class _Packer:
