@@ -266,6 +266,13 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
         # A document starts at 0 and right after each </s> inside the block.
         expected = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1)
         assert torch.equal(b["document_ids"], expected)
+    # The trainer's inputs: the document structure reaches the model, and is never dropped on the
+    # way to the device as an all-ones attention mask is; without the flag there is none.
+    from launch.tasks import TASKS
+
+    inputs = TASKS[task].model_inputs(masked[0], torch.device("cpu"))
+    assert "attention_mask" not in inputs and torch.equal(inputs["document_ids"], masked[0]["document_ids"])
+    assert "document_ids" not in TASKS[task].model_inputs(before[0], torch.device("cpu"))
     with pytest.raises(UserError, match="prepared without document boundaries.*prepare it again"):
         ShardLoader(str(old), task, "train", micro_batch_size=2, document_mask=True)
 
