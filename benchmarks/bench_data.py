@@ -24,7 +24,7 @@
    are timed apart from the stages.
 3. Scale (`--scale 1,10,20`): a synthetic parallel corpus (jsonl with a text and a target field)
    drawn from the default corpus's pairs by a seeded sampler, each record two random pairs
-   joined, so it is not de-duplicated away; 1x is 20,000 records (about as many tokens as the
+   joined, so it is not de-duplicated away; 1x is 28,000 records (about as many tokens as the
    default corpus's encode stage), 20x about 50 M tokens. Each size is prepared once with the
    largest worker count and the dataset's tokenizer; printed: tokens, wall time, tokens/s, the
    scan and encode stage times and the peak RSS of each Ray worker (its process's maximum
@@ -307,7 +307,7 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
 # ---------------------------------------------------------------- scale
 
 
-SCALE_RECORDS = 20_000  # records per 1x: about the default corpus's encode-stage tokens
+SCALE_RECORDS = 28_000  # records per 1x: about the default corpus's encode-stage tokens (20x: about 46 M)
 RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share out
 
 

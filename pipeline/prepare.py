@@ -116,14 +116,16 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
            started: float, log) -> dict:
     """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.ray_runner import ray_session, run_tasks
-    from pipeline.work import encode_splits, scan_unit
+    from pipeline.work import encode_splits, scan_units
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
+        batches = scan_batches(units, cfg.ray.num_workers)
         scanned = run_tasks(
-            scan_unit, [(i, unit) for i, unit in enumerate(units)], num_workers=cfg.ray.num_workers,
+            scan_units, [(batch,) for batch in batches], num_workers=cfg.ray.num_workers,
             desc="scan", progress=cfg.progress, shared={"cfg": cfg, "work_dir": str(work_dir)},
         )
+        scanned = [result for results in scanned for result in results]  # one per unit, in unit order
         sources = source_list(cfg)
         by_source = []
         for index, source in enumerate(sources):
@@ -197,6 +199,37 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return manifest
+
+
+SCAN_TASKS_PER_WORKER = 4  # small units are batched into about this many scan tasks per worker
+
+
+def scan_batches(units: list[Unit], num_workers: int) -> list[list[tuple[int, Unit]]]:
+    """Consecutive units grouped into scan tasks of about equal input bytes: enough tasks to keep
+    the workers busy to the end, few enough that scheduling does not dominate small files."""
+    sizes = [_unit_bytes(unit) for unit in units]
+    target = sum(sizes) / max(1, SCAN_TASKS_PER_WORKER * num_workers)
+    batches: list[list[tuple[int, Unit]]] = []
+    current: list[tuple[int, Unit]] = []
+    load = 0
+    for index, (unit, size) in enumerate(zip(units, sizes)):
+        current.append((index, unit))
+        load += size
+        if load >= target:
+            batches.append(current)
+            current, load = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _unit_bytes(unit: Unit) -> int:
+    if unit.end >= 0 and not unit.path.endswith(".parquet"):
+        return unit.end - unit.start
+    try:
+        return Path(unit.path).stat().st_size
+    except OSError:
+        return 0
 
 
 def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict]) -> list[str]:

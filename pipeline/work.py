@@ -112,6 +112,13 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     return {"stats": dict(stats), "sample": sample.items(), "peak_rss_mb": peak_rss_mb()}
 
 
+def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str) -> list[dict]:
+    """`scan_unit` for a run of units in one Ray task: catalogs are many small files, and a
+    task costs tens of milliseconds of scheduling. Each unit keeps its own bucket files, so the
+    output does not depend on how units are batched."""
+    return [scan_unit(unit_index, unit, cfg, work_dir) for unit_index, unit in batch]
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far (a Ray worker's, over the tasks it ran); for benchmarks, not the manifest."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
