@@ -245,8 +245,11 @@ def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict])
     open_sources, slots = list(range(len(sources))), cfg.tokenizer.sample_texts
     while open_sources and slots > 0:  # water-filling: the shares of the sources that still have texts
         total = sum(sources[i].tokenizer_share for i in open_sources)
-        offer = {i: int(slots * sources[i].tokenizer_share / total) for i in open_sources}
-        for i in open_sources[: slots - sum(offer.values())]:  # rounding remainder, in source order
+        exact = {i: slots * sources[i].tokenizer_share / total for i in open_sources}
+        offer = {i: int(exact[i]) for i in open_sources}
+        # The slots rounding left over go to the largest remainders (ties: source order).
+        by_remainder = sorted(open_sources, key=lambda i: (offer[i] - exact[i], i))
+        for i in by_remainder[: slots - sum(offer.values())]:
             offer[i] += 1
         for i in open_sources:
             quota[i] += min(offer[i], len(items[i]) - quota[i])

@@ -321,3 +321,85 @@ def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_work
     text = " ".join(sp.decode(decode_array(s["input_ids.npy"]).tolist()) for shard in train_docs
                     for s in wds.WebDataset(str(out / shard["path"]), shardshuffle=False, empty_check=False))
     assert test_sources and not any(source in normalize_key(text) for source in test_sources)
+
+
+def test_shard_writer_writes_what_webdataset_tarwriter_writes_and_scan_tar_vouches_for_it(tmp_path):
+    """The direct tar writer against the reference it replaced: the same bytes as
+    webdataset.TarWriter (fixed mtime, owner, mode) with np.save members, for packed and
+    translation samples and an empty shard; the sha256 taken while writing is the file's."""
+    import io
+
+    from pipeline.format import encode_array, write_shard
+    from pipeline.shards import scan_tar
+
+    rng = np.random.default_rng(0)
+    packed = [{"input_ids": rng.integers(0, 8000, 32).astype(np.uint16), "doc_starts": np.array([0, 5, 17][: 1 + i % 3], np.uint16)}
+              for i in range(37)]
+    pairs = [{"src_ids": rng.integers(0, 70000, 1 + i % 9).astype(np.int32), "tgt_ids": rng.integers(0, 70000, 2 + i % 5).astype(np.int32)}
+             for i in range(23)]
+    for name, samples in (("packed", packed), ("pairs", pairs), ("empty", [])):
+        keys = [f"0003_{i:08d}" for i in range(len(samples))]
+        record = write_shard(tmp_path / f"{name}.tar", keys, samples)
+        reference = io.BytesIO()
+        writer = wds.TarWriter(reference, encoder=False, mtime=0, user="", group="", mode=0o444)
+        for key, sample in zip(keys, samples):
+            writer.write({"__key__": key, **{f"{field}.npy": encode_array(a) for field, a in sample.items()}})
+        writer.close()
+        data = (tmp_path / f"{name}.tar").read_bytes()
+        assert data == reference.getvalue(), name
+        assert record["bytes"] == len(data) and record["sha256"] == file_sha256(tmp_path / f"{name}.tar")
+        assert record["samples"] == len(samples)
+        assert record["tokens"] == sum(a.size for s in samples for k, a in s.items() if k.endswith("_ids"))
+        if samples:
+            assert scan_tar(data, tuple(sorted(samples[0]))) is not None, name
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp_path, monkeypatch):
+    """The streamed encode stage (dedup, encode, pack and write ENCODE_CHUNK texts at a time)
+    gives the same shards whatever the chunk size: here 7 texts against 100,000 (all at once)."""
+    from pipeline import work
+    from pipeline.config import PrepareConfig
+    from pipeline.configure import load_config
+    from pipeline.sources import expand_paths, plan_units
+    from pipeline.tokenizer import train_tokenizer
+
+    cfg = load_config(PrepareConfig, None, prepare_args(tiny_corpus, tmp_path / "unused"))
+    units = plan_units(expand_paths(cfg.source), cfg.source, 1 << 20)
+    results = [work.scan_unit(i, unit, cfg, str(tmp_path / "work")) for i, unit in enumerate(units)]
+    model = train_tokenizer([text for result in results for _, text in result["sample"]], cfg.tokenizer)
+    outputs = {}
+    for chunk in (7, 100_000):
+        monkeypatch.setattr(work, "ENCODE_CHUNK", chunk)
+        out = tmp_path / f"out{chunk}"
+        outputs[chunk] = [work.encode_splits(dataset, bucket, [0] * len(units), str(tmp_path / "work"), str(out), model, cfg)
+                          for dataset in ("packed", "translation") for bucket in range(cfg.shard.buckets)]
+    for small, large in zip(outputs[7], outputs[100_000]):
+        for a, b in zip(small, large):
+            assert a["shards"] == b["shards"] and a["stats"] == b["stats"]
+    tars = sorted(p.relative_to(tmp_path / "out7") for p in (tmp_path / "out7").rglob("*.tar"))
+    assert len(tars) > 6
+    assert all((tmp_path / "out7" / t).read_bytes() == (tmp_path / "out100000" / t).read_bytes() for t in tars)
+
+
+def test_tokenizer_sample_shares():
+    """Slots divided by tokenizer_share; a source short of texts gives what it has and the rest go to the others."""
+    from pipeline.config import PrepareConfig
+    from pipeline.configure import load_config
+    from pipeline.prepare import tokenizer_sample
+    from pipeline.sources import Unit
+
+    def cfg(k, shares):
+        listed = ", ".join(f"{{name: s{i}, format: text, paths: [x], tokenizer_share: {w}}}" for i, w in enumerate(shares))
+        return load_config(PrepareConfig, None, [f"tokenizer.sample_texts={k}", f"sources=[{listed}]"])
+
+    texts = {0: [(i * 2, f"a{i}") for i in range(100)], 1: [(i * 2 + 1, f"b{i}") for i in range(100)], 2: [(1000 + i, f"c{i}") for i in range(5)]}
+    units = [Unit("x", source=0), Unit("y", source=1), Unit("z", source=2)]
+    scanned = [{"sample": texts[0]}, {"sample": texts[1]}, {"sample": texts[2]}]
+    got = tokenizer_sample(cfg(40, [3, 1, 1]), units, scanned)
+    # 40 slots at 3:1:1 -> 24, 8, 8; source 2 has 5: its 3 left over go 3:1 -> 2.25, 0.75 -> 2, 1 (largest remainder).
+    counts = [sum(t.startswith(p) for t in got) for p in "abc"]
+    assert counts == [26, 9, 5] and len(got) == 40
+    assert got == sorted(got, key=lambda t: dict((text, key) for s in texts.values() for key, text in s)[t])
+    # Each source's share is its bottom-k: the texts with the smallest hashes.
+    assert {t for t in got if t.startswith("a")} == {f"a{i}" for i in range(26)}
