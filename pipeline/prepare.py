@@ -154,6 +154,9 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         unit_sources = [unit.source for unit in units]
         jobs = [(d, b, unit_sources) for d in datasets for b in range(cfg.shard.buckets)]
+        # Largest first (by bucket-file bytes), so that no worker is left with a big task at the
+        # end while the others idle; results are put back in order below, so output is unchanged.
+        jobs.sort(key=lambda job: -_job_bytes(work_dir, len(units), job[0], job[1]))
         encoded = run_tasks(
             encode_splits, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
             shared={"work_dir": str(work_dir), "out_dir": str(staging), "tokenizer_model": model_bytes, "cfg": cfg},
@@ -221,6 +224,14 @@ def scan_batches(units: list[Unit], num_workers: int) -> list[list[tuple[int, Un
     if current:
         batches.append(current)
     return batches
+
+
+def _job_bytes(work_dir: Path, n_units: int, dataset: str, bucket: int) -> int:
+    from pipeline.work import MONO, PAIRS, bucket_file
+
+    family = MONO if dataset == "packed" else PAIRS
+    paths = (bucket_file(work_dir, u, family, split, bucket) for u in range(n_units) for split in SPLITS)
+    return sum(path.stat().st_size for path in paths if path.is_file())
 
 
 def _unit_bytes(unit: Unit) -> int:
