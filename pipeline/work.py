@@ -22,6 +22,10 @@ all-at-once. Bucket files hold one record per line, raw UTF-8: a text, or `sourc
 (cleaned texts hold no tab or newline: `clean_text` collapses all whitespace), which reads
 several times faster than JSON.
 
+One Ray task runs a batch of consecutive units (`scan_units`) or every split of one
+(dataset, bucket) (`encode_splits`): a task costs milliseconds of scheduling, and many inputs
+(catalogs, valid and test buckets) are small. Batching never changes the output.
+
 Nothing here imports Ray; `pipeline.ray_runner` runs these functions as tasks.
 """
 
