@@ -27,8 +27,9 @@
    joined, so it is not de-duplicated away; 1x is 28,000 records (about as many tokens as the
    default corpus's encode stage), 20x about 50 M tokens. Each size is prepared once with the
    largest worker count and the dataset's tokenizer; printed: tokens, wall time, tokens/s, the
-   scan and encode stage times and the peak RSS of each Ray worker (its process's maximum
-   over the tasks it ran), so that a user can extrapolate to a corpus of their size. Generated
+   scan and encode stage times and the peak RSS of a Ray worker in each stage (the largest
+   over its tasks of the task's own peak: VmHWM, reset as each task starts), so that a user
+   can extrapolate to a corpus of their size. Generated
    in a temporary directory, deleted afterwards.
 
 Data: DIR defaults to data/gettext-en-de. The script does not prepare it (a benchmark should not

@@ -120,11 +120,44 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
     """`scan_unit` for a run of units in one Ray task: catalogs are many small files, and a
     task costs tens of milliseconds of scheduling. Each unit keeps its own bucket files, so the
     output does not depend on how units are batched."""
-    return [scan_unit(unit_index, unit, cfg, work_dir) for unit_index, unit in batch]
+    reset_peak_rss()
+    results = []
+    samples: dict[int, BottomKSample] = {}
+    for unit_index, unit in batch:
+        result = scan_unit(unit_index, unit, cfg, work_dir)
+        # Merged as they come (bottom-k merging is order-free), so the task holds one sample of
+        # `sample_texts` texts per source, not one per unit: memory bounded by the sample size.
+        samples.setdefault(unit.source, BottomKSample(cfg.tokenizer.sample_texts)).merge(result.pop("sample"))
+        result["sample"] = []
+        results.append(result)
+    last = {unit.source: position for position, (_, unit) in enumerate(batch)}
+    for source, position in last.items():
+        results[position]["sample"] = samples[source].items()
+    for result in results:
+        result["peak_rss_mb"] = peak_rss_mb()
+    return results
+
+
+def reset_peak_rss() -> None:
+    """Start a task's peak-memory count afresh (Linux: VmHWM is reset by writing 5 to
+    /proc/self/clear_refs), so that a Ray worker's figure is the task's, not its earlier tasks'."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (a Ray worker's, over the tasks it ran); for benchmarks, not the manifest."""
+    """This process's peak resident memory since `reset_peak_rss` (or since it started, where
+    that cannot be reset); for benchmarks, not the manifest."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -264,6 +297,7 @@ def encode_splits(dataset: str, bucket: int, unit_sources: list[int], work_dir: 
                   cfg: PrepareConfig) -> list[dict]:
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
     rather than three, since valid and test buckets are small and a task costs milliseconds."""
+    reset_peak_rss()
     return [encode_bucket(dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg)
             for split in SPLITS]
 
