@@ -87,6 +87,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     """Stage 1 for one unit: returns its statistics and its tokenizer-sample candidates."""
     stats: Counter = Counter()
     sample = BottomKSample(cfg.tokenizer.sample_texts)
+    # A given tokenizer (tokenizer.model_path) needs no training sample: no hashing, no memory for it.
+    sampling = not cfg.tokenizer.model_path and cfg.tokenizer.sample_texts > 0
     source_cfg = source_list(cfg)[unit.source]
     want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
     want_pairs = "translation" in cfg.tasks
@@ -106,7 +108,7 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
                 pieces = chunk_text(text, source_cfg.max_doc_chars)
                 stats["long_texts_cut"] += len(pieces) > 1
                 for piece in pieces:
-                    if split == "train":
+                    if sampling and split == "train":
                         sample.add(text_hash(piece, salt + "tok"), piece)
                     if want_mono:
                         key = source_key if piece is source else text_hash(piece, salt)
@@ -140,7 +142,15 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
 
 def reset_peak_rss() -> None:
     """Start a task's peak-memory count afresh (Linux: VmHWM is reset by writing 5 to
-    /proc/self/clear_refs), so that a Ray worker's figure is the task's, not its earlier tasks'."""
+    /proc/self/clear_refs), so that a Ray worker's figure is the task's, not its earlier tasks'.
+    Freed heap is handed back to the system first (glibc's malloc_trim), or the earlier tasks'
+    high-water mark would stay resident and count again."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
