@@ -18,11 +18,14 @@ from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4  # peak learning rate, reached after schedule.warmup_steps
+    # peak learning rate, reached after schedule.warmup_steps; with schedule.decay inverse_sqrt
+    # a scale on the paper's schedule (1.0 = Vaswani et al.: peak (d_model * warmup_steps)^-0.5)
+    lr: float = 3e-4
     weight_decay: float = 0.1  # never on norms, biases or embeddings
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
@@ -33,8 +36,10 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 100  # linear warmup to optim.lr over this many optimizer steps
-    decay: str = "cosine"  # cosine | linear | constant
-    min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr
+    # cosine | linear | constant | inverse_sqrt: optim.lr * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5)
+    # at optimizer step n = 1, 2, ... (Vaswani et al. 2017; linear rise, then 1/sqrt decay)
+    decay: str = "cosine"
+    min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr (cosine and linear)
 
 
 @dataclass
@@ -179,7 +184,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}"),
         (not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3, "deepspeed.offload_params: needs zero_stage 3"),
         (not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1, "deepspeed.offload_optimizer: needs zero_stage >= 1"),
-        (cfg.schedule.decay in ("cosine", "linear", "constant"), f"schedule.decay: {cfg.schedule.decay!r} is not cosine, linear or constant"),
+        (cfg.schedule.decay in DECAYS, f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}"),
+        (cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
+         "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)"),
         (cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode: {cfg.wandb.mode!r} is not offline, online or disabled"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
         (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
@@ -227,6 +234,15 @@ class ExportConfig:
 
     checkpoint: str = MISSING  # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
     out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model
+
+
+@dataclass
+class AverageConfig:
+    """The mean of a run's last checkpoints (`python -m launch.average run_dir=RUN last=N out=DIR`)."""
+
+    run_dir: str = MISSING  # a training run directory (its checkpoints/ holds the step_* checkpoints)
+    last: int = 5  # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
+    out: str = MISSING  # the model directory written, as launch.export writes it
 
 
 @dataclass

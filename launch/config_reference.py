@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from launch.config import EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
+from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
 from pipeline.config import PrepareConfig
 from pipeline.configure import leaf_rows, show
 from pipeline.validate import ValidateConfig
@@ -33,6 +33,7 @@ SCHEMAS = (
     ("pipeline.validate", ValidateConfig, True),
     ("launch.train", TrainConfig, False),
     ("launch.export", ExportConfig, True),
+    ("launch.average", AverageConfig, True),
     ("launch.evaluate", EvaluateConfig, True),
     ("launch.translate", TranslateConfig, True),
     ("launch.report", ReportConfig, True),

@@ -1,4 +1,5 @@
-"""AdamW parameter groups and the learning-rate schedule (warmup, then cosine or linear decay).
+"""AdamW parameter groups and the learning-rate schedule (warmup, then cosine, linear or
+constant; or the inverse square root of "Attention Is All You Need", Vaswani et al. 2017, 5.3).
 
 Weight decay applies to the weight matrices of linear layers only: never to norms, biases or
 embeddings (as in GPT-2/BERT practice and Loshchilov and Hutter 2019). A tied embedding that
@@ -65,8 +66,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
     return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 
-def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
-    """The factor on the peak lr after `step` optimizer steps."""
+def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, d_model: int = 0) -> float:
+    """The factor on `optim.lr` after `step` optimizer steps, i.e. for optimizer step `step + 1`.
+
+    `inverse_sqrt`: d_model^-0.5 * min(n^-0.5, n * warmup^-1.5) at the paper's step number
+    n = step + 1, which is never 0 (the formula is undefined there), so the first update
+    already has a positive lr, as under the linear warmup of the other schedules. `optim.lr`
+    is then a plain scale, 1.0 being the paper's (its peak, at n = warmup, is
+    optim.lr * (d_model * warmup)^-0.5: 7.0e-4 for d_model 512, warmup 4000)."""
+    if cfg.decay == "inverse_sqrt":
+        if d_model <= 0 or cfg.warmup_steps <= 0:
+            raise ValueError("schedule.decay inverse_sqrt needs d_model and schedule.warmup_steps > 0")
+        n = step + 1
+        return d_model ** -0.5 * min(n ** -0.5, n * cfg.warmup_steps ** -1.5)
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
@@ -76,5 +88,6 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int, d_model: int = 0):
+    """`d_model` (the model's width) is read by `inverse_sqrt` alone."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps, d_model))

@@ -266,7 +266,7 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
     n_parameters = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0,
                                 cpu_offload=cfg.deepspeed.offload_optimizer)
-    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps, cfg.model.d_model)
     if cfg.compile:
         compile_model(model)
     return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)), n_parameters

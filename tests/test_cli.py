@@ -16,7 +16,7 @@ import pytest
 from omegaconf import MISSING
 
 from conftest import ROOT
-from launch.config import EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
+from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
 from pipeline.config import PrepareConfig
 from pipeline.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
 from pipeline.validate import ValidateConfig
@@ -28,6 +28,7 @@ ENTRY_POINTS = {
     "pipeline.validate": ValidateConfig,
     "launch.train": TrainConfig,
     "launch.export": ExportConfig,
+    "launch.average": AverageConfig,
     "launch.evaluate": EvaluateConfig,
     "launch.translate": TranslateConfig,
     "launch.report": ReportConfig,

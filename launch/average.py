@@ -1,0 +1,110 @@
+"""`python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR`: the mean of a run's last N checkpoints.
+
+Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1: the base
+model averages the last 5 checkpoints, the big one the last 20). The run's last N complete
+checkpoints (oldest first, none newer than the one the `latest` pointer names: a save that
+never finished is not a checkpoint) are each turned into plain fp32 weights by the function
+export uses (`launch.engine.consolidated_state_dict`: verified, weights-only, any ZeRO stage),
+averaged elementwise (`average_state_dicts`), and written by `launch.export.save_model_dir`: `out` is an
+exported model directory like any other, which `launch.evaluate`, `launch.translate` and
+warm starts read unchanged. Exports store fp32, so the mean is stored as computed.
+
+A command of its own rather than an option of `launch.export`: export takes one checkpoint
+(a run, a checkpoints/ or a step_* directory), averaging takes a run and a count, and the
+two share every step after the weights are read. The grammar is the project's one
+(`pipeline.configure.parse_cli`: key=value, an optional YAML first), so `last=5`, not `--last 5`.
+Keep `checkpoint.keep_last` >= N (and `checkpoint.every_steps` set) in the training run, or
+there are not N checkpoints to average.
+
+Refused in one line (UserError, exit status 2): fewer than N checkpoints; checkpoints whose
+weights differ in names or shapes (a different model config) or that were trained with
+different tokenizers (`client_state.json`'s tokenizer_sha256).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
+from launch.config import AverageConfig
+from launch.export import read_json, read_run_checkpoint, save_model_dir
+from pipeline.configure import UserError, parse_cli, run_main
+
+USAGE = """usage: python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR
+
+The elementwise mean of a run's last N checkpoints, written as launch.export writes one."""
+
+
+def last_tags(run_dir: str | Path, last: int) -> tuple[Path, list[str]]:
+    """(checkpoints root, the last `last` complete tags, oldest first)."""
+    if last < 1:
+        raise UserError(f"last: must be at least 1, not {last}")
+    root = checkpoint_root(run_dir)
+    current = latest_tag(root)
+    if current is None:
+        raise UserError(f"no complete checkpoint at {run_dir}")
+    tags = [tag for tag in checkpoint_tags(root) if tag <= current]
+    if len(tags) < last:
+        raise UserError(f"last: {run_dir} has {len(tags)} complete checkpoint(s) ({', '.join(tags)}), not {last}; "
+                        "train with checkpoint.keep_last >= last")
+    return root, tags[-last:]
+
+
+def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
+    """The elementwise mean of state dicts with the same keys and shapes, in their dtype (`names`
+    label them in the error when they differ). Summed in float64, one tensor at a time: the sum
+    of a few fp32 numbers is exact there, so the mean is the fp32 mean correctly rounded, and N
+    identical checkpoints average to themselves bit for bit."""
+    first = states[0]
+    for state, name in zip(states[1:], names[1:]):
+        if state.keys() != first.keys():
+            odd = sorted(state.keys() ^ first.keys())[:3]
+            raise UserError(f"{name} and {names[0]} hold different weights ({', '.join(odd)}): not the same model config")
+        for key, tensor in state.items():
+            if tensor.shape != first[key].shape:
+                raise UserError(f"{name} and {names[0]} differ in {key} ({tuple(tensor.shape)} vs "
+                                f"{tuple(first[key].shape)}): not the same model config")
+    mean = {}
+    for key, tensor in first.items():
+        total = torch.zeros(tensor.shape, dtype=torch.float64)
+        for state in states:
+            total += state[key].double()
+        mean[key] = (total / len(states)).to(tensor.dtype)
+    return mean
+
+
+def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
+    from launch.engine import consolidated_state_dict  # DeepSpeed is imported by launch.engine alone
+    from launch.preconditions import check_writable_dir
+
+    check_writable_dir(Path(out).absolute().parent, "out")
+    root, tags = last_tags(run_dir, last)
+    run = read_run_checkpoint(root / tags[-1])
+    if not run.tokenizer.is_file():
+        raise UserError(f"{run.tokenizer} not found")
+    clients = [read_json(root / tag / "client_state.json") if (root / tag / "client_state.json").is_file() else {}
+               for tag in tags]
+    tokenizers = {client.get("tokenizer_sha256") for client in clients}
+    if len(tokenizers) > 1:
+        raise UserError(f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers")
+    states = [consolidated_state_dict(root, tag) for tag in tags]
+    mean = average_state_dicts(states, [str(root / tag) for tag in tags])
+    meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
+            "source": str((root / tags[-1]).resolve()),
+            "averaged": [str((root / tag).resolve()) for tag in tags]}
+    save_model_dir(out, mean, run.config.model, run.tokenizer, meta)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    meta = average(cfg.run_dir, cfg.last, cfg.out)
+    print(f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
