@@ -362,13 +362,13 @@ class Embeddings(nn.Module):
         self.learned = cfg.positions == "learned"
         if self.learned:
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-            self.scale = 1.0
         else:
             # Not a parameter and not saved: a sinusoidal stack has no position keys.
             self.register_buffer("pos_table", sinusoids(cfg.max_seq_len, cfg.d_model), persistent=False)
-            # Vaswani et al. scale token embeddings by sqrt(d_model) so that the fixed,
-            # unit-amplitude sinusoids do not drown them.
-            self.scale = math.sqrt(cfg.d_model)
+        # Vaswani et al. scale token embeddings by sqrt(d_model), so that the fixed,
+        # unit-amplitude sinusoids do not drown them, and in a Seq2Seq whose embeddings are the
+        # output projection too (`share_embeddings`), whatever the positions.
+        self.scale = math.sqrt(cfg.d_model) if not self.learned or cfg.share_embeddings else 1.0
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         tok = self.tok(input_ids)  # (B, T, C)

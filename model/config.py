@@ -56,6 +56,10 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
     label_smoothing: float = 0.1  # seq2seq only
+    # seq2seq only: the source embedding, target embedding and output projection are one
+    # matrix over the shared vocabulary, and token embeddings are scaled by sqrt(d_model)
+    # (Vaswani et al. 2017, section 3.4; with learned positions too).
+    share_embeddings: bool = False
     init_std: float = 0.02  # std of the normal initialisation of the weights
     # Reserved ids of pipeline/format.py's tokenizers.
     pad_id: int = 0
@@ -98,6 +102,7 @@ class ModelConfig:
             for stack in STACKS:
                 _check_stack(self.for_stack(stack), self, stack)
         else:
+            _check(not self.share_embeddings, "share_embeddings=True: only arch=seq2seq has two embeddings to share")
             _check(
                 self.n_decoder_layers == 0,
                 f"n_decoder_layers={self.n_decoder_layers}: only arch=seq2seq has a decoder",

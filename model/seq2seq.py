@@ -6,7 +6,9 @@ Vaswani et al. 2017; laid out for warm starting as Rothe, Narayan and Severyn 20
 its LM head tied to the decoder's token embeddings. A GPT or BERT state dict therefore loads
 into `encoder.*` or `decoder.*` with its keys unchanged; see `model.warm_start`.
 The two stacks may differ in norm position, activation, heads and so on (`ModelConfig.encoder`
-and `.decoder`), but share d_model and the vocabulary.
+and `.decoder`), but share d_model and the vocabulary. With `share_embeddings` the encoder's
+token embedding is that same tensor too: `encoder.embed.tok.weight`, `decoder.embed.tok.weight`
+and `decoder.lm_head.weight` name one Parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ class Seq2Seq(nn.Module):
         self.cfg = cfg
         self.encoder = Transformer(cfg.for_stack("encoder"), causal=False)
         self.decoder = GPT(cfg.for_stack("decoder"), cross_attention=True)
+        if cfg.share_embeddings:
+            # One matrix for source, target and output (Vaswani et al. 2017, section 3.4), tied
+            # as GPT ties its head: one Parameter under three keys, counted and optimised once.
+            # The decoder's (already its output projection's) is kept; both stacks scale
+            # lookups by sqrt(d_model) (`model.blocks.Embeddings`).
+            self.encoder.embed.tok.weight = self.decoder.embed.tok.weight
 
     def forward(
         self,

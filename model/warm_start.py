@@ -13,14 +13,23 @@ vocabulary or shape mismatch, a missing or unknown source key, or a source confi
 architecture differs from its stack's raises `WarmStartError` with a one-line message.
 Position embeddings are the one tensor that may differ in size: they are truncated or
 extended (new rows keep their fresh initialisation).
+
+With `share_embeddings` the Seq2Seq has one token matrix (source, target and output
+projection) and both sources offer one. The rule: the decoder source's when there is one, else
+the encoder source's. The output projection is the tied matrix, read by the decoder's final
+hidden states; the decoder source trained its matrix as exactly that, the output layer over its
+own final hidden states (GPT's LM head, BERT's tied MLM decoder), so the decoder's logits stay
+the source's, while the encoder only reads the matrix as input. The other source's matrix is
+dropped, and the report's `shared` line says which was taken and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Set
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +46,7 @@ ARCHITECTURE_FIELDS = (
     "positions", "layer_norm_eps", "pad_id", "bos_id", "eos_id", "mask_id",
 )  # fmt: skip
 RESIZABLE = "embed.pos.weight"
+TOKEN_EMBEDDING = "embed.tok.weight"
 
 
 class WarmStartError(ValueError):
@@ -63,6 +73,7 @@ class TensorOrigin:
 class WarmStartReport:
     tensors: Dict[str, TensorOrigin] = field(default_factory=dict)  # every key of the Seq2Seq
     dropped: List[str] = field(default_factory=list)  # "{side}:{key}" of unused source tensors
+    shared: str = ""  # share_embeddings: where the one token matrix came from, and why
 
     def keys(self, status: str) -> List[str]:
         return [key for key, origin in self.tensors.items() if origin.status == status]
@@ -73,7 +84,7 @@ class WarmStartReport:
         return ", ".join(parts + [f"dropped {len(self.dropped)}"])
 
     def __str__(self) -> str:
-        lines = [self.summary()]
+        lines = [self.summary()] + ([f"shared   {self.shared}"] if self.shared else [])
         for key, origin in self.tensors.items():
             detail = " ".join(part for part in (origin.source, origin.note) if part)
             lines.append(f"{origin.status:8} {key}" + (f" <- {detail}" if detail else ""))
@@ -95,7 +106,9 @@ def seq2seq_config(
     for name in ("vocab_size", "d_model", "pad_id", "bos_id", "eos_id", "mask_id"):
         values = {getattr(c, name) for c in sources}
         if len(values) > 1:
-            raise WarmStartError(f"encoder and decoder sources differ in {name}: {sorted(values)}")
+            why = " (share_embeddings=True needs one vocabulary)" if name == "vocab_size" and overrides.get(
+                "share_embeddings") else ""
+            raise WarmStartError(f"encoder and decoder sources differ in {name}: {sorted(values)}{why}")
     base = sources[0] if sources else ModelConfig()
 
     def stack(c: Optional[ModelConfig]) -> StackConfig:
@@ -130,16 +143,38 @@ def warm_start(
     origins: Dict[str, TensorOrigin] = {}
     target = model.state_dict(keep_vars=True)
     target_aliases = _tied_aliases(model)
+    # share_embeddings: the side whose token matrix becomes the shared one (module doc).
+    shared_side = (("decoder" if decoder is not None else "encoder" if encoder is not None else None)
+                   if cfg.share_embeddings else None)
     with torch.no_grad():
         for side, source in zip(STACKS, (encoder, decoder)):
             if source is not None:
                 _check_config(side, source, cfg.for_stack(side), tokenizer_sha256)
-                _load_side(side, source, target, target_aliases, origins, report)
+                skip = {TOKEN_EMBEDDING} if shared_side not in (None, side) else set()
+                _load_side(side, source, target, target_aliases, origins, report, skip)
+    if shared_side:
+        report.shared = _shared_origin(cfg, shared_side, (encoder, decoder)[STACKS.index(shared_side)])
+        origin = TensorOrigin("copied", f"{shared_side}:{TOKEN_EMBEDDING}")
+        for key in ("encoder", "decoder"):
+            origins[f"{key}.{TOKEN_EMBEDDING}"] = origin
     for key in target:
         owner = target_aliases.get(key)
         origin = origins.get(key) or origins.get(owner) or TensorOrigin("new")
         report.tensors[key] = dataclasses.replace(origin, note=f"tied to {owner}") if owner else origin
     return model, report
+
+
+def _shared_origin(cfg: ModelConfig, side: str, source: Pretrained) -> str:
+    """The report's line on the shared matrix: its source, why, and how its scale changed."""
+    why = ("the decoder source trained it as its output layer, and the Seq2Seq's output projection is this matrix"
+           if side == "decoder" else "there is no decoder source; the encoder source's is the one pretrained matrix")
+    line = f"share_embeddings: source, target and output embeddings <- {side}:{TOKEN_EMBEDDING} ({why})"
+    if source.config.positions == "learned":
+        line += (f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the source"
+                 " (learned positions) used 1")
+    if side == "decoder":
+        line += f"; encoder:{TOKEN_EMBEDDING}, if given, is dropped"
+    return line
 
 
 def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_sha256: str) -> None:
@@ -152,8 +187,9 @@ def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_s
     if src.arch not in SOURCE_CLASSES:
         raise WarmStartError(f"{side} source has arch={src.arch!r}; expected one of {sorted(SOURCE_CLASSES)}")
     if src.vocab_size != stack.vocab_size:
+        why = " (share_embeddings=True needs one vocabulary)" if stack.share_embeddings else ""
         raise WarmStartError(
-            f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq vocab_size={stack.vocab_size}"
+            f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq vocab_size={stack.vocab_size}{why}"
         )
     for name in ARCHITECTURE_FIELDS:
         if getattr(src, name) != getattr(stack, name):
@@ -170,7 +206,9 @@ def _load_side(
     target_aliases: Mapping[str, str],
     origins: Dict[str, TensorOrigin],
     report: WarmStartReport,
+    skip: Set[str] = frozenset(),
 ) -> None:
+    """Copy one source into `{side}.*`; source keys in `skip` are dropped (and reported so)."""
     # The source model's own keys, from a copy built on the meta device (no memory).
     with torch.device("meta"):
         reference = SOURCE_CLASSES[source.config.arch](source.config)
@@ -196,7 +234,7 @@ def _load_side(
                 else:
                     report.dropped.append(f"{side}:{key}")
             continue
-        if name not in target:
+        if name not in target or key in skip:
             if key in state:
                 report.dropped.append(f"{side}:{key}")
             continue
