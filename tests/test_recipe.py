@@ -70,6 +70,7 @@ def test_transformer_base_config_is_the_papers():
     m = cfg.model
     assert (m.d_model, m.n_layers, m.n_decoder_layers, m.n_heads, m.d_ff) == (512, 6, 6, 8, 2048)
     assert (m.dropout, m.positions, m.norm_position, m.activation, m.label_smoothing) == (0.1, "sinusoidal", "post", "relu", 0.1)
+    assert m.share_embeddings
     assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.lr) == (0.9, 0.98, 1e-9, 1.0)
     assert (cfg.schedule.decay, cfg.schedule.warmup_steps) == ("inverse_sqrt", 4000)
     assert config_problems(cfg) == []
