@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from model.blocks import ModelOutput, Transformer
@@ -35,6 +36,7 @@ class Seq2Seq(nn.Module):
             # The decoder's (already its output projection's) is kept; both stacks scale
             # lookups by sqrt(d_model) (`model.blocks.Embeddings`).
             self.encoder.embed.tok.weight = self.decoder.embed.tok.weight
+            self.register_load_state_dict_pre_hook(_refuse_different_shared_embeddings)
 
     def forward(
         self,
@@ -53,3 +55,16 @@ class Seq2Seq(nn.Module):
 
     # Decoding options are defined once, by the function: `seq2seq.generate(src_ids, ...)`.
     generate = generate_seq2seq
+
+
+SHARED_EMBEDDINGS = ("encoder.embed.tok.weight", "decoder.embed.tok.weight", "decoder.lm_head.weight")
+
+
+def _refuse_different_shared_embeddings(module, state_dict, prefix, *args) -> None:
+    """A state dict may name the shared matrix once or under all three keys (as plain exports
+    save tied weights), but loading three different matrices would keep whichever came last."""
+    error_msgs = args[-1]
+    values = [state_dict[prefix + key] for key in SHARED_EMBEDDINGS if prefix + key in state_dict]
+    if any(v.shape != values[0].shape or not torch.equal(v, values[0]) for v in values[1:]):
+        error_msgs.append(f"share_embeddings: {', '.join(SHARED_EMBEDDINGS)} must hold one matrix; they differ")
+

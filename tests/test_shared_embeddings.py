@@ -55,6 +55,10 @@ def test_one_tensor_counted_once_and_in_one_parameter_group():
     fresh = build_model(config())
     fresh.load_state_dict(state)
     assert torch.equal(fresh.get_parameter(SHARED[0]), encoder) and fresh.get_parameter(SHARED[1]) is fresh.get_parameter(SHARED[2])
+    # Three different matrices are refused, not resolved by load order.
+    state[SHARED[1]] = state[SHARED[1]] + 1
+    with pytest.raises(RuntimeError, match="share_embeddings: .* must hold one matrix; they differ"):
+        fresh.load_state_dict(state)
 
 
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
