@@ -62,6 +62,15 @@ SPLITS = ("train", "valid", "test")
 # blocks (masks are drawn at load time, so every epoch sees new ones).
 DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
 FIELDS = {"packed": ("input_ids", "doc_starts"), "translation": ("src_ids", "tgt_ids")}
+# Members that hold positions in another member rather than token ids: what they index. Every
+# other member holds token ids, and only those count as tokens (manifest, validate, loader).
+POSITION_FIELDS = {"doc_starts": "input_ids"}
+
+
+def is_token_field(name: str) -> bool:
+    return name not in POSITION_FIELDS
+
+
 BATCH_FIELDS = {
     "causal_lm": ("input_ids", "attention_mask"),
     "mlm": ("input_ids", "attention_mask", "original_ids", "masked_positions"),
@@ -268,7 +277,7 @@ class ShardWriter:
             if padding:
                 parts.append(bytes(padding))
             written += _BLOCK + size + padding
-            if field_name.endswith("_ids"):  # token fields; not doc_starts (positions)
+            if is_token_field(field_name):
                 self.tokens += array.size
         self.samples += 1
         self._pending += written

@@ -101,7 +101,7 @@ from pipeline import remote
 from pipeline.collate import MLMMasking, pack, unpack
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
-from pipeline.format import SPECIAL_TOKENS, read_manifest, shard_entries
+from pipeline.format import SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
 from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields
 
 log = logging.getLogger(__name__)
@@ -562,7 +562,7 @@ class _EpochBatches(IterableDataset):
         for key, sample in zip(keys, samples):
             name = self.sources[key[0]].name
             tokens[name] = tokens.get(name, 0) + sum(
-                array.size for field_name, array in zip(self.fields, sample) if field_name.endswith("_ids"))
+                array.size for field_name, array in zip(self.fields, sample) if is_token_field(field_name))
         return j, self._pack(positions, samples), events
 
     def _pack(self, positions: np.ndarray, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:

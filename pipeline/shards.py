@@ -29,10 +29,7 @@ import numpy as np
 
 from pipeline import remote
 from pipeline.configure import UserError
-from pipeline.format import DATASET_FOR_TASK, FIELDS, decode_array
-
-# Members that hold positions in another member rather than token ids: what they index.
-POSITION_FIELDS = {"doc_starts": "input_ids"}
+from pipeline.format import DATASET_FOR_TASK, FIELDS, POSITION_FIELDS, decode_array
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from pipeline.configure import UserError, parse_cli, run_main
-from pipeline.format import FIELDS, decode_array, file_sha256, read_manifest
+from pipeline.format import FIELDS, decode_array, file_sha256, is_token_field, read_manifest
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
 
@@ -39,8 +39,7 @@ def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
         if present != expected:
             raise ValueError(f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}")
         samples += 1
-        # Token fields only: doc_starts holds positions within the block, not tokens.
-        tokens += sum(int(decode_array(sample[name]).size) for name in expected if name.endswith("_ids.npy"))
+        tokens += sum(int(decode_array(sample[f"{name}.npy"]).size) for name in fields if is_token_field(name))
     return samples, tokens
 
 
