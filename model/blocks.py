@@ -421,6 +421,13 @@ class Transformer(nn.Module):
         # What the last forward's self-attention ran: "sdpa", or "<kernel> (document mask)".
         self.attention_kernel = ""
         self.apply(lambda m: init_weights(m, cfg.init_std))
+        if self.embed.scale != 1.0:
+            # Lookups scaled by sqrt(d_model) start from std d_model^-0.5, as tensor2tensor and
+            # fairseq initialise the paper's embeddings: a scaled lookup then has unit variance
+            # and, shared, the output projection gives unit-scale logits. From init_std (0.02)
+            # the lookups would start 16x larger than the rest (d_model 256) and Adam's steps
+            # would move them 3x faster relative to their size.
+            nn.init.normal_(self.embed.tok.weight, mean=0.0, std=cfg.d_model**-0.5)
         if self.pre_norm:
             # GPT-2: each residual branch adds variance to a stream that is never
             # renormalised, so scale their output layers by 1/sqrt(number of branches).

@@ -225,3 +225,19 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     W = model.get_parameter(SHARED[0])
     assert all(model.get_parameter(k) is W for k in SHARED)
     assert torch.equal(W, state[SHARED[0]])
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(share_embeddings=False, positions="sinusoidal")])
+def test_scaled_lookups_start_at_unit_variance(overrides):
+    """Embeddings looked up scaled by sqrt(d_model) start at std d_model^-0.5 (tensor2tensor's and
+    fairseq's initialisation), so the scaled lookup has unit variance; unscaled ones keep init_std."""
+    torch.manual_seed(0)
+    cfg = config(d_model=64, **overrides)
+    model = build_model(cfg)
+    for stack in (model.encoder, model.decoder):
+        assert stack.embed.scale == 8.0
+        lookup = stack.embed.tok.weight * stack.embed.scale
+        assert abs(lookup.std().item() - 1.0) < 0.05
+    learned = build_model(config(d_model=64, share_embeddings=False))
+    assert learned.encoder.embed.scale == 1.0
+    assert abs(learned.encoder.embed.tok.weight.std().item() - 0.02) < 0.002
