@@ -1,0 +1,451 @@
+"""Translation fine-tuning vs Hugging Face's Seq2SeqTrainer + MarianMTModel: BLEU, chrF, tokens/s; prints figures, asserts nothing.
+
+    python benchmarks/bench_translation.py [--data data/gettext-en-de] [--config configs/small_translation.yaml]
+                                           [--steps 400] [--nproc 2] [--beam 4] [--split test] [--limit N]
+                                           [--out runs/bench_translation] [key.sub=value ...]
+
+Both sides start from random weights, train `--steps` optimizer steps on `--nproc` ranks on the
+dataset's translation train pairs, and are scored on `--split` with the same decoding settings and
+the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to both sides.
+
+1. Ours: the real entry points, as `launch.main` runs them: `torch.distributed.run --standalone
+   --nproc_per_node N -m launch.train CONFIG data.data_dir=DATA run_dir=OUT/ours max_steps=STEPS
+   eval_every=0 checkpoint.every_steps=0 wandb.mode=disabled [overrides]` (no evaluation or
+   checkpoint until the end, as for theirs), then `launch.evaluate checkpoint=OUT/ours split=SPLIT
+   beam=BEAM` in one process (its scores.json). Train seconds: the trainer's own timing of its
+   optimizer steps (`perf/tokens_per_s` of each logged window of OUT/ours/metrics.jsonl, turned
+   back into seconds with the window's tokens); process start, model and engine building, the
+   final evaluation and checkpoint are outside it. Final train loss: the last step's.
+2. Theirs: this script's `--worker` under the same `torch.distributed.run --nproc_per_node N`: a
+   `MarianMTModel` from a `MarianConfig` of CONFIG's shape (d_model, encoder/decoder layers, heads
+   and d_ff, dropout on residual branches and attention probabilities, init std, LayerNorm eps
+   1e-5 like ours; vocabulary, <pad>/<s>/</s> ids from the manifest's tokenizer; decoder start
+   <s>; max_position_embeddings = max_seq_len; encoder/decoder embeddings shared only with
+   `model.share_embeddings`, the output projection tied to the decoder's embedding as in ours),
+   random init from `seed`, trained by `Seq2SeqTrainer` with DDP (gloo on CPU, `use_cpu`),
+   per-device batch = `data.micro_batch_size`, `grad_accum`, `max_steps` = STEPS, torch AdamW with
+   `optim.lr`, betas, eps and weight decay, `schedule.warmup_steps` then `cosine_with_min_lr` down
+   to `schedule.min_lr_ratio` (our cosine's floor), `optim.grad_clip` as max_grad_norm,
+   `model.label_smoothing` as label_smoothing_factor, `bf16` (CPU autocast) when
+   `deepspeed.precision` is bf16, `data.num_workers` loader workers, the same threads per rank
+   as ours (`launch.distributed.set_threads`), no evaluation, no checkpoint, the final model saved
+   once. The pairs are `launch.evaluate.read_pairs(DATA, "train")`, shuffled by the Trainer's
+   sampler (ours by our loader: the same pairs, another order), encoded as ours: source + </s>
+   (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`), decoder input <s> +
+   target, labels target + </s> (target cut to max_seq_len - 1), padded to the longest in the
+   micro batch. Each rank's loss is the mean over its micro batch's target tokens and DDP averages
+   the gradients (`average_tokens_across_devices=False`), as ours. Train seconds: rank 0's wall
+   time from the first `on_step_begin` to the last `on_step_end` (a TrainerCallback), so the first
+   batch's loading is outside it (ours counts it). Final train loss: the last step's, averaged
+   over the ranks, as ours logs it.
+3. Tokens: every non-pad source token (with its </s>) and target token (with its </s>) of every
+   rank and micro batch, as `launch.tasks.Task.tokens` counts ours' `train/tokens_seen`; tokens/s
+   = tokens / train seconds, and the ratio ours / theirs.
+4. Scores: theirs is decoded in this process (all cores, as `launch.evaluate` in one process) in
+   `launch.evaluate`'s batches (`launch.decoding.length_sorted_batches` of the same sources,
+   EvaluateConfig's micro batch) with `generate(num_beams=BEAM, length_penalty=EvaluateConfig's,
+   max_new_tokens=the max_len launch.evaluate uses, early_stopping=False)` (Hugging Face's stopping
+   rule, which our beam search follows), detokenized by `launch.decoding.detokenize` and scored
+   by `launch.evaluate.score`, the function that scores ours: the same sacrebleu corpus BLEU and
+   chrF, and signature.
+
+Where Marian necessarily differs from ours (configs/small_translation.yaml), printed again at the end:
+- positions: fixed sinusoids (Marian has no learned positions; ours are learned), so token embeddings
+  are scaled by sqrt(d_model) (`scale_embedding`), as ours scales them under sinusoidal positions;
+- norms: post-LN in both stacks, no norm after the embeddings and no final norm (ours: a post-LN
+  encoder with a norm after the embeddings, BERT's; a pre-LN decoder with a final norm, GPT-2's);
+- activation: one for both stacks, the encoder's (ours may differ per stack: gelu / gelu_tanh);
+- the <pad> row of its embeddings is zero and never updated; a zero, untrained output bias buffer;
+- weight decay on every weight but biases and LayerNorms (embeddings too; ours: linear layers'
+  matrices only); warmup from lr 0 at the first step (ours (n + 1) / warmup);
+- bf16 as autocast over fp32 weights (ours: DeepSpeed's bf16 weights with fp32 masters); DDP
+  (ours: DeepSpeed ZeRO, `deepspeed.zero_stage` of CONFIG).
+
+Writes OUT/ours (run, log, eval-SPLIT/), OUT/theirs (log, model/, train.json, eval-SPLIT/ with
+hypotheses and scores) and OUT/summary.json; OUT/ours and OUT/theirs are replaced at each run.
+Data: DATA defaults to data/gettext-en-de (made by `make main` or `python -m pipeline.prepare
+configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
+DEFAULT_CONFIG = ROOT / "configs" / "small_translation.yaml"
+# Marian's names for our activations (transformers.activations.ACT2FN).
+MARIAN_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+DIFFERENCES = (
+    "Marian vs ours: sinusoidal positions with embeddings x sqrt(d_model) (ours as CONFIG says); post-LN in both stacks, "
+    "no embedding or final norm; one activation for both stacks (CONFIG's encoder's); <pad> embedding row frozen at 0; "
+    "weight decay on embeddings too; warmup from lr 0; bf16 as autocast over fp32 weights; DDP instead of DeepSpeed ZeRO."
+)
+
+
+def resolve_config(args: argparse.Namespace):
+    """CONFIG with the bench's keys and the user's overrides; the vocabulary from the dataset."""
+    from launch.config import TrainConfig, check_config
+    from pipeline.configure import load_config
+
+    cfg = load_config(TrainConfig, args.config, [f"data.data_dir={args.data}", f"max_steps={args.steps}", *args.overrides])
+    check_config(cfg)
+    if cfg.task != "translation":
+        raise SystemExit(f"error: {args.config}: task {cfg.task}, not translation")
+    tokenizer = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer["vocab_size"]))
+
+
+# ---------------------------------------------------------------- theirs: one torchrun job (every rank)
+
+
+def marian_config(model_cfg, tokenizer: dict):
+    """A MarianConfig of our model's shape (see the module docstring for what cannot match)."""
+    from transformers import MarianConfig
+
+    special = tokenizer["special_tokens"]
+    encoder, decoder = model_cfg.for_stack("encoder"), model_cfg.for_stack("decoder")
+    assert (special["<pad>"], special["<s>"], special["</s>"]) == (model_cfg.pad_id, model_cfg.bos_id, model_cfg.eos_id)
+    return MarianConfig(
+        vocab_size=tokenizer["vocab_size"], decoder_vocab_size=tokenizer["vocab_size"], d_model=model_cfg.d_model,
+        encoder_layers=encoder.n_layers, decoder_layers=decoder.n_layers,
+        encoder_attention_heads=encoder.n_heads, decoder_attention_heads=decoder.n_heads,
+        encoder_ffn_dim=encoder.d_ff, decoder_ffn_dim=decoder.d_ff,
+        activation_function=MARIAN_ACTIVATIONS[encoder.activation],
+        max_position_embeddings=model_cfg.max_seq_len,
+        dropout=model_cfg.dropout, attention_dropout=model_cfg.dropout, activation_dropout=0.0,
+        init_std=model_cfg.init_std, scale_embedding=True,
+        pad_token_id=model_cfg.pad_id, bos_token_id=model_cfg.bos_id, eos_token_id=model_cfg.eos_id,
+        decoder_start_token_id=model_cfg.bos_id, forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=model_cfg.share_embeddings, tie_word_embeddings=True,
+    )
+
+
+def scheduler_arguments(cfg) -> dict:
+    """Our `schedule` as TrainingArguments (lr_scheduler_type and its kwargs, warmup)."""
+    s = cfg.schedule
+    if s.decay == "cosine":
+        kind = ("cosine_with_min_lr", {"min_lr_rate": s.min_lr_ratio}) if s.min_lr_ratio else ("cosine", {})
+    elif s.decay == "linear" and not s.min_lr_ratio:
+        kind = ("linear", {})
+    elif s.decay == "constant":
+        kind = ("constant_with_warmup", {})
+    else:
+        raise SystemExit(f"error: schedule.decay={s.decay} with min_lr_ratio={s.min_lr_ratio} has no Hugging Face "
+                         f"scheduler here; use cosine, linear with schedule.min_lr_ratio=0, or constant")
+    return {"lr_scheduler_type": kind[0], "lr_scheduler_kwargs": kind[1], "warmup_steps": s.warmup_steps}
+
+
+class PairDataset:
+    """(encoder input, target) id lists of the train pairs, cut as ours (see the module docstring)."""
+
+    def __init__(self, pairs, max_seq_len: int):
+        from launch.decoding import source_ids
+
+        self.rows = [(source_ids(src, max_seq_len - 1)[0], [int(t) for t in tgt[: max_seq_len - 1]]) for src, tgt in pairs]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        return self.rows[index]
+
+
+def collate(rows) -> dict:
+    """Marian's inputs of a micro batch, padded to its longest row: input_ids / attention_mask
+    (source + </s>), decoder_input_ids (<s> + target), labels (target + </s>, IGNORE_INDEX on padding)."""
+    import torch
+
+    from model.loss import IGNORE_INDEX
+    from pipeline.format import BOS_ID, EOS_ID, PAD_ID
+
+    def pad(seqs, value):
+        out = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return out
+
+    input_ids = pad([src for src, _ in rows], PAD_ID)
+    return {"input_ids": input_ids, "attention_mask": (input_ids != PAD_ID).long(),
+            "decoder_input_ids": pad([[BOS_ID, *tgt] for _, tgt in rows], PAD_ID),
+            "labels": pad([[*tgt, EOS_ID] for _, tgt in rows], IGNORE_INDEX)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed
+    from transformers import MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
+
+    import launch.distributed as dist
+    from launch.config import batch_plan
+    from launch.evaluate import read_pairs
+    from model.loss import IGNORE_INDEX
+
+    cfg = resolve_config(args)
+    denv = dist.read_env()
+    dist.set_threads(cfg.threads_per_rank, denv)  # ours' rule: cores / local ranks
+    plan = batch_plan(cfg, denv.world_size)
+    dataset = PairDataset(read_pairs(args.data, "train"), cfg.model.max_seq_len)
+    tokenizer = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]
+    torch.manual_seed(cfg.seed)
+    model = MarianMTModel(marian_config(cfg.model, tokenizer))
+    cpu = not torch.cuda.is_available()
+    out = Path(args.out) / "theirs"
+
+    class Clock(TrainerCallback):
+        """Wall time from the first optimizer step's start to the last one's end."""
+
+        start = end = None
+        threads = 0
+
+        def on_train_begin(self, *_, **__):
+            self.threads = torch.get_num_threads()  # after accelerate's set-up
+
+        def on_step_begin(self, *_, **__):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.end = time.perf_counter()
+
+    class CountingTrainer(Seq2SeqTrainer):
+        """Counts input tokens as ours does and keeps the loss of the current optimizer step."""
+
+        tokens, step_loss, loss_step = 0, 0.0, -1
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.tokens += int(inputs["attention_mask"].sum()) + int((inputs["labels"] != IGNORE_INDEX).sum())
+            loss = super().training_step(model, inputs, num_items_in_batch)  # already / grad_accum
+            if self.state.global_step != self.loss_step:
+                self.loss_step, self.step_loss = self.state.global_step, 0.0
+            self.step_loss += float(loss)
+            return loss
+
+    training_args = Seq2SeqTrainingArguments(
+        output_dir=str(out), max_steps=cfg.max_steps, per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum, learning_rate=cfg.optim.lr, adam_beta1=cfg.optim.beta1,
+        adam_beta2=cfg.optim.beta2, adam_epsilon=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
+        optim="adamw_torch", max_grad_norm=cfg.optim.grad_clip, label_smoothing_factor=cfg.model.label_smoothing,
+        **scheduler_arguments(cfg), bf16=cfg.deepspeed.precision == "bf16", use_cpu=cpu,
+        ddp_backend="gloo" if cpu else "nccl", ddp_find_unused_parameters=False, ddp_broadcast_buffers=False,
+        average_tokens_across_devices=False, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
+        report_to="none", disable_tqdm=True, seed=cfg.seed, dataloader_num_workers=cfg.data.num_workers,
+        dataloader_pin_memory=not cpu, remove_unused_columns=False,
+    )
+    clock = Clock()
+    trainer = CountingTrainer(model=model, args=training_args, train_dataset=dataset, data_collator=collate,
+                              callbacks=[clock])
+    trainer.train()
+    tokens, loss = dist.all_reduce_sum([float(trainer.tokens), trainer.step_loss])
+    trainer.save_model(str(out / "model"))
+    if denv.is_main:
+        unwrapped = trainer.model
+        positions = unwrapped.model.encoder.embed_positions.weight
+        result = {
+            "steps": trainer.state.global_step, "seconds": clock.end - clock.start, "tokens": tokens,
+            "final_loss": loss / denv.world_size, "world_size": denv.world_size, "threads": clock.threads,
+            "mixed_precision": str(trainer.accelerator.mixed_precision),
+            "distributed": str(trainer.accelerator.distributed_type),
+            "parameters": sum(p.numel() for p in {id(p): p for p in unwrapped.parameters()}.values() if p.requires_grad),
+            "positions_trained": bool(positions.requires_grad), "loss_log": [row for row in trainer.state.log_history
+                                                                              if "loss" in row],
+            "marian_config": unwrapped.config.to_diff_dict(),
+        }
+        (out / "train.json").write_text(json.dumps(result, indent=1) + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def launch(command: list[str], log: Path, what: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
+    started = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+        raise SystemExit(f"error: {what} failed (exit {proc.returncode}), log {log}:\n{tail}")
+    print(f"  {what}: {time.time() - started:.0f} s (log {log})", flush=True)
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+def run_ours(args: argparse.Namespace, out: Path) -> dict:
+    from model import build_model
+
+    run_dir = out / "ours"
+    launch([*torchrun(args.nproc), "-m", "launch.train", str(args.config), f"data.data_dir={args.data}",
+            f"run_dir={run_dir}", f"max_steps={args.steps}", "eval_every=0", "checkpoint.every_steps=0",
+            "wandb.mode=disabled", *args.overrides], out / "ours.log", "ours: launch.train")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    windows = [row for row in rows if "perf/tokens_per_s" in row]
+    seconds, seen = 0.0, 0
+    for row in windows:  # each logged window: its tokens / its tokens per second
+        seconds += (row["train/tokens_seen"] - seen) / row["perf/tokens_per_s"]
+        seen = row["train/tokens_seen"]
+    final = json.loads((run_dir / "final.json").read_text())
+    eval_dir = run_dir / f"eval-{args.split}"
+    launch([sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}", f"data_dir={args.data}",
+            f"split={args.split}", f"beam={args.beam}", f"out={eval_dir}", f"limit={args.limit}"],
+           out / "ours-evaluate.log", f"ours: launch.evaluate {args.split}")
+    scores = json.loads((eval_dir / "scores.json").read_text())
+    parameters = sum(p.numel() for p in build_model(resolve_config(args).model).parameters())  # tied: counted once
+    return {"parameters": parameters, "steps": final["step"], "seconds": seconds, "tokens": seen,
+            "final_loss": windows[-1]["train/loss"],
+            "bleu": scores["bleu"], "chrf": scores["chrf"], "signature_bleu": scores["signature_bleu"],
+            "signature_chrf": scores["signature_chrf"], "decode_seconds": scores["decode_seconds"], "n": scores["n"]}
+
+
+def run_theirs(args: argparse.Namespace, out: Path) -> dict:
+    launch([*torchrun(args.nproc), __file__, "--worker", "--config", str(args.config), "--data", str(args.data),
+            "--steps", str(args.steps), "--out", str(out), *args.overrides], out / "theirs.log",
+           "theirs: Seq2SeqTrainer")
+    result = json.loads((out / "theirs" / "train.json").read_text())
+    started = time.time()
+    result.update(evaluate_theirs(args, out / "theirs"))
+    print(f"  theirs: generate and score {args.split}: {time.time() - started:.0f} s", flush=True)
+    return result
+
+
+def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
+    """Theirs decoded as `launch.evaluate` decodes ours, scored by the same function."""
+    import torch
+    from transformers import MarianMTModel
+    from transformers.utils import logging as hf_logging
+
+    from launch.config import EvaluateConfig
+    from launch.decoding import check_decoding, detokenize, length_sorted_batches, source_ids
+    from launch.evaluate import read_pairs, score
+    from pipeline.format import EOS_ID, PAD_ID
+    from pipeline.tokenizer import load_tokenizer
+
+    defaults = EvaluateConfig(checkpoint="")
+    cfg = resolve_config(args)
+    max_len = check_decoding(cfg.model, args.beam, defaults.max_len, defaults.micro_batch_size)
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    hf_logging.disable_progress_bar()
+    model = MarianMTModel.from_pretrained(out / "model").eval()
+    pairs = read_pairs(args.data, args.split, args.limit)
+    sources = [source_ids(src, cfg.model.max_seq_len - 1)[0] for src, _ in pairs]
+    hypotheses: dict[int, list[int]] = {}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in length_sorted_batches([len(s) for s in sources], defaults.micro_batch_size):
+            ids = torch.full((len(batch), max(len(sources[i]) for i in batch)), PAD_ID, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : len(sources[i])] = torch.tensor(sources[i])
+            generated = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(), num_beams=args.beam,
+                                       length_penalty=defaults.length_penalty, max_new_tokens=max_len,
+                                       early_stopping=False, do_sample=False, num_return_sequences=1)
+            for row, i in enumerate(batch):
+                tokens = generated[row, 1:].tolist()  # after the decoder start <s>
+                hypotheses[i] = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else [t for t in tokens if t != PAD_ID]
+    seconds = time.perf_counter() - start
+    tokenizer = load_tokenizer(Path(args.data) / "tokenizer.model")
+    hyp_text = [detokenize(tokenizer, hypotheses[i]) for i in range(len(pairs))]
+    ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
+    scores = score(hyp_text, ref_text)
+    eval_dir = out / f"eval-{args.split}"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    (eval_dir / "hypotheses.txt").write_text("".join(line + "\n" for line in hyp_text), encoding="utf-8")
+    result = {"bleu": scores["bleu"], "chrf": scores["chrf"], "signature_bleu": scores["signature_bleu"],
+              "signature_chrf": scores["signature_chrf"], "decode_seconds": round(seconds, 3), "n": len(pairs),
+              "max_len": max_len, "length_penalty": defaults.length_penalty}
+    (eval_dir / "scores.json").write_text(json.dumps({**result, **{k: scores[k] for k in ("bleu_detail", "chrf_detail")}},
+                                                      indent=1) + "\n")
+    return result
+
+
+def table(sides: dict[str, dict], split: str) -> str:
+    lines = [f"| side | steps | train seconds | tokens/s | final train loss | {split} BLEU | {split} chrF |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in sides.items():
+        lines.append(f"| {name} | {r['steps']} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:,.0f} | "
+                     f"{r['final_loss']:.3f} | {r['bleu']:.1f} | {r['chrf']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="our TrainConfig YAML (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each side (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of each training job (default: %(default)s)")
+    parser.add_argument("--beam", type=int, default=4, help="beam size of both evaluations (default: %(default)s)")
+    parser.add_argument("--split", default="test", choices=("train", "valid", "test"), help="scored split (default: %(default)s)")
+    parser.add_argument("--limit", type=int, default=0, help="score the split's first N pairs only; 0 = all (smoke runs)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_translation", help="(default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of CONFIG, for both sides")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one rank of theirs
+    args = parser.parse_args(argv)
+    args.data, args.config, args.out = args.data.resolve(), args.config.resolve(), args.out.resolve()
+    if args.worker:
+        worker(args)
+        return 0
+    if not (args.data / "manifest.json").is_file():
+        print(f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
+              f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
+        return 2
+    from launch.config import batch_plan
+    from pipeline.configure import UserError
+
+    try:
+        cfg = resolve_config(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+    import transformers
+
+    for side in ("ours", "theirs"):
+        shutil.rmtree(args.out / side, ignore_errors=True)
+    (args.out / "theirs").mkdir(parents=True)
+    m = cfg.model
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; {args.config.name}: d_model {m.d_model}, {m.n_layers}+{m.n_decoder_layers or m.n_layers} "
+          f"layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}, {cfg.deepspeed.precision}, micro batch "
+          f"{cfg.data.micro_batch_size} x {args.nproc} ranks, {args.steps} steps; {args.split} beam {args.beam}"
+          f"{f', first {args.limit} pairs' if args.limit else ''}", flush=True)
+    sides = {"ours (random/random)": run_ours(args, args.out), "HF MarianMTModel + Seq2SeqTrainer": run_theirs(args, args.out)}
+    ours, theirs = sides.values()
+    ratio = (ours["tokens"] / ours["seconds"]) / (theirs["tokens"] / theirs["seconds"])
+    global_batch = batch_plan(cfg, args.nproc).global_batch_size
+    print()
+    print(table(sides, args.split))
+    print(f"\ntokens/s ours / theirs: **{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
+          f"trained: ours {ours['tokens']:,.0f}, theirs {theirs['tokens']:,.0f} (the same steps of {global_batch} pairs, drawn "
+          f"by each side's own sampler)")
+    print("Tokens: source + target tokens (each with its </s>) of every rank. Train seconds: the optimizer steps only. "
+          "Loss: nats per target token, label-smoothed, the last step's.")
+    print(f"Parameters: ours {ours['parameters'] / 1e6:.2f} M, theirs {theirs['parameters'] / 1e6:.2f} M trained "
+          f"(sinusoidal positions {'trained' if theirs['positions_trained'] else 'fixed'}). {DIFFERENCES}")
+    print(f"sacrebleu: {ours['signature_bleu']} | {ours['signature_chrf']}")
+    if (ours["signature_bleu"], ours["signature_chrf"]) != (theirs["signature_bleu"], theirs["signature_chrf"]):
+        print(f"warning: theirs was scored with another signature: {theirs['signature_bleu']} | {theirs['signature_chrf']}")
+    summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"},
+               "ours": ours, "theirs": {k: v for k, v in theirs.items() if k not in ("marian_config", "loss_log")},
+               "tokens_per_s_ratio": ratio, "table": table(sides, args.split),
+               "signature": f"{ours['signature_bleu']} | {ours['signature_chrf']}", "marian_config": theirs["marian_config"]}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"(also in {args.out / 'summary.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
