@@ -166,6 +166,11 @@ class LoaderConfig:
     # it cannot run: on the CPU, without Triton, with attention dropout); the run logs which.
     # Needs a dataset prepared with document boundaries (its packed shards hold `doc_starts`).
     document_mask: bool = False
+    # Translation: each shard's samples, in their seeded order, are sorted by length and cut into
+    # groups of micro_batch_size, which are then shuffled: a batch holds pairs of about one length,
+    # so it pads little (fairseq's and tensor2tensor's length bucketing, within a shard). The
+    # samples of an epoch are the same; which of them share a batch changes.
+    length_grouping: bool = False
     # Weighted mixture of the dataset's sources for the train split, {source name: weight}
     # (weights are normalized; sources left out are not read). An epoch of the mixture has as
     # many samples as the named sources together, a share of them in proportion to its weight:

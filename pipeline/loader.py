@@ -82,6 +82,15 @@ Design. The manifest knows every shard's sample count, so each epoch's order cos
    draws with the new weights from there. Tokens read per source are counted
    (`stats["tokens_by_source"]`, from the batches handed out). Without a mixture the dataset is
    one source, e N + position indexes it, and the orders are those of 1.
+9. Length grouping (`data.length_grouping`, for translation, whose pairs vary from a few tokens
+   to ~100): a shard's samples, in their seeded order of 1, are sorted by size (stably, so equal
+   sizes keep that random order) and cut into groups of b, and the groups are put in an order
+   drawn from (seed, pass, shard). Without a mixture the cut is aligned to the batches: the first
+   group is as long as the stream needs to reach the next multiple of b (the rest of the
+   batch the previous shard's last group started), so every other batch of the shard is one group.
+   A batch then holds pairs of about one length and pads little. The sizes come from reading
+   the shard (it is read anyway); the in-shard order is still a pure function of (seed, pass,
+   shard, b) and the shard's bytes, so 3-6 hold as they are. b joins the fingerprint.
 """
 
 from __future__ import annotations
@@ -102,7 +111,7 @@ from pipeline.collate import MLMMasking, pack, unpack
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
 from pipeline.format import SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
-from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields
+from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields, sample_sizes
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +121,7 @@ STATE_VERSION = 3
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
-_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER, _MIXTURE = 1, 2, 3, 4, 5
+_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER, _MIXTURE, _LENGTH_GROUPS = 1, 2, 3, 4, 5, 6
 DEFAULT_SOURCE = "default"  # the source of shard records that name none (one-source datasets)
 
 
@@ -142,7 +151,7 @@ class ShardLoader:
                  mlm_mask_fraction: float = 0.8, mlm_random_fraction: float = 0.1,
                  expected_tokenizer_sha256: str | None = None, epoch: int = 0, pin_memory: bool = False,
                  mixture: dict[str, float] | None = None, allow_mixture_change: bool = False,
-                 fetch: remote.FetchConfig | None = None, document_mask: bool = False):
+                 fetch: remote.FetchConfig | None = None, document_mask: bool = False, length_grouping: bool = False):
         if micro_batch_size < 1 or grad_accum < 1:
             raise UserError(f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -170,6 +179,7 @@ class ShardLoader:
         # The members the shards hold (all read, for each shard's verdict) and those decoded.
         self.stored_fields, self.fields = sample_fields(manifest, task, document_mask, str(self.data_dir))
         self.document_mask = document_mask
+        self.length_grouping = length_grouping
 
         self.task, self.split = task, split
         self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
@@ -203,6 +213,8 @@ class ShardLoader:
             # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
             "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
+        if length_grouping:  # the group size fixes which samples share a batch (module doc, 9)
+            self._fingerprint["length_grouping"] = micro_batch_size
 
         total = sum(source.per_epoch for source in self.sources)
         self.steps_per_epoch = total // self.global_batch_size
@@ -252,6 +264,7 @@ class ShardLoader:
             # Only training draws by weight: validation reads every source as it is.
             mixture=dict(cfg.mixture) if split == "train" else None, allow_mixture_change=cfg.allow_mixture_change,
             fetch=remote.FetchConfig.from_loader_config(cfg), document_mask=cfg.document_mask,
+            length_grouping=cfg.length_grouping,
         )
 
     def __len__(self) -> int:
@@ -265,7 +278,8 @@ class ShardLoader:
         return dict(task=self.task, sources=self.sources, mixed=self.mixed, seed=self.seed, rank=self.rank, world_size=self.world_size,
                     micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
                     num_batches=self._num_batches, vocab_size=self.vocab_size, mlm_masking=self.mlm_masking,
-                    stored_fields=self.stored_fields, fields=self.fields, document_mask=self.document_mask)
+                    stored_fields=self.stored_fields, fields=self.fields, document_mask=self.document_mask,
+                    length_grouping=self.length_grouping)
 
     def _items(self, epoch: int, first: int):
         """(j, packed batch or None, events) for batches first.. of the epoch: in this process
@@ -392,9 +406,9 @@ class ShardLoader:
                 "same position with the new weights"
             )
         differences = [
-            f"{key}: saved {saved.get(key)!r}, now {value!r}"
-            for key, value in self._fingerprint.items()
-            if saved.get(key) != value and key != "mixture"
+            f"{key}: saved {saved.get(key)!r}, now {self._fingerprint.get(key)!r}"
+            for key in sorted(set(self._fingerprint) | set(saved))
+            if saved.get(key) != self._fingerprint.get(key) and key != "mixture"
         ]
         if differences:
             raise UserError(
@@ -452,9 +466,10 @@ class _EpochBatches(IterableDataset):
     def __init__(self, *, task: str, sources: tuple[Source, ...], mixed: bool, seed: int, epoch: int, rank: int,
                  world_size: int, micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int,
                  vocab_size: int, mlm_masking: MLMMasking | None, stored_fields: tuple[str, ...],
-                 fields: tuple[str, ...], document_mask: bool):
+                 fields: tuple[str, ...], document_mask: bool, length_grouping: bool = False):
         self.task = task
         self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask  # read, decoded
+        self.length_grouping = length_grouping
         self.sources, self.mixed = sources, mixed
         self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
@@ -584,10 +599,27 @@ class _Reader:
 
     def permutation(self, key: ShardKey) -> np.ndarray:
         if key not in self.permutations:
-            shard = self.epoch_batches.shard(key)
-            self.permutations[key] = _rng(self.epoch_batches.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(
-                shard.samples)
+            e = self.epoch_batches
+            shard = e.shard(key)
+            order = _rng(e.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(shard.samples)
+            self.permutations[key] = self._grouped(key, order) if e.length_grouping else order
         return self.permutations[key]
+
+    def _grouped(self, key: ShardKey, order: np.ndarray) -> np.ndarray:
+        """`order` sorted by sample size, cut into batch-aligned groups, groups shuffled (module doc, 9)."""
+        e = self.epoch_batches
+        shard = e.shard(key)
+        sizes = sample_sizes(shard, e.stored_fields)
+        if sizes is None:  # unreadable: `members` skips the shard, whatever its order
+            return order
+        b = e.micro_batch_size
+        # Unmixed, the shard's first sample is stream position `start` (its pass is the epoch).
+        head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % b
+        by_size = order[np.argsort(sizes[order], kind="stable")]
+        body = by_size[head:]
+        full = len(body) // b
+        groups = body[: full * b].reshape(full, b)[_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)]
+        return np.concatenate([by_size[:head], groups.ravel(), body[full * b:]])
 
     def evict_before(self, keys: list[ShardKey]) -> None:
         # Each source's samples are read forward through its passes, so nothing behind the first

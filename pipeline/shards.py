@@ -87,6 +87,18 @@ def read_shard(shard: Shard, fields: tuple[str, ...], wanted: set[int]) -> dict[
     return kept
 
 
+def sample_sizes(shard: Shard, fields: tuple[str, ...]) -> np.ndarray | None:
+    """Each sample's size in bytes (its members together, .npy headers included), in tar order:
+    a sort key for its length in tokens. None for a shard `read_shard` refuses."""
+    try:
+        members = read_shard(shard, fields, set(range(shard.samples)))
+    except ShardError:
+        return None
+    if len(members) != shard.samples:
+        return None
+    return np.array([sum(len(data) for data in members[i].values()) for i in range(shard.samples)], dtype=np.int64)
+
+
 _BLOCK = 512  # tar's unit: a header, or a share of a member's data (zero-padded to whole blocks)
 # What Python's stream reader ("r|*") takes for a compressed archive when it opens the file.
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\x5d\x00\x00\x80", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")

@@ -383,3 +383,58 @@ def test_workers_send_numpy_ids_not_tensors(tmp_path):
         loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4)
         _, packed, _ = loader._epoch_batches(0, 0).build(0)
         assert set(packed) == keys and all(isinstance(value, np.ndarray) for value in packed.values())
+
+
+# Length grouping (data.length_grouping; the module doc, 9).
+GROUPED = [64, 40, 7, 64, 33]  # 208 pairs: shards that do not start on a batch boundary
+
+
+def pair_lengths(batch: dict) -> list[int]:
+    """Source + target tokens of each pair of a translation batch (no <s>/</s>/padding)."""
+    return [int(s) - 1 + int(t) - 2 for s, t in zip(batch["src_mask"].sum(1), batch["tgt_mask"].sum(1))]
+
+
+def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_path):
+    make_dataset(tmp_path, translation=GROUPED)
+    plain, grouped = ([], []), ([], [])
+    for rank in range(2):
+        for out, grouping in ((plain, False), (grouped, True)):
+            for batch in ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, rank=rank, world_size=2,
+                                     num_workers=2, seed=3, length_grouping=grouping):
+                out[0].append(batch_ids(batch))
+                out[1].append(pair_lengths(batch))
+    # The same samples, each once (208 // 8 = 26 steps of 8: all of them), in other batches.
+    assert sorted(i for ids in grouped[0] for i in ids) == sorted(i for ids in plain[0] for i in ids) == list(range(208))
+    assert grouped[0] != plain[0]
+
+    def spread(lengths):
+        return sum(max(b) - min(b) for b in lengths) / len(lengths)
+
+    # Pairs of 2 to 16 tokens: random batches of 4 spread over ~7 tokens, grouped ones over ~1.
+    assert spread(plain[1]) > 5 and spread(grouped[1]) < 0.35 * spread(plain[1])
+    # Only a batch that straddles two shards mixes two groups; every other one is a single group.
+    pure = sum(max(b) - min(b) <= 2 for b in grouped[1])
+    assert pure >= len(grouped[1]) - 2 * len(GROUPED)
+
+
+def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tmp_path):
+    make_dataset(tmp_path, translation=GROUPED)
+    kw = dict(task="translation", seed=5, length_grouping=True)
+    reference = steps_of(tmp_path, **SHAPES[0], num_workers=2, **kw)
+    assert steps_of(tmp_path, **SHAPES[1], **kw) == reference  # same micro batch, other world size / accumulation
+    two_ranks = [ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, rank=r, world_size=2,
+                             num_workers=2, seed=5, length_grouping=True) for r in range(2)]
+    for loader in two_ranks:
+        for index, _ in enumerate(loader):
+            if index + 1 == 9:
+                break
+    state = json.loads(json.dumps(two_ranks[0].state_dict()))
+    assert state["fingerprint"]["length_grouping"] == 4
+    assert steps_of(tmp_path, **SHAPES[1], state=state, **kw) == reference[9:]
+    # Grouping on or off changes which samples share a step: a resume across the change is refused.
+    for grouping, saved in ((False, state), (True, ShardLoader(str(tmp_path), "translation", "train",
+                                                               micro_batch_size=4, world_size=2).state_dict())):
+        other = ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2, seed=5,
+                            length_grouping=grouping)
+        with pytest.raises(UserError, match="length_grouping: saved"):
+            other.load_state_dict(saved)
