@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup main test slurm-cluster clean-venv
+.PHONY: setup main test slurm-cluster manpages clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ slurm-cluster:
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; }; \
 		bash slurm/local-cluster.sh start; \
 	else echo "not root or no apt-get: no local SLURM cluster, its tests will skip"; fi
+
+# Optional extra pretraining text: Debian's German manual pages for configs/prepare_gettext_manpages.yaml
+# (needs root and apt-get; `main` and `test` do not depend on it).
+manpages:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		if dpkg -s manpages-de >/dev/null 2>&1 || { apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends manpages-de >/dev/null; }; then \
+			echo "manpages-de: $$(ls /usr/share/man/de/man[1-8]/* | wc -l) German pages in /usr/share/man/de/man[1-8]"; \
+		else echo "apt-get could not install manpages-de; the German man page source has only the pages already there"; fi; \
+	else echo "not root or no apt-get: cannot install manpages-de; the German man page source has only the pages already there"; fi
 
 test: setup slurm-cluster
 	$(PY) -m pytest $(PYTEST_ARGS)

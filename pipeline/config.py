@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 TASKS = ("causal_lm", "mlm", "translation")
-SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext", "parquet")
+SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext", "parquet", "manpage")
 
 
 @dataclass
@@ -22,7 +22,8 @@ class SourceConfig:
     # jsonl: a document in `text_field` (a pair when `target_field` is set too);
     # tsv: (source, target) pairs in `source_column` and `target_column`;
     # gettext: compiled .mo or source .po catalogs, msgid -> msgstr pairs;
-    # parquet: a string column `text_field` (and `target_field` for pairs), read row group by row group.
+    # parquet: a string column `text_field` (and `target_field` for pairs), read row group by row group;
+    # manpage: roff man pages (man(7) macros), their paragraphs of running text (monolingual).
     format: str = "gettext"
     # Files or globs; `.gz` and `.zst` files are read decompressed. The default is the system's
     # English->German message catalogs, which every Debian or Ubuntu machine has.
@@ -39,6 +40,8 @@ class SourceConfig:
     # Longer monolingual documents are cut into pieces of at most this many characters,
     # so one pathological line never holds a whole file's worth of memory downstream.
     max_doc_chars: int = 20000
+    # manpage: paragraphs of fewer words are dropped (option tags, headings, one-line notes).
+    min_words: int = 5
     # A text (either side of a pair) in which more than this fraction of the characters are
     # U+FFFD, put in for bytes that are not valid UTF-8 (or not the catalog's charset), is
     # dropped and counted as `undecodable_dropped`: binary or random data comes out near 0.45,

@@ -1,4 +1,4 @@
-"""Corpus readers: plain text, JSON Lines, TSV pairs, gettext catalogs (.mo and .po) and parquet.
+"""Corpus readers: plain text, JSON Lines, TSV pairs, gettext catalogs (.mo and .po), parquet and man pages.
 
 Every reader yields `(source, target)` tuples: `target` is None for monolingual documents.
 Readers never crash on bad bytes: they decode with replacement and count the replaced
@@ -17,6 +17,11 @@ Any file ending in `.gz` or `.zst` is read decompressed, as a stream (such a fil
 unit: a compressed stream cannot be entered mid-file). A parquet file is read with pyarrow one
 row group at a time, only the text (and target) columns, in record batches, so a file larger
 than memory works; its work units are runs of row groups of about `chunk_bytes`.
+
+A man page (roff, plain or `.gz`) is one work unit; `pipeline.manpage` turns it into paragraphs
+of running text (monolingual). A page is decoded as UTF-8, or in the encoding its first lines
+declare (`-*- coding: latin-1 -*-`); undecodable bytes are replaced and counted as elsewhere.
+Pages reached through several names (symbolic links) are read once.
 
 A prepare may have several sources (`PrepareConfig.sources`); `source_list` gives them, the
 legacy single `source:` as a list of one. Each `Unit` carries the index of its source.
@@ -39,6 +44,7 @@ from typing import IO, Iterator, Mapping, Optional
 
 from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
 from pipeline.configure import UserError, config_from_dict
+from pipeline.manpage import man_paragraphs, page_encoding
 
 Record = tuple[str, Optional[str]]
 
@@ -151,7 +157,21 @@ def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
             files.add(pattern)
         else:
             raise UserError(f"{where}.paths: file not found: {pattern}")
+    if cfg.format == "manpage":
+        return _distinct_files(sorted(files))
     return sorted(files)
+
+
+def _distinct_files(files: list[str]) -> list[str]:
+    """The first name of each file: a man directory holds many pages as links to others."""
+    seen: set[str] = set()
+    kept = []
+    for path in files:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            kept.append(path)
+    return kept
 
 
 COMPRESSED = (".gz", ".zst")
@@ -428,7 +448,18 @@ def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
                     yield text, target
 
 
-_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext, "parquet": _read_parquet}
+def _read_manpage(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
+    """The paragraphs of running text of one roff page (see `pipeline.manpage`)."""
+    with _open_binary(unit.path) as fh:
+        data = fh.read()
+    text, bad = decode_counting(data, page_encoding(data[:1024]))
+    stats["bad_bytes_replaced"] += bad
+    for paragraph in man_paragraphs(text, cfg.min_words, stats):
+        yield paragraph, None
+
+
+_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext, "parquet": _read_parquet,
+            "manpage": _read_manpage}
 
 
 def is_parallel(cfg: SourceConfig) -> bool:
@@ -518,7 +549,8 @@ _LINE_REASONS = (
     ("target_not_string", "have a non-string {target_field!r}"),
 )
 _COLUMNS_KEY = re.compile(r"malformed_(\d+)_columns")
-_FILTERED = ("empty", "untranslated", "fuzzy")  # ordinary filtering, not faults of the input
+# Ordinary filtering, not faults of the input (from short_paragraphs on: man pages).
+_FILTERED = ("empty", "untranslated", "fuzzy", "short_paragraphs", "command_examples", "so_redirects", "mdoc_pages_skipped")
 
 
 def describe_skipped(stats: Mapping[str, int], cfg: SourceConfig, *, filtered: bool = False) -> str:
