@@ -30,7 +30,10 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    `deepspeed.precision` is bf16, `data.num_workers` loader workers, the same threads per rank
    as ours (`launch.distributed.set_threads`), no evaluation, no checkpoint, the final model saved
    once. The pairs are `launch.evaluate.read_pairs(DATA, "train")`, shuffled by the Trainer's
-   sampler (ours by our loader: the same pairs, another order), encoded as ours: source + </s>
+   sampler (ours by our loader: the same pairs, another order); with `data.length_grouping`
+   (ours: batches of pairs of about one size, drawn shard by shard) the Trainer's own
+   `train_sampling_strategy="group_by_length"` (random mega-batches of 50 micro batches, sorted
+   by source length, cut into micro batches). Encoded as ours: source + </s>
    (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`), decoder input <s> +
    target, labels target + </s> (target cut to max_seq_len - 1), padded to the longest in the
    micro batch. Each rank's loss is the mean over its micro batch's target tokens and DDP averages
@@ -149,12 +152,14 @@ def scheduler_arguments(cfg) -> dict:
 
 
 class PairDataset:
-    """(encoder input, target) id lists of the train pairs, cut as ours (see the module docstring)."""
+    """The train pairs cut as ours (see the module docstring): {"input_ids": source + </s>, "target": target},
+    id lists; `input_ids` is where the Trainer's LengthGroupedSampler reads a pair's length."""
 
     def __init__(self, pairs, max_seq_len: int):
         from launch.decoding import source_ids
 
-        self.rows = [(source_ids(src, max_seq_len - 1)[0], [int(t) for t in tgt[: max_seq_len - 1]]) for src, tgt in pairs]
+        self.rows = [{"input_ids": source_ids(src, max_seq_len - 1)[0], "target": [int(t) for t in tgt[: max_seq_len - 1]]}
+                     for src, tgt in pairs]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -177,10 +182,10 @@ def collate(rows) -> dict:
             out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         return out
 
-    input_ids = pad([src for src, _ in rows], PAD_ID)
+    input_ids = pad([row["input_ids"] for row in rows], PAD_ID)
     return {"input_ids": input_ids, "attention_mask": (input_ids != PAD_ID).long(),
-            "decoder_input_ids": pad([[BOS_ID, *tgt] for _, tgt in rows], PAD_ID),
-            "labels": pad([[*tgt, EOS_ID] for _, tgt in rows], IGNORE_INDEX)}
+            "decoder_input_ids": pad([[BOS_ID, *row["target"]] for row in rows], PAD_ID),
+            "labels": pad([[*row["target"], EOS_ID] for row in rows], IGNORE_INDEX)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -223,10 +228,11 @@ def worker(args: argparse.Namespace) -> None:
     class CountingTrainer(Seq2SeqTrainer):
         """Counts input tokens as ours does and keeps the loss of the current optimizer step."""
 
-        tokens, step_loss, loss_step = 0, 0.0, -1
+        tokens, padded, step_loss, loss_step = 0, 0, 0.0, -1
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             self.tokens += int(inputs["attention_mask"].sum()) + int((inputs["labels"] != IGNORE_INDEX).sum())
+            self.padded += inputs["input_ids"].numel() + inputs["labels"].numel()
             loss = super().training_step(model, inputs, num_items_in_batch)  # already / grad_accum
             if self.state.global_step != self.loss_step:
                 self.loss_step, self.step_loss = self.state.global_step, 0.0
@@ -243,18 +249,20 @@ def worker(args: argparse.Namespace) -> None:
         average_tokens_across_devices=False, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
         report_to="none", disable_tqdm=True, seed=cfg.seed, dataloader_num_workers=cfg.data.num_workers,
         dataloader_pin_memory=not cpu, remove_unused_columns=False,
+        train_sampling_strategy="group_by_length" if cfg.data.length_grouping else "random",
     )
     clock = Clock()
     trainer = CountingTrainer(model=model, args=training_args, train_dataset=dataset, data_collator=collate,
                               callbacks=[clock])
     trainer.train()
-    tokens, loss = dist.all_reduce_sum([float(trainer.tokens), trainer.step_loss])
+    tokens, padded, loss = dist.all_reduce_sum([float(trainer.tokens), float(trainer.padded), trainer.step_loss])
     trainer.save_model(str(out / "model"))
     if denv.is_main:
         unwrapped = trainer.model
         positions = unwrapped.model.encoder.embed_positions.weight
         result = {
             "steps": trainer.state.global_step, "seconds": clock.end - clock.start, "tokens": tokens,
+            "padding": padded / tokens,  # padded batch positions per real token
             "final_loss": loss / denv.world_size, "world_size": denv.world_size, "threads": clock.threads,
             "mixed_precision": str(trainer.accelerator.mixed_precision),
             "distributed": str(trainer.accelerator.distributed_type),
