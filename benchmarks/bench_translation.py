@@ -30,11 +30,13 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    `deepspeed.precision` is bf16, `data.num_workers` loader workers, the same threads per rank
    as ours (`launch.distributed.set_threads`), no evaluation, no checkpoint, the final model saved
    once. The pairs are `launch.evaluate.read_pairs(DATA, "train")`, shuffled by the Trainer's
-   sampler (ours by our loader: the same pairs, another order), encoded as ours: source + </s>
-   (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`), decoder input <s> +
-   target, labels target + </s> (target cut to max_seq_len - 1), padded to the longest in the
-   micro batch. Each rank's loss is the mean over its micro batch's target tokens and DDP averages
-   the gradients (`average_tokens_across_devices=False`), as ours. Train seconds: rank 0's wall
+   sampler (ours by our loader: the same pairs, another order; with `data.length_grouping` the
+   Trainer's `train_sampling_strategy="group_by_length"`, its LengthGroupedSampler, which groups
+   by source length), encoded
+   as ours: source + </s> (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`),
+   decoder input <s> + target, labels target + </s> (target cut to max_seq_len - 1), padded to the
+   longest in the micro batch. The loss is the mean over the scored target tokens of the whole
+   step, all ranks and micro batches (`average_tokens_across_devices=True`), as ours. Train seconds: rank 0's wall
    time from the first `on_step_begin` to the last `on_step_end` (a TrainerCallback), so the first
    batch's loading is outside it (ours counts it). Final train loss: the last step's, averaged
    over the ranks, as ours logs it.
@@ -159,8 +161,10 @@ class PairDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int):
-        return self.rows[index]
+    def __getitem__(self, index: int) -> dict:
+        # A dict with input_ids: what Hugging Face's LengthGroupedSampler measures (group_by_length).
+        src, tgt = self.rows[index]
+        return {"input_ids": src, "labels": tgt}
 
 
 def collate(rows) -> dict:
@@ -177,10 +181,10 @@ def collate(rows) -> dict:
             out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         return out
 
-    input_ids = pad([src for src, _ in rows], PAD_ID)
+    input_ids = pad([row["input_ids"] for row in rows], PAD_ID)
     return {"input_ids": input_ids, "attention_mask": (input_ids != PAD_ID).long(),
-            "decoder_input_ids": pad([[BOS_ID, *tgt] for _, tgt in rows], PAD_ID),
-            "labels": pad([[*tgt, EOS_ID] for _, tgt in rows], IGNORE_INDEX)}
+            "decoder_input_ids": pad([[BOS_ID, *row["labels"]] for row in rows], PAD_ID),
+            "labels": pad([[*row["labels"], EOS_ID] for row in rows], IGNORE_INDEX)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -240,7 +244,8 @@ def worker(args: argparse.Namespace) -> None:
         optim="adamw_torch", max_grad_norm=cfg.optim.grad_clip, label_smoothing_factor=cfg.model.label_smoothing,
         **scheduler_arguments(cfg), bf16=cfg.deepspeed.precision == "bf16", use_cpu=cpu,
         ddp_backend="gloo" if cpu else "nccl", ddp_find_unused_parameters=False, ddp_broadcast_buffers=False,
-        average_tokens_across_devices=False, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
+        average_tokens_across_devices=True, train_sampling_strategy="group_by_length" if cfg.data.length_grouping else "random",
+        eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
         report_to="none", disable_tqdm=True, seed=cfg.seed, dataloader_num_workers=cfg.data.num_workers,
         dataloader_pin_memory=not cpu, remove_unused_columns=False,
     )
