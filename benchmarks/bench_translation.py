@@ -36,8 +36,8 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    by source length, cut into micro batches). Encoded as ours: source + </s>
    (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`), decoder input <s> +
    target, labels target + </s> (target cut to max_seq_len - 1), padded to the longest in the
-   micro batch. Each rank's loss is the mean over its micro batch's target tokens and DDP averages
-   the gradients (`average_tokens_across_devices=False`), as ours. Train seconds: rank 0's wall
+   micro batch. The loss is the mean over the scored target tokens of the whole step, all ranks
+   and micro batches (`average_tokens_across_devices=True`), as ours. Train seconds: rank 0's wall
    time from the first `on_step_begin` to the last `on_step_end` (a TrainerCallback), so the first
    batch's loading is outside it (ours counts it). Final train loss: the last step's, averaged
    over the ranks, as ours logs it.
@@ -246,7 +246,7 @@ def worker(args: argparse.Namespace) -> None:
         optim="adamw_torch", max_grad_norm=cfg.optim.grad_clip, label_smoothing_factor=cfg.model.label_smoothing,
         **scheduler_arguments(cfg), bf16=cfg.deepspeed.precision == "bf16", use_cpu=cpu,
         ddp_backend="gloo" if cpu else "nccl", ddp_find_unused_parameters=False, ddp_broadcast_buffers=False,
-        average_tokens_across_devices=False, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
+        average_tokens_across_devices=True, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
         report_to="none", disable_tqdm=True, seed=cfg.seed, dataloader_num_workers=cfg.data.num_workers,
         dataloader_pin_memory=not cpu, remove_unused_columns=False,
         train_sampling_strategy="group_by_length" if cfg.data.length_grouping else "random",

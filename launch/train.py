@@ -431,6 +431,15 @@ def _batches(loader: ShardLoader):
 def train_step(run: Run, batches) -> dict:
     """One optimizer step: grad_accum micro batches, forward and backward through the engine.
 
+    The loss is the mean over every scored token of the step, all ranks and micro batches
+    together (fairseq's normalisation; Hugging Face's average_tokens_across_devices): the step's
+    micro batches are taken first, their scored tokens counted and summed over the ranks in one
+    reduction, and each micro batch's mean loss is weighted by its share, n W A / N, before
+    DeepSpeed's backward divides by A and its reduction averages over the W ranks. A mean per
+    micro batch instead would weigh a token of a 32-pair batch of short sentences ten times one
+    of a batch of long ones, which length-grouped batches (`data.length_grouping`) make common.
+    Packed blocks score the same number of tokens in every batch: there the two agree.
+
     Guarded: before the last backward of the step, one reduction over the ranks carries the
     step's figures, whether any rank's loss is not finite, and whether any rank was asked to
     stop; so every rank takes the same decision. A step to skip (a non-finite loss anywhere, or
@@ -441,33 +450,39 @@ def train_step(run: Run, batches) -> dict:
     tokens, flops, flops_llmc, samples = 0, 0.0, 0.0, 0
     # The losses stay on the device until the one reduction of the step: reading each micro
     # batch's loss on the host would wait for the device at every micro batch.
-    loss_sum = non_finite = torch.zeros((), dtype=torch.float32, device=run.engine.device)
+    loss_sum = non_finite = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
     keys: list[str] = []
-    for index in range(run.plan.grad_accum):
-        inputs = run.task.model_inputs(next(batches))  # on the host: the counts below cost no device sync
+    micro = []
+    for _ in range(run.plan.grad_accum):
+        micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
         keys += run.data.train.sample_keys()
+    scored = [float(run.task.target_mask(inputs).sum()) for inputs in micro]
+    (step_scored,) = dist.all_reduce_sum([sum(scored)])
+    share = run.plan.grad_accum * run.denv.world_size / max(step_scored, 1.0)
+    for index, inputs in enumerate(micro):
         output = run.engine(**run.task.to_device(inputs, run.engine.device))
         if (run.denv.rank, run.step + 1) in _INJECTED_NAN:
             output = output._replace(loss=output.loss * math.nan)
         loss = output.loss.detach().float()
         finite = torch.isfinite(loss)
         non_finite = non_finite + (~finite).float()
-        loss_sum = loss_sum + torch.where(finite, loss, torch.zeros_like(loss))
+        loss_sum = loss_sum + torch.where(finite, loss * scored[index], torch.zeros_like(loss))
+        finite_scored = finite_scored + finite.float() * scored[index]
         tokens += run.task.tokens(inputs)
         flops += run.task.flops(run.cfg.model, inputs)
         flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(run.cfg.model, run.n_parameters,
                                                                      inputs["labels"].shape[1])
         samples += inputs["labels"].shape[0]
+        weighted = output.loss * (scored[index] * share)
         if index < run.plan.grad_accum - 1:
-            run.engine.backward(output.loss)
+            run.engine.backward(weighted)
             run.engine.step()
     fillers = run.data.train.stats["epoch_filler_batches"]
-    loss_sum, tokens, flops, flops_llmc, samples, non_finite, fillers, stop = dist.all_reduce_sum(
-        [loss_sum, tokens, flops, flops_llmc, samples, non_finite, fillers, float(_stop_requested(run))])
-    finite_batches = run.plan.grad_accum * run.denv.world_size - non_finite
-    loss = loss_sum / finite_batches if finite_batches else math.nan
+    loss_sum, finite_scored, tokens, flops, flops_llmc, samples, non_finite, fillers, stop = dist.all_reduce_sum(
+        [loss_sum, finite_scored, tokens, flops, flops_llmc, samples, non_finite, fillers, float(_stop_requested(run))])
+    loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
     reason = "non-finite loss" if non_finite else ("loss spike" if loss > run.guard.spike_limit() else "")
-    run.engine.backward(output.loss * math.nan if reason else output.loss)
+    run.engine.backward(weighted * math.nan if reason else weighted)
     skipped_before = run.engine.skipped_steps
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before

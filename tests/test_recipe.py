@@ -170,3 +170,23 @@ def test_trained_lr_follows_the_formula_and_checkpoints_average(tiny_dataset, tm
                          "max_len=16", f"out={tmp_path / 'eval'}")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert list((tmp_path / "eval").iterdir())
+
+
+def test_the_loss_is_the_mean_over_the_steps_scored_tokens_however_the_batch_is_cut(tiny_dataset, tmp_path):
+    """The same 8 pairs per step as one micro batch of 8, or two of 4 accumulated: the loss, hence
+    the update, is the mean over all their scored tokens either way (fairseq's normalisation),
+    not the mean of the two micro batches' means, which weighs the tokens of the shorter one more.
+    fp32, no dropout: the logged losses of 3 steps agree to float rounding."""
+    losses = {}
+    for micro, accum in ((8, 1), (4, 2)):
+        run_dir = tmp_path / f"run-{micro}x{accum}"
+        args = [*TRAIN, "max_steps=3", "checkpoint.every_steps=0", "schedule.decay=cosine", "schedule.warmup_steps=1",
+                "optim.lr=3e-3", "model.dropout=0.0", "deepspeed.precision=fp32", f"data.micro_batch_size={micro}",
+                f"grad_accum={accum}"]
+        trained = python_m("launch.train", str(ROOT / "configs" / "tiny_translation.yaml"),
+                           f"data.data_dir={tiny_dataset}", f"run_dir={run_dir}", *args)
+        assert trained.returncode == 0, trained.stderr[-4000:]
+        losses[micro] = [row["train/loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                         if "train/loss" in row]
+    assert len(losses[8]) == 3
+    assert losses[4] == pytest.approx(losses[8], rel=2e-5)
