@@ -111,6 +111,18 @@ def stage_prepare(cfg: MainConfig, logs: Path) -> None:
                      "progress=false"], logs / "prepare.log")
 
 
+def _say_pretraining_text(cfg: MainConfig) -> None:
+    """Which monolingual text the pretraining reads, per source; extra text (man pages) is optional."""
+    manifest = json.loads((Path(cfg.data_dir) / "manifest.json").read_text())
+    train = manifest.get("datasets", {}).get("packed", {}).get("splits", {}).get("train", {})
+    sources = train.get("sources") or {"default": {"tokens": train.get("tokens", 0)}}
+    counts = ", ".join(f"{name} {record.get('tokens', 0):,}" for name, record in sources.items())
+    extra = "" if len(sources) > 1 else (
+        "; no extra monolingual text (optional: make manpages, then a dataset from "
+        "configs/prepare_gettext_manpages.yaml as data_dir)")
+    _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
+
+
 def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path) -> Path:
     run_dir = out / f"pretrain-{name}"
     if _finished(run_dir, cfg.pretrain_steps):
@@ -219,6 +231,7 @@ def main_job(cfg: MainConfig) -> str:
     save_config(cfg, out / "config.yaml")
     started = time.time()
     stage_prepare(cfg, logs)
+    _say_pretraining_text(cfg)
     needed = {side for start in starts for side in start} - {"random"}
     exports, pretrained = {}, {}
     for name, config in (("gpt", cfg.gpt_config), ("bert", cfg.bert_config)):

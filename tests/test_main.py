@@ -24,6 +24,9 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     first = main_job(config)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "prepare: skipped" in first.stderr  # the dataset exists and validates
+    # It says what the pretraining reads, and that extra monolingual text is optional and absent.
+    assert f"pretraining text: {tiny_dataset}'s packed training tokens by source: default " in first.stderr
+    assert "no extra monolingual text (optional: make manpages" in first.stderr
     report = tmp_path / "out" / "report"
     summary = (report / "summary.md").read_text()
     assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary
