@@ -469,4 +469,7 @@ def test_exported_directories_are_read_without_unpickling(tmp_path, monkeypatch)
 
 
 if __name__ == "__main__":
-    {"make": lambda: make(Path(sys.argv[2])), "agree": lambda: agree(Path(sys.argv[2]), Path(sys.argv[3]))}[sys.argv[1]]()
+    from launch.distributed import run_rank
+
+    # run_rank ends the process with os._exit, so no rank can abort in gloo's teardown.
+    run_rank({"make": lambda: make(Path(sys.argv[2])), "agree": lambda: agree(Path(sys.argv[2]), Path(sys.argv[3]))}[sys.argv[1]])

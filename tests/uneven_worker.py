@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.distributed import die_with_parent, read_env  # noqa: E402
+from launch.distributed import die_with_parent, read_env, run_rank  # noqa: E402
 from pipeline.loader import ShardLoader  # noqa: E402
 from tests.shardtools import batch_ids  # noqa: E402
 
@@ -54,4 +54,4 @@ def main(data_dir: str, out_dir: str, epochs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    run_rank(lambda: main(sys.argv[1], sys.argv[2], int(sys.argv[3])))  # os._exit: no gloo teardown abort

@@ -106,15 +106,20 @@ def main() -> None:
     distributed.init_process_group(distributed.read_env(), timeout_s=300)
     mode, out = sys.argv[1], Path(sys.argv[2])
     combos = sorted(sys.argv[3].split(","), key=lambda combo: combo.startswith("3-"))
-    for combo in combos:
-        stage, precision = combo.split("-")
-        directory = out / combo
-        if mode == "save":
-            save(directory, int(stage), precision)
-        else:  # load: the test has converted where needed and names the checkpoint to load
-            root, tag = json.loads((directory / "load_from.json").read_text())
-            load(directory, int(stage), precision, Path(root), tag)
+    try:
+        for combo in combos:
+            stage, precision = combo.split("-")
+            directory = out / combo
+            if mode == "save":
+                save(directory, int(stage), precision)
+            else:  # load: the test has converted where needed and names the checkpoint to load
+                root, tag = json.loads((directory / "load_from.json").read_text())
+                load(directory, int(stage), precision, Path(root), tag)
+    finally:
+        distributed.destroy()
 
 
 if __name__ == "__main__":
-    main()
+    # run_rank ends the process with os._exit: a plain exit let a rank abort in gloo's teardown
+    # ("terminate called without an active exception"), seen once in a fresh-clone run.
+    distributed.run_rank(main)
