@@ -220,6 +220,9 @@ class MainConfig:
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
     translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
     pretrain_steps: int = 500  # max_steps of each pretraining run
+    # max_steps of the BERT pretraining if not pretrain_steps (0): a BERT step predicts only the
+    # masked tokens and costs less than a GPT step, so equal steps are not an equal budget
+    bert_pretrain_steps: int = 0
     finetune_steps: int = 400  # max_steps of each fine-tuning run
     # encoder/decoder starts of the fine-tuning runs
     starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])

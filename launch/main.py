@@ -91,6 +91,9 @@ def _check(cfg: MainConfig) -> list[tuple[str, str]]:
     for split in cfg.eval_splits:
         if split not in ("train", "valid", "test"):
             raise UserError(f"eval_splits: {split!r} is not train, valid or test")
+    if cfg.pretrain_steps <= 0 or cfg.bert_pretrain_steps < 0 or cfg.finetune_steps <= 0:
+        raise UserError(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
+                        f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)")
     for path in (cfg.prepare_config, cfg.gpt_config, cfg.bert_config, cfg.translation_config):
         if not Path(path).is_file():
             raise UserError(f"config file not found: {path}")
@@ -123,18 +126,23 @@ def _say_pretraining_text(cfg: MainConfig) -> None:
     _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
 
 
+def pretrain_steps(cfg: MainConfig, name: str) -> int:
+    return cfg.bert_pretrain_steps if name == "bert" and cfg.bert_pretrain_steps else cfg.pretrain_steps
+
+
 def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path) -> Path:
     run_dir = out / f"pretrain-{name}"
-    if _finished(run_dir, cfg.pretrain_steps):
-        _say(f"pretrain {name}: skipped, {run_dir} finished {cfg.pretrain_steps} steps")
+    steps = pretrain_steps(cfg, name)
+    if _finished(run_dir, steps):
+        _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:
         _run(f"pretrain {name}", _train_command(cfg.nproc, config, [
-            f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.pretrain_steps}",
+            f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={steps}",
             f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}"]), logs / f"pretrain-{name}.log")
     export = out / f"export-{name}"
     exported = export / "config.json"
-    if exported.is_file() and json.loads(exported.read_text()).get("step") == cfg.pretrain_steps:
-        _say(f"export {name}: skipped, {export} holds step {cfg.pretrain_steps}")
+    if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
+        _say(f"export {name}: skipped, {export} holds step {steps}")
     else:
         _run(f"export {name}", [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
              logs / f"export-{name}.log")

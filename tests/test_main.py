@@ -18,7 +18,8 @@ def main_job(config, *overrides):
 def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     config = tmp_path / "main.yaml"
     config.write_text(
-        f"out_dir: {tmp_path / 'out'}\ndata_dir: {tiny_dataset}\nnproc: 1\npretrain_steps: 4\nfinetune_steps: 4\n"
+        f"out_dir: {tmp_path / 'out'}\ndata_dir: {tiny_dataset}\nnproc: 1\npretrain_steps: 4\nbert_pretrain_steps: 6\n"
+        "finetune_steps: 4\n"
         "starts: [random/random, bert/gpt]\neval_splits: [valid]\nbeam: 2\n"
     )
     first = main_job(config)
@@ -30,7 +31,7 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     report = tmp_path / "out" / "report"
     summary = (report / "summary.md").read_text()
     assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary
-    assert "| gpt | 4 |" in summary and "| bert | 4 |" in summary
+    assert "| gpt | 4 |" in summary and "| bert | 6 |" in summary  # BERT's own budget
     assert summary.split("| bert/gpt |")[1].splitlines()[0] in first.stdout  # the table is printed too
     for plot in ("pretrain_loss.png", "finetune_loss.png"):
         png = (report / plot).read_bytes()
@@ -59,3 +60,6 @@ def test_bad_start_is_refused(tmp_path):
     config.write_text("starts: [bert/t5]\n")
     run = main_job(config)
     assert run.returncode == 2 and "starts" in run.stderr and "bert/t5" in run.stderr
+    config.write_text("bert_pretrain_steps: -1\n")
+    run = main_job(config)
+    assert run.returncode == 2 and "bert_pretrain_steps=-1" in run.stderr and "must be positive" in run.stderr
