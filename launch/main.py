@@ -126,13 +126,13 @@ def _say_pretraining_text(cfg: MainConfig) -> None:
     _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
 
 
-def pretrain_steps(cfg: MainConfig, name: str) -> int:
+def _pretrain_steps(cfg: MainConfig, name: str) -> int:
     return cfg.bert_pretrain_steps if name == "bert" and cfg.bert_pretrain_steps else cfg.pretrain_steps
 
 
 def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path) -> Path:
     run_dir = out / f"pretrain-{name}"
-    steps = pretrain_steps(cfg, name)
+    steps = _pretrain_steps(cfg, name)
     if _finished(run_dir, steps):
         _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:

@@ -106,17 +106,15 @@ def main() -> None:
     distributed.init_process_group(distributed.read_env(), timeout_s=300)
     mode, out = sys.argv[1], Path(sys.argv[2])
     combos = sorted(sys.argv[3].split(","), key=lambda combo: combo.startswith("3-"))
-    try:
-        for combo in combos:
-            stage, precision = combo.split("-")
-            directory = out / combo
-            if mode == "save":
-                save(directory, int(stage), precision)
-            else:  # load: the test has converted where needed and names the checkpoint to load
-                root, tag = json.loads((directory / "load_from.json").read_text())
-                load(directory, int(stage), precision, Path(root), tag)
-    finally:
-        distributed.destroy()
+    for combo in combos:
+        stage, precision = combo.split("-")
+        directory = out / combo
+        if mode == "save":
+            save(directory, int(stage), precision)
+        else:  # load: the test has converted where needed and names the checkpoint to load
+            root, tag = json.loads((directory / "load_from.json").read_text())
+            load(directory, int(stage), precision, Path(root), tag)
+    distributed.destroy()
 
 
 if __name__ == "__main__":
