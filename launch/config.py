@@ -258,6 +258,11 @@ class EvaluateConfig:
     beam: int = 4  # beam size (1: greedy)
     length_penalty: float = 1.0  # beam scores are divided by length ** this (0: no normalisation)
     max_len: int = 0  # most tokens per hypothesis, </s> included; 0 = the model's max_seq_len
+    # A source's own limit, min(max_len, max_len_a x its tokens (</s> included) + max_len_b), at
+    # which its hypotheses stop as at max_len (fairseq's --max-len-a/-b); 0 and 0 = max_len for all.
+    # 1.5 / 10 cuts runaway repetitions; 99.99% of the default corpus's training targets fit it.
+    max_len_a: float = 1.5
+    max_len_b: int = 10  # see max_len_a
     micro_batch_size: int = 32  # sources per batch and rank
     limit: int = 0  # the split's first N pairs only; 0 = all
     out: str = ""  # output directory; "" = CHECKPOINT/eval-SPLIT
@@ -276,6 +281,8 @@ class TranslateConfig:
     beam: int = 4  # beam size (1: greedy)
     length_penalty: float = 1.0  # beam scores are divided by length ** this (0: no normalisation)
     max_len: int = 0  # most tokens per translation, </s> included; 0 = the model's max_seq_len
+    max_len_a: float = 1.5  # a line's own limit: min(max_len, max_len_a x its tokens + max_len_b); 0 and 0 = off
+    max_len_b: int = 10  # see max_len_a
     micro_batch_size: int = 32  # lines per batch; output is flushed after each
     device: str = ""  # torch device; "" = cuda if available, else cpu
     threads: int = 0  # torch threads on CPU; 0 = torch's default

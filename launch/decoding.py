@@ -130,11 +130,14 @@ def translate_ids(
     length_penalty: float = 1.0,
     synced: bool = False,
     device: torch.device = torch.device("cpu"),
+    max_len_a: float = 0.0,
+    max_len_b: int = 0,
 ) -> list[list[int]]:
     """One batch of encoder inputs (`source_ids`) -> one hypothesis (ids, no </s>) per source.
     synced=True runs exactly max_len decoder steps (ZeRO-3: every rank in every forward)."""
     src_ids, src_mask = pad(sources, device)
-    out = model.generate(src_ids, src_mask, max_len=max_len, beam_size=beam, length_penalty=length_penalty, synced=synced)
+    out = model.generate(src_ids, src_mask, max_len=max_len, beam_size=beam, length_penalty=length_penalty, synced=synced,
+                         max_len_a=max_len_a, max_len_b=max_len_b)
     tokens, lengths = out.tokens.cpu(), out.lengths.cpu()
     return [tokens[row, : int(lengths[row])].tolist() for row in range(len(sources))]
 

@@ -188,7 +188,7 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
         indices = mine[round_index] if round_index < len(mine) else []
         batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
         outputs = translate_ids(model, batch, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                synced=synced, device=device)
+                                synced=synced, device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
         hypotheses.update(zip(indices, outputs))
     gathered = dist.all_gather_object(hypotheses)
     elapsed = time.perf_counter() - start
@@ -205,7 +205,8 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": cfg.beam, "split": cfg.split,
               "checkpoint": str(Path(cfg.checkpoint).resolve()),
               "data": data_dir if remote.is_url(data_dir) else str(Path(data_dir).resolve()),
-              "max_len": max_len, "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
+              "max_len": max_len, "max_len_a": cfg.max_len_a, "max_len_b": cfg.max_len_b,
+              "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
               "world_size": denv.world_size, "zero_stage": cfg.zero_stage, "decode_seconds": round(elapsed, 3)}
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / "hypotheses.txt", hyp_text)

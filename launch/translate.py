@@ -58,7 +58,8 @@ def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err
                     print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
                           f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
         outputs = iter(translate_ids(model, sources, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                     device=device) if sources else [])
+                                     device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+                       if sources else [])
         out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
         out.flush()
         counts["lines"] += len(chunk)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model import ModelConfig, StackConfig, build_model
-from model.generation import _beam_search, choose_next
+from model.generation import _beam_search, choose_next, row_limits
 
 V = 40
 PAD, BOS, EOS = 0, 2, 3
@@ -245,3 +245,35 @@ def test_seq2seq_generate_checks_arguments(seq2seq):
         seq2seq.generate(ids(1, 4), max_len=33)
     with pytest.raises(ValueError, match="beam_size"):
         seq2seq.generate(ids(1, 4), max_len=5, beam_size=0)
+
+
+def test_row_limits_follow_fairseqs_formula():
+    src = ids(3, 8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1, 1] + [0] * 6])
+    assert row_limits(src, mask, 30, 0.0, 0) is None  # off: max_len for every row
+    assert row_limits(src, mask, 30, 1.5, 2).tolist() == [14, 9, 5]  # floor(1.5 x length + 2)
+    assert row_limits(src, mask, 10, 2.0, 3).tolist() == [10, 10, 7]  # never above max_len
+    assert row_limits(src, None, 30, 0.0, 4).tolist() == [4, 4, 4]  # no mask: every row is S long
+    with pytest.raises(ValueError, match="max_len_a"):
+        row_limits(src, mask, 30, -1.0, 0)
+
+
+@pytest.mark.parametrize("beam_size, scale", [(1, 0.02), (3, 0.05)])  # both: some rows cut, some ended
+def test_a_rows_own_limit_equals_max_len_for_it_alone(seq2seq, beam_size, scale):
+    """max_len_a/b: each row of a batch decodes as it would alone with max_len = its own limit,
+    for rows that end before it (ending_early) and rows it cuts."""
+    model = ending_early(seq2seq, scale)
+    lengths = [3, 6, 8]
+    src = torch.full((3, 8), PAD)
+    mask = torch.zeros(3, 8, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        src[row, :n], mask[row, :n] = ids(n, seed=row), 1
+    batched = model.generate(src, mask, max_len=20, beam_size=beam_size, max_len_a=1.0, max_len_b=1)
+    for row, n in enumerate(lengths):
+        alone = model.generate(src[row : row + 1, :n], max_len=n + 1, beam_size=beam_size)
+        k = int(alone.lengths[0])
+        assert int(batched.lengths[row]) == k <= n + 1
+        assert torch.equal(batched.tokens[row, :k], alone.tokens[0, :k])
+        assert batched.scores[row].item() == pytest.approx(alone.scores[0].item(), abs=1e-5)
+    cut = [int(batched.lengths[row]) == n + 1 for row, n in enumerate(lengths)]
+    assert any(cut) and not all(cut)
