@@ -48,7 +48,8 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    `launch.evaluate`'s batches (`launch.decoding.length_sorted_batches` of the same sources,
    EvaluateConfig's micro batch) with `generate(num_beams=BEAM, length_penalty=EvaluateConfig's,
    max_new_tokens=the max_len launch.evaluate uses, early_stopping=False)` (Hugging Face's stopping
-   rule, which our beam search follows), detokenized by `launch.decoding.detokenize` and scored
+   rule, which our beam search follows; `generate` has no per-source limit, so ours is decoded
+   with `max_len_a=0 max_len_b=0`, the same max_len for every source), detokenized by `launch.decoding.detokenize` and scored
    by `launch.evaluate.score`, the function that scores ours: the same sacrebleu corpus BLEU and
    chrF, and signature.
 
@@ -310,7 +311,8 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
     final = json.loads((run_dir / "final.json").read_text())
     eval_dir = run_dir / f"eval-{args.split}"
     launch([sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}", f"data_dir={args.data}",
-            f"split={args.split}", f"beam={args.beam}", f"out={eval_dir}", f"limit={args.limit}"],
+            f"split={args.split}", f"beam={args.beam}", f"out={eval_dir}", f"limit={args.limit}",
+            "max_len_a=0", "max_len_b=0"],  # one max_len for every source, as theirs
            out / "ours-evaluate.log", f"ours: launch.evaluate {args.split}")
     scores = json.loads((eval_dir / "scores.json").read_text())
     parameters = sum(p.numel() for p in build_model(resolve_config(args).model).parameters())  # tied: counted once
