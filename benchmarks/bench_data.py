@@ -271,7 +271,8 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
                   source_paths: list[str] | None, tmp: Path) -> dict:
     from pipeline.format import read_manifest
 
-    reference = shard_digests(read_manifest(data_dir))
+    reference_manifest = read_manifest(data_dir)
+    reference = shard_digests(reference_manifest)
     base_cfg = prepare_config(data_dir, tmp / "texts", 1, True, source_paths)
     texts = encode_work_texts(base_cfg, tmp / "scan")
     shutil.rmtree(tmp / "scan", ignore_errors=True)
@@ -302,7 +303,17 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
         print(f"prepare ray.num_workers={workers[-1]} (tokenizer trained): wall {trained['timings']['wall']:.1f} s",
               flush=True)
     return {"texts": len(texts), "baseline": baseline, "baseline_all_threads": baseline_all, "runs": runs,
-            "trained": trained, "trained_workers": workers[-1]}
+            "trained": trained, "trained_workers": workers[-1],
+            "source_change": source_change(reference_manifest, next(iter(runs.values()))[0]["manifest"])}
+
+
+def source_change(reference: dict, run: dict) -> str:
+    """Why a run's shards can differ from the dataset's though the code is the same: other input."""
+    counts = [(key, reference["sources"].get(key), run["sources"].get(key)) for key in ("files", "records")]
+    changed = [f"{key} {then:,} -> {now:,}" for key, then, now in counts if then != now]
+    if changed:
+        return "the source files changed since the dataset was prepared (" + ", ".join(changed) + ")"
+    return "same source files and records: the dataset was prepared by other code (e.g. before doc_starts existed)"
 
 
 # ---------------------------------------------------------------- scale
@@ -462,8 +473,9 @@ def stage_breakdown(result: dict) -> str:
                      f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}")
     digests = [r["digests"] for runs in result["runs"].values() for r in runs]
     parts.append(f"  shards of every run identical to each other (1 and 2 workers, all repeats): "
-                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'}"
-                 " (a dataset prepared before doc_starts existed differs from all of them: prepare it again)")
+                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'}")
+    if any(r["identical"] is False for runs in result["runs"].values() for r in runs):
+        parts.append(f"  why the dataset's shards differ: {result['source_change']}; prepare it again to compare")
     return "Prepare stage medians (s):\n" + "\n".join(parts)
 
 
