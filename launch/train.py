@@ -451,11 +451,11 @@ def train_step(run: Run, batches) -> dict:
     # The losses stay on the device until the one reduction of the step: reading each micro
     # batch's loss on the host would wait for the device at every micro batch.
     loss_sum = non_finite = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
-    keys: list[str] = []
+    served = []  # handles on this step's batches; their sample keys are worked out only when needed
     micro = []
     for _ in range(run.plan.grad_accum):
         micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
-        keys += run.data.train.sample_keys()
+        served.append(run.data.train.served_batch())
     scored = [float(run.task.target_mask(inputs).sum()) for inputs in micro]
     (step_scored,) = dist.all_reduce_sum([sum(scored)])
     share = run.plan.grad_accum * run.denv.world_size / max(step_scored, 1.0)
@@ -494,7 +494,7 @@ def train_step(run: Run, batches) -> dict:
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
     return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
             "stop": stop > 0,
-            "skipped": reason, "keys": keys, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
+            "skipped": reason, "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
 
 
 def _injected_nan(spec: str) -> set[tuple[int, int]]:
@@ -512,6 +512,11 @@ _INJECTED_NAN = _injected_nan(os.environ.get("PRETRAIN_INJECT_NAN", ""))
 FP16_OVERFLOW = "fp16 overflow"
 
 
+def step_sample_keys(run: Run, result: dict) -> list[str]:
+    """This rank's samples of one step ("SHARD_PATH#MEMBER"), named from its batches' handles."""
+    return [key for served in result["served"] for key in run.data.train.sample_keys(served)]
+
+
 def guard_step(run: Run, result: dict) -> dict:
     """Count and log a skipped step (RUN_DIR/skipped_batches.jsonl, with the global batch's
     sample keys, and W&B); end the job, with a checkpoint of the last good state, after more
@@ -525,7 +530,7 @@ def guard_step(run: Run, result: dict) -> dict:
     else:
         run.guard.record(result["train/loss"], bool(result["skipped"]))
     if result["skipped"] and not overflow:
-        keys = [key for rank_keys in dist.all_gather_object(result["keys"]) for key in rank_keys]
+        keys = [key for rank_keys in dist.all_gather_object(step_sample_keys(run, result)) for key in rank_keys]
         if run.denv.is_main:
             row = {"step": run.step, "reason": result["skipped"], "loss": result["train/loss"],
                    "consecutive": run.guard.consecutive, "sample_keys": keys}
@@ -658,7 +663,7 @@ def fit(run: Run) -> dict:
         metrics: dict = guard_step(run, result)
         if cfg.data.log_sample_keys:  # which samples each step saw, per rank
             with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
-                fh.write(json.dumps({"step": run.step, "keys": result["keys"]}) + "\n")
+                fh.write(json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n")
         if run.step % cfg.log_every == 0 or run.step == stop_at:
             elapsed = max(window_time, 1e-9)
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak

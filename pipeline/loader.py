@@ -353,13 +353,21 @@ class ShardLoader:
             f"see the warnings about skipped shards under {self.data_dir}"
         )
 
-    def sample_keys(self) -> list[str]:
+    def sample_keys(self, served: tuple | None = None) -> list[str]:
         """The samples of the batch most recently handed out (a filler's: those of the batch it
-        repeats), as "SHARD_PATH#MEMBER", MEMBER the sample's position in its tar."""
-        if self._served is None:
+        repeats), or of one `served_batch()` named earlier, as "SHARD_PATH#MEMBER", MEMBER the
+        sample's position in its tar."""
+        served = served or self._served
+        if served is None:
             return []
-        epoch_batches, j = self._served
+        epoch_batches, j = served
         return epoch_batches.sample_keys(j)
+
+    def served_batch(self) -> tuple | None:
+        """A cheap handle on the batch most recently handed out, for `sample_keys` to name later:
+        naming it re-derives its shards' sample orders, which the trainer needs only for a step
+        it skips (or with `data.log_sample_keys`), not at every step."""
+        return self._served
 
     def _absorb(self, epoch: int, events: dict) -> None:
         self.stats["shard_opens"] += events["shard_opens"]
