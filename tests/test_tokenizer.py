@@ -62,3 +62,26 @@ def test_foreign_model_and_bad_type_are_refused():
         processor_from_bytes(b"garbage")
     with pytest.raises(UserError, match="model_type"):
         train_tokenizer(["a"], TokenizerConfig(model_type="wordpiece"))
+
+
+def test_prepare_encoder_equals_the_public_batch_call(trained):
+    """prepare's in-thread per-text encoding gives the public batch call's ids exactly, and a
+    processor without the one-text binding falls back to that call."""
+    from pipeline import work
+
+    _, sp = trained
+    rng = random.Random(0)
+    texts = [t for pair in synthetic_pairs(300) for t in pair]
+    texts += ["", " ", "  leading and  double  spaces ", "tab\there", "ünïcødé ☃ 漢字", "<2de> <mask> </s>", "x" * 3000]
+    texts += ["".join(rng.choice("abc äöü漢 \t,.") for _ in range(rng.randint(0, 40))) for _ in range(200)]
+    expected = sp.encode(texts, num_threads=1)
+    assert work._in_thread_binding(sp) is not None  # this sentencepiece has it: the fast path is the one tested
+    assert work._encode(sp, texts) == expected
+
+    class Wrapped:  # the public API only, as a sentencepiece without the binding would offer
+        def encode(self, batch, num_threads):
+            return sp.encode(batch, num_threads=num_threads)
+
+    wrapped = Wrapped()
+    assert work._in_thread_binding(wrapped) is None
+    assert work._encode(wrapped, texts) == expected
