@@ -283,8 +283,7 @@ def _in_thread_binding(processor) -> Callable[..., list[int]] | None:
 def _encode(processor, texts: list[str]) -> list[list[int]]:
     binding = _in_thread_binding(processor)
     if binding is not None:
-        plain = _PLAIN
-        return [binding(text, *plain) for text in texts]
+        return [binding(text, *_PLAIN) for text in texts]
     # One thread: a Ray worker is one CPU; SentencePiece's default would use every core.
     return processor.encode(texts, num_threads=1)
 
