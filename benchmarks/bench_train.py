@@ -133,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
     # is given the unshifted ids (the same targets). BERT's are the same for both.
     theirs_inputs = [{**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
                      if args.arch == "gpt" else x for x in inputs]
-    device = engines["ours"].device
+    device = next(iter(engines.values())).device  # `--compile on` builds no eager engine
     on_device = {name: [{k: v.to(device) for k, v in x.items()} for x in batches_of]
                  for name, batches_of in (("ours", inputs), ("hf", theirs_inputs))}
     on_device.update({name + COMPILED: batches_of for name, batches_of in list(on_device.items())})
@@ -177,7 +177,10 @@ def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, res
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        # The worker's own error (a rank's traceback), not only torchrun's summary after it.
+        lines = proc.stderr.strip().splitlines()
+        errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
+        tail = "\n".join(errors[-2:] + lines[-15:])
         raise SystemExit(f"error: benchmark job {arch}/{shape}/{precision} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(result.read_text())
 

@@ -192,9 +192,10 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
 
 
 # Keys up to which compiled bf16 training on a CPU recomputes attention in backward
-# (`attention`): on a 2-core Xeon with AMX, fwd + bwd of one causal layer (8 x 4 heads x 64) was
-# 3.0x faster at 128 keys, 1.6x at 256 and 1.2x at 512 than SDPA's flash kernel, and 0.6x at 1024.
-RECOMPUTE_MAX_KEYS = 512
+# (`attention`): on a 2-core Xeon with AMX, fwd + bwd of one compiled causal layer (8 x 4 heads x
+# 64, one thread) took 5.9 ms at 128 keys against SDPA's 12.5; at 256 keys both took 18-19 ms,
+# at 512 (4 x 4 heads) 37 against 25.
+RECOMPUTE_MAX_KEYS = 128
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, is_causal: bool) -> Tensor:
@@ -232,15 +233,19 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        scores = torch.matmul(q, k.transpose(-2, -1)).float() * ctx.scale  # (B, H, T, S)
+        # The scores and the probabilities' gradient in float32 GEMMs, as the flash kernel keeps
+        # them: rounded to bf16, a score of 30 would be off by 0.1 and its probability by 10%
+        # (compiled BERT trained to a loss 0.6 higher so). The three GEMMs that produce the
+        # gradients take bf16 operands (p and grad_s rounded once), as FlashAttention-2's do.
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * ctx.scale  # (B, H, T, S)
         T, S = scores.shape[-2:]
         if ctx.is_causal:
             scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.exp(scores - lse.unsqueeze(-1))  # the forward's probabilities, float32
+        p = torch.exp(scores - lse.unsqueeze(-1))  # the forward's probabilities
         grad_v = torch.matmul(p.to(v.dtype).transpose(-2, -1), grad)
-        grad_p = torch.matmul(grad, v.transpose(-2, -1)).float()
+        grad_p = torch.matmul(grad.float(), v.float().transpose(-2, -1))
         delta = (grad.float() * out.float()).sum(dim=-1, keepdim=True)  # rowsum(p * grad_p)
         grad_s = (p * (grad_p - delta) * ctx.scale).to(q.dtype)
         return torch.matmul(grad_s, k), torch.matmul(grad_s.transpose(-2, -1), q), grad_v, None, None
