@@ -115,7 +115,9 @@ class TrainConfig:
     # A rank that stops answering fails the job after this long instead of hanging it.
     dist_timeout_s: int = 600
     # torch.compile (inductor) the transformer blocks for training, in place (the state dict keeps
-    # its keys); evaluation runs eagerly. Needs a C++ compiler on CPU (g++, or $CXX), Triton on a GPU.
+    # its keys); evaluation runs eagerly. In bf16 on a CPU, attention over up to 128 keys then
+    # recomputes its probabilities in backward (`model.blocks.attention`). Needs a C++ compiler on
+    # CPU (g++, or $CXX), Triton on a GPU.
     compile: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LoaderConfig = field(default_factory=LoaderConfig)
