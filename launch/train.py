@@ -291,7 +291,9 @@ def compile_model(model: torch.nn.Module) -> None:
     The blocks of one class share a graph; a second sequence length recompiles it once with a
     dynamic length. `evaluate` runs eagerly: its no-grad, eval-mode forwards would need graphs
     of their own, counted against the same recompile limit. With dropout, inductor draws other
-    random masks than eager mode does."""
+    random masks than eager mode does. In bf16 on a CPU the compiled blocks' attention recomputes
+    its probabilities in backward rather than run SDPA's slow CPU flash backward
+    (`model.blocks.attention`)."""
     if torch.cuda.is_available():
         if importlib.util.find_spec("triton") is None:
             raise UserError("compile: inductor needs Triton on a GPU, which is not installed (pip install triton, "
