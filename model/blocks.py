@@ -203,8 +203,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
     compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
     SDPA's CPU flash kernel runs its backward pass at a small fraction of the bf16 GEMM rate
     (at 128 keys, 10 ms for a layer whose forward takes 0.7 ms), and `_RecomputedAttention`
-    keeps the flash forward but recomputes the probabilities in backward with batched bf16
-    GEMMs and float32 element-wise work, which inductor fuses. Like the flash kernel it saves no
+    keeps the flash forward but recomputes the probabilities in backward with batched GEMMs
+    (float32 for the scores and their gradient, bf16 for the three that produce q, k and v's
+    gradients) and float32 element-wise work, which inductor fuses. Like the flash kernel it saves no
     (T x S) matrix; the backward holds one for each layer in turn."""
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout_p == 0.0 and torch.is_grad_enabled()
             and torch.compiler.is_compiling() and k.shape[-2] <= RECOMPUTE_MAX_KEYS
@@ -234,7 +235,7 @@ class _RecomputedAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, mask = ctx.saved_tensors
         # The scores and the probabilities' gradient in float32 GEMMs, as the flash kernel keeps
-        # them: rounded to bf16, a score of 30 would be off by 0.1 and its probability by 10%
+        # them: rounded to bf16, a score of 30 could be off by 0.06 and its probability by 6%
         # (compiled BERT trained to a loss 0.6 higher so). The three GEMMs that produce the
         # gradients take bf16 operands (p and grad_s rounded once), as FlashAttention-2's do.
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * ctx.scale  # (B, H, T, S)
