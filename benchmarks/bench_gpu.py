@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import launch.distributed as dist
     from launch.config import TrainConfig
-    from launch.metrics import measure_gemm_flops, peak_flops
+    from launch.metrics import measure_gemm_flops, peak_flops, set_fp32_matmul
     from pipeline.configure import load_config
 
     cuda = torch.cuda.is_available()
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(denv, 600)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(device_line(device, tiny, args), flush=True)
-    peak, source = peak_flops(args.precision)
+    tf32 = set_fp32_matmul(load_config(TrainConfig, CONFIG, []).tf32)  # as launch.train sets it
+    peak, source = peak_flops(args.precision, tf32=tf32)
     print(f"peak: {peak / 1e12:.3f} TFLOP/s ({source}; launch.metrics.peak_flops, as the trainer's MFU)", flush=True)
     if cuda:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)

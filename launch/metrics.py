@@ -14,17 +14,39 @@ import time
 import torch
 
 # Dense peak FLOP/s per device (no sparsity), by a substring of torch.cuda.get_device_name().
+# "tf32": the dense TF32 tensor-core figure, the peak of fp32 runs with `tf32: true`; a device
+# without one here (A10G) has its TF32 GEMM measured instead.
 PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 495e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12, "tf32": 378e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 495e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
     "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12, "tf32": 183e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12, "tf32": 60e12},
     "V100": {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
-    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12, "tf32": 82.6e12},
 }
+
+
+def set_fp32_matmul(tf32: bool) -> bool:
+    """The `tf32` setting: on CUDA, float32 GEMMs on TF32 tensor cores, or in IEEE float32.
+    Whether TF32 is in use: asked for, and a GPU that has it (compute capability 8.0, Ampere, or
+    newer). Nothing changes on a CPU (whose float32 GEMMs `torch.backends.mkldnn` governs)."""
+    if not torch.cuda.is_available():
+        return False
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+    return tf32 and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def table_peak(device_name: str, precision: str, tf32: bool = False) -> float:
+    """The table's peak for a device (by a substring of its name) and precision, TF32's for fp32
+    under `tf32`; 0.0 when the table has none."""
+    key = "tf32" if precision == "fp32" and tf32 else precision
+    for name, peaks in PEAK_FLOPS.items():
+        if name in device_name:
+            return peaks.get(key, 0.0)
+    return 0.0
 
 
 def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5, device: str = "cpu") -> float:
@@ -43,15 +65,17 @@ def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = 1024, sec
     return 2 * size**3 * count / (time.perf_counter() - start)
 
 
-def peak_flops(precision: str) -> tuple[float, str]:
-    """(peak FLOP/s of one rank's device, where the figure comes from)."""
+def peak_flops(precision: str, tf32: bool = False) -> tuple[float, str]:
+    """(peak FLOP/s of one rank's device, where the figure comes from). `tf32`: TF32 is in use
+    (`set_fp32_matmul`), so an fp32 run's peak is the TF32 one (measured: the GEMM runs as set)."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, peaks in PEAK_FLOPS.items():
-            if key in name and peaks.get(precision):
-                return peaks[precision], f"table: {name} {precision}"
+        label = f"{precision} (TF32)" if precision == "fp32" and tf32 else precision
+        peak = table_peak(name, precision, tf32)
+        if peak:
+            return peak, f"table: {name} {label}"
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        return measure_gemm_flops(dtype, 4096, device="cuda"), f"measured: {name} {precision} GEMM"
+        return measure_gemm_flops(dtype, 4096, device="cuda"), f"measured: {name} {label} GEMM"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return measure_gemm_flops(dtype), f"measured: CPU {dtype} GEMM, {torch.get_num_threads()} threads"
 

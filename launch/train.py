@@ -33,7 +33,7 @@ from launch import preflight
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
 from launch.engine import Engine, deepspeed_config
-from launch.metrics import memory_mb, peak_flops
+from launch.metrics import memory_mb, peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task
@@ -145,6 +145,7 @@ def setup(cfg: TrainConfig) -> Run:
     data = open_data(cfg, task, denv)
     cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
     dist.init_process_group(denv, cfg.dist_timeout_s)
+    tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
     # then, if another world size wrote it, its universal copy.
     candidates = _on_main(denv, lambda: ckpt.resume_candidates(cfg.resume, cfg.run_dir))
@@ -156,7 +157,7 @@ def setup(cfg: TrainConfig) -> Run:
                                         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
     run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
-    tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters)
+    tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters, tf32)
     guard = Guard(cfg.guard.max_consecutive_skips, cfg.guard.spike_factor, cfg.guard.spike_warmup_steps,
                   cfg.guard.spike_window)
     guard.load_state_dict(progress.guard)
@@ -363,9 +364,9 @@ def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
 
 
 def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Data, step: int, run_id: str,
-                 n_parameters: int) -> tuple[Tracker, tuple[float, str]]:
+                 n_parameters: int, tf32: bool = False) -> tuple[Tracker, tuple[float, str]]:
     """RUN_DIR's config, tokenizer and metrics (rows after `step` dropped), and the W&B run;
-    the peak FLOP/s that MFU is measured against."""
+    the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
     run_dir = Path(cfg.run_dir)
     if denv.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -376,7 +377,7 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
         # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked against the manifest's sha256.
         shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), remote.FetchConfig.from_loader_config(
             cfg.data), sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
-    peak = peak_flops(cfg.deepspeed.precision) if denv.is_main else (float("nan"), "")
+    peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
     summary = {"git_commit": git_commit(), "data_manifest_sha256": hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST))).hexdigest(),
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],

@@ -404,6 +404,51 @@ def test_trainer_runs_on_one_gpu_in_bf16(tiny_dataset, tmp_path):
 
 
 @gpu
+def test_tf32_setting_decides_how_float32_gemms_run():
+    """`tf32: true` (the default): an fp32 GEMM on an Ampere-or-newer GPU runs on TF32 tensor
+    cores, whose inputs rounded to 10 mantissa bits put its relative error against float64 near
+    4e-4 (each input within 2^-11); `false`: IEEE float32, about 1e-7 at K = 1024. Older GPUs have
+    no TF32, and `set_fp32_matmul` says so."""
+    from launch.metrics import set_fp32_matmul
+
+    before = torch.backends.cuda.matmul.fp32_precision
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(1024, 1024, device="cuda", generator=generator) for _ in range(2))
+    exact = a.double() @ b.double()
+
+    def relative_error() -> float:
+        return ((a @ b).double() - exact).norm().item() / exact.norm().item()
+
+    try:
+        tf32 = set_fp32_matmul(True)
+        assert tf32 == (torch.cuda.get_device_capability() >= (8, 0))
+        with_tf32 = relative_error()
+        assert not set_fp32_matmul(False)
+        ieee = relative_error()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    print(f"\nfp32 GEMM relative error: tf32 setting {with_tf32:.2e}, ieee {ieee:.2e}")
+    assert ieee < 1e-5
+    if tf32:
+        assert with_tf32 > 1e-4
+
+
+@gpu
+@pytest.mark.slow
+def test_trainer_fp32_run_takes_the_tf32_peak(tiny_dataset, tmp_path):
+    """An fp32 run on an Ampere-or-newer GPU with the default `tf32: true` measures MFU against
+    the TF32 peak, and says so; `tf32=false` against the float32 one."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("no TF32 before compute capability 8.0")
+    for setting in ("true", "false"):
+        run = train_on_gpus(tiny_dataset, tmp_path / setting, "deepspeed.precision=fp32", f"tf32={setting}", "max_steps=2",
+                            "eval_every=0", "checkpoint.every_steps=0", nproc=1)
+        (line,) = [line for line in run.stderr.splitlines() if " parameters, world " in line]  # the start line
+        peak = line.split(", peak ", 1)[1]
+        assert "fp32" in peak and ("(TF32)" in peak) == (setting == "true"), line
+
+
+@gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_zero3_two_gpus_checkpoint_then_evaluation(tiny_dataset, tmp_path):

@@ -185,3 +185,34 @@ def test_throughput_times_training_steps_only(tiny_dataset, tmp_path):
         window_seconds = 2 * tokens_per_step / row["perf/tokens_per_s"]
         assert window_seconds < 1.0, (row, window_seconds)
         assert 0 < row["perf/mfu_llmc"] < 1 and 0 < row["perf/mfu"] < 1 and row["perf/mfu_llmc"] != row["perf/mfu"]
+
+
+# ----------------------------------------------------------------------------- tf32
+
+
+def test_the_peak_of_an_fp32_run_is_tf32s_when_tf32_is_in_use():
+    from launch.metrics import table_peak
+
+    assert table_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=True) == 495e12
+    assert table_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
+    assert table_peak("NVIDIA H100 PCIe", "fp32", tf32=True) == 378e12  # not the SXM figure
+    assert table_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=True) == 312e12  # 16-bit peaks whatever tf32 says
+    assert table_peak("NVIDIA A10G", "fp32", tf32=True) == 0.0  # none in the table: measured instead
+    assert table_peak("Tesla V100-SXM2-32GB", "fp32", tf32=False) == 15.7e12
+    assert table_peak("Some Future GPU", "bf16") == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's behaviour")
+def test_tf32_changes_nothing_on_a_cpu():
+    """`tf32` is CUDA's: without a GPU, `set_fp32_matmul` sets nothing, and a CPU float32 GEMM
+    stays bit-identical (the same products as before the call)."""
+    from launch.metrics import set_fp32_matmul
+
+    a, b = torch.randn(256, 300, generator=torch.Generator().manual_seed(0)), torch.randn(300, 200)
+    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision,
+              torch.get_float32_matmul_precision())
+    product = a @ b
+    assert set_fp32_matmul(True) is False
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision,
+            torch.get_float32_matmul_precision()) == before
+    assert torch.equal(a @ b, product)
