@@ -38,7 +38,6 @@ import torch
 from launch.checkpoint import (INTEGRITY, UNIVERSAL_INFO, is_universal, is_zero_partitioned, require_intact,
                                universal_tag_for, verify, write_integrity)
 from launch.config import BatchPlan, TrainConfig
-from launch.optim import fused_adamw, keep_implementation
 from pipeline.configure import UserError
 from pipeline.format import file_sha256
 
@@ -162,9 +161,8 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
     torch's AdamW), over the caller's parameter groups, each with its own weight decay.
 
     Its C++ op is built by DeepSpeed with the host's compiler at first use and cached
-    (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions). If it cannot be built, torch's fused
-    AdamW (the same update, about as fast on a CPU: 4.5 against 4.2 ms a step over 5.2 M
-    parameters, one thread) takes its place, with a one-line warning. Under a process group
+    (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions). If it cannot be built, torch's AdamW
+    (the same update, slower) takes its place, with a one-line warning. Under a process group
     the ranks agree first: if the op fails on any rank, every rank falls back, so that all
     partitions are stepped by the same optimizer."""
     failure = None
@@ -187,8 +185,8 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
         return optimizer
     if not distributed or torch.distributed.get_rank() == 0:
         print(f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
-              f"fused AdamW", file=sys.stderr)
-    return fused_adamw(param_groups, lr=lr, betas=betas, eps=eps)
+              f"AdamW, which is slower", file=sys.stderr)
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
 
 
 class Engine:
@@ -220,11 +218,10 @@ class Engine:
     def describe(self) -> str:
         wrapper = type(self._engine.optimizer).__name__
         inside = "" if self._engine.optimizer is self._engine.basic_optimizer else f" in DeepSpeed's {wrapper}"
-        fused = " (fused)" if all(group.get("fused") for group in self._engine.basic_optimizer.param_groups) else ""
         offload = ", states offloaded to CPU" if self._engine.zero_cpu_offload() else ""
         accum = str(self._engine.get_data_types()[1]).removeprefix("torch.")
         reduce = str(self._engine.communication_data_type).removeprefix("torch.")
-        return f"optimizer: {self.optimizer_name}{fused}{inside}{offload}; gradients accumulated in {accum}, reduced in {reduce}"
+        return f"optimizer: {self.optimizer_name}{inside}{offload}; gradients accumulated in {accum}, reduced in {reduce}"
 
     @property
     def module(self) -> torch.nn.Module:
@@ -305,7 +302,6 @@ class Engine:
             raise UserError(f"checkpoint {checkpoint} could not be loaded")
         if universal and stage == 3:
             self._repair_zero3_universal_load(checkpoint)
-        keep_implementation(self._engine.basic_optimizer)
         return client_state or {}
 
     def _repair_zero3_universal_load(self, checkpoint: Path) -> None:

@@ -4,18 +4,6 @@ constant; or the inverse square root of "Attention Is All You Need", Vaswani et 
 Weight decay applies to the weight matrices of linear layers only: never to norms, biases or
 embeddings (as in GPT-2/BERT practice and Loshchilov and Hutter 2019). A tied embedding that
 doubles as the output layer is one parameter and counts as an embedding.
-
-AdamW runs torch's fused kernel (`fused=True`: one pass over each parameter tensor for the
-whole update, on CUDA and on a CPU) rather than torch's default, the multi-tensor (`foreach`)
-kernels on CUDA and on a CPU a loop of whole-tensor element-wise ops, each a pass over the
-weights and moments. Under ZeRO the optimizer steps a few large flat partitions, so those
-passes are its cost: over two flat tensors of 2.6 M parameters, one CPU thread, the fused
-step took 4.5 ms against 35 ms for the default (and 4.2 ms for DeepSpeed's CPU Adam); in a
-2-rank ZeRO-2 job of a 5.2 M-parameter GPT, DeepSpeed's whole `step()` (gradient norm,
-update, gathering the weights) took 34-35 ms against 42-43 ms (of about 370 ms a step). The
-update is AdamW's all the same (tests/test_optim.py holds it to the default implementation).
-A checkpoint keeps its groups' `fused` and `foreach` flags; loading one written before, or by
-another implementation, keeps this optimizer's own (`keep_implementation`).
 """
 
 from __future__ import annotations
@@ -37,33 +25,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         seen.add(id(param))
         (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-IMPLEMENTATION = {"fused": True, "foreach": None}  # torch.optim.AdamW's keyword arguments that pick its kernel
-
-
-def keep_implementation(optimizer: torch.optim.Optimizer) -> None:
-    """After a load into a torch AdamW from `fused_adamw`: the loaded groups bring the saved
-    `fused` / `foreach` flags, which say how the update ran when they were saved, not how it
-    should run here; and the fused kernel wants each `step` a float32 tensor on its parameter's
-    device, which torch's own load makes it but DeepSpeed's universal load (which writes groups
-    and states directly) may not. A `load_state_dict` post-hook, and `launch.engine.Engine.load`
-    calls it once more after DeepSpeed's loads."""
-    if not (isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")):
-        return  # not one of ours (a load leaves `defaults` as they were built)
-    for group in optimizer.param_groups:
-        group.update(IMPLEMENTATION)
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state and "step" in state:
-                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=param.device).clone()
-
-
-def fused_adamw(groups: list[dict], *, cls: type = torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-    """torch's AdamW (or the subclass `cls`) over `groups`, fused, and kept so across loads."""
-    optimizer = cls(groups, **kwargs, **IMPLEMENTATION)
-    optimizer.register_load_state_dict_post_hook(keep_implementation)
-    return optimizer
 
 
 class AdamW(torch.optim.AdamW):
@@ -93,7 +54,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
 
     `cpu_offload` (ZeRO-Offload of the optimizer, `deepspeed.offload_optimizer`: the fp32 master
     weights and moments live in CPU memory): DeepSpeed's vectorised CPU Adam in AdamW mode
-    (`launch.engine.cpu_adam`), over the same groups; torch's fused AdamW if its op cannot be built.
+    (`launch.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be built.
     ZeRO-Offload drops non-finite steps itself."""
     groups = parameter_groups(model, cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
@@ -101,7 +62,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
         from launch.engine import cpu_adam  # DeepSpeed is imported by launch.engine alone
 
         return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    return fused_adamw(groups, cls=AdamW if skip_non_finite else torch.optim.AdamW, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    adamw = AdamW if skip_non_finite else torch.optim.AdamW
+    return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, d_model: int = 0) -> float:
