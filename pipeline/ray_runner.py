@@ -35,13 +35,42 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
     if cfg.num_workers < 1:
         raise UserError(f"ray.num_workers: must be at least 1, got {cfg.num_workers}")
     started = not ray.is_initialized()
+    before = _descendants() if started else set()
     try:
         if started:
             _init(ray, cfg)
         yield
     finally:
         if started:
+            spawned = _descendants() - before  # the raylet, the GCS and the workers the raylet started
             ray.shutdown(wait_for_processes=True)
+            _reap(spawned)
+
+
+WORKER_EXIT_S = 15.0  # how long the workers of a shut-down local Ray get to exit before they are killed
+
+
+def _descendants() -> set:
+    import psutil
+
+    try:
+        return set(psutil.Process().children(recursive=True))
+    except psutil.Error:
+        return set()
+
+
+def _reap(processes: set) -> None:
+    """`ray.shutdown(wait_for_processes=True)` waits for the raylet and GCS, not for the workers
+    the raylet started: those notice it gone and exit a moment later, after the run could have
+    ended (seen as `ray::IDLE` processes outliving an interrupted prepare). Wait for them too,
+    and kill any still there after WORKER_EXIT_S."""
+    import psutil
+
+    _, alive = psutil.wait_procs(list(processes), timeout=WORKER_EXIT_S)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _init(ray: Any, cfg: RayConfig) -> None:
