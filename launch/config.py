@@ -120,7 +120,7 @@ class TrainConfig:
     # CPU (g++, or $CXX), Triton on a GPU.
     compile: bool = False
     # CUDA: float32 matrix products (the GEMMs of fp32 runs) on TF32 tensor cores
-    # (torch.backends.cuda.matmul.fp32_precision = "tf32"; Ampere and newer), 10 mantissa bits
+    # (torch.backends.cuda.matmul.allow_tf32; Ampere and newer), 10 mantissa bits
     # in the products and float32 accumulation. false: full IEEE float32 ("ieee"). No effect on a
     # CPU, nor on the 16-bit GEMMs of bf16/fp16 runs.
     tf32: bool = True

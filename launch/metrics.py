@@ -31,12 +31,17 @@ PEAK_FLOPS = {
 
 def set_fp32_matmul(tf32: bool) -> bool:
     """The `tf32` setting: on CUDA, float32 GEMMs on TF32 tensor cores, or in IEEE float32.
-    Whether TF32 is in use: asked for, and a GPU that has it (compute capability 8.0, Ampere, or
-    newer). Nothing changes on a CPU (whose float32 GEMMs `torch.backends.mkldnn` governs)."""
-    if not torch.cuda.is_available():
-        return False
-    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
-    return tf32 and torch.cuda.get_device_capability() >= (8, 0)
+    Returns whether TF32 is in use: asked for, and a GPU that has it (compute capability 8.0,
+    Ampere, or newer).
+
+    Set through the legacy flag (`torch.backends.cuda.matmul.allow_tf32`), which torch keeps in
+    step with the new one (`fp32_precision` then reads "tf32" or "ieee"): after setting only
+    the new one, every legacy reader raises ("mix of the legacy and new APIs"), and torch's own
+    compile stack is such a reader (dynamo's graph region tracker, inductor's GEMM templates).
+    Set on every machine, so that a CPU run takes the same path: the flag governs cuBLAS only,
+    and a CPU's float32 GEMMs (`torch.backends.mkldnn`) are left as they were."""
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    return bool(tf32) and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def table_peak(device_name: str, precision: str, tf32: bool = False) -> float:
