@@ -138,15 +138,18 @@ class _Gemms:
             if self.mode == "upcast":
                 self.weight = self.logits_weight
 
-    def log_probs(self, hc: Tensor) -> Tensor:
-        """Log-softmax (c, V) in `acc` of the logits of the rows hc (c, C)."""
+    def logits(self, hc: Tensor) -> Tensor:
+        """The logits (c, V) in `acc` of the rows hc (c, C)."""
         if self.mode in ("addmm", "mm"):
             logits = torch.mm(hc, self.weight.t(), out_dtype=self.acc)
             if self.bias is not None:
                 logits += self.bias
-        else:
-            logits = F.linear(hc.to(self.acc), self.logits_weight, self.bias)
-        return torch.log_softmax(logits, dim=-1)  # one fused kernel
+            return logits
+        return F.linear(hc.to(self.acc), self.logits_weight, self.bias)
+
+    def log_probs(self, hc: Tensor) -> Tensor:
+        """Log-softmax (c, V) in `acc` of the logits of the rows hc (c, C)."""
+        return torch.log_softmax(self.logits(hc), dim=-1)  # one fused kernel
 
     def mm(self, a: Tensor, b: Tensor, out: Tensor) -> None:
         """out = a @ b, out in `acc`, a and b in the inputs' dtype (b the weight as `self.weight`)."""
@@ -180,6 +183,81 @@ def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: fl
     return (nll * keep).sum()
 
 
+def _loss_and_logit_grad(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, scale: float,
+                         out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One chunk's summed loss over its kept rows, and the gradient of its logits (c, V) times
+    `scale`, in `out_dtype`: softmax - (1 - e) one-hot - e / V per row, before the 1 / count.
+    Eager kernels, in place where they can be (the logits are the caller's last reference)."""
+    grad = torch.log_softmax(logits, dim=-1)
+    del logits
+    total = _chunk_loss(grad, targets, keep, label_smoothing)
+    vocab = grad.shape[-1]
+    grad.exp_()
+    grad[torch.arange(len(targets), device=grad.device), targets] -= 1.0 - label_smoothing
+    if out_dtype == grad.dtype and scale == 1.0:
+        if label_smoothing:
+            grad -= label_smoothing / vocab
+        return total, grad
+    g = torch.empty_like(grad, dtype=out_dtype)  # scaled, smoothed and rounded in one pass
+    if label_smoothing:
+        torch.add(grad.new_full((), -label_smoothing / vocab * scale), grad, alpha=scale, out=g)
+    else:
+        torch.mul(grad, scale, out=g)
+    return total, g
+
+
+def _loss_and_logit_grad_fusable(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float,
+                                 scale: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`_loss_and_logit_grad` written for inductor, which fuses it into a reduction over each row
+    (max and sum of exponentials) and one element-wise pass that writes the 16-bit gradient:
+    the float32 logits are read about three times and nothing of their size is written, where
+    the eager kernels write and read a log-softmax and its exponential in float32 as well."""
+    vocab = logits.shape[-1]
+    peak = logits.amax(dim=-1, keepdim=True)
+    lse = peak + torch.log(torch.exp(logits - peak).sum(dim=-1, keepdim=True))  # (c, 1)
+    nll = (lse - logits.gather(1, targets[:, None])).squeeze(1)  # (c,)
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * (logits.mean(dim=-1) - lse.squeeze(1))
+    total = (nll * keep).sum()
+    one_hot = torch.arange(vocab, device=logits.device)[None, :] == targets[:, None]
+    grad = torch.exp(logits - lse) - (1.0 - label_smoothing) * one_hot - label_smoothing / vocab
+    return total, (grad * scale).to(out_dtype)
+
+
+# Where a chunk runs as one compiled kernel pair (`_loss_and_logit_grad_fusable`): CUDA, where
+# the passes over the (c, V) float32 logits are memory-bound (~18 GB per 16 x 1024 micro batch
+# at V = 50,257 in eager kernels). A CPU keeps the eager kernels: inductor's C++ build costs
+# seconds per process, more than the passes cost at the sizes a CPU trains.
+FUSED_CHUNK_DEVICES = ("cuda",)
+_FUSED: dict = {}  # "fn": the compiled function; "failed": why it could not be used
+
+
+def _chunk_function(device: torch.device):
+    """The chunk function for `device`: compiled where FUSED_CHUNK_DEVICES says, else eager; eager
+    too inside another compilation (it inlines there) and once compiling has failed."""
+    if device.type not in FUSED_CHUNK_DEVICES or "failed" in _FUSED or torch.compiler.is_compiling():
+        return _loss_and_logit_grad
+    if "fn" not in _FUSED:
+        _FUSED["fn"] = torch.compile(_loss_and_logit_grad_fusable, fullgraph=True)
+    return _FUSED["fn"]
+
+
+def _run_chunk(logits: Tensor, *args) -> tuple[Tensor, Tensor]:
+    fn = _chunk_function(logits.device)
+    if fn is _loss_and_logit_grad:
+        box = [logits]  # handed over without a reference left here, so the eager kernels free it early
+        del logits
+        return fn(box.pop(), *args)
+    try:
+        return fn(logits, *args)
+    except Exception as err:  # inductor or Triton unusable here (no compiler, an old driver): eager kernels
+        _FUSED["failed"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        import warnings
+
+        warnings.warn(f"model.loss: the compiled loss chunk failed ({_FUSED['failed']}); using eager kernels")
+        return _loss_and_logit_grad(logits, *args)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float, rows: int) -> Tensor:
@@ -202,22 +280,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], rows):
             stop = start + rows
             hc, tc, kc = h[start:stop], safe[start:stop], valid[start:stop]
-            grad = gemms.log_probs(hc)  # (c, V) in acc
-            total += _chunk_loss(grad, tc, kc, label_smoothing)
-            # d loss / d logits = softmax - (1 - e) one-hot - e / V, for each kept row, / count.
-            grad.exp_()
-            grad[torch.arange(len(tc), device=grad.device), tc] -= 1.0 - label_smoothing
-            if low:  # scaled, smoothed and rounded to the input dtype in one pass
-                g = torch.empty_like(grad, dtype=h.dtype)
-                if label_smoothing:
-                    torch.add(grad.new_full((), -label_smoothing / vocab * scale), grad, alpha=scale, out=g)
-                else:
-                    torch.mul(grad, scale, out=g)
-                del grad  # the float32 chunk goes before the GEMMs
-            else:
-                if label_smoothing:
-                    grad -= label_smoothing / vocab
-                g = grad
+            # d loss / d logits = softmax - (1 - e) one-hot - e / V for each kept row (/ count in
+            # backward), in the input dtype for 16-bit inputs; the float32 logits are gone after.
+            chunk_loss, g = _run_chunk(gemms.logits(hc), tc, kc, label_smoothing, scale, h.dtype if low else acc)
+            total += chunk_loss
             if grad_h is not None:
                 gemms.mm(g, gemms.weight, out=grad_h[start:stop])  # (c, C)
             if grad_w is not None:  # ignored rows are zeroed on the narrow (c, C) factor
