@@ -40,9 +40,10 @@ Figures, one row per (vocabulary, stage):
 path of the script alive on the CPU (tests/test_gpu.py runs it); its figures say nothing about a
 GPU, and on a shared CPU not much about the CPU either.
 
-Target (one H100, full shapes, bf16, vocabulary 50,257): at least 45% MFU (ours); the verdict
-is printed when those are what was measured. `--compile` compiles the model in place with
-inductor, as the trainer's `compile: true` does.
+Target (one H100, full shapes, bf16, vocabulary 50,257): at least 45% MFU by llm.c's count
+(llm.c itself reports about 41% for this model); the verdict is printed when those are what was
+measured. `--compile` compiles with the trainer's own `launch.train.compile_model` (what
+`compile: true` does), so that the benchmark measures the program the trainer runs.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ if str(ROOT) not in sys.path:
 CONFIG = ROOT / "configs" / "gpt2_small.yaml"
 TINY = dict(overrides=["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=256",
                        "model.max_seq_len=64", "data.micro_batch_size=2", "grad_accum=1"], steps=2, loss_reps=2)
-MFU_TARGET = 0.45  # GPT-2 124M, bf16, one H100 (ours)
+MFU_TARGET = 0.45  # GPT-2 124M, bf16, one H100, llm.c's count
 BATCHES = 4  # distinct micro batches, cycled
 
 
@@ -177,7 +178,9 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
     if args.compile:
-        model.compile(backend="inductor")  # as launch.train.compile_model
+        from launch.train import compile_model
+
+        compile_model(model)  # the trainer's own: the blocks compiled, the loss and embeddings eager
     engine = Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan))
     if engine.device.type != device.type:
         raise RuntimeError(f"DeepSpeed put the model on {engine.device}, the benchmark measures {device}")
@@ -202,7 +205,9 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     # Engine.describe (which optimizer, inside which DeepSpeed wrapper, accumulating in which dtype)
     # is recent in launch/engine.py; without it the row only goes without that note.
     describe = getattr(engine, "describe", None)
+    compiled = [name for name, module in model.named_modules() if hasattr(module.forward, "_torchdynamo_orig_callable")]
     return {"parameters": n_parameters, "micro_batches": count, "seconds": seconds, "last_loss": float(loss),
+            "compiled": compiled,
             "optimizer": describe() if describe else "optimizer: n/a"}
 
 
@@ -369,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's own prints: stdout holds the figures
                 r = run_config(cfg, stage, args, device, batches)
             r["loss"] = loss
+            if args.compile:
+                print(f"compiled by launch.train.compile_model: the forward of {', '.join(r['compiled'])}", flush=True)
             s = row_figures(r, loss, peak)
             leftover = f", {gib(r['memory_before_bytes'])} left before it" if r["memory_before_bytes"] > 2**27 else ""
             print(f"V={vocab:,} ZeRO-{stage}: {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% (ours) "
@@ -399,12 +406,12 @@ def main(argv: list[str] | None = None) -> int:
           f"between the two timings).")
     gpt2 = [r for r in results if r["vocab_size"] == 50257]
     if cuda and not tiny and args.precision == "bf16" and "H100" in torch.cuda.get_device_name() and gpt2:
-        best = max(gpt2, key=lambda r: r["mfu"])
-        verdict = "met" if best["mfu"] >= MFU_TARGET else "NOT met"
-        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (ours) for GPT-2 124M bf16 on one H100: {verdict} "
-              f"(best {100 * best['mfu']:.1f}% at ZeRO-{best['zero_stage']})")
+        best = max(gpt2, key=lambda r: r["mfu_llmc"])
+        verdict = "met" if best["mfu_llmc"] >= MFU_TARGET else "NOT met"
+        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: {verdict} "
+              f"(best {100 * best['mfu_llmc']:.1f}% at ZeRO-{best['zero_stage']}; {100 * best['mfu']:.1f}% by ours)")
     else:
-        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (ours) for GPT-2 124M bf16 on one H100: not measured here "
+        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: not measured here "
               f"({'tiny shapes on ' + device.type if tiny else 'not an H100, bf16 and vocabulary 50,257'})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

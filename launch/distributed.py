@@ -381,17 +381,39 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def all_reduce_sum(values: list) -> list[float]:
-    """Sum a few scalars over ranks, in float64. A value may be a Python number or a 0-dim
-    tensor on the compute device (a loss): the sums come back to the host in one copy, so a
-    step that reduces its figures this way waits for the device once, not once per value."""
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
-    tensor = torch.stack([value.detach().to(device, torch.float64).reshape(()) if isinstance(value, torch.Tensor)
-                          else torch.tensor(float(value), dtype=torch.float64, device=device) for value in values])
-    if dist.is_initialized():
+def reduce_device() -> torch.device:
+    """Where collectives run: the rank's GPU under NCCL, else the host (gloo, or no group)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum_tensor(values: list) -> torch.Tensor:
+    """Sum a few scalars over ranks, in float64, leaving the sums where the collective ran (the
+    GPU under NCCL): nothing here makes the host wait for the device. A value is a Python number
+    or a 0-dim tensor on the compute device (a loss). The numbers go over in one host-built
+    tensor and one copy (from page-locked memory, asynchronous); building a device tensor per
+    number instead costs a blocking copy, a full wait for the queued work, each."""
+    device = reduce_device()
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    numbers = [float(value) for value in values if not isinstance(value, torch.Tensor)]
+    host = torch.tensor(numbers, dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    on_device = iter([value.detach().to(device, torch.float64).reshape(1) for value in values
+                      if isinstance(value, torch.Tensor)])
+    from_host = iter(host.split(1))
+    tensor = torch.cat([next(on_device) if isinstance(value, torch.Tensor) else next(from_host) for value in values])
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
+    return tensor
+
+
+def all_reduce_sum(values: list) -> list[float]:
+    """`all_reduce_sum_tensor`, read back on the host in one copy: a step that reduces its
+    figures this way waits for the device once, not once per value."""
+    return all_reduce_sum_tensor(values).cpu().tolist()
 
 
 def destroy() -> None:

@@ -253,9 +253,13 @@ class Engine:
     def lr(self) -> float:
         return float(self._engine.get_lr()[0])
 
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
+        """The last step's global gradient norm, unread: a 0-dim tensor where DeepSpeed keeps it
+        (reading a GPU one after the step would wait for the optimizer's update); NaN if none."""
         norm = self._engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().reshape(())
+        return torch.tensor(float("nan") if norm is None else float(norm), dtype=torch.float64)
 
     @property
     def skipped_steps(self) -> int:

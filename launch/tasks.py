@@ -75,7 +75,7 @@ def _lm_flops(cfg: ModelConfig, inputs: Batch) -> float:
 
 def _mlm_flops(cfg: ModelConfig, inputs: Batch) -> float:
     rows, seq_len = inputs["input_ids"].shape
-    scored = float((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only (host inputs)
+    scored = host_value((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only (host inputs)
     return training_flops(cfg, seq_len, scored=scored) * rows
 
 
@@ -95,6 +95,15 @@ def _masked_accuracy_sums(output: ModelOutput, inputs: Batch) -> dict[str, float
 
 def _accuracy(sums: dict[str, float]) -> dict[str, float]:
     return {"eval/accuracy": sums["correct"] / max(sums["scored"], 1.0)}
+
+
+def host_value(tensor: torch.Tensor) -> float | int | bool:
+    """The number in a 0-dim tensor on the host (made from a loader batch), read without waiting
+    for any device; refused for a device tensor, whose read would wait for its queued work. The
+    training step's figures from the device are read once per step (`launch.train.train_step`)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"host_value: a {tensor.device.type} tensor: reading it would wait for the device")
+    return tensor.item()
 
 
 @dataclass(frozen=True)
@@ -128,7 +137,7 @@ class Task:
         are pinned now), so the copies are asynchronous: a non_blocking copy from pageable
         memory is a synchronous one."""
         kept = {key: value for key, value in inputs.items()
-                if not (key == "attention_mask" and value.device.type == "cpu" and bool(value.all()))}
+                if not (key == "attention_mask" and value.device.type == "cpu" and host_value(value.all()))}
         if torch.device(device).type == "cuda":
             kept = {key: value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
                     for key, value in kept.items()}
@@ -143,7 +152,7 @@ class Task:
     def tokens(inputs: Batch) -> int:
         """Tokens processed: every non-pad input token (throughput and MFU count these)."""
         masks = [inputs[k] for k in ("attention_mask", "src_mask", "decoder_mask") if k in inputs]
-        return int(sum(int(m.sum()) for m in masks))
+        return int(sum(host_value(m.sum()) for m in masks))
 
 
 TASKS = {

@@ -36,7 +36,7 @@ from launch.engine import Engine, deepspeed_config
 from launch.metrics import memory_mb, peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import check_writable_dir, data_fits_model
-from launch.tasks import Task
+from launch.tasks import Task, host_value
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, attention_kernels, build_model, llmc_flops_per_token, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
@@ -445,8 +445,9 @@ def train_step(run: Run, batches) -> dict:
 
     Guarded: before the last backward of the step, one reduction over the ranks carries the
     step's figures, whether any rank's loss is not finite, and whether any rank was asked to
-    stop; so every rank takes the same decision. A step to skip (a non-finite loss anywhere, or
-    a loss spike) gets a NaN loss on every rank for that backward: DeepSpeed then finds a
+    stop; so every rank takes the same decision, on the device (the host reads the figures once,
+    after the optimizer step). A step to skip (a non-finite loss anywhere, or a loss spike) gets
+    a NaN loss on every rank for that backward: DeepSpeed then finds a
     non-finite gradient norm, which it all-reduces, and drops the update, the gradients and the
     schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32
     through `launch.optim.AdamW`). The weights after a skipped step are those before it."""
@@ -459,9 +460,11 @@ def train_step(run: Run, batches) -> dict:
     for _ in range(run.plan.grad_accum):
         micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
         served.append(run.data.train.served_batch())
-    scored = [float(run.task.target_mask(inputs).sum()) for inputs in micro]
-    (step_scored,) = dist.all_reduce_sum([sum(scored)])
-    share = run.plan.grad_accum * run.denv.world_size / max(step_scored, 1.0)
+    scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
+    # Summed over the ranks and left on the device, as is every weight made from it below: the
+    # host issues this step's forwards without waiting for the previous step to finish.
+    step_scored = dist.all_reduce_sum_tensor([sum(scored)])[0].to(run.engine.device)
+    share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
     for index, inputs in enumerate(micro):
         output = run.engine(**run.task.to_device(inputs, run.engine.device))
         if (run.denv.rank, run.step + 1) in _INJECTED_NAN:
@@ -476,19 +479,26 @@ def train_step(run: Run, batches) -> dict:
         flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(run.cfg.model, run.n_parameters,
                                                                      inputs["labels"].shape[1])
         samples += inputs["labels"].shape[0]
-        weighted = output.loss * (scored[index] * share)
+        weighted = output.loss * (scored[index] * share).to(output.loss.dtype)
         if index < run.plan.grad_accum - 1:
             run.engine.backward(weighted)
             run.engine.step()
     fillers = run.data.train.stats["epoch_filler_batches"]
-    loss_sum, finite_scored, tokens, flops, flops_llmc, samples, non_finite, fillers, stop = dist.all_reduce_sum(
-        [loss_sum, finite_scored, tokens, flops, flops_llmc, samples, non_finite, fillers, float(_stop_requested(run))])
-    loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
-    reason = "non-finite loss" if non_finite else ("loss spike" if loss > run.guard.spike_limit() else "")
-    run.engine.backward(weighted * math.nan if reason else weighted)
+    # The step's figures in one reduction, and the guard's decision taken on the device from
+    # them: the last backward is issued without a wait, the figures read once, after the step.
+    figures = dist.all_reduce_sum_tensor([loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples,
+                                          fillers, float(_stop_requested(run))]).to(run.engine.device)
+    spike_limit = run.guard.spike_limit()
+    skip = (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)  # 0 / 0 is NaN: not a spike
+    weighted = weighted * torch.where(skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted))
+    on_host = HostCopy(figures)  # queued before the backward; read after the step, which has waited past it
+    run.engine.backward(weighted)
     skipped_before = run.engine.skipped_steps
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before
+    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = on_host.values()
+    loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
+    reason = "non-finite loss" if non_finite else ("loss spike" if loss > spike_limit else "")
     if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
         raise RuntimeError(f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})")
     if skipped and not reason:
@@ -498,6 +508,27 @@ def train_step(run: Run, batches) -> dict:
     return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
             "stop": stop > 0,
             "skipped": reason, "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued now (into page-locked memory) and read later:
+    reading waits for the copy alone, where a `.tolist()` after the optimizer step would wait
+    for the step's update kernels too. On the host it is the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.tensor.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensor = tensor
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.tolist()
 
 
 def _injected_nan(spec: str) -> set[tuple[int, int]]:
@@ -660,9 +691,11 @@ def fit(run: Run) -> dict:
         window_flops += result["flops"]
         window_flops_llmc += result["flops_llmc"]
         window_samples += result["samples"]
+        # Kept on the device and read at the next log line: a read here would wait for the update.
         grad_norm = run.engine.grad_norm()
         window_steps += 1
-        window_clipped += bool(cfg.optim.grad_clip and math.isfinite(grad_norm) and grad_norm > cfg.optim.grad_clip)
+        if cfg.optim.grad_clip:
+            window_clipped = window_clipped + (grad_norm.isfinite() & (grad_norm > cfg.optim.grad_clip))
         metrics: dict = guard_step(run, result)
         if cfg.data.log_sample_keys:  # which samples each step saw, per rank
             with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
@@ -672,8 +705,8 @@ def fit(run: Run) -> dict:
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
             achieved_llmc = window_flops_llmc / elapsed / run.denv.world_size
             metrics.update({
-                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": grad_norm,
-                "train/clipped_fraction": window_clipped / window_steps,
+                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": float(grad_norm),
+                "train/clipped_fraction": float(window_clipped) / window_steps,
                 "train/tokens_seen": run.tokens_seen, "train/epoch": run.data.train.epoch,
                 "perf/tokens_per_s": window_tokens / elapsed,
                 "perf/samples_per_s": window_samples / elapsed,

@@ -23,9 +23,16 @@ if HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip without CUDA (they are written for a machine the device tool lends)."""
+    """`gpu` tests skip without CUDA (they are written for a machine the device tool lends).
+    On a machine meant to test the GPU (REQUIRE_GPU=1, as benchmarks/gpu_check.sh sets), a
+    torch that cannot use one is an error: `pytest -m gpu` would otherwise pass having run nothing."""
     if HAS_CUDA:
         return
+    if os.environ.get("REQUIRE_GPU", "") not in ("", "0") and any("gpu" in item.keywords for item in items):
+        why = ("this torch is a CPU build" if torch.version.cuda is None else
+               f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: no driver, no device "
+               "visible (CUDA_VISIBLE_DEVICES), or a driver older than this CUDA")
+        raise pytest.UsageError(f"REQUIRE_GPU=1 but CUDA is not usable: {why}")
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
@@ -84,18 +91,38 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def tiny_corpus(tmp_path_factory) -> Path:
+def write_tiny_corpus(directory: Path) -> Path:
     """600 synthetic pairs with some exact duplicates mixed in."""
     pairs = synthetic_pairs(600)
     pairs += pairs[:30]
-    return write_tsv(tmp_path_factory.mktemp("corpus") / "pairs.tsv", pairs)
+    return write_tsv(directory / "pairs.tsv", pairs)
+
+
+def prepare_tiny_dataset(corpus: Path, out: Path) -> Path:
+    run = run_prepare(prepare_args(corpus, out, **{"ray.num_workers": 2}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
-    """The tiny corpus prepared with 2 Ray workers (shared by the data and training tests)."""
-    out = tmp_path_factory.mktemp("prepared") / "data"
-    run = run_prepare(prepare_args(tiny_corpus, out, **{"ray.num_workers": 2}))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out
+    """The tiny corpus prepared with 2 Ray workers (shared by the data and training tests). Where
+    TINY_DATASET names one prepared beforehand the same way (`make gpu-bundle`, for a GPU node
+    without Ray or a network), that one."""
+    if os.environ.get("TINY_DATASET"):
+        given = Path(os.environ["TINY_DATASET"])
+        assert (given / "manifest.json").is_file(), f"TINY_DATASET={given}: no prepared dataset there"
+        return given
+    return prepare_tiny_dataset(tiny_corpus, tmp_path_factory.mktemp("prepared") / "data")
+
+
+if __name__ == "__main__":  # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        print(prepare_tiny_dataset(write_tiny_corpus(Path(scratch)), Path(sys.argv[1]).resolve()))

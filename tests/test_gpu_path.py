@@ -20,6 +20,9 @@ from pipeline.configure import UserError
 from pipeline.loader import ShardLoader
 from test_loader import UNEVEN, assert_same_batches
 from test_train import TINY, metrics, train
+
+TINY_SYNC = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
+             "data.micro_batch_size=4", "threads_per_rank=1"]
 from tests.shardtools import make_dataset
 
 
@@ -202,17 +205,95 @@ def test_the_peak_of_an_fp32_run_is_tf32s_when_tf32_is_in_use():
     assert table_peak("Some Future GPU", "bf16") == 0.0
 
 
+TF32_GETTERS = {  # every reader of the cuBLAS float32 setting, legacy and new
+    "torch.backends.cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+    "torch.backends.cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+    "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision,
+    "torch._C._get_cublas_allow_tf32()": torch._C._get_cublas_allow_tf32,  # what dynamo's graph region tracker reads
+}
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_after_the_tf32_setting_every_reader_answers_and_compile_runs(tf32):
+    """torch 2.13 raises "mix of the legacy and new APIs" when a legacy getter reads a setting
+    made through the new API (`fp32_precision`), and torch.compile reads the legacy one: the
+    setting as the trainer makes it must leave every getter answering, and a compiled model
+    running. The CUDA flag is set on a CPU too (it governs cuBLAS only): this is the trainer's path."""
+    from launch.metrics import set_fp32_matmul
+    from launch.train import compile_model
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        set_fp32_matmul(tf32)
+        answers = {name: get() for name, get in TF32_GETTERS.items()}  # raises on a mixed-API state
+        assert answers["torch.backends.cuda.matmul.allow_tf32"] is tf32
+        assert answers["torch.backends.cuda.matmul.fp32_precision"] == ("tf32" if tf32 else "ieee")
+        assert answers["torch._C._get_cublas_allow_tf32()"] is tf32
+        model = build_model(ModelConfig(arch="gpt", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                        max_seq_len=8, dropout=0.0))
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        eager = model(ids).logits
+        compile_model(model)
+        torch._dynamo.reset()
+        compiled = model(ids).logits  # dynamo and inductor read the setting while compiling
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's behaviour")
 def test_tf32_changes_nothing_on_a_cpu():
-    """`tf32` is CUDA's: without a GPU, `set_fp32_matmul` sets nothing, and a CPU float32 GEMM
-    stays bit-identical (the same products as before the call)."""
+    """`tf32` is CUDA's: on a CPU `set_fp32_matmul` reports no TF32, the CPU's own float32
+    setting (mkldnn) is untouched, and a CPU float32 GEMM stays bit-identical."""
     from launch.metrics import set_fp32_matmul
 
     a, b = torch.randn(256, 300, generator=torch.Generator().manual_seed(0)), torch.randn(300, 200)
-    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision,
-              torch.get_float32_matmul_precision())
+    before = (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.allow_tf32)
     product = a @ b
-    assert set_fp32_matmul(True) is False
-    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision,
-            torch.get_float32_matmul_precision()) == before
-    assert torch.equal(a @ b, product)
+    try:
+        assert set_fp32_matmul(True) is False
+        assert torch.backends.mkldnn.matmul.fp32_precision == before[0]
+        assert torch.equal(a @ b, product)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before[1]
+
+
+# ----------------------------------------------------------------------------- host-device syncs
+
+
+def test_a_training_step_reads_the_device_once_after_its_last_backward(tiny_dataset, tmp_path):
+    """What the host reads of device values in a training step (tests/sync_worker.py, on the
+    CPU: every `.item()`, `.cpu()`, `.tolist()`, `float()`... of a tensor, with its call site),
+    2 ranks' worth of work on one (grad_accum 2): the step's figures once, through `HostCopy`,
+    after the forwards; nothing before the first forward (a wait there would stall the device
+    between steps); the gradient norm left unread between log lines. Counts of the host batch
+    (`launch.tasks.host_value`, which refuses a device tensor) wait for nothing."""
+    from sync_worker import watch_syncs
+
+    found = watch_syncs(tiny_dataset, tmp_path / "run", *TINY_SYNC, "grad_accum=2")
+    assert found["device"] == "cpu" and found["grad_accum"] == 2
+    for step in range(found["steps"]):
+        ours = [e for e in found["events"] if e["step"] == step and e["ours"] and e["function"] != "host_value"]
+        assert [e["function"] for e in ours] == ["values"], ours  # HostCopy.values: the step's figures
+        assert not ours[0]["before_forward"]
+        assert any(e["function"] == "host_value" for e in found["events"] if e["step"] == step)
+
+
+def test_host_value_refuses_what_would_wait_for_the_device():
+    from launch.tasks import host_value
+
+    assert host_value(torch.tensor([1, 0, 1]).sum()) == 2
+    with pytest.raises(ValueError, match="wait for the device"):
+        host_value(torch.ones((), device="meta"))
+
+
+def test_the_step_figures_go_over_in_one_tensor_and_come_back_as_numbers():
+    """`all_reduce_sum_tensor` keeps the order of mixed numbers and device tensors (one host-built
+    tensor for the numbers), sums in float64, and `all_reduce_sum` reads them back once."""
+    from launch.distributed import all_reduce_sum, all_reduce_sum_tensor
+
+    values = [torch.tensor(1.5), 2, torch.tensor(3.25, dtype=torch.bfloat16), 4.0, True]
+    summed = all_reduce_sum_tensor(values)
+    assert summed.dtype == torch.float64 and summed.shape == (5,)
+    assert all_reduce_sum(values) == [1.5, 2.0, 3.25, 4.0, 1.0]
+    assert all_reduce_sum([]) == []
