@@ -297,3 +297,17 @@ def test_the_step_figures_go_over_in_one_tensor_and_come_back_as_numbers():
     assert summed.dtype == torch.float64 and summed.shape == (5,)
     assert all_reduce_sum(values) == [1.5, 2.0, 3.25, 4.0, 1.0]
     assert all_reduce_sum([]) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's behaviour")
+def test_gpu_tests_fail_instead_of_skipping_where_a_gpu_is_required():
+    """`pytest -m gpu` on a machine whose torch cannot use CUDA: without REQUIRE_GPU every gpu test
+    skips and pytest passes; with REQUIRE_GPU=1 (benchmarks/gpu_check.sh) it stops with the reason."""
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_loss.py"]
+    skipped = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "REQUIRE_GPU": "0"})
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout, skipped.stdout[-2000:]
+    required = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "REQUIRE_GPU": "1"})
+    assert required.returncode != 0, required.stdout[-2000:]
+    assert "REQUIRE_GPU=1 but CUDA is not usable: this torch is a CPU build" in required.stdout + required.stderr
