@@ -193,6 +193,32 @@ def test_flex_attention_on_cuda(arch):
     assert_each_document_as_if_alone(model, inputs)
 
 
+@pytest.mark.gpu
+def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
+    """The trainer sets TF32 before anything compiles (`launch.metrics.set_fp32_matmul`); dynamo
+    and inductor read the legacy flag, which raised after a setting through the new API alone.
+    After it: compiled FlexAttention (the document mask's kernel) and compiled blocks
+    (`compile: true`) run forward and backward, in bf16 as the GPU configs train."""
+    from launch.metrics import set_fp32_matmul
+    from launch.train import compile_model
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        assert set_fp32_matmul(True) == (torch.cuda.get_device_capability() >= (8, 0))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(tiny("gpt")).cuda().to(torch.bfloat16).eval()
+        inputs = {key: value.cuda() for key, value in batch().items()}
+        model(**inputs).logits.float().square().mean().backward()
+        assert model.attention_kernel == "flex_attention (document mask)"
+        compile_model(model)
+        model.train()
+        model(**{k: v for k, v in inputs.items() if k != "document_ids"}).logits.float().square().mean().backward()
+        torch.cuda.synchronize()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 # --- the data: doc_starts in the shards -> document_ids in the batch ---------------------------
 
 
