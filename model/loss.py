@@ -48,6 +48,7 @@ module (and `lm_head.weight` its key) so that ZeRO-3 gathers its weight around t
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -174,53 +175,62 @@ class _Gemms:
             torch.addmm(c, a.to(self.acc), b.to(self.acc), out=c)
 
 
-def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float) -> Tensor:
-    """Summed loss of the kept rows of float log-probabilities (c, V)."""
+def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, vocab: int) -> Tensor:
+    """Summed loss of the kept rows of float log-probabilities (c, V'), of which the first `vocab`
+    columns are the vocabulary (the rest padding, `PAD_VOCAB_MULTIPLE`)."""
     nll = -logp.gather(1, targets[:, None]).squeeze(1)  # (c,)
     if label_smoothing:
         # The target distribution (1 - e) one-hot + e / V, as in F.cross_entropy.
-        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(dim=-1)
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp[:, :vocab].mean(dim=-1)
     return (nll * keep).sum()
 
 
 def _loss_and_logit_grad(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, scale: float,
-                         out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """One chunk's summed loss over its kept rows, and the gradient of its logits (c, V) times
-    `scale`, in `out_dtype`: softmax - (1 - e) one-hot - e / V per row, before the 1 / count.
-    Eager kernels, in place where they can be (the logits are the caller's last reference)."""
+                         out_dtype: torch.dtype, vocab: int) -> tuple[Tensor, Tensor]:
+    """One chunk's summed loss over its kept rows, and the gradient of its logits (c, V') times
+    `scale`, in `out_dtype`: softmax - (1 - e) one-hot - e / V per row, before the 1 / count;
+    columns from `vocab` on are padding, of probability and gradient 0. Eager kernels, in place
+    where they can be (the logits are the caller's last reference)."""
+    padded = logits.shape[-1] > vocab
+    if padded:
+        logits[:, vocab:] = -math.inf
     grad = torch.log_softmax(logits, dim=-1)
     del logits
-    total = _chunk_loss(grad, targets, keep, label_smoothing)
-    vocab = grad.shape[-1]
+    total = _chunk_loss(grad, targets, keep, label_smoothing, vocab)
     grad.exp_()
     grad[torch.arange(len(targets), device=grad.device), targets] -= 1.0 - label_smoothing
     if out_dtype == grad.dtype and scale == 1.0:
         if label_smoothing:
-            grad -= label_smoothing / vocab
+            grad[:, :vocab] -= label_smoothing / vocab
         return total, grad
     g = torch.empty_like(grad, dtype=out_dtype)  # scaled, smoothed and rounded in one pass
     if label_smoothing:
         torch.add(grad.new_full((), -label_smoothing / vocab * scale), grad, alpha=scale, out=g)
+        if padded:
+            g[:, vocab:] = 0
     else:
         torch.mul(grad, scale, out=g)
     return total, g
 
 
 def _loss_and_logit_grad_fusable(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float,
-                                 scale: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                                 scale: float, out_dtype: torch.dtype, vocab: int) -> tuple[Tensor, Tensor]:
     """`_loss_and_logit_grad` written for inductor, which fuses it into a reduction over each row
     (max and sum of exponentials) and one element-wise pass that writes the 16-bit gradient:
     the float32 logits are read about three times and nothing of their size is written, where
     the eager kernels write and read a log-softmax and its exponential in float32 as well."""
-    vocab = logits.shape[-1]
+    column = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    real = column < vocab
+    logits = torch.where(real, logits, -math.inf)
     peak = logits.amax(dim=-1, keepdim=True)
     lse = peak + torch.log(torch.exp(logits - peak).sum(dim=-1, keepdim=True))  # (c, 1)
     nll = (lse - logits.gather(1, targets[:, None])).squeeze(1)  # (c,)
     if label_smoothing:
-        nll = (1.0 - label_smoothing) * nll - label_smoothing * (logits.mean(dim=-1) - lse.squeeze(1))
+        mean = torch.where(real, logits, 0.0).sum(dim=-1) / vocab
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * (mean - lse.squeeze(1))
     total = (nll * keep).sum()
-    one_hot = torch.arange(vocab, device=logits.device)[None, :] == targets[:, None]
-    grad = torch.exp(logits - lse) - (1.0 - label_smoothing) * one_hot - label_smoothing / vocab
+    smooth = torch.where(real, label_smoothing / vocab, 0.0)
+    grad = torch.exp(logits - lse) - (1.0 - label_smoothing) * (column == targets[:, None]) - smooth
     return total, (grad * scale).to(out_dtype)
 
 
@@ -230,6 +240,18 @@ def _loss_and_logit_grad_fusable(logits: Tensor, targets: Tensor, keep: Tensor, 
 # seconds per process, more than the passes cost at the sizes a CPU trains.
 FUSED_CHUNK_DEVICES = ("cuda",)
 _FUSED: dict = {}  # "fn": the compiled function; "failed": why it could not be used
+# With the compiled chunk, the projection's weight is padded with zero rows to a multiple of this
+# (GPT-2's 50,257 -> 50,304) and the padding's logits masked to -inf: cuBLAS's fast 16-bit GEMMs
+# want every leading dimension a multiple of 8 elements, and the (rows, V) logits and their
+# gradient have V as theirs. The model's vocabulary and its state dict are unchanged.
+PAD_VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int, device: torch.device) -> int:
+    """The width of the logits chunks on `device`: `vocab`, or padded where the compiled chunk runs."""
+    if not PAD_VOCAB_MULTIPLE or _chunk_function(device) is _loss_and_logit_grad:
+        return vocab
+    return -(-vocab // PAD_VOCAB_MULTIPLE) * PAD_VOCAB_MULTIPLE
 
 
 def _chunk_function(device: torch.device):
@@ -262,9 +284,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float, rows: int) -> Tensor:
         # h (N, C), weight (V, C), bias (V,) or None, targets (N,) with IGNORE_INDEX ignored.
+        vocab = weight.shape[0]
+        width = padded_vocab(vocab, h.device)
+        if width > vocab:  # zero rows: the padding's logits are masked, its gradient rows dropped
+            weight = F.pad(weight, (0, 0, 0, width - vocab))
+            bias = None if bias is None else F.pad(bias, (0, width - vocab))
         gemms = _Gemms(h, weight, bias)
         acc = gemms.acc
-        vocab = weight.shape[0]
         valid = targets != IGNORE_INDEX  # (N,)
         count = valid.sum().clamp(min=1)
         safe = targets.clamp(min=0)
@@ -275,14 +301,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(vocab, dtype=acc, device=weight.device) if bias is not None and need_b else None
+        grad_b = torch.zeros(width, dtype=acc, device=weight.device) if bias is not None and need_b else None
         total = h.new_zeros((), dtype=acc)
         for start in range(0, h.shape[0], rows):
             stop = start + rows
             hc, tc, kc = h[start:stop], safe[start:stop], valid[start:stop]
             # d loss / d logits = softmax - (1 - e) one-hot - e / V for each kept row (/ count in
             # backward), in the input dtype for 16-bit inputs; the float32 logits are gone after.
-            chunk_loss, g = _run_chunk(gemms.logits(hc), tc, kc, label_smoothing, scale, h.dtype if low else acc)
+            chunk_loss, g = _run_chunk(gemms.logits(hc), tc, kc, label_smoothing, scale, h.dtype if low else acc,
+                                       vocab)
             total += chunk_loss
             if grad_h is not None:
                 gemms.mm(g, gemms.weight, out=grad_h[start:stop])  # (c, C)
@@ -291,6 +318,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 gemms.addmm_(grad_b[None], kc[None].to(g.dtype), g)  # (1, V)
             del g
+        if width > vocab:
+            grad_w = None if grad_w is None else grad_w[:vocab]
+            grad_b = None if grad_b is None else grad_b[:vocab]
         inv = 1.0 / (count.to(acc) * scale)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(grad_h, grad_w, grad_b, valid.to(acc)[:, None] * inv, inv)
@@ -338,7 +368,8 @@ def linear_cross_entropy(
     total = h.new_zeros((), dtype=gemms.acc)
     for start in range(0, h.shape[0], rows):
         logp = gemms.log_probs(h[start : start + rows])
-        total += _chunk_loss(logp, safe[start : start + rows], valid[start : start + rows], label_smoothing)
+        total += _chunk_loss(logp, safe[start : start + rows], valid[start : start + rows], label_smoothing,
+                             weight.shape[0])
     return total / valid.sum().clamp(min=1)
 
 

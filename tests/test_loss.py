@@ -232,35 +232,52 @@ def test_cuda_gpt2_shape_16bit_gradients_match_float32(dtype, monkeypatch):
 # --- the fused chunk (compiled on CUDA): the same loss and gradients -----------------------------
 
 
+@pytest.mark.parametrize("padding", [0, 24])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("out_dtype, scale", [(torch.float32, 1.0), (torch.bfloat16, 1.0),
                                               (torch.float16, loss_module.FP16_GRAD_SCALE)])
-def test_the_fusable_chunk_computes_what_the_eager_one_does(out_dtype, scale, smoothing):
+def test_the_fusable_chunk_computes_what_the_eager_one_does(out_dtype, scale, smoothing, padding):
     """`_loss_and_logit_grad_fusable` (what inductor compiles on CUDA) run eagerly against the
-    eager kernels: the chunk's loss to float32 rounding, the logit gradient to one rounding of
-    `out_dtype` (both round the same float32 numbers, computed in another order)."""
+    eager kernels on the unpadded logits: the chunk's loss to float32 rounding, the logit
+    gradient to one rounding of `out_dtype`; with padding columns (garbage logits, as the zero
+    rows of a padded weight would not give, to show they are masked) of gradient 0."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(300, 1000, generator=g) * 3
-    targets = torch.randint(0, 1000, (300,), generator=g)
+    vocab = 1000
+    logits = torch.randn(300, vocab + padding, generator=g) * 3
+    targets = torch.randint(0, vocab, (300,), generator=g)
     keep = torch.rand(300, generator=g) > 0.2
-    want_loss, want = loss_module._loss_and_logit_grad(logits.clone(), targets, keep, smoothing, scale, out_dtype)
-    got_loss, got = loss_module._loss_and_logit_grad_fusable(logits, targets, keep, smoothing, scale, out_dtype)
-    assert got.dtype == want.dtype == out_dtype
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
-    u = torch.finfo(out_dtype).eps
-    torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=u, atol=1e-6)
+    want_loss, want = loss_module._loss_and_logit_grad(logits[:, :vocab].clone(), targets, keep, smoothing, scale,
+                                                       out_dtype, vocab)
+    for fn in (loss_module._loss_and_logit_grad_fusable, loss_module._loss_and_logit_grad):
+        got_loss, got = fn(logits.clone(), targets, keep, smoothing, scale, out_dtype, vocab)
+        assert got.dtype == want.dtype == out_dtype and got.shape == (300, vocab + padding)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+        u = torch.finfo(out_dtype).eps
+        torch.testing.assert_close(got[:, :vocab].float() / scale, want.float() / scale, rtol=u, atol=1e-6)
+        assert not got[:, vocab:].any()
+
+
+def test_the_padded_vocabulary_is_a_multiple_where_the_compiled_chunk_runs(monkeypatch):
+    monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cuda",))
+    monkeypatch.setattr(loss_module, "_FUSED", {})
+    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257  # eager kernels: no padding
+    monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cpu", "cuda"))
+    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50304
+    assert loss_module.padded_vocab(8000, torch.device("cpu")) == 8064
+    monkeypatch.setattr(loss_module, "PAD_VOCAB_MULTIPLE", 0)
+    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_compiled_chunk_keeps_loss_and_gradients(dtype, monkeypatch):
     """The loss with its chunks compiled by inductor (as on CUDA; here on the CPU, by letting the
-    CPU take that path): the same checks as the eager path's, float32 to float32 tolerances, 16-bit
-    gradients with a loss scale as close to float32 as `assert_16bit_close` asks, a partial last
-    chunk included (a second compiled shape)."""
+    CPU take that path) over a padded vocabulary (500 -> 512): the same checks as the eager
+    path's, float32 to float32 tolerances, 16-bit gradients with a loss scale as close to float32
+    as `assert_16bit_close` asks, a partial last chunk included (a second compiled shape)."""
     monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(loss_module, "_FUSED", {})
-    h, w, b, t = make(2500, 64, 512, dtype, bias=True)
+    h, w, b, t = make(2500, 64, 500, dtype, bias=True)  # 500: padded to 512
     loss, grads = loss_and_grads(fused, h, w, b, t, 0.1, scale=LOSS_SCALE, chunk_rows=1000)
     assert "fn" in loss_module._FUSED and "failed" not in loss_module._FUSED, loss_module._FUSED
     want_loss, want = loss_and_grads(reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE)
