@@ -19,7 +19,13 @@ GPU_ENV = dict(os.environ)
 HAS_CUDA = torch.cuda.is_available()
 if HAS_CUDA:
     torch.cuda.init()
+    # Counted now, while the GPUs are visible: torch caches the count once CUDA is initialised,
+    # and counts again from CUDA_VISIBLE_DEVICES before (0 after the line below: every
+    # get_device_properties, and inductor's device checks, would then fail "Invalid device id").
+    assert torch.cuda.device_count() > 0
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Inductor compiles in this process, not in workers started with the GPUs hidden.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
