@@ -214,7 +214,8 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
 # ---------------------------------------------------------------- the LM loss alone
 
 
-def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, reps: int) -> dict:
+def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, reps: int, variants: bool = False,
+              profile: bool = False) -> dict:
     """Forward + backward of the LM loss over (rows, d_model) hidden states, both ways: the
     fused `linear_cross_entropy` and F.linear + `cross_entropy` on materialised logits.
     Milliseconds (median of `reps`) and, on a GPU, the loss's own peak memory."""
@@ -228,28 +229,57 @@ def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, 
     weight = (torch.randn(vocab, d_model, generator=generator, device=device) * 0.02).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), generator=generator, device=device)
     targets[seq_len - 1::seq_len] = IGNORE_INDEX  # as the causal LM's labels: the last position of a block predicts nothing
+    import model.loss as loss_module
+
     ways = {
-        "fused": lambda: linear_cross_entropy(h, weight, None, targets),
-        "materialised": lambda: cross_entropy(F.linear(h, weight), targets),
+        "fused": (lambda: linear_cross_entropy(h, weight, None, targets), {}),
+        "materialised": (lambda: cross_entropy(F.linear(h, weight), targets), {}),
     }
+    if variants:  # the fused loss's choices, one at a time (model.loss's module settings)
+        ways["fused_unpadded"] = (ways["fused"][0], {"PAD_VOCAB_MULTIPLE": 0})
+        ways["fused_eager_chunk"] = (ways["fused"][0], {"FUSED_CHUNK_DEVICES": ()})
     cuda = device.type == "cuda"
     out = {}
-    for name, loss_fn in ways.items():
-        times = []
-        for rep in range(reps + 1):
-            h.grad = weight.grad = None
-            with PeakMemory(cuda) as memory:
-                start = time.perf_counter()
-                loss_fn().backward()
-                if cuda:
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-            if rep:  # the first warms up: kernels, the allocator, the GEMM dtype probe
-                times.append(elapsed)
-        out[f"{name}_ms"] = 1e3 * statistics.median(times)
-        out[f"{name}_peak_bytes"] = memory.peak if cuda else None
+    for name, (loss_fn, settings) in ways.items():
+        saved = {key: getattr(loss_module, key) for key in settings}
+        for key, value in settings.items():
+            setattr(loss_module, key, value)
+        try:
+            times = []
+            for rep in range(reps + 1):
+                h.grad = weight.grad = None
+                with PeakMemory(cuda) as memory:
+                    start = time.perf_counter()
+                    loss_fn().backward()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+                if rep:  # the first warms up: kernels, the allocator, the GEMM dtype probe, compiling
+                    times.append(elapsed)
+            out[f"{name}_ms"] = 1e3 * statistics.median(times)
+            out[f"{name}_peak_bytes"] = memory.peak if cuda else None
+            if profile and name == "fused":
+                print_profile(loss_fn, h, weight, cuda)
+        finally:
+            for key, value in saved.items():
+                setattr(loss_module, key, value)
     h.grad = weight.grad = None
     return out
+
+
+def print_profile(loss_fn, h, weight, cuda: bool) -> None:
+    """torch.profiler's table of one forward + backward of the loss: where its time goes, by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    h.grad = weight.grad = None
+    with profile(activities=activities) as prof:
+        loss_fn().backward()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70), flush=True)
 
 
 # ---------------------------------------------------------------- the driver
@@ -322,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--loss-reps", type=int, help="timed repetitions of the loss alone (default: 5; 2 with --tiny)")
     parser.add_argument("--compile", action="store_true", help="torch.compile (inductor) the model, as compile: true")
+    parser.add_argument("--loss-variants", action="store_true",
+                        help="also time the fused loss unpadded and with its eager chunk kernels")
+    parser.add_argument("--profile-loss", action="store_true",
+                        help="print torch.profiler's kernel table of the fused loss at the first vocabulary")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
 
@@ -365,10 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         batches = make_batches(cfg, BATCHES)
         rows = cfg.data.micro_batch_size * cfg.model.max_seq_len
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
-        loss = time_loss(vocab, rows, cfg.model.max_seq_len, cfg.model.d_model, dtype, device, args.loss_reps)
+        loss = time_loss(vocab, rows, cfg.model.max_seq_len, cfg.model.d_model, dtype, device, args.loss_reps,
+                         args.loss_variants, args.profile_loss and vocab == vocabs[0])
         print(f"V={vocab:,}: LM loss alone, forward + backward over {rows:,} rows: fused {loss['fused_ms']:.2f} ms "
               f"(peak {gib(loss['fused_peak_bytes'])}), materialised logits {loss['materialised_ms']:.2f} ms "
               f"(peak {gib(loss['materialised_peak_bytes'])})", flush=True)
+        if args.loss_variants:
+            print(f"V={vocab:,}: fused loss variants: as run {loss['fused_ms']:.2f} ms (compiled chunk, vocabulary "
+                  f"padded to a multiple of {__import__('model.loss').loss.PAD_VOCAB_MULTIPLE} where compiled), "
+                  f"unpadded {loss['fused_unpadded_ms']:.2f} ms, eager chunk {loss['fused_eager_chunk_ms']:.2f} ms",
+                  flush=True)
         for stage in stages:
             started = time.time()
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's own prints: stdout holds the figures
