@@ -17,7 +17,8 @@ Sequence Packing without Cross-contamination"). On the CPU the mask is a dense (
 SDPA mask. On CUDA it is a FlexAttention `BlockMask` (Dong et al. 2024, "Flex Attention"),
 whose kernel skips the blocks of the score matrix that lie wholly outside every document rather
 than computing and masking them; SDPA with the dense mask stands in where FlexAttention cannot
-run (no Triton, or attention dropout in this forward, which FlexAttention does not do).
+run (no Triton, attention dropout in this forward, which FlexAttention does not do, or heads
+narrower than its compiled CUDA kernel takes, FLEX_MIN_HEAD_DIM).
 `Transformer.attention_kernel` names what the last forward ran.
 
 References: Vaswani et al. 2017, "Attention Is All You Need" (post-LN, sinusoidal positions);
@@ -176,6 +177,9 @@ def flex_attention_available() -> bool:
 
 
 _compiled_flex_attention = None
+# Inductor's FlexAttention kernel refuses heads narrower than this ("embedding dimension of the
+# query, key, and value must be at least 16"; seen on an H100, torch 2.11).
+FLEX_MIN_HEAD_DIM = 16
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
@@ -558,8 +562,12 @@ class Transformer(nn.Module):
     def _document_kernel(self, device: torch.device) -> str:
         if self.document_attention not in ("auto", "sdpa", "flex_attention"):
             raise ValueError(f"document_attention={self.document_attention!r}: expected auto, sdpa or flex_attention")
+        head_dim = self.cfg.d_model // self.cfg.n_heads
+        if self.document_attention == "flex_attention" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / n_heads); "
+                             f"FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}")
         if self.document_attention != "auto":
             return self.document_attention
         dropout_active = self.training and self.cfg.dropout > 0
-        return "flex_attention" if device.type == "cuda" and not dropout_active and flex_attention_available() \
-            else "sdpa"
+        fits = head_dim >= FLEX_MIN_HEAD_DIM and flex_attention_available()
+        return "flex_attention" if device.type == "cuda" and not dropout_active and fits else "sdpa"

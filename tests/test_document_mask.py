@@ -161,9 +161,14 @@ def test_auto_kernel_is_sdpa_on_cpu_and_with_attention_dropout():
     model.train()
     assert model._document_kernel(torch.device("cuda")) == "sdpa"  # FlexAttention has no dropout
     model.eval()
-    from model.blocks import flex_attention_available
-    expected = "flex_attention" if flex_attention_available() else "sdpa"
-    assert model._document_kernel(torch.device("cuda")) == expected
+    from model.blocks import FLEX_MIN_HEAD_DIM, flex_attention_available
+    assert tiny("gpt").d_model // tiny("gpt").n_heads < FLEX_MIN_HEAD_DIM
+    assert model._document_kernel(torch.device("cuda")) == "sdpa"  # heads too narrow for FlexAttention's kernel
+    wide = GPT(tiny("gpt", n_heads=2)).eval()  # 16 dimensions a head
+    assert wide._document_kernel(torch.device("cuda")) == ("flex_attention" if flex_attention_available() else "sdpa")
+    model.document_attention = "flex_attention"
+    with pytest.raises(ValueError, match="heads of 8 dimensions"):
+        model._document_kernel(torch.device("cuda"))
 
 
 @pytest.mark.gpu
@@ -172,7 +177,7 @@ def test_flex_attention_on_cuda(arch):
     """On CUDA the automatic kernel is compiled FlexAttention: each document as if alone, and the
     logits and gradients of SDPA with the dense mask."""
     torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else BERT)(tiny(arch)).cuda()
+    model = (GPT if arch == "gpt" else BERT)(tiny(arch, n_heads=2)).cuda()  # 16 dimensions a head, its kernel's least
     inputs = {key: value.cuda() for key, value in batch().items()}
     results = {}
     for kernel in ("auto", "sdpa"):
@@ -207,7 +212,7 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
         assert set_fp32_matmul(True) == (torch.cuda.get_device_capability() >= (8, 0))
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = GPT(tiny("gpt")).cuda().to(torch.bfloat16).eval()
+        model = GPT(tiny("gpt", n_heads=2)).cuda().to(torch.bfloat16).eval()
         inputs = {key: value.cuda() for key, value in batch().items()}
         model(**inputs).logits.float().square().mean().backward()
         assert model.attention_kernel == "flex_attention (document mask)"
