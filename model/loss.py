@@ -240,7 +240,7 @@ def _loss_and_logit_grad_fusable(logits: Tensor, targets: Tensor, keep: Tensor, 
 # seconds per process, more than the passes cost at the sizes a CPU trains.
 FUSED_CHUNK_DEVICES = ("cuda",)
 _FUSED: dict = {}  # "fn": the compiled function; "failed": why it could not be used
-# With the compiled chunk, the projection's weight is padded with zero rows to a multiple of this
+# There, the projection's weight is padded with zero rows to a multiple of this
 # (GPT-2's 50,257 -> 50,304) and the padding's logits masked to -inf: cuBLAS's fast 16-bit GEMMs
 # want every leading dimension a multiple of 8 elements, and the (rows, V) logits and their
 # gradient have V as theirs. The model's vocabulary and its state dict are unchanged.
@@ -248,8 +248,9 @@ PAD_VOCAB_MULTIPLE = 128
 
 
 def padded_vocab(vocab: int, device: torch.device) -> int:
-    """The width of the logits chunks on `device`: `vocab`, or padded where the compiled chunk runs."""
-    if not PAD_VOCAB_MULTIPLE or _chunk_function(device) is _loss_and_logit_grad:
+    """The width of the logits chunks on `device`: padded where the compiled chunk is meant to run
+    (also when compiling failed there: the eager kernels mask the padding as well), else `vocab`."""
+    if not PAD_VOCAB_MULTIPLE or device.type not in FUSED_CHUNK_DEVICES:
         return vocab
     return -(-vocab // PAD_VOCAB_MULTIPLE) * PAD_VOCAB_MULTIPLE
 

@@ -257,10 +257,11 @@ def test_the_fusable_chunk_computes_what_the_eager_one_does(out_dtype, scale, sm
         assert not got[:, vocab:].any()
 
 
-def test_the_padded_vocabulary_is_a_multiple_where_the_compiled_chunk_runs(monkeypatch):
+def test_the_padded_vocabulary_is_a_multiple_where_the_compiled_chunk_is_meant_to_run(monkeypatch):
     monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cuda",))
     monkeypatch.setattr(loss_module, "_FUSED", {})
-    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257  # eager kernels: no padding
+    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257  # a CPU's eager kernels: no padding
+    assert loss_module.padded_vocab(50257, torch.device("cuda")) == 50304
     monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cpu", "cuda"))
     assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50304
     assert loss_module.padded_vocab(8000, torch.device("cpu")) == 8064
@@ -287,3 +288,15 @@ def test_the_compiled_chunk_keeps_loss_and_gradients(dtype, monkeypatch):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         else:
             assert_16bit_close(got, ref, dtype, name)
+
+
+def test_the_eager_fallback_masks_the_padding_too(monkeypatch):
+    """Where compiling the chunk failed, the eager kernels run over the padded projection: the
+    same loss and gradients as the unpadded eager path, in float64 to its tolerances."""
+    monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cpu",))
+    monkeypatch.setattr(loss_module, "_FUSED", {"failed": "as if inductor could not compile here"})
+    h, w, b, t = make(300, 16, 40, torch.float64, bias=True)
+    assert loss_module.padded_vocab(40, torch.device("cpu")) == 128
+    got = loss_and_grads(fused, h, w, b, t, 0.1, scale=2.5, chunk_rows=64)
+    want = loss_and_grads(reference, h, w, b, t, 0.1, scale=2.5)
+    torch.testing.assert_close(got, want)
