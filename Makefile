@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup main test slurm-cluster manpages clean-venv
+.PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,44 @@ manpages:
 
 test: setup slurm-cluster
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ---- The offline GPU check's bundle (docs/gpu.md): run where PyPI is reachable, then copy the
+# repository and $(GPU_BUNDLE) to the GPU node and run `bash benchmarks/gpu_check.sh` there.
+# gpu-wheelhouse: wheels, for the node's Python on manylinux x86_64, of the closure of this
+#   project's runtime dependencies (and pytest) at the versions in .venv, less torch and its CUDA
+#   stack (the node's own torch is used), less ray (the data is prepared here), less
+#   GPU_WHEELHOUSE_SKIP: large packages a GPU node's Python has anyway (numpy, matplotlib, sacrebleu)
+#   and wandb (22 MiB more with what it brings: the check trains with wandb.mode=disabled without it,
+#   and a run that asks for wandb.mode=offline fails; drop it from the list to bundle it).
+#   Sdist-only packages are built into wheels here (deepspeed with DS_BUILD_OPS=0: no ops
+#   prebuilt, they JIT on first use).
+# gpu-data: a dataset for configs/gpt2_small.yaml (seq_len 1024, causal_lm, 8,000 pieces) prepared
+#   with Ray here from this Python's standard library sources (GPU_DATA_CHARS characters of them),
+#   and tiny_dataset, the test suite's (tests/conftest.py), for the gpu tests that train (TINY_DATASET).
+GPU_BUNDLE ?= build/gpu-bundle
+NODE_PYTHON_VERSION ?= 3.12
+NODE_GLIBC ?= 2.28
+GPU_WHEELHOUSE_SKIP ?= numpy matplotlib sacrebleu wandb
+GPU_DATA_CHARS ?= 6000000
+
+gpu-bundle: gpu-wheelhouse gpu-data
+	@du -sh $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/data $(GPU_BUNDLE)/tiny_dataset; du -sh $(GPU_BUNDLE)
+
+gpu-wheelhouse: setup
+	rm -rf $(GPU_BUNDLE)/wheels.partial
+	$(PY) benchmarks/gpu_bundle.py wheelhouse $(NODE_PYTHON_VERSION) $(NODE_GLIBC) "$(GPU_WHEELHOUSE_SKIP)" $(GPU_BUNDLE)/wheels.partial
+	rm -rf $(GPU_BUNDLE)/wheels && mv $(GPU_BUNDLE)/wheels.partial $(GPU_BUNDLE)/wheels
+
+gpu-data: setup
+	mkdir -p build/gpu-corpus
+	$(PY) benchmarks/gpu_bundle.py corpus $(GPU_DATA_CHARS) build/gpu-corpus/stdlib.txt
+	$(PY) -m pipeline.prepare configs/prepare_gettext_en_de.yaml output_dir=$(GPU_BUNDLE)/data overwrite=true \
+		"tasks=[causal_lm]" seq_len=1024 source.format=text "source.paths=[$(CURDIR)/build/gpu-corpus/stdlib.txt]" \
+		source.text_split=paragraph tokenizer.vocab_size=8000 split.valid=0.01 split.test=0.01 \
+		shard.max_samples=512 shard.buckets=4 ray.num_workers=2 progress=false
+	rm -rf $(GPU_BUNDLE)/tiny_dataset
+	$(PY) tests/conftest.py $(GPU_BUNDLE)/tiny_dataset
+	@du -sh $(GPU_BUNDLE)/data $(GPU_BUNDLE)/tiny_dataset
 
 clean-venv:
 	rm -rf $(VENV)

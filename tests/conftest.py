@@ -1,5 +1,6 @@
 """Shared test data: a tiny synthetic English->German corpus made in the test, and a prepared dataset of it."""
 
+import importlib.util
 import os
 import random
 import subprocess
@@ -124,6 +125,8 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
         given = Path(os.environ["TINY_DATASET"])
         assert (given / "manifest.json").is_file(), f"TINY_DATASET={given}: no prepared dataset there"
         return given
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("the tiny dataset is prepared with Ray, which is not installed here (or set TINY_DATASET)")
     return prepare_tiny_dataset(tiny_corpus, tmp_path_factory.mktemp("prepared") / "data")
 
 
