@@ -209,11 +209,10 @@ def stage_probes():
 
     def deepspeed_accelerator():
         started = time.time()
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
+        from launch.engine import deepspeed_accelerator
 
-        name = get_accelerator()._name
-        print(f"deepspeed {deepspeed.__version__}: accelerator {name!r} ({time.time() - started:.0f} s to import)")
+        version, name = deepspeed_accelerator()
+        print(f"deepspeed {version}: accelerator {name!r} ({time.time() - started:.0f} s to import)")
         if name != "cuda":
             problems.append(f"deepspeed's accelerator is {name!r}, not 'cuda'")
 

@@ -627,6 +627,15 @@ def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload
             "largest_layer_parameters": largest_layer, "estimator": estimator}
 
 
+def deepspeed_accelerator() -> tuple[str, str]:
+    """(DeepSpeed's version, the accelerator it detected: 'cuda' where it will train on the GPU).
+    For the GPU check's probes (benchmarks/gpu_check.py), which import DeepSpeed only through here."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    return deepspeed.__version__, get_accelerator().device_name()
+
+
 def zero3_leaf_modules(modules: list[torch.nn.Module]) -> None:
     """Make each of `modules` a ZeRO-3 leaf (DeepSpeed's `set_z3_leaf_module`), before the
     engine is built: ZeRO-3 then gathers all of its parameters around its own forward and puts
