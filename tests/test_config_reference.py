@@ -12,7 +12,7 @@ from launch.config import MainConfig, TrainConfig
 import launch.config_reference
 from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_span, main, reference
 from pipeline.config import PrepareConfig
-from pipeline.configure import load_config
+from pipeline.configure import config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "configuration.md"
@@ -110,9 +110,13 @@ def _yaml_keys(node, prefix: str = "") -> list[str]:
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_its_keys_are_documented(path):
     entry, schema = _schema(path)
-    assert isinstance(load_config(schema, path), schema)
+    given = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    # Loading keeps every value the file gives, as the file gives it: none dropped, renamed,
+    # or turned into another value on the way (a quoted "1024" for an int key becomes 1024).
+    loaded = config_to_dict(load_config(schema, path))
+    assert _holds(loaded, given), [key for key in _yaml_keys(given) if not _holds(_at(loaded, key), _at(given, key))]
     part = section(reference(), entry)
-    keys = _yaml_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    keys = _yaml_keys(given)
     assert keys and all(_documented(key, part) for key in keys), [key for key in keys if not _documented(key, part)]
 
 
@@ -122,3 +126,20 @@ def _documented(key: str, part: str) -> bool:
     return f"| `{key}` |" in part or any(
         f"| `{'.'.join(parts[:n])}` | Dict[" in part for n in range(1, len(parts)))
 
+
+def _at(node, key: str):
+    for name in key.split("."):
+        node = node.get(name) if isinstance(node, dict) else None
+    return node
+
+
+def _holds(loaded, given) -> bool:
+    """Whether the loaded config (a plain dict) has every value of the YAML's `given` (a subset)."""
+    if isinstance(given, dict):
+        return isinstance(loaded, dict) and all(k in loaded and _holds(loaded[k], v) for k, v in given.items())
+    if isinstance(given, list):
+        return isinstance(loaded, list) and len(loaded) == len(given) and all(map(_holds, loaded, given))
+    if isinstance(given, str) and "${" in given:  # an interpolation: resolved when loaded
+        return isinstance(loaded, str) and "${" not in loaded and loaded != given
+    return type(loaded) is type(given) and loaded == given or (
+        isinstance(loaded, float) and type(given) is int and loaded == given)
