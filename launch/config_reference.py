@@ -1,14 +1,15 @@
-"""The README's configuration reference, generated from the config dataclasses themselves.
+"""The configuration reference (docs/configuration.md), generated from the config dataclasses themselves.
 
 One table per entry point lists every leaf key of its schema (nested dataclasses as dotted keys),
 its type, its default and its description: the comment written with the field, either `#` lines
 directly above it or a trailing `# ...` (read by `pipeline.configure.field_comments`, which every
-entry point's `--help` uses too). The README keeps the generated text between two markers;
-`tests/test_config_reference.py` fails when it goes stale.
+entry point's `--help` uses too). docs/configuration.md keeps the generated text between two
+markers; `tests/test_config_reference.py` fails when it goes stale.
 
-    python -m launch.config_reference                    # print the reference
-    python -m launch.config_reference --write README.md  # replace the README's block
-    python -m launch.config_reference --check README.md  # exit 1 naming the first stale key
+    python -m launch.config_reference                  # print the reference
+    python -m launch.config_reference --write          # replace docs/configuration.md's block
+    python -m launch.config_reference --check          # exit 1 naming the first stale key
+    python -m launch.config_reference --check FILE.md  # the same for another file with the markers
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from pipeline.validate import ValidateConfig
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
+# The file --write and --check work on when given no path: the repository's, wherever the
+# command runs from.
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 # (entry point, its schema, whether the CONFIG.yaml is optional), in the order a run uses them.
 SCHEMAS = (
     ("pipeline.prepare", PrepareConfig, False),
@@ -76,7 +80,7 @@ def _rows(block: str) -> dict[tuple[str, str], str]:
 
 
 def first_difference(old: str, new: str) -> str | None:
-    """Where the README's block `old` first departs from the generated `new`; None if equal."""
+    """Where the file's block `old` first departs from the generated `new`; None if equal."""
     if old == new:
         return None
     old_rows, new_rows = _rows(old), _rows(new)
@@ -105,8 +109,10 @@ def block_span(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.config_reference", description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", metavar="README", help="exit 1 if README's block differs from the generated text")
-    mode.add_argument("--write", metavar="README", help="replace README's block with the generated text")
+    mode.add_argument("--check", metavar="FILE", nargs="?", const=DEFAULT_PATH,
+                      help="exit 1 if FILE's block differs from the generated text (default: docs/configuration.md)")
+    mode.add_argument("--write", metavar="FILE", nargs="?", const=DEFAULT_PATH,
+                      help="replace FILE's block with the generated text (default: docs/configuration.md)")
     args = parser.parse_args(argv)
     generated = reference()
     if not (args.check or args.write):
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if difference:
             print(f"error: {path}: config reference is stale ({difference}); "
-                  f"run python -m launch.config_reference --write {path}", file=sys.stderr)
+                  f"run python -m launch.config_reference --write{'' if path == DEFAULT_PATH else f' {path}'}",
+                  file=sys.stderr)
             return 1
         return 0
     if difference:

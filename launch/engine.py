@@ -294,7 +294,7 @@ class Engine:
                             f"{'1/2' if stage == 3 else '3'} does not load under ZeRO-{stage} (no {model_states})")
         try:
             # DeepSpeed unpickles its files in full here (weights_only=False): the run directory is
-            # trusted (README, "Checkpoints are trusted"); export and evaluation read without that.
+            # trusted (docs/design.md, "Checkpoints are trusted"); export and evaluation read without that.
             path, client_state = self._engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                                               load_lr_scheduler_states=True)
         except Exception as err:

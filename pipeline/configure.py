@@ -12,8 +12,8 @@ Every entry point has the same command-line grammar (`parse_cli`):
     python -m ENTRY [CONFIG.yaml] [key.sub=value ...]    the tools (evaluate, translate, export, ...)
 
 and `--help` prints the usage with every key of the schema, its default and its description:
-the comment written with the field (`field_comments`, which the README's configuration
-reference, `launch.config_reference`, is generated from too).
+the comment written with the field (`field_comments`, which the configuration reference,
+docs/configuration.md, is generated from too by `launch.config_reference`).
 
 This module also holds `UserError` and `run_main`, the one place where a bad input becomes
 a one-line message and a non-zero exit instead of a traceback. It lives in `pipeline/`

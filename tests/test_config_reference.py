@@ -1,4 +1,4 @@
-"""The README's configuration reference is generated from the schemas and kept in step with them."""
+"""The configuration reference (docs/configuration.md) is generated from the schemas and kept in step with them."""
 
 import dataclasses
 import subprocess
@@ -9,12 +9,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from launch.config import MainConfig, TrainConfig
-from launch.config_reference import BEGIN, END, SCHEMAS, block_span, main, reference
+import launch.config_reference
+from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_span, main, reference
 from pipeline.config import PrepareConfig
-from pipeline.configure import load_config
+from pipeline.configure import config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "configuration.md"
 
 
 def leaf_keys(cls: type, prefix: str = "") -> list[str]:
@@ -33,10 +34,23 @@ def section(text: str, entry: str) -> str:
     return text.split(f"### {entry}\n", 1)[1].split("\n### ", 1)[0]
 
 
-def test_readme_block_is_the_generated_reference():
-    text = README.read_text(encoding="utf-8")
+def test_docs_block_is_the_generated_reference():
+    assert DEFAULT_PATH == REFERENCE
+    text = REFERENCE.read_text(encoding="utf-8")
     start, end = block_span(text)
-    assert text[start:end] == reference(), "stale: run python -m launch.config_reference --write README.md"
+    assert text[start:end] == reference(), "stale: run python -m launch.config_reference --write"
+    assert main(["--check"]) == 0
+
+
+def test_write_and_check_without_a_path_take_docs_configuration_md(tmp_path, monkeypatch):
+    # The same file the repository's default names, moved aside so that the test writes a copy.
+    copy = tmp_path / "configuration.md"
+    copy.write_text(f"intro\n{BEGIN}\nold rows\n{END}\n", encoding="utf-8")
+    monkeypatch.setattr(launch.config_reference, "DEFAULT_PATH", copy)
+    assert main(["--check"]) == 1
+    assert main(["--write"]) == 0
+    assert copy.read_text(encoding="utf-8") == f"intro\n{BEGIN}\n{reference()}{END}\n"
+    assert main(["--check"]) == 0
 
 
 @pytest.mark.parametrize("entry, schema", [(entry, schema) for entry, schema, _ in SCHEMAS], ids=[entry for entry, *_ in SCHEMAS])
@@ -48,7 +62,7 @@ def test_every_leaf_key_is_in_the_reference(entry, schema):
 
 
 def test_check_fails_on_a_removed_row_and_passes_on_a_copy(tmp_path):
-    text = README.read_text(encoding="utf-8")
+    text = REFERENCE.read_text(encoding="utf-8")
     intact = tmp_path / "intact.md"
     intact.write_text(text, encoding="utf-8")
     assert main(["--check", str(intact)]) == 0
@@ -64,7 +78,7 @@ def test_check_fails_on_a_removed_row_and_passes_on_a_copy(tmp_path):
 
 def test_write_replaces_only_the_block(tmp_path):
     before, after = "# Title\n\nkept as is\r\n\n", "\ntrailing text, no newline"
-    path = tmp_path / "README.md"
+    path = tmp_path / "reference.md"
     path.write_bytes(f"{before}{BEGIN}\nold rows\n{END}{after}".encode())
     assert main(["--check", str(path)]) == 1
     assert main(["--write", str(path)]) == 0
@@ -73,7 +87,7 @@ def test_write_replaces_only_the_block(tmp_path):
 
 
 def test_check_without_markers_fails(tmp_path, capsys):
-    path = tmp_path / "README.md"
+    path = tmp_path / "reference.md"
     path.write_text("# no reference here\n")
     assert main(["--check", str(path)]) == 1
     assert "config-reference:begin" in capsys.readouterr().err
@@ -96,9 +110,13 @@ def _yaml_keys(node, prefix: str = "") -> list[str]:
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_its_keys_are_documented(path):
     entry, schema = _schema(path)
-    assert isinstance(load_config(schema, path), schema)
+    given = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    # Loading keeps every value the file gives, as the file gives it: none dropped, renamed,
+    # or turned into another value on the way (a quoted "1024" for an int key becomes 1024).
+    loaded = config_to_dict(load_config(schema, path))
+    assert _holds(loaded, given), [key for key in _yaml_keys(given) if not _holds(_at(loaded, key), _at(given, key))]
     part = section(reference(), entry)
-    keys = _yaml_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    keys = _yaml_keys(given)
     assert keys and all(_documented(key, part) for key in keys), [key for key in keys if not _documented(key, part)]
 
 
@@ -107,3 +125,21 @@ def _documented(key: str, part: str) -> bool:
     parts = key.split(".")
     return f"| `{key}` |" in part or any(
         f"| `{'.'.join(parts[:n])}` | Dict[" in part for n in range(1, len(parts)))
+
+
+def _at(node, key: str):
+    for name in key.split("."):
+        node = node.get(name) if isinstance(node, dict) else None
+    return node
+
+
+def _holds(loaded, given) -> bool:
+    """Whether the loaded config (a plain dict) has every value of the YAML's `given` (a subset)."""
+    if isinstance(given, dict):
+        return isinstance(loaded, dict) and all(k in loaded and _holds(loaded[k], v) for k, v in given.items())
+    if isinstance(given, list):
+        return isinstance(loaded, list) and len(loaded) == len(given) and all(map(_holds, loaded, given))
+    if isinstance(given, str) and "${" in given:  # an interpolation: resolved when loaded
+        return isinstance(loaded, str) and "${" not in loaded and loaded != given
+    return type(loaded) is type(given) and loaded == given or (
+        isinstance(loaded, float) and type(given) is int and loaded == given)

@@ -541,7 +541,7 @@ def test_gpu_benchmark_compiles_what_the_trainer_compiles():
 @pytest.mark.slow
 def test_gpu_benchmark_runs_on_the_gpu():
     """The benchmark at gpt2_small shapes on the GPU, one configuration, 2 steps: it measures
-    the GPU (figures for a quick look; the full run is in the README's GPU section)."""
+    the GPU (figures for a quick look; the full run is in docs/gpu.md, Figures)."""
     run = run_bench("--stages", "1", "--vocabs", "50257", "--steps", "2", "--loss-reps", "2", env=GPU_ENV)
     print(f"\n{run.stdout}")
     assert "device: cuda" in run.stdout and "gpt2_small shapes" in run.stdout
