@@ -64,9 +64,14 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
-    project: str = "pretrain-pipeline"  # W&B project
-    entity: str = ""  # W&B team or user; "" = your default entity
+    """Weights & Biases. A key set here wins over its environment variable, which wins over the
+    default (`launch.tracking.resolve_wandb`), so that `WANDB_MODE=online sbatch ...` works with
+    the shipped configs, which leave these unset."""
+
+    mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else offline
+    project: str = ""  # W&B project; "" = $WANDB_PROJECT, else pretrain-pipeline
+    entity: str = ""  # W&B team or user; "" = $WANDB_ENTITY, else your default entity
+    group: str = ""  # W&B run group (a main job's stages share one); "" = $WANDB_RUN_GROUP, else none
     name: str = ""  # W&B run name; "" = the name of run_dir
     tags: list = field(default_factory=list)  # W&B run tags
 
@@ -175,6 +180,17 @@ def check_config(cfg: TrainConfig) -> Task:
     return TASKS[cfg.task]
 
 
+def _wandb_check(wandb: WandbConfig) -> tuple[bool, str]:
+    """The W&B mode as the run would take it (the key, else WANDB_MODE): one W&B knows."""
+    from launch.tracking import resolve_wandb
+
+    try:
+        resolve_wandb(wandb)
+        return True, ""
+    except UserError as err:
+        return False, str(err)
+
+
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every cross-field problem the types cannot express, each message starting with its key;
     empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
@@ -194,13 +210,13 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.schedule.decay in DECAYS, f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}"),
         (cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
          "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)"),
-        (cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode: {cfg.wandb.mode!r} is not offline, online or disabled"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
         (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
         (cfg.guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
         (cfg.guard.spike_window >= 2, "guard.spike_window: must be at least 2"),
         (0 <= cfg.data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
     ]
+    checks.append(_wandb_check(cfg.wandb))
     if task is not None:  # the rules below depend on what the task is
         checks.append((cfg.model.arch == task.arch, f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}"))
         warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
@@ -235,7 +251,10 @@ class MainConfig:
     starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
     beam: int = 4  # beam size of the evaluation
     eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
-    wandb_mode: str = "offline"  # wandb.mode of every training run
+    # wandb.mode of every training run; "" = $WANDB_MODE, else offline. The runs of one main job
+    # share a W&B group: wandb_group, else $WANDB_RUN_GROUP, else the name of out_dir and a time.
+    wandb_mode: str = ""
+    wandb_group: str = ""
 
 
 @dataclass

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -126,6 +127,24 @@ def _say_pretraining_text(cfg: MainConfig) -> None:
     _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
 
 
+def _wandb_overrides(cfg: MainConfig) -> list[str]:
+    """The training runs' W&B keys: the job's group, and its mode only where set (an empty
+    override would read as null; unset, each run takes WANDB_MODE, else offline)."""
+    return [f"wandb.group={cfg.wandb_group}", *([f"wandb.mode={cfg.wandb_mode}"] if cfg.wandb_mode else [])]
+
+
+def wandb_group(cfg: MainConfig, out: Path) -> str:
+    """One W&B group for the job's runs: `wandb_group`, else $WANDB_RUN_GROUP, else the one this
+    out_dir was given when the job first ran there (OUT/wandb_group), else a new one, kept there so
+    that a re-run that skips finished stages adds its runs to the same group."""
+    if cfg.wandb_group or os.environ.get("WANDB_RUN_GROUP"):
+        return cfg.wandb_group or os.environ["WANDB_RUN_GROUP"]
+    kept = out / "wandb_group"
+    if not kept.is_file():
+        kept.write_text(f"{out.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}\n")
+    return kept.read_text().strip()
+
+
 def _pretrain_steps(cfg: MainConfig, name: str) -> int:
     return cfg.bert_pretrain_steps if name == "bert" and cfg.bert_pretrain_steps else cfg.pretrain_steps
 
@@ -138,7 +157,7 @@ def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Pat
     else:
         _run(f"pretrain {name}", _train_command(cfg.nproc, config, [
             f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={steps}",
-            f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}"]), logs / f"pretrain-{name}.log")
+            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg)]), logs / f"pretrain-{name}.log")
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
@@ -159,7 +178,7 @@ def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, o
     init = [f"init.{stack}={exports[side]}" for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"]
     _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, [
         f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-        f"deepspeed.zero_stage={cfg.zero_stage}", f"wandb.mode={cfg.wandb_mode}", *init]), logs / f"finetune-{name}.log")
+        f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *init]), logs / f"finetune-{name}.log")
     return run_dir
 
 
@@ -236,7 +255,9 @@ def main_job(cfg: MainConfig) -> str:
     out = Path(cfg.out_dir)
     logs = out / "logs"
     out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, wandb_group=wandb_group(cfg, out))
     save_config(cfg, out / "config.yaml")
+    _say(f"W&B group of this job's runs: {cfg.wandb_group}")
     started = time.time()
     stage_prepare(cfg, logs)
     _say_pretraining_text(cfg)

@@ -1,9 +1,10 @@
 """Run tracking: Weights & Biases on rank 0 only, and a progress line on rank 0's stderr.
 
 One W&B run per job, not per rank (gpt-neox #198), whose id is kept in the checkpoint so
-that a resumed or requeued job continues the same run (gpt-neox #902). The mode defaults to
-offline: runs are written under `RUN_DIR/wandb/` with no network and can be uploaded later
-with `wandb sync`.
+that a resumed or requeued job continues the same run (gpt-neox #902). Mode, project, entity
+and group come from the config's `wandb.*` keys, else from W&B's own environment variables
+(WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP), else the defaults: offline, under
+`RUN_DIR/wandb/` with no network, to upload later with `wandb sync` (the start line says how).
 """
 
 from __future__ import annotations
@@ -41,6 +42,34 @@ def git_commit() -> str:
         return "unknown"
 
 
+# W&B's own names for its modes, as WANDB_MODE may spell them ("dryrun" and "run" are its older ones).
+WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
+WANDB_SETTINGS = (("mode", "WANDB_MODE", "offline"), ("project", "WANDB_PROJECT", "pretrain-pipeline"),
+                  ("entity", "WANDB_ENTITY", ""), ("group", "WANDB_RUN_GROUP", ""))
+
+
+def resolve_wandb(cfg, env=None) -> dict:
+    """{setting: (value, where it came from)} for mode, project, entity and group: the config's
+    key (`wandb.mode=...`), else the environment variable, else the default. A mode that W&B does
+    not know, from either, is the user's error, in one line."""
+    env = os.environ if env is None else env
+    resolved = {}
+    for key, variable, default in WANDB_SETTINGS:
+        if getattr(cfg, key):
+            resolved[key] = (getattr(cfg, key), f"wandb.{key}")
+        elif env.get(variable):
+            resolved[key] = (env[variable], variable)
+        else:
+            resolved[key] = (default, "default")
+    mode, source = resolved["mode"]
+    if mode not in WANDB_MODES:
+        from pipeline.configure import UserError
+
+        raise UserError(f"{source}={mode}: W&B's mode is one of online, offline or disabled")
+    resolved["mode"] = (WANDB_MODES[mode], source)
+    return resolved
+
+
 def new_run_id() -> str:
     """A W&B-style run id: 8 lowercase letters and digits."""
     alphabet = string.ascii_lowercase + string.digits
@@ -50,21 +79,38 @@ def new_run_id() -> str:
 class Tracker:
     """Logs metrics to W&B (when enabled) and a compact progress line, on rank 0 only."""
 
-    def __init__(self, *, enabled: bool, mode: str, project: str, entity: str, name: str, tags: list,
-                 run_dir: str | Path, run_id: str, config: dict, summary: dict):
+    def __init__(self, *, enabled: bool, settings, run_dir: str | Path, run_id: str, config: dict, summary: dict):
+        """`settings`: the config's WandbConfig, resolved against the environment here."""
         self.enabled = enabled
         self.run = None
         self.started = time.time()
-        if not enabled or mode == "disabled":
+        if not enabled:
+            return
+        resolved = resolve_wandb(settings)
+        mode, source = resolved["mode"]
+        if mode == "disabled":
+            print(f"W&B: disabled ({source})", file=sys.stderr, flush=True)
             return
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
-            project=project, entity=entity or None, name=name or Path(run_dir).name, tags=list(tags) or None,
+            project=resolved["project"][0], entity=resolved["entity"][0] or None, group=resolved["group"][0] or None,
+            name=settings.name or Path(run_dir).name, tags=list(settings.tags) or None,
             id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config,
         )
         self.run.summary.update(summary)
+        print(self.where(mode, source), file=sys.stderr, flush=True)
+
+    def where(self, mode: str, source: str) -> str:
+        """The start line: the online run's URL, or the offline run's directory and how to upload it."""
+        group = f", group {self.run.group}" if self.run.group else ""
+        if mode == "online":
+            return f"W&B: online run {self.run.url} (project {self.run.project}{group}; mode from {source})"
+        files = Path(self.run.dir)  # RUN_DIR/wandb/offline-run-DATE-ID/files
+        offline = files.parent if files.name == "files" else files
+        return (f"W&B: offline run in {offline} (project {self.run.project}{group}; mode from {source}); "
+                f"upload it with: wandb sync {offline}")
 
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:

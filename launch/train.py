@@ -382,8 +382,7 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
-    tracker = Tracker(enabled=denv.is_main, mode=cfg.wandb.mode, project=cfg.wandb.project, entity=cfg.wandb.entity,
-                      name=cfg.wandb.name, tags=cfg.wandb.tags, run_dir=run_dir, run_id=run_id,
+    tracker = Tracker(enabled=denv.is_main, settings=cfg.wandb, run_dir=run_dir, run_id=run_id,
                       config=config_to_dict(cfg), summary=summary)
     return tracker, peak
 

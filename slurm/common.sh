@@ -80,6 +80,14 @@ nccl_env() {
     log "NCCL settings passed to the ranks: ${settings:-none}"
 }
 
+# W&B's settings reach the ranks with the rest of the environment (srun --export=ALL); the log
+# says which were set (a key's value hidden), since a config's wandb.* keys win over them.
+wandb_env() {
+    local settings
+    settings=$(env | grep -E '^WANDB_' | sed -E 's/^(WANDB_API_KEY)=.*/\1=(set)/' | sort | tr '\n' ' ')
+    log "W&B settings passed to the ranks: ${settings:-none (offline, unless the config sets wandb.mode)}"
+}
+
 # The rendezvous host must resolve on every node; falling back to this one would leave the
 # other nodes waiting until the rendezvous times out.
 check_addr() {
@@ -156,6 +164,7 @@ train_job() {
     head_addr=${head_addr:-$head}
     check_addr "$head_addr" "$head"
     nccl_env
+    wandb_env
     port=$(job_port "${RDZV_PORT_BASE:-20000}")
     log "run_dir $run_dir; $SLURM_JOB_NUM_NODES x $nproc ranks; rendezvous $head_addr:$port ($head)"
 
