@@ -109,6 +109,31 @@ def test_validate_passes_then_catches_corruption(tiny_dataset, tmp_path):
     assert bad.returncode == 1 and "FAIL" in bad.stdout and shard.name in bad.stdout
 
 
+def test_validate_names_a_shard_listed_twice_or_with_a_count_below_one(tiny_dataset, tmp_path):
+    import shutil
+
+    def validate_with(change):
+        data = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_dataset, data)
+        manifest = json.loads((data / MANIFEST).read_text())
+        split = manifest["datasets"]["packed"]["splits"]["train"]
+        change(split)
+        (data / MANIFEST).write_text(json.dumps(manifest))
+        run = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], cwd=ROOT,
+                             capture_output=True, text=True)
+        return run.returncode, [line for line in run.stdout.splitlines() if line.startswith("FAIL ")], split["shards"][0]
+
+    def repeat(split):  # the split's totals follow, so that nothing but the repeat is wrong
+        split["shards"].append(dict(split["shards"][0]))
+        split["samples"] += split["shards"][0]["samples"]
+        split["tokens"] += split["shards"][0]["tokens"]
+
+    code, fails, shard = validate_with(repeat)
+    assert code == 1 and fails == [f"FAIL {shard['path']}: listed 2 times in packed/train (read 2 times an epoch)"]
+    code, fails, shard = validate_with(lambda split: split["shards"][0].update(samples=-3))
+    assert code == 1 and f"FAIL {shard['path']}: samples -3 in the manifest, not a positive integer" in fails, fails
+
+
 def test_existing_dataset_is_not_overwritten_and_failures_leave_nothing_complete(tiny_corpus, tiny_dataset, tmp_path):
     before = (tiny_dataset / MANIFEST).read_bytes()
     run = run_prepare(prepare_args(tiny_corpus, tiny_dataset))
