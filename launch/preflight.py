@@ -48,7 +48,7 @@ from model.loss import chunk_peak_bytes
 from model.warm_start import ARCHITECTURE_FIELDS, SOURCE_CLASSES
 from pipeline import remote
 from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
-from pipeline.format import TOKENIZER_FILE, file_sha256, read_manifest, shard_entries
+from pipeline.format import TOKENIZER_FILE, ManifestError, file_sha256, read_manifest, shard_entries
 
 USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
    or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]
@@ -245,8 +245,9 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         try:
             entries = shard_entries(manifest, task.name, split)
         except UserError as err:
-            # Without a train split nothing runs; without a valid one the trainer only skips evaluation.
-            if split == "train":
+            # Without a train split nothing runs; without a valid one the trainer only skips
+            # evaluation; a damaged shard list (a repeat, a count below one) stops it in either.
+            if split == "train" or isinstance(err, ManifestError):
                 report.problem("data.data_dir", f"{data_dir}: {err}")
             else:
                 report.warn("data.data_dir", f"{data_dir}: {err}")

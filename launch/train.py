@@ -41,7 +41,7 @@ from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, attention_kernels, build_model, llmc_flops_per_token, warm_start
 from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
 from pipeline import remote
-from pipeline.format import MANIFEST, TOKENIZER_FILE, read_manifest
+from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
 from pipeline.loader import ShardLoader, describe_mixture
 from pipeline.lock import dir_lock
 
@@ -201,6 +201,8 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     try:
         valid = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
                                         expected_tokenizer_sha256=sha256, pin_memory=torch.cuda.is_available())
+    except ManifestError:  # a damaged manifest stops the run, whichever split it damages
+        raise
     except UserError as err:  # e.g. a valid split smaller than one global batch
         valid = None
         if denv.is_main:

@@ -23,7 +23,9 @@ the block, never `seq_len`); datasets written before `doc_starts` existed list o
 The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
 `path`, `samples`, `tokens`, `bytes`, `sha256` and `source` (the source's name; a shard
 record without it belongs to the single source "default"); each split entry has `samples`,
-`tokens` and `sources: {name: {samples, tokens}}`.
+`tokens` and `sources: {name: {samples, tokens}}`. A split lists each shard once, with a
+positive sample count (`shard_list_problems`, the rule `shard_entries` enforces for every
+reader and `pipeline.validate` reports).
 
 The loader (`pipeline.loader`) hands the trainer token batches, `BATCH_FIELDS[task]`, all
 (B, T) tensors made by `pipeline.collate`: ids int64 padded with <pad>, masks int64 with
@@ -47,6 +49,8 @@ import hashlib
 import io
 import json
 import os
+import posixpath
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -174,8 +178,16 @@ def _json_kind(value) -> str:
         type(value), "number")
 
 
-def shard_entries(manifest: dict, task: str, split: str) -> list[dict]:
-    """The manifest's shard records for a task and split."""
+class ManifestError(UserError):
+    """A shard list that cannot be read as written (`shard_list_problems`): a damaged dataset, which
+    stops every reader, unlike a setting that does not fit the data (a valid split smaller than a
+    batch only costs the evaluation)."""
+
+
+def shard_entries(manifest: dict, task: str, split: str, where: str = MANIFEST) -> list[dict]:
+    """The manifest's shard records for a task and split, each shard once with a positive sample
+    count: else a `ManifestError` naming the first offending shard, in one line (`where`: the
+    manifest, as the message names it)."""
     if task not in DATASET_FOR_TASK:
         raise UserError(f"unknown task {task!r}; expected one of {sorted(DATASET_FOR_TASK)}")
     name = DATASET_FOR_TASK[task]
@@ -184,7 +196,36 @@ def shard_entries(manifest: dict, task: str, split: str) -> list[dict]:
         raise UserError(f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}")
     if split not in dataset["splits"]:
         raise UserError(f"the {name!r} shards have no split {split!r}")
-    return dataset["splits"][split]["shards"]
+    shards = dataset["splits"][split]["shards"]
+    problems = shard_list_problems(shards, f"{name}/{split}")
+    if problems:
+        more = f" (and {len(problems) - 1} more; pipeline.validate lists them)" if len(problems) > 1 else ""
+        raise ManifestError(f"{where}: {problems[0]}{more}")
+    return shards
+
+
+def shard_list_problems(shards: list, where: str) -> list[str]:
+    """What is wrong with a split's list of shard records (`where`: "packed/train"), one line per
+    shard: listed more than once (the loader would read it as often each epoch), or a sample
+    count that is not a positive integer (prepare writes no empty shard, and the loader plans
+    every epoch from the counts, so it cannot read around a wrong one)."""
+    paths = [entry.get("path") if isinstance(entry, dict) else None for entry in shards]
+    listed = Counter(posixpath.normpath(path) for path in paths if isinstance(path, str))
+    problems, seen = [], set()
+    for index, (entry, path) in enumerate(zip(shards, paths)):
+        if not isinstance(path, str):
+            problems.append(f"{where}: shard record {index} has no path")
+            continue
+        key = posixpath.normpath(path)
+        if key in seen:
+            continue
+        seen.add(key)
+        if listed[key] > 1:
+            problems.append(f"{path}: listed {listed[key]} times in {where} (read {listed[key]} times an epoch)")
+        samples = entry.get("samples")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            problems.append(f"{path}: samples {samples!r} in the manifest, not a positive integer")
+    return problems
 
 
 def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str, np.ndarray]]) -> dict:

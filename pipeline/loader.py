@@ -110,7 +110,7 @@ from pipeline import remote
 from pipeline.collate import MLMMasking, pack, unpack
 from pipeline.config import LoaderConfig
 from pipeline.configure import UserError
-from pipeline.format import SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
+from pipeline.format import MANIFEST, SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
 from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields, sample_sizes
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class ShardLoader:
             )
         if "vocab_size" not in tokenizer:
             raise UserError(f"{self.data_dir}: the manifest's tokenizer record has no vocab_size")
-        entries = shard_entries(manifest, task, split)
+        entries = shard_entries(manifest, task, split, remote.join(self.data_dir, MANIFEST))  # each once, none empty
         # The members the shards hold (all read, for each shard's verdict) and those decoded.
         self.stored_fields, self.fields = sample_fields(manifest, task, document_mask, str(self.data_dir))
         self.document_mask = document_mask
@@ -197,9 +197,7 @@ class ShardLoader:
         for index, entry in enumerate(entries):
             shard = Shard(index, remote.join(self.data_dir, entry["path"]), int(entry["samples"]), entry.get("bytes"),
                           entry.get("sha256"), fetch)
-            shards = by_source.setdefault(str(entry.get("source", DEFAULT_SOURCE)), [])
-            if shard.samples > 0:
-                shards.append(shard)
+            by_source.setdefault(str(entry.get("source", DEFAULT_SOURCE)), []).append(shard)
         self.sources = _sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
         self.mixed = bool(mixture)
         self.allow_mixture_change = allow_mixture_change

@@ -21,7 +21,9 @@ than memory works; its work units are runs of row groups of about `chunk_bytes`.
 A man page (roff, plain or `.gz`) is one work unit; `pipeline.manpage` turns it into paragraphs
 of running text (monolingual). A page is decoded as UTF-8, or in the encoding its first lines
 declare (`-*- coding: latin-1 -*-`); undecodable bytes are replaced and counted as elsewhere.
-Pages reached through several names (symbolic links) are read once.
+
+A file reached under several names (symbolic links, a directory linked twice) is read once, in
+every format (`expand_paths`, with a warning that counts the other names).
 
 A prepare may have several sources (`PrepareConfig.sources`); `source_list` gives them, the
 legacy single `source:` as a list of one. Each `Unit` carries the index of its source.
@@ -29,13 +31,16 @@ legacy single `source:` as a list of one. Each `Unit` carries the index of its s
 
 from __future__ import annotations
 
+import errno
 import glob
 import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import re
+import stat
 import struct
 import unicodedata
 from collections import Counter
@@ -47,6 +52,7 @@ from pipeline.configure import UserError, config_from_dict
 from pipeline.manpage import man_paragraphs, page_encoding
 
 Record = tuple[str, Optional[str]]
+log = logging.getLogger(__name__)
 
 _WHITESPACE = re.compile(r"\s+")
 _CHARSET = re.compile(rb"charset\s*=\s*([A-Za-z0-9_.:-]+)")
@@ -141,37 +147,135 @@ def check_sources(cfg: PrepareConfig) -> None:
 
 
 def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
-    """The sorted, de-duplicated list of input files; a clear error for a path that matches nothing."""
+    """The sorted list of input files, each file once under one name; a clear error for a path
+    that matches nothing or is not a regular file.
+
+    A file reached under several names (a symbolic link to it, a linked directory) would be read,
+    and its texts counted, once per name: it is kept under the name with the fewest symbolic
+    links, and the others are counted in one warning line. A `**` skips a symbolic link that
+    leads back into a directory it is already inside (`_glob`), with a warning, rather than
+    refusing the source: such a loop adds no file the walk does not reach anyway, and the trees
+    that hold one (`/usr/bin/X11 -> .`) are often not the user's to change."""
     if cfg.format not in SOURCE_FORMATS:
         raise UserError(f"{where}.format: {cfg.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
     if not cfg.paths:
         raise UserError(f"{where}.paths: no input files given")
     files: set[str] = set()
+    loops: list[tuple[str, str]] = []
     for pattern in cfg.paths:
         if glob.has_magic(pattern):
-            matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+            matched = [p for p in _glob(pattern, loops) if os.path.isfile(p)]
             if not matched:
                 raise UserError(f"{where}.paths: no file matches {pattern!r}")
             files.update(matched)
         elif os.path.isfile(pattern):
             files.add(pattern)
         else:
-            raise UserError(f"{where}.paths: file not found: {pattern}")
-    if cfg.format == "manpage":
-        return _distinct_files(sorted(files))
-    return sorted(files)
-
-
-def _distinct_files(files: list[str]) -> list[str]:
-    """The first name of each file: a man directory holds many pages as links to others."""
-    seen: set[str] = set()
-    kept = []
-    for path in files:
-        real = os.path.realpath(path)
-        if real not in seen:
-            seen.add(real)
-            kept.append(path)
+            raise UserError(f"{where}.paths: {_unusable(pattern)}")
+    if loops:  # a loop met by several walks (`**` twice in a pattern, overlapping patterns) is one loop
+        link, target = min(set(loops))
+        count = len(set(loops))
+        log.warning("warning: %s.paths: %d symlink loop%s not followed (a link back into a directory the glob is "
+                    "already inside adds no file), e.g. %s -> %s", where, count, "s" if count > 1 else "", link, target)
+    kept, others = _one_name_each(files)
+    if others:
+        other, name = min(others)
+        log.warning("warning: %s.paths: %d path%s name a file listed under another name (symbolic links); each "
+                    "file is read once, e.g. %s is %s", where, len(others), "s" if len(others) > 1 else "", other, name)
     return kept
+
+
+def _glob(pattern: str, loops: list[tuple[str, str]]) -> list[str]:
+    """`glob.glob(pattern, recursive=True)`, except that a `**` does not follow a symbolic link
+    back into a directory it is already inside: glob follows such a loop until the kernel's
+    limit of 40 links, which turns a few files into hundreds of paths (or, with two loops,
+    into more than a walk can list). The links not followed are appended to `loops` as (link,
+    its target)."""
+    parts = pattern.split(os.sep)
+    if "**" not in parts:
+        return glob.glob(pattern, recursive=True)  # without `**` nothing is walked: no loop
+    at = parts.index("**")
+    head = os.sep.join(parts[:at]) or (os.sep if at else "")
+    tail = os.sep.join(parts[at + 1:]) or "*"  # `DIR/**`: every entry of every directory below
+    tops = [d for d in glob.glob(head) if os.path.isdir(d)] if glob.has_magic(head) else [head]
+    matched = []
+    for top in tops:
+        for directory in _directories(top, loops):
+            matched.extend(_glob(os.path.join(glob.escape(directory), tail), loops))
+    return matched
+
+
+def _directories(top: str, loops: list[tuple[str, str]]) -> list[str]:
+    """`top` and the directories below it, as `**` reaches them: hidden ones left out (as glob
+    leaves them out), symbolic links to directories followed unless the directory is one of
+    those the walk is inside (a loop: appended to `loops`)."""
+    try:
+        info = os.stat(top or os.curdir)
+    except OSError:
+        return []
+    found, stack = [], [(top, frozenset({(info.st_dev, info.st_ino)}))]
+    while stack:
+        path, inside = stack.pop()
+        found.append(path)
+        try:
+            entries = list(os.scandir(path or os.curdir))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.name.startswith(".") or not entry.is_dir():
+                    continue
+                info = entry.stat()
+            except OSError:
+                continue
+            below = os.path.join(path, entry.name)
+            if (info.st_dev, info.st_ino) in inside:
+                loops.append((below, os.path.realpath(below)))
+            else:
+                stack.append((below, inside | {(info.st_dev, info.st_ino)}))
+    return found
+
+
+def _one_name_each(files: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files, sorted, each under one name (its own rather than a link's: the fewest symbolic
+    links on the way), and the (other name, name kept) of the rest."""
+    names: dict[str, list[str]] = {}
+    for path in files:
+        names.setdefault(os.path.realpath(path), []).append(path)
+    kept, others = [], []
+    for group in names.values():
+        name = group[0] if len(group) == 1 else min(group, key=lambda path: (_links_on(path), path))
+        kept.append(name)
+        others.extend((other, name) for other in group if other != name)
+    return sorted(kept), others
+
+
+def _links_on(path: str) -> int:
+    """How many of the components of `path` are symbolic links."""
+    count, path = 0, os.path.abspath(path)
+    while path != os.path.dirname(path):
+        count += os.path.islink(path)
+        path = os.path.dirname(path)
+    return count
+
+
+def _unusable(path: str) -> str:
+    """Why `path`, given as an input file, is not one: the rest of a one-line message."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"file not found: {path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        return f"file not found: {path}"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"not a regular file: {path} is a symbolic link loop"
+        return f"cannot read {path}: {err.strerror}"
+    kinds = ((stat.S_ISDIR, f"a directory (its files: a glob such as {os.path.join(path, '**', '*')})"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    kind = next((words for test, words in kinds if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+    return f"not a regular file: {path} is {kind}"
 
 
 COMPRESSED = (".gz", ".zst")

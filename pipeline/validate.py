@@ -1,8 +1,10 @@
 """`python -m pipeline.validate [CONFIG.yaml] data_dir=DIR`: re-check a prepared dataset against its manifest.
 
-Every shard must exist with the recorded size and sha256, read as a WebDataset with the
-recorded sample and token counts and the dataset's fields, and the tokenizer file must
-match its recorded hash. Each problem is printed on its own line; any problem exits 1.
+Every split must list each shard once with a positive sample count (`pipeline.format`'s rule,
+which the loader enforces); every shard must exist with the recorded size and sha256, read as
+a WebDataset with the recorded sample and token counts and the dataset's fields, and the
+tokenizer file must match its recorded hash. Each problem is printed on its own line; any
+problem exits 1.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from pipeline.configure import UserError, parse_cli, run_main
-from pipeline.format import FIELDS, decode_array, file_sha256, is_token_field, read_manifest
+from pipeline.format import FIELDS, decode_array, file_sha256, is_token_field, read_manifest, shard_list_problems
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
 
@@ -55,9 +57,16 @@ def validate(data_dir: str | Path) -> list[str]:
         problems.append(f"{tokenizer}: sha256 differs from the manifest")
     for name, dataset in manifest["datasets"].items():
         for split, entry in dataset["splits"].items():
-            if entry["samples"] != sum(s["samples"] for s in entry["shards"]):
+            listing = shard_list_problems(entry["shards"], f"{name}/{split}")
+            problems += listing
+            # A repeat or a bad count also breaks the total: the cause is the line to read.
+            if not listing and entry["samples"] != sum(s["samples"] for s in entry["shards"]):
                 problems.append(f"{name}/{split}: split total differs from the sum over its shards")
+            checked = set()
             for shard in entry["shards"]:
+                if not isinstance(shard, dict) or not isinstance(shard.get("path"), str) or shard["path"] in checked:
+                    continue  # reported above; a shard listed twice is checked once
+                checked.add(shard["path"])
                 path = data_dir / shard["path"]
                 if not path.is_file():
                     problems.append(f"{shard['path']}: missing")

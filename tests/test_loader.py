@@ -3,6 +3,7 @@ seeded order, exact resume without decoding what was already seen, corrupt shard
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -296,6 +297,22 @@ def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
         ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4)
     with pytest.raises(UserError, match="fewer than one global batch"):
         ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=4)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda shards: shards.append(dict(shards[1])), "packed/train/0000-0001.tar: listed 2 times in packed/train"),
+    (lambda shards: shards[2].update(samples=-3), "packed/train/0000-0002.tar: samples -3 in the manifest"),
+    (lambda shards: shards[0].update(samples=0), "packed/train/0000-0000.tar: samples 0 in the manifest"),
+], ids=["listed twice", "negative count", "zero count"])
+def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(tmp_path, change, expected):
+    """A shard listed twice was read twice an epoch, one whose count is not positive dropped,
+    both without a word: refused, in one line naming the shard, before any batch."""
+    manifest = copy.deepcopy(make_dataset(tmp_path, packed=[8, 8, 8]))
+    change(manifest["datasets"]["packed"]["splits"]["train"]["shards"])
+    save_manifest(tmp_path, manifest)
+    with pytest.raises(UserError) as err:
+        ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+    assert str(err.value).startswith(f"{tmp_path}/manifest.json: {expected}") and "\n" not in str(err.value)
 
 
 def test_state_from_another_plan_is_refused(tmp_path):

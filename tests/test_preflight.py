@@ -160,6 +160,24 @@ def _drop_manifest(data: Path) -> None:
     (data / "manifest.json").unlink()
 
 
+def _edit_shards(data: Path, split: str, change) -> None:
+    manifest = json.loads((data / "manifest.json").read_text())
+    change(manifest["datasets"]["packed"]["splits"][split]["shards"])
+    save_manifest(data, manifest)
+
+
+def _repeat_shard(data: Path) -> None:
+    _edit_shards(data, "train", lambda shards: shards.append(dict(shards[1])))
+
+
+def _negative_count(data: Path) -> None:
+    _edit_shards(data, "train", lambda shards: shards[1].update(samples=-3))
+
+
+def _empty_valid_shard(data: Path) -> None:
+    _edit_shards(data, "valid", lambda shards: shards[0].update(samples=0))
+
+
 BAD = [
     # (id, overrides ({tmp} is the test's directory), change to the dataset, key, text on the line)
     ("unknown task", ["task=summarize"], None, "task", "'summarize' is not one of"),
@@ -174,6 +192,10 @@ BAD = [
     ("shard size", [], _grow_shard, "data.data_dir", "1 of 2 shards of another size than the manifest's"),
     ("no tokenizer", [], _drop_tokenizer, "data.data_dir", "tokenizer.model: missing"),
     ("tokenizer sha256", [], _other_tokenizer, "data.data_dir", "differs from the manifest's"),
+    ("shard listed twice", [], _repeat_shard, "data.data_dir", "packed/train/0000-0001.tar: listed 2 times"),
+    ("negative sample count", [], _negative_count, "data.data_dir", "packed/train/0000-0001.tar: samples -3"),
+    # A valid split too small only costs the evaluation (a warning); a broken one stops the run.
+    ("valid shard of no samples", [], _empty_valid_shard, "data.data_dir", "packed/valid/0000-0000.tar: samples 0"),
     ("train split below a global batch", ["data.micro_batch_size=31"], None, "data.micro_batch_size",
      "has 60 sequences, fewer than one global batch of 62"),
     ("offload without ZeRO-3", ["deepspeed.offload_params=true"], None, "deepspeed.offload_params", "needs zero_stage 3"),

@@ -1,6 +1,7 @@
 """`pipeline.prepare` with a real local Ray, and `pipeline.validate`."""
 
 import json
+import os
 import random
 import signal
 import socket
@@ -106,6 +107,31 @@ def test_validate_passes_then_catches_corruption(tiny_dataset, tmp_path):
     shard.write_bytes(shard.read_bytes()[:700])
     bad = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={broken}"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and "FAIL" in bad.stdout and shard.name in bad.stdout
+
+
+def test_validate_names_a_shard_listed_twice_or_with_a_count_below_one(tiny_dataset, tmp_path):
+    import shutil
+
+    def validate_with(change):
+        data = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_dataset, data)
+        manifest = json.loads((data / MANIFEST).read_text())
+        split = manifest["datasets"]["packed"]["splits"]["train"]
+        change(split)
+        (data / MANIFEST).write_text(json.dumps(manifest))
+        run = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], cwd=ROOT,
+                             capture_output=True, text=True)
+        return run.returncode, [line for line in run.stdout.splitlines() if line.startswith("FAIL ")], split["shards"][0]
+
+    def repeat(split):  # the split's totals follow, so that nothing but the repeat is wrong
+        split["shards"].append(dict(split["shards"][0]))
+        split["samples"] += split["shards"][0]["samples"]
+        split["tokens"] += split["shards"][0]["tokens"]
+
+    code, fails, shard = validate_with(repeat)
+    assert code == 1 and fails == [f"FAIL {shard['path']}: listed 2 times in packed/train (read 2 times an epoch)"]
+    code, fails, shard = validate_with(lambda split: split["shards"][0].update(samples=-3))
+    assert code == 1 and f"FAIL {shard['path']}: samples -3 in the manifest, not a positive integer" in fails, fails
 
 
 def test_existing_dataset_is_not_overwritten_and_failures_leave_nothing_complete(tiny_corpus, tiny_dataset, tmp_path):
@@ -259,6 +285,38 @@ def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path):
     message = error_lines(run.stderr)
     assert len(message) == 1 and run.stderr.endswith(message[0] + "\n") and "mostly undecodable" in message[0] and str(corpus) in message[0], run.stderr[-2000:]
     assert not out.exists() and not out.with_name("data.partial").exists()
+
+
+# ---------------------------------------------------------------- reliability: inputs read twice or not files
+
+
+def test_a_glob_through_a_symlink_loop_prepares_each_file_once(tmp_path):
+    """`**` over a directory holding `loop -> .`: each file read once (glob followed the loop to
+    the kernel's limit of 40 links, reading every file about 40 times), and one warning line."""
+    corpus = tmp_path / "corpus"
+    (corpus / "more").mkdir(parents=True)
+    texts = [en for en, _ in synthetic_pairs(300)]
+    for i, name in enumerate(("a.txt", "more/b.txt", "more/c.txt")):
+        (corpus / name).write_text("".join(f"{text}\n" for text in texts[i::3]))
+    (corpus / "loop").symlink_to(".")
+    out = tmp_path / "data"
+    run = run_prepare(prepare_args(f"{corpus}/**/*.txt", out, **{"source.format": "text", "tasks": "[causal_lm]",
+                                                                 "ray.num_workers": 1}))
+    assert run.returncode == 0, run.stderr[-2000:]
+    sources = json.loads((out / MANIFEST).read_text())["sources"]
+    assert (sources["files"], sources["units"], sources["records"]) == (3, 3, 300)
+    (warning,) = [line for line in run.stderr.splitlines() if "symlink loop" in line]
+    assert warning.startswith("warning: source.paths: 1 symlink loop not followed") and warning.endswith(
+        f"e.g. {corpus}/loop -> {corpus}")
+
+
+def test_a_fifo_or_a_directory_given_as_an_input_file_is_named_for_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "pairs.tsv")
+    (tmp_path / "catalog.mo").mkdir()
+    for path, what in ((tmp_path / "pairs.tsv", "a FIFO (named pipe)"), (tmp_path / "catalog.mo", "a directory")):
+        run = run_prepare(prepare_args(path, tmp_path / "data"))
+        assert run.returncode == 2 and len(error_lines(run.stderr)) == 1, run.stderr[-2000:]
+        assert error_lines(run.stderr)[0].startswith(f"error: source.paths: not a regular file: {path} is {what}")
 
 
 def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_workers(tmp_path):

@@ -388,6 +388,24 @@ def test_a_model_shorter_than_its_data_stops_the_trainer_in_one_line(tmp_path):
     assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)  # found before the engine
 
 
+@pytest.mark.parametrize("split, change, expected", [
+    ("train", lambda shards: shards.append(dict(shards[1])), "packed/train/0000-0001.tar: listed 2 times"),
+    ("valid", lambda shards: shards[0].update(samples=-3), "packed/valid/0000-0000.tar: samples -3"),
+], ids=["train shard listed twice", "valid shard of -3 samples"])
+def test_a_manifest_repeating_a_shard_or_counting_below_one_stops_the_trainer_in_one_line(tmp_path, split, change,
+                                                                                          expected):
+    """Not read twice, not dropped, and not evaluation quietly left out: the run stops before it starts."""
+    data = tmp_path / "data"
+    manifest = packed_data(data, seq_len=32)
+    manifest["datasets"]["packed"]["splits"]["valid"] = make_dataset(
+        data, packed=[40], seq_len=32, split="valid", seed=1)["datasets"]["packed"]["splits"]["valid"]
+    change(manifest["datasets"]["packed"]["splits"][split]["shards"])
+    save_manifest(data, manifest)
+    code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"))
+    assert_one_error_line(code, lines, f"{data / MANIFEST}: {expected}")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_an_unwritable_run_dir_is_named(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -4,6 +4,8 @@ import gettext
 import glob
 import gzip
 import json
+import logging
+import os
 import random
 from collections import Counter
 
@@ -188,6 +190,47 @@ def test_missing_inputs_are_clear_errors(tmp_path):
         expand_paths(source_cfg(paths=f"[{tmp_path}/*.nope]", format="text"))
     with pytest.raises(UserError, match="source.format"):
         expand_paths(source_cfg(format="csv"))
+
+
+def _tree(root):
+    """Three text files, one of them also reached through `alias -> sub` (a link, not a loop)."""
+    (root / "sub" / "deeper").mkdir(parents=True)
+    for name in ("a.txt", "sub/b.txt", "sub/deeper/c.txt"):
+        (root / name).write_text(f"{name}\n")
+    return sorted(str(root / name) for name in ("a.txt", "sub/b.txt", "sub/deeper/c.txt"))
+
+
+def test_a_glob_through_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
+    files = _tree(tmp_path)
+    (tmp_path / "loop").symlink_to(".")  # glob's ** followed it until the kernel's ELOOP: hundreds of paths
+    with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
+        found = expand_paths(source_cfg(paths=f"[{tmp_path}/**/*.txt]", format="text"))
+    assert found == files
+    (warning,) = caplog.messages
+    assert "symlink loop" in warning and f"{tmp_path}/loop" in warning and "not followed" in warning
+
+
+def test_a_file_under_several_names_is_listed_once_and_the_others_counted(tmp_path, caplog):
+    files = _tree(tmp_path)
+    (tmp_path / "alias").symlink_to("sub")  # sub's two files again, under alias/
+    (tmp_path / "link.txt").symlink_to("a.txt")
+    with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
+        found = expand_paths(source_cfg(paths=f"[{tmp_path}/**/*.txt,{tmp_path}/sub/b.txt]", format="text"))
+    assert found == files
+    (warning,) = caplog.messages  # one line: the count and an example
+    assert "3 paths" in warning and "read once" in warning
+    assert f"{tmp_path}/alias/b.txt is {tmp_path}/sub/b.txt" in warning
+
+
+def test_a_path_that_is_not_a_regular_file_is_named_as_such(tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "catalog.mo").mkdir()
+    for name, what in (("pipe.txt", "a FIFO"), ("catalog.mo", "a directory")):
+        with pytest.raises(UserError, match=f"^source.paths: not a regular file: {tmp_path / name} is {what}"):
+            expand_paths(source_cfg(paths=f"[{tmp_path / name}]", format="gettext"))
+    (tmp_path / "dangling.txt").symlink_to("nowhere.txt")
+    with pytest.raises(UserError, match=f"file not found: {tmp_path}/dangling.txt is a symbolic link to nowhere.txt"):
+        expand_paths(source_cfg(paths=f"[{tmp_path}/dangling.txt]", format="text"))
 
 
 # ---------------------------------------------------------------- inputs that yield nothing: the cause, in words
