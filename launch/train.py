@@ -39,7 +39,8 @@ from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task, host_value
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, attention_kernels, build_model, llmc_flops_per_token, warm_start
-from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
+from model.config import TRAINING_ONLY_FIELDS
+from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, show, strip_launcher_args
 from pipeline import remote
 from pipeline.format import MANIFEST, TOKENIZER_FILE, read_manifest
 from pipeline.loader import ShardLoader, describe_mixture
@@ -152,7 +153,7 @@ def setup(cfg: TrainConfig) -> Run:
     intact = ckpt.choose_resume(cfg.resume, candidates,
                                 lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
                                 dist.all_gather_object, report=denv.is_main)
-    resume_from = _on_main(denv, lambda: find_resume(intact, plan))
+    resume_from = _on_main(denv, lambda: find_resume(intact, cfg, plan, data.tokenizer_sha256))
     engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv,
                                         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
@@ -218,14 +219,20 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
     return model_cfg
 
 
-def find_resume(found: tuple[Path, str] | None, plan: BatchPlan) -> tuple[Path, str] | None:
-    """The checkpoint to resume from (rank 0 only), given the newest intact one. One written by
-    another number of ranks is converted to a universal checkpoint beside it, when it keeps the
-    global batch: a run resumes on another world size only with the same global batch, so that
-    each optimizer step sees the samples it would have seen."""
+def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
+                tokenizer_sha256: str) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (rank 0 only), given the newest intact one; refused, from
+    its records and before anything loads it, if it was trained with another tokenizer, another
+    network (`_model_misfit`) or another global batch. One written by another number of ranks is
+    converted to a universal checkpoint beside it: a run resumes on another world size only with
+    the same global batch, so that each optimizer step sees the samples it would have seen."""
     if found is None:
         return None
     root, tag = found
+    if ckpt.client_info(root, tag).get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise UserError(_another_tokenizer(root / tag))
+    if problem := _model_misfit(root / tag, ckpt.saved_model_config(root, tag), cfg):
+        raise UserError(problem)
     saved = ckpt.saved_shape(root, tag)
     world = saved.get("world_size")
     if saved.get("global_batch_size") not in (None, plan.global_batch_size):
@@ -238,6 +245,45 @@ def find_resume(found: tuple[Path, str] | None, plan: BatchPlan) -> tuple[Path, 
     from launch.engine import to_universal
 
     return to_universal(root, tag)
+
+
+def _another_tokenizer(checkpoint: Path) -> str:
+    return f"checkpoint {checkpoint} was trained with another tokenizer than this dataset's"
+
+
+def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str | None:
+    """One line naming each model key whose value differs between the checkpoint (`saved`, its
+    model config as a plain dict; None: unrecorded, not checked) and this job, with both values,
+    and how to go on; None if none differs. Every key that defines the network counts: its
+    parameters' names and shapes (arch, d_model, n_layers, d_ff, vocab_size, max_seq_len,
+    positions, norm_position, share_embeddings...), on which DeepSpeed's load fails with a
+    traceback from every rank, and what they compute (n_heads, activation, layer_norm_eps, the
+    reserved ids), with which it would load without a word into another network. Only
+    `model.config.TRAINING_ONLY_FIELDS` (dropout, label smoothing, activation checkpointing, the
+    init std) may change on a resume: they leave the network its weights define as it was."""
+    if saved is None:
+        return None
+    there, here = _dotted(saved, "model."), _dotted(config_to_dict(cfg.model), "model.")
+    ignored = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
+    differ = [key for key in here if key in there and key not in ignored and there[key] != here[key]]
+    if not differ:
+        return None
+    values = "; ".join(f"{key} {show(there[key])} there, {show(here[key])} here" for key in differ)
+    as_saved = " ".join(f"{key}={show(there[key])}" for key in differ)
+    fresh = "in a new run_dir" if cfg.resume == "auto" else "in a new run_dir with resume=none"
+    return (f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
+            f"{as_saved}, or train the new model from scratch {fresh}")
+
+
+def _dotted(values: dict, prefix: str) -> dict:
+    """A nested dict as {"model.encoder.n_heads": 4, ...}, the keys as an override names them."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
@@ -342,7 +388,7 @@ def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dis
     root, tag = resume_from
     client = engine.load(root, tag)
     if client.get("tokenizer_sha256") != data.tokenizer_sha256:
-        raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than this dataset's")
+        raise UserError(_another_tokenizer(root / tag))
     data.train.load_state_dict(client["loader"])
     saved_world = len(client["rng"])
     if saved_world == denv.world_size:
@@ -635,6 +681,7 @@ def save_checkpoint(run: Run) -> Path:
     if run.denv.is_main:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
                                              "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
+        info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
         (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
         ckpt.move_pointer(root, tag)

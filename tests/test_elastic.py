@@ -95,6 +95,52 @@ def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_wou
     assert "data.micro_batch_size=4 grad_accum=2" in line
 
 
+def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]
+    run_train(tiny_dataset, run_dir, *common, "max_steps=2")  # 2 ranks, TINY's model.d_model=32
+    for nproc, extra in ((1, ["grad_accum=2"]), (2, [])):  # the same global batch: only the model differs
+        refused = run_train(tiny_dataset, run_dir, *common, "max_steps=4", "model.d_model=64", *extra, nproc=nproc,
+                            check=False)
+        assert refused.returncode == (2 if nproc == 1 else 1), refused.stderr[-4000:]  # torchrun reports a failed child as 1
+        (line,) = {line for line in refused.stderr.splitlines() if line.startswith("error:")}  # the same on both ranks
+        assert line == (f"error: checkpoint {run_dir / 'checkpoints' / 'step_00000002'} holds another model than this "
+                        f"job: model.d_model 32 there, 64 here; resume it as saved with model.d_model=32, or train the "
+                        f"new model from scratch in a new run_dir"), line
+        # Found from the checkpoint's record, before the engine is built: no rank's traceback.
+        assert "size mismatch" not in refused.stderr and "[rank" not in refused.stderr, refused.stderr[-4000:]
+        assert "DeepSpeedZeroOptimizer" not in refused.stderr
+    # What only trains differently may change on a resume.
+    resumed = run_train(tiny_dataset, run_dir, *common, "max_steps=3", "model.dropout=0.2")
+    assert "resumed from" in resumed.stderr and json.loads((run_dir / "final.json").read_text())["step"] == 3
+
+
+def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_config(tmp_path):
+    from dataclasses import replace
+
+    from launch import checkpoint as ckpt
+    from launch.config import TrainConfig
+    from launch.train import _model_misfit
+    from model import ModelConfig, StackConfig
+    from pipeline.configure import config_to_dict, save_config
+
+    cfg = TrainConfig(model=ModelConfig(arch="seq2seq", vocab_size=100, d_model=16, n_heads=4))
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "client_state.json").write_text(json.dumps({"step": 2}))  # before the model was recorded
+    assert ckpt.saved_model_config(root, "step_00000002") is None
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    saved = ckpt.saved_model_config(root, "step_00000002")
+    assert saved == config_to_dict(cfg.model)
+    assert _model_misfit(root / "step_00000002", saved, replace(cfg, model=replace(cfg.model, dropout=0.3))) is None
+    changed = replace(cfg, resume=str(root / "step_00000002"),
+                      model=replace(cfg.model, encoder=StackConfig(n_heads=2), activation="relu", label_smoothing=0.0))
+    assert _model_misfit(root / "step_00000002", saved, changed) == (
+        f"checkpoint {root / 'step_00000002'} holds another model than this job: model.activation gelu there, relu "
+        "here; model.encoder.n_heads null there, 2 here; resume it as saved with model.activation=gelu "
+        "model.encoder.n_heads=null, or train the new model from scratch in a new run_dir with resume=none")
+
+
 def _optimizer_files(checkpoint: Path) -> dict[str, dict]:
     return {path.name: torch.load(path, map_location="cpu", weights_only=False)
             for path in sorted(checkpoint.glob("*optim_states.pt"))}
