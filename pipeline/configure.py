@@ -84,7 +84,8 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
         except OmegaConfBaseException as err:
             raise UserError(f"command line {item!r}: {_describe(err)}") from err
         except Exception as err:  # the value as YAML: a tag it refuses (`!!python/name:...`), a bad `!!int`, `[1`
-            raise UserError(f"command line {item!r}: {key}: value {value!r} is not valid YAML: {_first_line(err)}") from err
+            raise UserError(f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
+                            f"{_first_line(err)}") from err
         try:
             base = OmegaConf.merge(base, parsed)
         except OmegaConfBaseException as err:
