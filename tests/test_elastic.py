@@ -8,6 +8,7 @@ with a checkpoint of the last good weights.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -160,9 +161,12 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=1",
                     "checkpoint.keep_last=10", env={"PRETRAIN_INJECT_NAN": "1:3"})
-    assert "step 3: skipped on every rank (non-finite loss" in run.stderr
+    assert "step 3: skipped on every rank (non-finite loss: nan on rank 1); 1 skipped so far" in run.stderr
     (row,) = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
     assert row["step"] == 3 and row["reason"] == "non-finite loss" and len(row["sample_keys"]) == 8
+    # What caused the skip, and apart from it the loss of the batches that were finite (rank 0's).
+    assert row["non_finite"] == [{"rank": 1, "loss": "nan", "micro_batches": 1}] and "loss" not in row
+    assert 0 < row["finite_loss"] < 10
     checkpoints = run_dir / "checkpoints"
     before, after = _optimizer_files(checkpoints / "step_00000002"), _optimizer_files(checkpoints / "step_00000003")
     assert len(before) == 2  # one partition per rank: both ranks' weights and Adam moments unchanged
@@ -174,6 +178,24 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["guard/skipped_steps"] for r in rows if "guard/skipped_steps" in r] == [1]
     assert json.loads((run_dir / "final.json").read_text())["skipped_steps"] == 1
+
+
+def test_a_skipped_step_records_the_losses_that_caused_it(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=0",
+                    "grad_accum=2", "guard.spike_factor=50", "guard.spike_warmup_steps=4", "guard.spike_window=4",
+                    "wandb.mode=disabled", nproc=1, env={"PRETRAIN_INJECT_NAN": "0:3*inf,0:6*100"})
+    non_finite, spike = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
+    assert non_finite["step"] == 3 and non_finite["reason"] == "non-finite loss"
+    assert non_finite["non_finite"] == [{"rank": 0, "loss": "inf", "micro_batches": 2}]
+    assert non_finite["finite_loss"] is None and "loss" not in non_finite  # no batch of the step was finite
+    assert "step 3: skipped on every rank (non-finite loss: inf on rank 0)" in run.stderr
+    # The spike test's limit: the mean of the last 4 applied steps' losses plus 50 of their standard deviations.
+    applied = [row["train/loss"] for row in metrics(run_dir) if row["step"] in (1, 2, 4, 5)]
+    limit = statistics.mean(applied) + 50 * statistics.stdev(applied)
+    assert spike["step"] == 6 and spike["reason"] == "loss spike" and "non_finite" not in spike
+    assert spike["limit"] == pytest.approx(limit) and spike["loss"] > 20 * limit
+    assert f"step 6: skipped on every rank (loss spike: loss {spike['loss']:.4g} above the limit {limit:.4g})" in run.stderr
 
 
 def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dataset, tmp_path):
