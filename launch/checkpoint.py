@@ -31,6 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+from omegaconf import OmegaConf
+
 from pipeline.configure import UserError
 from pipeline.format import file_sha256
 
@@ -114,18 +116,41 @@ def is_zero_partitioned(checkpoint: str | Path) -> bool:
     return bool(_rank_files(Path(checkpoint)))
 
 
+def client_info(root: str | Path, tag: str) -> dict:
+    """The trainer's `client_state.json` of checkpoint `root/tag` (what its torch client state
+    holds, readable without unpickling); {} if there is none or it is unreadable."""
+    info = Path(root) / tag / "client_state.json"
+    try:
+        saved = json.loads(info.read_text()) if info.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        saved = {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def saved_shape(root: str | Path, tag: str) -> dict:
     """How checkpoint `root/tag` was trained: `world_size` (see `saved_world_size`) and, from
     the trainer's `client_state.json` where it says, `global_batch_size`, `micro_batch_size` and
     `grad_accum` (absent in checkpoints written before the global batch was recorded)."""
-    info = Path(root) / tag / "client_state.json"
-    try:
-        saved = json.loads(info.read_text()) if info.is_file() else {}
-    except json.JSONDecodeError:
-        saved = {}
+    saved = client_info(root, tag)
     shape = {key: saved[key] for key in ("global_batch_size", "micro_batch_size", "grad_accum")
              if isinstance(saved.get(key), int)}
     return {"world_size": saved_world_size(root, tag), **shape}
+
+
+def saved_model_config(root: str | Path, tag: str) -> dict | None:
+    """The model config (a plain dict) that checkpoint `root/tag` holds weights of: from its
+    `client_state.json`, else, for a checkpoint written before that recorded it, from its run's
+    `config.yaml` beside the checkpoints (a job rewrites it only once it has loaded them, and
+    export reads a run's model from there too); None if neither tells."""
+    model = client_info(root, tag).get("model")
+    if isinstance(model, dict):
+        return model
+    config_file = Path(root).parent / "config.yaml"
+    try:
+        model = OmegaConf.to_container(OmegaConf.load(config_file)).get("model") if config_file.is_file() else None
+    except Exception:  # noqa: BLE001 - unreadable: no record, as without the file
+        return None
+    return model if isinstance(model, dict) else None
 
 
 def saved_world_size(root: str | Path, tag: str) -> int | None:
@@ -133,14 +158,9 @@ def saved_world_size(root: str | Path, tag: str) -> int | None:
     `client_state.json`, else from DeepSpeed's per-rank files; None if neither tells
     (a stage-0 checkpoint without the json has no per-rank files, and loads on any world size)."""
     directory = Path(root) / tag
-    info = directory / "client_state.json"
-    if info.is_file():
-        try:
-            world_size = json.loads(info.read_text()).get("world_size")
-        except (json.JSONDecodeError, AttributeError):
-            world_size = None
-        if isinstance(world_size, int):
-            return world_size
+    world_size = client_info(root, tag).get("world_size")
+    if isinstance(world_size, int):
+        return world_size
     ranks = _rank_files(directory)
     if not ranks:
         return None

@@ -39,7 +39,8 @@ from launch.preconditions import check_writable_dir, data_fits_model
 from launch.tasks import Task, host_value
 from launch.tracking import Tracker, git_commit, new_run_id, read_metrics_rows
 from model import ModelConfig, Pretrained, attention_kernels, build_model, llmc_flops_per_token, warm_start
-from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, strip_launcher_args
+from model.config import TRAINING_ONLY_FIELDS
+from pipeline.configure import UserError, config_to_dict, parse_cli, save_config, show, strip_launcher_args
 from pipeline import remote
 from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
 from pipeline.loader import ShardLoader, describe_mixture
@@ -152,7 +153,7 @@ def setup(cfg: TrainConfig) -> Run:
     intact = ckpt.choose_resume(cfg.resume, candidates,
                                 lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
                                 dist.all_gather_object, report=denv.is_main)
-    resume_from = _on_main(denv, lambda: find_resume(intact, plan))
+    resume_from = _on_main(denv, lambda: find_resume(intact, cfg, plan, data.tokenizer_sha256))
     engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv,
                                         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
@@ -220,14 +221,20 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
     return model_cfg
 
 
-def find_resume(found: tuple[Path, str] | None, plan: BatchPlan) -> tuple[Path, str] | None:
-    """The checkpoint to resume from (rank 0 only), given the newest intact one. One written by
-    another number of ranks is converted to a universal checkpoint beside it, when it keeps the
-    global batch: a run resumes on another world size only with the same global batch, so that
-    each optimizer step sees the samples it would have seen."""
+def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
+                tokenizer_sha256: str) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (rank 0 only), given the newest intact one; refused, from
+    its records and before anything loads it, if it was trained with another tokenizer, another
+    network (`_model_misfit`) or another global batch. One written by another number of ranks is
+    converted to a universal checkpoint beside it: a run resumes on another world size only with
+    the same global batch, so that each optimizer step sees the samples it would have seen."""
     if found is None:
         return None
     root, tag = found
+    if ckpt.client_info(root, tag).get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise UserError(_another_tokenizer(root / tag))
+    if problem := _model_misfit(root / tag, ckpt.saved_model_config(root, tag), cfg):
+        raise UserError(problem)
     saved = ckpt.saved_shape(root, tag)
     world = saved.get("world_size")
     if saved.get("global_batch_size") not in (None, plan.global_batch_size):
@@ -240,6 +247,45 @@ def find_resume(found: tuple[Path, str] | None, plan: BatchPlan) -> tuple[Path, 
     from launch.engine import to_universal
 
     return to_universal(root, tag)
+
+
+def _another_tokenizer(checkpoint: Path) -> str:
+    return f"checkpoint {checkpoint} was trained with another tokenizer than this dataset's"
+
+
+def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str | None:
+    """One line naming each model key whose value differs between the checkpoint (`saved`, its
+    model config as a plain dict; None: unrecorded, not checked) and this job, with both values,
+    and how to go on; None if none differs. Every key that defines the network counts: its
+    parameters' names and shapes (arch, d_model, n_layers, d_ff, vocab_size, max_seq_len,
+    positions, norm_position, share_embeddings...), on which DeepSpeed's load fails with a
+    traceback from every rank, and what they compute (n_heads, activation, layer_norm_eps, the
+    reserved ids), with which it would load without a word into another network. Only
+    `model.config.TRAINING_ONLY_FIELDS` (dropout, label smoothing, activation checkpointing, the
+    init std) may change on a resume: they leave the network its weights define as it was."""
+    if saved is None:
+        return None
+    there, here = _dotted(saved, "model."), _dotted(config_to_dict(cfg.model), "model.")
+    ignored = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
+    differ = [key for key in here if key in there and key not in ignored and there[key] != here[key]]
+    if not differ:
+        return None
+    values = "; ".join(f"{key} {show(there[key])} there, {show(here[key])} here" for key in differ)
+    as_saved = " ".join(f"{key}={show(there[key])}" for key in differ)
+    fresh = "in a new run_dir" if cfg.resume == "auto" else "in a new run_dir with resume=none"
+    return (f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
+            f"{as_saved}, or train the new model from scratch {fresh}")
+
+
+def _dotted(values: dict, prefix: str) -> dict:
+    """A nested dict as {"model.encoder.n_heads": 4, ...}, the keys as an override names them."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
@@ -344,7 +390,7 @@ def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dis
     root, tag = resume_from
     client = engine.load(root, tag)
     if client.get("tokenizer_sha256") != data.tokenizer_sha256:
-        raise UserError(f"checkpoint {root / tag} was trained with another tokenizer than this dataset's")
+        raise UserError(_another_tokenizer(root / tag))
     data.train.load_state_dict(client["loader"])
     saved_world = len(client["rng"])
     if saved_world == denv.world_size:
@@ -447,15 +493,18 @@ def train_step(run: Run, batches) -> dict:
     Guarded: before the last backward of the step, one reduction over the ranks carries the
     step's figures, whether any rank's loss is not finite, and whether any rank was asked to
     stop; so every rank takes the same decision, on the device (the host reads the figures once,
-    after the optimizer step). A step to skip (a non-finite loss anywhere, or a loss spike) gets
-    a NaN loss on every rank for that backward: DeepSpeed then finds a
-    non-finite gradient norm, which it all-reduces, and drops the update, the gradients and the
-    schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32
-    through `launch.optim.AdamW`). The weights after a skipped step are those before it."""
+    after the optimizer step, in the same copy as this rank's own count of NaN, +inf and -inf
+    losses, which `guard_step` gathers only for a skipped step's record). A step to skip (a
+    non-finite loss anywhere, or a loss spike) gets a NaN loss on every rank for that backward:
+    DeepSpeed then finds a non-finite gradient norm, which it all-reduces, and drops the update,
+    the gradients and the schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own
+    check; ZeRO-0 fp32 through `launch.optim.AdamW`). The weights after a skipped step are
+    those before it."""
     tokens, flops, flops_llmc, samples = 0, 0.0, 0.0, 0
     # The losses stay on the device until the one reduction of the step: reading each micro
     # batch's loss on the host would wait for the device at every micro batch.
-    loss_sum = non_finite = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
+    loss_sum = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
+    non_finite_here = torch.zeros(len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device)  # micro batches
     served = []  # handles on this step's batches; their sample keys are worked out only when needed
     micro = []
     for _ in range(run.plan.grad_accum):
@@ -468,11 +517,11 @@ def train_step(run: Run, batches) -> dict:
     share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
     for index, inputs in enumerate(micro):
         output = run.engine(**run.task.to_device(inputs, run.engine.device))
-        if (run.denv.rank, run.step + 1) in _INJECTED_NAN:
-            output = output._replace(loss=output.loss * math.nan)
+        if (run.denv.rank, run.step + 1) in _INJECTED_LOSS:
+            output = output._replace(loss=output.loss * _INJECTED_LOSS[run.denv.rank, run.step + 1])
         loss = output.loss.detach().float()
         finite = torch.isfinite(loss)
-        non_finite = non_finite + (~finite).float()
+        non_finite_here = non_finite_here + torch.stack([loss.isnan(), loss.isposinf(), loss.isneginf()]).float()
         loss_sum = loss_sum + torch.where(finite, loss * scored[index], torch.zeros_like(loss))
         finite_scored = finite_scored + finite.float() * scored[index]
         tokens += run.task.tokens(inputs)
@@ -487,17 +536,19 @@ def train_step(run: Run, batches) -> dict:
     fillers = run.data.train.stats["epoch_filler_batches"]
     # The step's figures in one reduction, and the guard's decision taken on the device from
     # them: the last backward is issued without a wait, the figures read once, after the step.
-    figures = dist.all_reduce_sum_tensor([loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples,
-                                          fillers, float(_stop_requested(run))]).to(run.engine.device)
+    figures = dist.all_reduce_sum_tensor([loss_sum, finite_scored, non_finite_here.sum(), tokens, flops, flops_llmc,
+                                          samples, fillers, float(_stop_requested(run))]).to(run.engine.device)
     spike_limit = run.guard.spike_limit()
     skip = (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)  # 0 / 0 is NaN: not a spike
     weighted = weighted * torch.where(skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted))
-    on_host = HostCopy(figures)  # queued before the backward; read after the step, which has waited past it
+    # Queued before the backward; read after the step, which has waited past it.
+    on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
     run.engine.backward(weighted)
     skipped_before = run.engine.skipped_steps
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before
-    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = on_host.values()
+    *summed, nan, pos_inf, neg_inf = on_host.values()
+    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed
     loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
     reason = "non-finite loss" if non_finite else ("loss spike" if loss > spike_limit else "")
     if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
@@ -507,8 +558,9 @@ def train_step(run: Run, batches) -> dict:
         # finds its scale (several in a row at the start are normal): counted, not guarded.
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
     return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
-            "stop": stop > 0,
-            "skipped": reason, "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
+            "stop": stop > 0, "skipped": reason, "spike_limit": spike_limit,
+            "non_finite_here": dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
+            "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
 
 
 class HostCopy:
@@ -532,19 +584,22 @@ class HostCopy:
         return self.tensor.tolist()
 
 
-def _injected_nan(spec: str) -> set[tuple[int, int]]:
-    """Fault injection for testing the guard: PRETRAIN_INJECT_NAN="RANK:STEP[-LAST],..." makes
-    that rank's loss NaN at those steps (1-based), as a bad batch or an overflow would."""
-    out = set()
+def _injected_loss(spec: str) -> dict[tuple[int, int], float]:
+    """Fault injection for testing the guard: PRETRAIN_INJECT_NAN="RANK:STEP[-LAST][*FACTOR],..."
+    multiplies that rank's loss at those steps (1-based) by FACTOR, NaN by default: NaN or inf as
+    a bad batch or an overflow would make it, a large factor as a loss spike."""
+    out = {}
     for item in filter(None, spec.replace(" ", "").split(",")):
+        item, _, factor = item.partition("*")
         rank, _, steps = item.partition(":")
         first, _, last = steps.partition("-")
-        out |= {(int(rank), step) for step in range(int(first), int(last or first) + 1)}
+        out.update({(int(rank), step): float(factor or "nan") for step in range(int(first), int(last or first) + 1)})
     return out
 
 
-_INJECTED_NAN = _injected_nan(os.environ.get("PRETRAIN_INJECT_NAN", ""))
+_INJECTED_LOSS = _injected_loss(os.environ.get("PRETRAIN_INJECT_NAN", ""))
 FP16_OVERFLOW = "fp16 overflow"
+NON_FINITE_KINDS = ("nan", "inf", "-inf")  # a rank's non-finite losses, as skipped_batches.jsonl names them
 
 
 def step_sample_keys(run: Run, result: dict) -> list[str]:
@@ -565,14 +620,17 @@ def guard_step(run: Run, result: dict) -> dict:
     else:
         run.guard.record(result["train/loss"], bool(result["skipped"]))
     if result["skipped"] and not overflow:
-        keys = [key for rank_keys in dist.all_gather_object(step_sample_keys(run, result)) for key in rank_keys]
+        # One gather, on a skipped step only: each rank's sample keys and its non-finite losses.
+        gathered = dist.all_gather_object((step_sample_keys(run, result), result["non_finite_here"]))
+        keys = [key for rank_keys, _ in gathered for key in rank_keys]
         if run.denv.is_main:
-            row = {"step": run.step, "reason": result["skipped"], "loss": result["train/loss"],
-                   "consecutive": run.guard.consecutive, "sample_keys": keys}
+            cause, said = skip_cause(result, [non_finite for _, non_finite in gathered])
+            row = {"step": run.step, "reason": result["skipped"], **cause, "consecutive": run.guard.consecutive,
+                   "sample_keys": keys}
             with open(Path(run.cfg.run_dir) / "skipped_batches.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"step {run.step}: skipped on every rank ({result['skipped']}, loss {result['train/loss']:.4g}); "
-                  f"{run.guard.skipped} skipped so far", file=sys.stderr)
+            print(f"step {run.step}: skipped on every rank ({said}); {run.guard.skipped} skipped so far",
+                  file=sys.stderr)
         metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result["skipped"]}
         if run.guard.consecutive > run.guard.max_consecutive_skips:
             save_checkpoint(run)
@@ -584,6 +642,32 @@ def guard_step(run: Run, result: dict) -> dict:
                         f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
                         f"in the log (data.data_dir={run.cfg.data.data_dir})")
     return metrics
+
+
+def skip_cause(result: dict, non_finite_by_rank: list[dict]) -> tuple[dict, str]:
+    """What made a step skipped, as fields of its skipped_batches.jsonl row and in words. A
+    non-finite loss: each rank's micro batches whose loss was nan, inf or -inf, and apart from
+    them `finite_loss`, the loss per scored token of the micro batches that were finite, all ranks
+    (null if none was): the step itself has no finite loss. A spike: the loss and the limit it
+    passed (`Guard.spike_limit`). Otherwise (DeepSpeed found a non-finite gradient norm): the loss."""
+    reason, loss = result["skipped"], result["train/loss"]
+    if reason == "non-finite loss":
+        found = [{"rank": rank, "loss": kind, "micro_batches": count}
+                 for rank, counts in enumerate(non_finite_by_rank) for kind, count in counts.items() if count]
+        by_kind = {kind: [entry["rank"] for entry in found if entry["loss"] == kind] for kind in NON_FINITE_KINDS}
+        said = ", ".join(f"{kind} on {_ranks(ranks)}" for kind, ranks in by_kind.items() if ranks)
+        return {"non_finite": found, "finite_loss": loss if math.isfinite(loss) else None}, f"{reason}: {said}"
+    if reason == "loss spike":
+        return ({"loss": loss, "limit": result["spike_limit"]},
+                f"{reason}: loss {loss:.4g} above the limit {result['spike_limit']:.4g}")
+    return {"loss": loss}, f"{reason}, loss {loss:.4g}"
+
+
+def _ranks(ranks: list[int], shown: int = 8) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return f"ranks {', '.join(map(str, ranks[:shown]))}{more}"
 
 
 @torch.compiler.set_stance("force_eager")  # see compile_model: no eval graphs or their recompiles
@@ -636,6 +720,7 @@ def save_checkpoint(run: Run) -> Path:
     if run.denv.is_main:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
                                              "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
+        info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
         (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
         ckpt.move_pointer(root, tag)

@@ -35,6 +35,12 @@ class StackConfig:
     layer_norm_eps: Optional[float] = None  # None: the shared layer_norm_eps
 
 
+# The fields that change how a network trains, not the network its weights define. Every other
+# field decides the parameters' names and shapes or what they compute, so a resumed run may
+# change these alone (`launch.train` refuses the others before loading).
+TRAINING_ONLY_FIELDS = ("dropout", "label_smoothing", "activation_checkpointing", "init_std")
+
+
 @dataclass
 class ModelConfig:
     arch: str = "gpt"  # gpt | bert | seq2seq

@@ -2,9 +2,10 @@
 
 The dataclasses of each package are the schema (OmegaConf structured configs); a YAML file
 under `configs/` is an instance; command-line overrides come last. Precedence is
-command line > YAML > dataclass defaults. An unknown key, a wrong type or a missing
-required value (a field defaulting to OmegaConf's `MISSING`) fails with one line naming the
-key and where it came from.
+command line > YAML > dataclass defaults. An unknown key, a wrong type, a missing
+required value (a field defaulting to OmegaConf's `MISSING`) or a value that is not valid YAML
+(a `!!python/...` tag, which the YAML loader refuses in a file and an override alike) fails
+with one line naming the key and where it came from.
 
 Every entry point has the same command-line grammar (`parse_cli`):
 
@@ -55,6 +56,10 @@ def _describe(err: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
     """Build a `schema` instance from defaults, then the YAML at `path`, then `overrides`."""
     base = OmegaConf.structured(schema)
@@ -64,8 +69,8 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
             raise UserError(f"config file not found: {path}")
         try:
             from_file = OmegaConf.load(path)
-        except Exception as err:  # yaml.YAMLError and friends: keep only the first line
-            raise UserError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from err
+        except Exception as err:  # yaml.YAMLError and friends
+            raise UserError(f"{path}: not valid YAML: {_first_line(err)}") from err
         try:
             base = OmegaConf.merge(base, from_file)
         except OmegaConfBaseException as err:
@@ -73,8 +78,16 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key.sub=value")
+        key, _, value = item.partition("=")
         try:
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
+            parsed = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as err:
+            raise UserError(f"command line {item!r}: {_describe(err)}") from err
+        except Exception as err:  # the value as YAML: a tag it refuses (`!!python/name:...`), a bad `!!int`, `[1`
+            raise UserError(f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
+                            f"{_first_line(err)}") from err
+        try:
+            base = OmegaConf.merge(base, parsed)
         except OmegaConfBaseException as err:
             raise UserError(f"command line {item!r}: {_describe(err)}") from err
     # Named here, all at once: OmegaConf would report only the first, in a sentence about the

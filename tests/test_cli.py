@@ -77,6 +77,25 @@ def test_missing_or_unknown_key_is_one_line_and_exit_2(module, args, expected):
     assert run.stdout == ""
 
 
+@pytest.mark.parametrize("module, args", [
+    ("launch.train", [str(ROOT / "configs" / "tiny_gpt.yaml"), "max_steps={tag}"]),
+    ("pipeline.prepare", [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "seq_len={tag}"]),
+    ("launch.main", [str(ROOT / "configs" / "main.yaml"), "nproc={tag}"]),
+    ("launch.evaluate", ["checkpoint=runs/x", "beam={tag}"]),
+], ids=["train", "prepare", "main", "evaluate"])
+@pytest.mark.parametrize("tag", ["!!python/name:os.system", "!!python/object/apply:os.system [echo]"],
+                         ids=["name", "object-apply"])
+def test_a_yaml_object_tag_in_an_override_is_one_line_and_exit_2(module, args, tag):
+    """As in a YAML file: refused by the YAML loader, reported in one line naming the key and the value."""
+    argv = [arg.format(tag=tag) for arg in args]
+    key = argv[-1].partition("=")[0]
+    run = python_m(module, *argv)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.count("\n") == 1, run.stderr[-3000:]
+    assert run.stderr.startswith(f"error: command line {argv[-1]!r}: {key}: value {tag!r} is not valid YAML: "
+                                 "could not determine a constructor for the tag"), run.stderr
+
+
 # ----------------------------------------------------------------------------- parse_cli itself
 
 

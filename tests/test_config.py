@@ -31,6 +31,13 @@ def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
         ("", ["ray.num_workers=two"], "ray.num_workers"),
         ("", ["seq_len"], "not of the form"),
         ("seq_len: [1\n", [], "not valid YAML"),
+        # A YAML object tag builds nothing, from a file or from the command line alike.
+        ("seq_len: !!python/name:os.system\n", [], "not valid YAML: could not determine a constructor"),
+        ("", ["seq_len=!!python/name:os.system"],
+         "seq_len: value '!!python/name:os.system' is not valid YAML: could not determine a constructor"),
+        ("", ["shard.buckets=!!python/object/apply:os.system [echo]"],
+         "shard.buckets: value '!!python/object/apply:os.system [echo]' is not valid YAML"),
+        ("", ["seq_len=!!int many"], "seq_len: value '!!int many' is not valid YAML: invalid literal"),
     ],
 )
 def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, expected):

@@ -8,6 +8,7 @@ with a checkpoint of the last good weights.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -95,6 +96,52 @@ def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_wou
     assert "data.micro_batch_size=4 grad_accum=2" in line
 
 
+def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]
+    run_train(tiny_dataset, run_dir, *common, "max_steps=2")  # 2 ranks, TINY's model.d_model=32
+    for nproc, extra in ((1, ["grad_accum=2"]), (2, [])):  # the same global batch: only the model differs
+        refused = run_train(tiny_dataset, run_dir, *common, "max_steps=4", "model.d_model=64", *extra, nproc=nproc,
+                            check=False)
+        assert refused.returncode == (2 if nproc == 1 else 1), refused.stderr[-4000:]  # torchrun reports a failed child as 1
+        (line,) = {line for line in refused.stderr.splitlines() if line.startswith("error:")}  # the same on both ranks
+        assert line == (f"error: checkpoint {run_dir / 'checkpoints' / 'step_00000002'} holds another model than this "
+                        f"job: model.d_model 32 there, 64 here; resume it as saved with model.d_model=32, or train the "
+                        f"new model from scratch in a new run_dir"), line
+        # Found from the checkpoint's record, before the engine is built: no rank's traceback.
+        assert "size mismatch" not in refused.stderr and "[rank" not in refused.stderr, refused.stderr[-4000:]
+        assert "DeepSpeedZeroOptimizer" not in refused.stderr
+    # What only trains differently may change on a resume.
+    resumed = run_train(tiny_dataset, run_dir, *common, "max_steps=3", "model.dropout=0.2")
+    assert "resumed from" in resumed.stderr and json.loads((run_dir / "final.json").read_text())["step"] == 3
+
+
+def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_config(tmp_path):
+    from dataclasses import replace
+
+    from launch import checkpoint as ckpt
+    from launch.config import TrainConfig
+    from launch.train import _model_misfit
+    from model import ModelConfig, StackConfig
+    from pipeline.configure import config_to_dict, save_config
+
+    cfg = TrainConfig(model=ModelConfig(arch="seq2seq", vocab_size=100, d_model=16, n_heads=4))
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "client_state.json").write_text(json.dumps({"step": 2}))  # before the model was recorded
+    assert ckpt.saved_model_config(root, "step_00000002") is None
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    saved = ckpt.saved_model_config(root, "step_00000002")
+    assert saved == config_to_dict(cfg.model)
+    assert _model_misfit(root / "step_00000002", saved, replace(cfg, model=replace(cfg.model, dropout=0.3))) is None
+    changed = replace(cfg, resume=str(root / "step_00000002"),
+                      model=replace(cfg.model, encoder=StackConfig(n_heads=2), activation="relu", label_smoothing=0.0))
+    assert _model_misfit(root / "step_00000002", saved, changed) == (
+        f"checkpoint {root / 'step_00000002'} holds another model than this job: model.activation gelu there, relu "
+        "here; model.encoder.n_heads null there, 2 here; resume it as saved with model.activation=gelu "
+        "model.encoder.n_heads=null, or train the new model from scratch in a new run_dir with resume=none")
+
+
 def _optimizer_files(checkpoint: Path) -> dict[str, dict]:
     return {path.name: torch.load(path, map_location="cpu", weights_only=False)
             for path in sorted(checkpoint.glob("*optim_states.pt"))}
@@ -114,9 +161,12 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=1",
                     "checkpoint.keep_last=10", env={"PRETRAIN_INJECT_NAN": "1:3"})
-    assert "step 3: skipped on every rank (non-finite loss" in run.stderr
+    assert "step 3: skipped on every rank (non-finite loss: nan on rank 1); 1 skipped so far" in run.stderr
     (row,) = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
     assert row["step"] == 3 and row["reason"] == "non-finite loss" and len(row["sample_keys"]) == 8
+    # What caused the skip, and apart from it the loss of the batches that were finite (rank 0's).
+    assert row["non_finite"] == [{"rank": 1, "loss": "nan", "micro_batches": 1}] and "loss" not in row
+    assert 0 < row["finite_loss"] < 10
     checkpoints = run_dir / "checkpoints"
     before, after = _optimizer_files(checkpoints / "step_00000002"), _optimizer_files(checkpoints / "step_00000003")
     assert len(before) == 2  # one partition per rank: both ranks' weights and Adam moments unchanged
@@ -128,6 +178,24 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["guard/skipped_steps"] for r in rows if "guard/skipped_steps" in r] == [1]
     assert json.loads((run_dir / "final.json").read_text())["skipped_steps"] == 1
+
+
+def test_a_skipped_step_records_the_losses_that_caused_it(tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=0",
+                    "grad_accum=2", "guard.spike_factor=50", "guard.spike_warmup_steps=4", "guard.spike_window=4",
+                    "wandb.mode=disabled", nproc=1, env={"PRETRAIN_INJECT_NAN": "0:3*inf,0:6*100"})
+    non_finite, spike = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
+    assert non_finite["step"] == 3 and non_finite["reason"] == "non-finite loss"
+    assert non_finite["non_finite"] == [{"rank": 0, "loss": "inf", "micro_batches": 2}]
+    assert non_finite["finite_loss"] is None and "loss" not in non_finite  # no batch of the step was finite
+    assert "step 3: skipped on every rank (non-finite loss: inf on rank 0)" in run.stderr
+    # The spike test's limit: the mean of the last 4 applied steps' losses plus 50 of their standard deviations.
+    applied = [row["train/loss"] for row in metrics(run_dir) if row["step"] in (1, 2, 4, 5)]
+    limit = statistics.mean(applied) + 50 * statistics.stdev(applied)
+    assert spike["step"] == 6 and spike["reason"] == "loss spike" and "non_finite" not in spike
+    assert spike["limit"] == pytest.approx(limit) and spike["loss"] > 20 * limit
+    assert f"step 6: skipped on every rank (loss spike: loss {spike['loss']:.4g} above the limit {limit:.4g})" in run.stderr
 
 
 def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dataset, tmp_path):
