@@ -251,9 +251,8 @@ class MainConfig:
     starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
     beam: int = 4  # beam size of the evaluation
     eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
-    # wandb.mode of every training run; "" = $WANDB_MODE, else offline. The runs of one main job
-    # share a W&B group: wandb_group, else $WANDB_RUN_GROUP, else the name of out_dir and a time.
-    wandb_mode: str = ""
+    wandb_mode: str = ""  # wandb.mode of every training run; "" = $WANDB_MODE, else offline
+    # The W&B group the job's runs share; "" = $WANDB_RUN_GROUP, else out_dir's name and the time it first ran
     wandb_group: str = ""
 
 
