@@ -84,7 +84,7 @@ nccl_env() {
 # says which were set (a key's value hidden), since a config's wandb.* keys win over them.
 wandb_env() {
     local settings
-    settings=$(env | grep -E '^WANDB_' | sed -E 's/^(WANDB_API_KEY)=.*/\1=(set)/' | sort | tr '\n' ' ')
+    settings=$(env | { grep -E '^WANDB_' || true; } | sed -E 's/^(WANDB_API_KEY)=.*/\1=(set)/' | sort | tr '\n' ' ')
     log "W&B settings passed to the ranks: ${settings:-none (offline, unless the config sets wandb.mode)}"
 }
 

@@ -293,9 +293,11 @@ esac
 """
 
 
-def run_sbatch_script(script: str, argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+def run_sbatch_script(script: str, argv: list[str], tmp_path: Path,
+                      wandb: dict | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     """Run a batch script as slurmd would on the batch host of a 2-node job with 2 ranks per
-    node, with stand-ins for srun (it records its command line) and scontrol."""
+    node, with stand-ins for srun (it records its command line) and scontrol. `wandb`: the
+    job's WANDB_* variables instead of this environment's."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -305,9 +307,25 @@ def run_sbatch_script(script: str, argv: list[str], tmp_path: Path) -> tuple[sub
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "PROJECT_DIR": str(ROOT),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": script.split(".")[0], "SLURM_JOB_NUM_NODES": "2",
            "SLURM_JOB_NODELIST": "node[1-2]", "NPROC_PER_NODE": "2", "SRUN_CALLS": str(calls)}
+    if wandb is not None:
+        env = {**{k: v for k, v in env.items() if not k.startswith("WANDB_")}, **wandb}
     run = subprocess.run(["bash", str(ROOT / "slurm" / script), *argv], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     return run, calls
+
+
+def test_the_batch_scripts_log_the_w_and_b_settings_they_pass_on_and_run_without_any(data, tmp_path):
+    """No WANDB_* at all (a user who never set one: grep finding nothing must not end a script
+    under pipefail), and an online job's: the key's value is never written to the log."""
+    run, calls = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path, wandb={})
+    assert run.returncode == 0, run.stderr
+    assert "W&B settings passed to the ranks: none (offline, unless the config sets wandb.mode)" in run.stderr
+    calls.unlink()
+    run, _ = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path,
+                               wandb={"WANDB_MODE": "online", "WANDB_API_KEY": "s3cr3t", "WANDB_PROJECT": "p"})
+    assert run.returncode == 0, run.stderr
+    assert "W&B settings passed to the ranks: WANDB_API_KEY=(set) WANDB_MODE=online WANDB_PROJECT=p" in run.stderr
+    assert "s3cr3t" not in run.stderr + run.stdout
 
 
 def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path):
