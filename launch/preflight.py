@@ -45,7 +45,7 @@ from launch.tasks import TASKS, Task
 from model import ModelConfig, build_model, training_flops
 from model.config import STACKS
 from model.loss import chunk_peak_bytes
-from model.warm_start import ARCHITECTURE_FIELDS, SOURCE_CLASSES
+from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
 from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, ManifestError, file_sha256, read_manifest, shard_entries
@@ -499,7 +499,7 @@ def check_warm_start(cfg: TrainConfig, task: Task | None, model_cfg: ModelConfig
             report.problem(key, f"{path} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}")
         elif model_cfg is not None:
             stack = model_cfg.for_stack(side)
-            differ = [name for name in ARCHITECTURE_FIELDS if getattr(source, name) != getattr(stack, name)]
+            differ = [name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)]
             if differ:
                 report.problem(key, f"{path} ({source.arch}) has " + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
                                + f" but the Seq2Seq {side} has " + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ))

@@ -271,6 +271,27 @@ def test_warm_start_sources_are_checked(data, tmp_path, capsys):
     assert code == 2 and problems[0].startswith("init.decoder: ") and "not an exported model directory" in problems[0]
 
 
+def test_llama_shaped_warm_start_sources_are_checked(data, tmp_path, capsys):
+    """A Llama-style GPT decoder (untied head) and a rotary BERT encoder fit a Seq2Seq of their
+    shapes; the decoder's tie_embeddings is checked, the encoder's (which has no LM head) is not."""
+    llama = ["model.bias=false", "model.tie_embeddings=false", "model.positions=rope", "model.decoder.norm=rmsnorm",
+             "model.decoder.activation=swiglu", "model.decoder.n_kv_heads=2", "model.encoder.norm_position=pre",
+             "model.encoder.activation=geglu"]
+    cfg = translation_config(data, tmp_path, *llama)
+    tokenizer = data / TOKENIZER_FILE
+    bert = export(tmp_path / "bert", replace(cfg.model.for_stack("encoder"), arch="bert", tie_embeddings=True), tokenizer)
+    gpt = export(tmp_path / "gpt", replace(cfg.model.for_stack("decoder"), arch="gpt"), tokenizer)
+    sources = [f"init.encoder={bert}", f"init.decoder={gpt}"]
+    code, out, problems = dry_run(args(data, tmp_path, *llama, *sources, config="tiny_translation.yaml"), capsys)
+    assert code == 0, out
+    assert "fits the encoder" in out and "fits the decoder" in out
+    tied = [*llama[:1], "model.tie_embeddings=true", *llama[2:]]
+    code, out, problems = dry_run(args(data, tmp_path, *tied, *sources, config="tiny_translation.yaml"), capsys)
+    assert code == 2 and "fits the encoder" in out
+    assert problems == [f"init.decoder: {gpt} (gpt) has tie_embeddings=False but the Seq2Seq decoder has "
+                        "tie_embeddings=True"], out
+
+
 def test_translation_pairs_longer_than_the_model_are_found_in_the_shards(data, tmp_path, capsys):
     # The pairs' bound (translation.max_tokens) does not fit: the shards tell what the longest pair
     # needs, as the trainer's own check (launch.preconditions) does.
