@@ -139,6 +139,25 @@ def test_memory_is_deepspeeds_estimate_for_the_zero_stage():
     assert gpu(3, offload_optimizer=True, offload_params=True) == 4 * largest
 
 
+def test_activation_estimate_counts_grouped_heads_and_gated_mlps():
+    """Per token and block, in bf16: 2 x (9 d + 2 d_ff) plain; 2 x (7 d + 2 d_kv + 4 d_ff) with
+    grouped key/value heads (k and v of d_kv) and a gated MLP (gate and value, activated gate,
+    product). The rest (embeddings, the LM head's loss) is the same for both."""
+    from launch.preflight import activation_bytes
+    from launch.tasks import TASKS
+    from model import ModelConfig
+
+    d, T, B, L = 64, 128, 2, 2
+    plain = ModelConfig(arch="gpt", vocab_size=1000, d_model=d, n_layers=L, n_heads=4, d_ff=4 * d, max_seq_len=T,
+                        dropout=0.0)
+    llama = replace(plain, n_kv_heads=1, activation="swiglu", d_ff=160, positions="rope", norm="rmsnorm", bias=False)
+
+    def estimate(cfg):
+        return activation_bytes(cfg, TASKS["causal_lm"], B, T, 0, 0.15, "bf16")
+
+    assert estimate(llama) - estimate(plain) == B * T * L * 2 * ((7 * d + 2 * 16 + 4 * 160) - (9 * d + 2 * 4 * d))
+
+
 def _drop_shard(data: Path) -> None:
     (data / "packed" / "train" / "0000-0001.tar").unlink()
 
