@@ -103,6 +103,16 @@ def test_a_good_config_passes_with_its_figures(data, tmp_path, capsys):
     assert f"epochs in max_steps:  {cfg.max_steps / 7:,.2f}" in out
 
 
+@pytest.mark.parametrize("config", ["llama_small.yaml", "llama_gpu_small.yaml"])
+def test_the_llama_configs_pass_with_their_figures(data, tmp_path, capsys, config):
+    code, out, problems = dry_run(args(data, tmp_path, config=config), capsys)
+    assert code == 0 and problems == [], out
+    cfg = load_config(TrainConfig, ROOT / "configs" / config, args(data, tmp_path)[1:])
+    model = build_model(replace(cfg.model, vocab_size=VOCAB_SIZE))
+    assert model.cfg.positions == "rope" and model.cfg.kv_heads < model.cfg.n_heads
+    assert f"parameters:           {sum(p.numel() for p in model.parameters()):,}" in out
+
+
 def test_json_figures_and_the_world_from_the_environment_or_the_flag(data, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
