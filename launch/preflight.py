@@ -413,16 +413,17 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
     ("Reducing Activation Recomputation in Large Transformer Models", section 4.1, without model
     parallelism), in the training precision: in the attention sublayer the norm's input, the
     q/k/v projections' input, q, k and v, SDPA's output and the output projection's reshaped
-    copy of it (5 d + 2 d_kv, d_kv = n_kv_heads x d / n_heads: k and v are smaller with
-    grouped-query attention, whose heads SDPA takes ungrouped where it can; `model.blocks.attention`);
-    in the MLP sublayer the norm's input, the first projection's input and the hidden layer
-    before and after its activation (2 d + 2 d_ff; a gated MLP keeps the gate and value before,
-    the activated gate and the product after: 2 d + 4 d_ff); and a one-byte mask per element
-    for each residual dropout (2 d). With d_ff = 4 d in 16 bits that is 36 d bytes, their 34 d
-    plus the copy; with Llama's gated MLP at d_ff = 8/3 d, no grouped heads and no dropout,
-    39.3 d. Rotary positions save nothing of their own: the rotated q and k are SDPA's inputs,
-    counted (repeated to d each where SDPA cannot take grouped heads: on CUDA with a mask). Their (T x T) attention-score term is left out: torch's flash and
-    memory-efficient SDPA kernels keep only per-row softmax statistics. A cross-attention
+    copy of it (5 d + 2 d_kv, d_kv = n_kv_heads x d / n_heads: grouped-query attention's k and v
+    are smaller, and SDPA takes them so where it can, `model.blocks.attention`; on CUDA with a
+    mask they are repeated to d each, which this leaves out); in the MLP sublayer the norm's
+    input, the first projection's input and the hidden layer before and after its activation
+    (2 d + 2 d_ff; a gated MLP keeps gate and value before, the activated gate and the product
+    after: 2 d + 4 d_ff); and a one-byte mask per element for each residual dropout (2 d). With
+    d_ff = 4 d in 16 bits that is 36 d bytes, their 34 d plus the copy; Llama's blocks (d_ff =
+    8/3 d, no grouped heads, no dropout) keep 39.3 d. Rotary positions keep nothing of their own
+    (the rotated q and k are SDPA's inputs). Korthikanti et al.'s (T x T) attention-score term
+    is left out: torch's flash and memory-efficient SDPA kernels keep only per-row softmax
+    statistics. A cross-attention
     sublayer adds 5 d per target token (its norm's and q-projection's inputs, q, SDPA's output
     and its copy) and the keys and values of the memory (2 d_kv per source token). With
     activation checkpointing a block keeps only its input, plus one block's tensors while it is

@@ -250,8 +250,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
     mask on CUDA they are repeated to H heads first: the memory-efficient kernel, the one that
     takes a mask there, has no grouped heads, and SDPA would fall back to its math path.
 
-    torch's `scaled_dot_product_attention` runs it, except in one case: bf16 training on a CPU inside a
-    compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
+    torch's `scaled_dot_product_attention` runs it, except in one case: bf16 training on a CPU
+    inside a compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
     SDPA's CPU flash kernel runs its backward pass at a small fraction of the bf16 GEMM rate
     (at 128 keys, 10 ms for a layer whose forward takes 0.7 ms), and `_RecomputedAttention`
     keeps the flash forward but recomputes the probabilities in backward with batched GEMMs
@@ -382,7 +382,8 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
         if memory is None:
-            k, v = self._heads(self.k_proj(x), self.n_kv_heads), self._heads(self.v_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            v = self._heads(self.v_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
             if rotary is not None:
                 q, k = rotate(q, *rotary), rotate(k, *rotary)  # the cache keeps keys rotated
             if cache is not None:
@@ -390,7 +391,8 @@ class Attention(nn.Module):
         elif cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # the memory is fixed while decoding: project it once
         else:
-            k, v = self._heads(self.k_proj(memory), self.n_kv_heads), self._heads(self.v_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
+            k = self._heads(self.k_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
+            v = self._heads(self.v_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
             if cache is not None:
                 cache.k, cache.v = k, v
         if mask is not None and not isinstance(mask, Tensor):
@@ -559,7 +561,10 @@ class Embeddings(nn.Module):
             return tok
         # DeepSpeed's bf16/fp16 casts parameters, not buffers: the sinusoid table stays fp32
         # and takes the dtype of the embeddings here.
-        pos = self.pos(positions) if self.positions == "learned" else self.pos_table[positions].to(tok.dtype)  # (B or 1, T, C)
+        if self.positions == "learned":
+            pos = self.pos(positions)  # (B or 1, T, C)
+        else:
+            pos = self.pos_table[positions].to(tok.dtype)  # (B or 1, T, C)
         return tok + pos  # (B, T, C)
 
 

@@ -344,7 +344,8 @@ def _llama_rope_theta(hf_config) -> float:
     """The rotary base of a LlamaConfig, refusing the scaled variants (Llama 3.1's, YaRN, ...)."""
     params = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf_config.rope_theta}
     if params.get("rope_type", "default") != "default":
-        raise ValueError(f"LlamaConfig rope_type={params['rope_type']!r} is not supported (plain rotary positions only)")
+        raise ValueError(f"LlamaConfig rope_type={params['rope_type']!r} is not supported "
+                         "(plain rotary positions only)")
     return float(params["rope_theta"])
 
 
