@@ -245,10 +245,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
     """q (B, H, T, Dh); k, v (B, Hkv, S, Dh), Hkv dividing H (grouped-query attention), each
     key/value head serving H / Hkv consecutive query heads.
 
-    Grouped heads go to SDPA as they are (`enable_gqa`) where its kernel takes them: with no
-    explicit mask (the flash kernels), or on a CPU (whose flash kernel takes masks too). With a
-    mask on CUDA they are repeated to H heads first: the memory-efficient kernel, the one that
-    takes a mask there, has no grouped heads, and SDPA would fall back to its math path.
+    Grouped heads go to SDPA as they are (`enable_gqa`) where its kernel takes them: on a CPU
+    (whose flash kernel takes masks too), and on CUDA to the flash kernel (16-bit, no explicit
+    mask). Otherwise they are repeated to H heads first: CUDA's memory-efficient kernel, which
+    takes masks and float32, has no grouped heads, and SDPA would fall back to its math path.
 
     torch's `scaled_dot_product_attention` runs it, except in one case: bf16 training on a CPU
     inside a compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
@@ -263,7 +263,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
             and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _RecomputedAttention.apply(q, *expand_kv(k, v, q.shape[1]), mask, is_causal)
     if k.shape[1] != q.shape[1]:
-        if SDPA_TAKES_GQA and (mask is None or q.device.type == "cpu"):
+        flash = mask is None and q.dtype in (torch.float16, torch.bfloat16)
+        if SDPA_TAKES_GQA and (q.device.type == "cpu" or flash):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                                   enable_gqa=True)
         k, v = expand_kv(k, v, q.shape[1])

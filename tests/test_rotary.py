@@ -132,3 +132,31 @@ def test_the_decoding_cache_keeps_only_the_key_value_heads():
     with torch.no_grad():
         model(torch.randint(5, 40, (3, 5)), cache=cache)
     assert cache.layers[1].self_attn.k.shape == (3, 1, 5, 8)  # (B, n_kv_heads, T, Dh)
+
+
+@pytest.mark.gpu
+def test_grouped_heads_on_cuda_equal_the_cpu():
+    """Each CUDA route of a Llama-shaped GPT (bf16 flash with grouped heads and no mask; heads
+    repeated for a padding mask; FlexAttention's grouped heads for a document mask) against the
+    CPU's float32 logits of the same weights."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="gpt", vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, max_seq_len=32,
+                      dropout=0.0, positions="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    cpu = build_model(cfg).eval()
+    gpu = build_model(cfg).cuda().eval()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randint(5, 40, (2, 24))
+    mask = torch.ones_like(x)
+    mask[1, 18:] = 0
+    documents = torch.cat([torch.zeros(2, 10, dtype=torch.long), torch.ones(2, 14, dtype=torch.long)], dim=1)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = {"plain": cpu(x).logits, "padding": cpu(x, mask).logits[real],
+                    "documents": cpu(x, document_ids=documents).logits}
+        got = {"padding": gpu(x.cuda(), mask.cuda()).logits[real.cuda()],
+               "documents": gpu(x.cuda(), document_ids=documents.cuda()).logits}
+        assert gpu.attention_kernel == "flex_attention (document mask)"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got["plain"] = gpu(x.cuda()).logits.float()
+    for name, tolerance in (("padding", 1e-4), ("documents", 1e-4), ("plain", 0.1)):
+        torch.testing.assert_close(got[name].cpu(), expected[name], rtol=0, atol=tolerance, msg=name)
