@@ -43,9 +43,9 @@ from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.preconditions import data_fits_model
 from launch.tasks import TASKS, Task
 from model import ModelConfig, build_model, training_flops
-from model.config import STACKS
+from model.config import GATED_ACTIVATIONS, STACKS
 from model.loss import chunk_peak_bytes
-from model.warm_start import ARCHITECTURE_FIELDS, SOURCE_CLASSES
+from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
 from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, ManifestError, file_sha256, read_manifest, shard_entries
@@ -413,13 +413,19 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
     ("Reducing Activation Recomputation in Large Transformer Models", section 4.1, without model
     parallelism), in the training precision: in the attention sublayer the norm's input, the
     q/k/v projections' input, q, k and v, SDPA's output and the output projection's reshaped
-    copy of it (7 d); in the MLP sublayer the norm's input, the first projection's input and
-    the hidden layer before and after its activation (2 d + 2 d_ff); and a one-byte mask per
-    element for each residual dropout (2 d). With d_ff = 4 d in 16 bits that is 36 d bytes, their
-    34 d plus the copy. Their (T x T) attention-score term is left out: torch's flash and
-    memory-efficient SDPA kernels keep only per-row softmax statistics. A cross-attention
+    copy of it (5 d + 2 d_kv, d_kv = n_kv_heads x d / n_heads: grouped-query attention's k and v
+    are smaller, and SDPA takes them so where it can, `model.blocks.attention`; on CUDA with a
+    mask, or in float32, they are repeated to d each, which this leaves out); in the MLP sublayer the norm's
+    input, the first projection's input and the hidden layer before and after its activation
+    (2 d + 2 d_ff; a gated MLP keeps gate and value before, the activated gate and the product
+    after: 2 d + 4 d_ff); and a one-byte mask per element for each residual dropout (2 d). With
+    d_ff = 4 d in 16 bits that is 36 d bytes, their 34 d plus the copy; Llama's blocks (d_ff =
+    8/3 d, no grouped heads, no dropout) keep 39.3 d. Rotary positions keep nothing of their own
+    (the rotated q and k are SDPA's inputs). Korthikanti et al.'s (T x T) attention-score term
+    is left out: torch's flash and memory-efficient SDPA kernels keep only per-row softmax
+    statistics. A cross-attention
     sublayer adds 5 d per target token (its norm's and q-projection's inputs, q, SDPA's output
-    and its copy) and the keys and values of the memory (2 d per source token). With
+    and its copy) and the keys and values of the memory (2 d_kv per source token). With
     activation checkpointing a block keeps only its input, plus one block's tensors while it is
     recomputed. Embeddings: a dropout mask, and the norm's input in a post-LN stack. Heads: GPT's
     and the decoder's chunked loss (`model.loss`) keeps the final hidden states and their
@@ -433,11 +439,12 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
     mask = 1 if model_cfg.dropout > 0 else 0
 
     def stack(cfg: ModelConfig, tokens: float, memory_tokens: float = 0.0) -> float:
-        d = cfg.d_model
-        per_token = element * (9 * d + 2 * cfg.d_ff) + mask * 2 * d
+        d, d_kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+        hidden = (4 if cfg.activation in GATED_ACTIVATIONS else 2) * cfg.d_ff
+        per_token = element * (5 * d + 2 * d_kv + 2 * d + hidden) + mask * 2 * d
         if memory_tokens:  # a decoder stack: cross-attention too
             per_token += element * 5 * d + mask * d
-        block = per_token * tokens + element * 2 * d * memory_tokens
+        block = per_token * tokens + element * 2 * d_kv * memory_tokens
         kept = element * d * tokens * cfg.n_layers + block if cfg.activation_checkpointing else block * cfg.n_layers
         embeddings = (mask + (element if cfg.norm_position == "post" else 0)) * d * tokens
         return kept + embeddings
@@ -499,7 +506,7 @@ def check_warm_start(cfg: TrainConfig, task: Task | None, model_cfg: ModelConfig
             report.problem(key, f"{path} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}")
         elif model_cfg is not None:
             stack = model_cfg.for_stack(side)
-            differ = [name for name in ARCHITECTURE_FIELDS if getattr(source, name) != getattr(stack, name)]
+            differ = [name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)]
             if differ:
                 report.problem(key, f"{path} ({source.arch}) has " + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
                                + f" but the Seq2Seq {side} has " + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ))

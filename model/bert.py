@@ -12,21 +12,27 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from model.blocks import ModelOutput, Transformer, init_weights, make_activation
+from model.blocks import ModelOutput, Transformer, init_weights, make_activation, make_norm
 from model.config import ModelConfig
 from model.loss import IGNORE_INDEX, cross_entropy
 
 
 class MLMHead(nn.Module):
+    """dense, activation (a gated MLP's: its gate's, as ModernBERT's head), norm, decoder."""
+
     def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
         super().__init__()
-        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.act = make_activation(cfg.activation)
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.decoder = nn.Linear(cfg.d_model, cfg.vocab_size)
-        self.decoder.weight = token_embedding.weight  # tied; the bias is the head's own
+        self.norm = make_norm(cfg)
+        self.decoder = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         init_weights(self.dense, cfg.init_std)
-        nn.init.zeros_(self.decoder.bias)
+        if cfg.tie_embeddings:
+            self.decoder.weight = token_embedding.weight  # tied; the bias is the head's own
+        else:
+            nn.init.normal_(self.decoder.weight, mean=0.0, std=cfg.init_std)
+        if self.decoder.bias is not None:
+            nn.init.zeros_(self.decoder.bias)
 
     def forward(self, h: Tensor) -> Tensor:
         return self.decoder(self.norm(self.act(self.dense(h))))  # (B, T, V)

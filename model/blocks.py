@@ -2,9 +2,10 @@
 
 `Attention` (self or cross, causal or bidirectional, padding masks, key/value cache) runs on
 torch's `scaled_dot_product_attention` (`attention`: with a backward of its own in compiled bf16
-training on a CPU), or on FlexAttention for document masks on CUDA; `MLP`; `Block` (pre- or
-post-LN residual sublayers); `DecoderBlock` (a Block plus a cross-attention submodule with its own keys);
-`Embeddings`; and `Transformer`, the stack of embeddings, blocks and one norm. The three
+training on a CPU), or on FlexAttention for document masks on CUDA; `MLP` and `GatedMLP`; `Block`
+(pre- or post-norm residual sublayers); `DecoderBlock` (a Block plus a cross-attention submodule
+with its own keys); `Embeddings`; `Rotary`; and `Transformer`, the stack of embeddings, blocks and
+one norm. The three
 models subclass or compose `Transformer` and differ only in masks and heads, so every stack
 has the same parameter names (`embed.*`, `blocks.{i}.attn`, `.attn_norm`, `.mlp`,
 `.mlp_norm`, `norm`) and a pretrained GPT or BERT loads into a Seq2Seq unchanged.
@@ -21,8 +22,15 @@ run (no Triton, attention dropout in this forward, which FlexAttention does not 
 narrower than its compiled CUDA kernel takes, FLEX_MIN_HEAD_DIM).
 `Transformer.attention_kernel` names what the last forward ran.
 
+The options of a Llama-shaped stack are parts chosen by the config, not branches of one
+layer: `make_norm` (LayerNorm, or RMSNorm: Zhang & Sennrich 2019), `make_mlp` (MLP, or a gated
+MLP: Shazeer 2020), `Rotary` (rotary positions: Su et al. 2021) in place of added position
+embeddings, fewer key/value heads than query heads in `Attention` (grouped-query attention:
+Ainslie et al. 2023), and `bias` for every linear layer and LayerNorm. docs/design.md says why.
+
 References: Vaswani et al. 2017, "Attention Is All You Need" (post-LN, sinusoidal positions);
 Radford et al. 2019, GPT-2 (pre-LN, residual init scaling); Devlin et al. 2019, BERT;
+Touvron et al. 2023, Llama (RMSNorm, SwiGLU, rotary positions, no biases);
 karpathy/nanoGPT `model.py`; torchtune `modules/transformer.py` (blocks by composition).
 """
 
@@ -39,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from model.config import ModelConfig
+from model.config import GATED_ACTIVATIONS, ModelConfig
 
 
 class ModelOutput(NamedTuple):
@@ -59,7 +67,24 @@ class ModelOutput(NamedTuple):
 
 
 def make_activation(name: str) -> nn.Module:
-    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
+    """The nonlinearity `name` applies; for a gated activation, the one its gate applies."""
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "relu": nn.ReLU(),
+            "swiglu": nn.SiLU(), "geglu": nn.GELU()}[name]
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """A norm over d_model: LayerNorm (with a bias unless cfg.bias is false), or RMSNorm, which
+    rescales by the root mean square without centring and has a weight only (Zhang & Sennrich
+    2019). torch's RMSNorm computes in float32 for 16-bit inputs, as Hugging Face's Llama does."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    if cfg.activation in GATED_ACTIVATIONS:
+        return GatedMLP(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias)
+    return MLP(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias)
 
 
 # --- key/value cache -------------------------------------------------------------------
@@ -67,7 +92,8 @@ def make_activation(name: str) -> nn.Module:
 
 @dataclass
 class KV:
-    """Keys and values an attention layer has computed so far, (B, H, S, Dh) each."""
+    """Keys and values an attention layer has computed so far, (B, Hkv, S, Dh) each: with
+    grouped-query attention only the key/value heads are kept, n_heads / n_kv_heads times fewer."""
 
     k: Optional[Tensor] = None
     v: Optional[Tensor] = None
@@ -188,11 +214,12 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
     global _compiled_flex_attention
     from torch.nn.attention.flex_attention import flex_attention
 
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # grouped key/value heads
     if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask)
+        return flex_attention(q, k, v, block_mask=block_mask, **gqa)
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, **gqa)
 
 
 # Keys up to which compiled bf16 training on a CPU recomputes attention in backward
@@ -202,9 +229,29 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
 RECOMPUTE_MAX_KEYS = 128
 
 
+# Whether this torch's SDPA takes grouped key/value heads itself (`enable_gqa`, torch >= 2.5).
+SDPA_TAKES_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def expand_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
+    """Keys and values (B, Hkv, S, Dh) repeated to (B, H, S, Dh): query head h reads head h // (H / Hkv)."""
+    groups = n_heads // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, is_causal: bool) -> Tensor:
-    """torch's `scaled_dot_product_attention`, except in one case: bf16 training on a CPU inside a
-    compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
+    """q (B, H, T, Dh); k, v (B, Hkv, S, Dh), Hkv dividing H (grouped-query attention), each
+    key/value head serving H / Hkv consecutive query heads.
+
+    Grouped heads go to SDPA as they are (`enable_gqa`) where its kernel takes them: on a CPU
+    (whose flash kernel takes masks too), and on CUDA to the flash kernel (16-bit, no explicit
+    mask). Otherwise they are repeated to H heads first: CUDA's memory-efficient kernel, which
+    takes masks and float32, has no grouped heads, and SDPA would fall back to its math path.
+
+    torch's `scaled_dot_product_attention` runs it, except in one case: bf16 training on a CPU
+    inside a compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
     SDPA's CPU flash kernel runs its backward pass at a small fraction of the bf16 GEMM rate
     (at 128 keys, 10 ms for a layer whose forward takes 0.7 ms), and `_RecomputedAttention`
     keeps the flash forward but recomputes the probabilities in backward with batched GEMMs
@@ -214,7 +261,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout_p == 0.0 and torch.is_grad_enabled()
             and torch.compiler.is_compiling() and k.shape[-2] <= RECOMPUTE_MAX_KEYS
             and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _RecomputedAttention.apply(q, k, v, mask, is_causal)
+        return _RecomputedAttention.apply(q, *expand_kv(k, v, q.shape[1]), mask, is_causal)
+    if k.shape[1] != q.shape[1]:
+        flash = mask is None and q.dtype in (torch.float16, torch.bfloat16)
+        if SDPA_TAKES_GQA and (q.device.type == "cpu" or flash):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                  enable_gqa=True)
+        k, v = expand_kv(k, v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
@@ -293,20 +346,28 @@ def positions_in_documents(document_ids: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head attention; keys and values from `x` itself or from encoder `memory`."""
+    """Multi-head attention; keys and values from `x` itself or from encoder `memory`.
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    With n_kv_heads < n_heads, each key/value head serves n_heads / n_kv_heads query heads
+    (grouped-query attention, Ainslie et al. 2023): the k and v projections, and the decoding
+    cache, shrink by that factor. Rotary positions, when given, rotate the queries and keys of
+    self-attention only: a cross-attention key is a source position, whose distance from a target
+    position means nothing, and the encoder has put its own positions into the memory already."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, n_kv_heads: int = 0, bias: bool = True):
         super().__init__()
         self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def _heads(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        return x.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, Dh)
 
     def forward(
         self,
@@ -315,18 +376,24 @@ class Attention(nn.Module):
         mask: Optional[Tensor] = None,
         is_causal: bool = False,
         cache: Optional[KV] = None,
+        rotary: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Tensor:
-        """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document mask on CUDA)."""
+        """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document mask on CUDA);
+        `rotary`: the (cos, sin) of the queries' positions (`Rotary`), self-attention only."""
         B, T, C = x.shape
-        q = self._heads(self.q_proj(x))  # (B, H, T, Dh)
+        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
         if memory is None:
-            k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))  # (B, H, T, Dh)
+            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            v = self._heads(self.v_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            if rotary is not None:
+                q, k = rotate(q, *rotary), rotate(k, *rotary)  # the cache keeps keys rotated
             if cache is not None:
-                k, v = cache.append(k, v)  # (B, H, past + T, Dh)
+                k, v = cache.append(k, v)  # (B, Hkv, past + T, Dh)
         elif cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # the memory is fixed while decoding: project it once
         else:
-            k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))  # (B, H, S, Dh)
+            k = self._heads(self.k_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
+            v = self._heads(self.v_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
             if cache is not None:
                 cache.k, cache.v = k, v
         if mask is not None and not isinstance(mask, Tensor):
@@ -339,26 +406,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, activation: str):
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool = True):
         super().__init__()
-        self.fc = nn.Linear(d_model, d_ff)
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.act = make_activation(activation)
-        self.proj = nn.Linear(d_ff, d_model)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.act(self.fc(x)))
 
 
+class GatedMLP(nn.Module):
+    """act(x W) * (x V), projected back by `proj` (Shazeer 2020, "GLU Variants Improve
+    Transformer"): SwiGLU (act = SiLU, Llama) or GeGLU (act = GELU, ModernBERT). W and V are one
+    layer `fc` of 2 d_ff outputs, W's first, so that they are one GEMM and the keys stay MLP's
+    (`mlp.fc`, `mlp.proj`); ModernBERT's `Wi` has this layout, Llama's gate_proj and up_proj are
+    its two halves."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 2 * d_ff, bias=bias)
+        self.act = make_activation(activation)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, d_ff) each
+        return self.proj(self.act(gate) * value)
+
+
 class Block(nn.Module):
-    """Self-attention and MLP sublayers, each a residual branch with its own LayerNorm."""
+    """Self-attention and MLP sublayers, each a residual branch with its own norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
-        self.attn_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.mlp_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.activation)
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.kv_heads, cfg.bias)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
@@ -371,10 +456,12 @@ class Block(nn.Module):
         return [self.attn.out_proj, self.mlp.proj]
 
     def forward(
-        self, x: Tensor, mask: Optional[Tensor], is_causal: bool, cache: Optional[LayerCache] = None
+        self, x: Tensor, mask: Optional[Tensor], is_causal: bool, cache: Optional[LayerCache] = None,
+        rotary: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Tensor:
         kv = None if cache is None else cache.self_attn
-        x = self.residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv))
+        x = self.residual(x, self.attn_norm,
+                          lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary))
         return self.residual(x, self.mlp_norm, self.mlp)
 
 
@@ -383,8 +470,8 @@ class DecoderBlock(Block):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.cross_attn_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.cross_attn_norm = make_norm(cfg)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.kv_heads, cfg.bias)
 
     def residual_projections(self) -> List[nn.Linear]:
         return super().residual_projections() + [self.cross_attn.out_proj]
@@ -395,12 +482,14 @@ class DecoderBlock(Block):
         mask: Optional[Tensor],
         is_causal: bool,
         cache: Optional[LayerCache] = None,
+        rotary: Optional[tuple[Tensor, Tensor]] = None,
         memory: Optional[Tensor] = None,
         memory_mask: Optional[Tensor] = None,
     ) -> Tensor:
         kv = None if cache is None else cache.self_attn
-        x = self.residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv))
-        cross_kv = None if cache is None else cache.cross_attn
+        x = self.residual(x, self.attn_norm,
+                          lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary))
+        cross_kv = None if cache is None else cache.cross_attn  # no rotary: see `Attention`
         x = self.residual(
             x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory=memory, mask=memory_mask, cache=cross_kv)
         )
@@ -417,42 +506,81 @@ def sinusoids(length: int, d_model: int) -> Tensor:
     return table
 
 
+class Rotary(nn.Module):
+    """Rotary position embeddings (Su et al. 2021, "RoFormer"): the (cos, sin) that rotate a
+    self-attention query or key (`rotate`) by its position.
+
+    The pair of a head's dimensions (i, i + Dh/2) turns by position * theta^(-2i/Dh), so the
+    score of a query at position m and a key at n depends on m - n only. Dimensions are paired
+    across the two halves ("rotate half", as GPT-NeoX and Hugging Face's Llama do; RoFormer and
+    Meta's Llama pair neighbours), so Hugging Face weights convert without permuting q and k.
+    The table covers max_seq_len positions in float32, whatever the training dtype (DeepSpeed
+    casts parameters, not buffers); it is not saved: a rotary stack has no position keys."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        inverse_frequency = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (Dh/2,)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inverse_frequency)  # (L, Dh/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (L, Dh): each pair's angle on both its dimensions
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions (1 or B, T) -> cos, sin (1 or B, 1, T, Dh), to broadcast over heads."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, Dh) rotated by its positions' angles: computed in float32, returned in x's dtype."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x_rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # each pair turned by 90 degrees
+    return (x32 * cos + x_rotated * sin).to(x.dtype)
+
+
 class Embeddings(nn.Module):
-    """Token embeddings plus learned or sinusoidal position embeddings."""
+    """Token embeddings plus learned or sinusoidal position embeddings; with rotary positions,
+    which act inside self-attention (`Rotary`), token embeddings only."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.learned = cfg.positions == "learned"
-        if self.learned:
+        self.positions = cfg.positions
+        if self.positions == "learned":
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        else:
+        elif self.positions == "sinusoidal":
             # Not a parameter and not saved: a sinusoidal stack has no position keys.
             self.register_buffer("pos_table", sinusoids(cfg.max_seq_len, cfg.d_model), persistent=False)
         # Vaswani et al. scale token embeddings by sqrt(d_model), so that the fixed,
         # unit-amplitude sinusoids do not drown them, and in a Seq2Seq whose embeddings are the
         # output projection too (`share_embeddings`), whatever the positions.
-        self.scale = math.sqrt(cfg.d_model) if not self.learned or cfg.share_embeddings else 1.0
+        self.scale = math.sqrt(cfg.d_model) if self.positions == "sinusoidal" or cfg.share_embeddings else 1.0
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        tok = self.tok(input_ids)  # (B, T, C)
+        tok = self.tok(input_ids) * self.scale  # (B, T, C)
+        if self.positions == "rope":
+            return tok
         # DeepSpeed's bf16/fp16 casts parameters, not buffers: the sinusoid table stays fp32
         # and takes the dtype of the embeddings here.
-        pos = self.pos(positions) if self.learned else self.pos_table[positions].to(tok.dtype)  # (B or 1, T, C)
-        return tok * self.scale + pos  # (B, T, C)
+        if self.positions == "learned":
+            pos = self.pos(positions)  # (B or 1, T, C)
+        else:
+            pos = self.pos_table[positions].to(tok.dtype)  # (B or 1, T, C)
+        return tok + pos  # (B, T, C)
 
 
 def init_weights(module: nn.Module, std: float) -> None:
-    """GPT-2 / BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorms."""
+    """GPT-2 / BERT initialisation: normal(0, std) weights, zero biases, unit norms."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, mean=0.0, std=std)
-    elif isinstance(module, nn.LayerNorm):
+    elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
 
 
 def attention_kernels(model: nn.Module) -> list[str]:
@@ -461,7 +589,7 @@ def attention_kernels(model: nn.Module) -> list[str]:
 
 
 class Transformer(nn.Module):
-    """A stack: embeddings, blocks and one LayerNorm; returns hidden states (B, T, C).
+    """A stack: embeddings, blocks and one norm; returns hidden states (B, T, C).
 
     `norm` sits where the blocks' own norms leave the stream unnormalised: after the last
     block in pre-LN (GPT-2's ln_f), after the embeddings in post-LN (BERT's embedding
@@ -478,7 +606,9 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         block = DecoderBlock if cross_attention else Block
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.norm = make_norm(cfg)
+        # Rotary positions: one (cos, sin) table for every block's self-attention.
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.positions == "rope" else None
         # The kernel of document masks: "auto" (FlexAttention where it can run, see the module
         # doc), "sdpa" or "flex_attention" (eager on the CPU: for tests). Not a parameter.
         self.document_attention = "auto"
@@ -539,6 +669,7 @@ class Transformer(nn.Module):
         else:
             positions = positions_in_documents(document_ids)  # (B, T)
         x = self.embed(input_ids, positions)  # (B, T, C)
+        rotary = None if self.rotary is None else self.rotary(positions)  # (1 or B, 1, T, Dh) each
         if not self.pre_norm:
             x = self.norm(x)
         x = self.drop(x)
@@ -554,9 +685,9 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, mask, is_causal, layer_cache, *cross, use_reentrant=False)
+                x = checkpoint(block, x, mask, is_causal, layer_cache, rotary, *cross, use_reentrant=False)
             else:
-                x = block(x, mask, is_causal, layer_cache, *cross)
+                x = block(x, mask, is_causal, layer_cache, rotary, *cross)
         return self.norm(x) if self.pre_norm else x  # (B, T, C)
 
     def _document_kernel(self, device: torch.device) -> str:

@@ -17,10 +17,24 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ARCHS = ("gpt", "bert", "seq2seq")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+# The gated ones (Shazeer 2020, "GLU Variants Improve Transformer"): act(x W) * (x V), then W2.
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu") + GATED_ACTIVATIONS
+NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-POSITIONS = ("learned", "sinusoidal")
+POSITIONS = ("learned", "sinusoidal", "rope")
 STACKS = ("encoder", "decoder")
+# A gated MLP's default width is rounded up to a multiple of this (Llama's `multiple_of`).
+GATED_D_FF_MULTIPLE = 256
+
+
+def default_d_ff(d_model: int, activation: str) -> int:
+    """The MLP width that d_ff=0 stands for: 4 * d_model; for a gated activation 2/3 of that,
+    rounded up to a multiple of 256, as Llama sizes it (Touvron et al. 2023), so that its three
+    matrices hold about the weights of the two ungated ones (d_model 4096: 11008)."""
+    if activation in GATED_ACTIVATIONS:
+        return -(-(8 * d_model // 3) // GATED_D_FF_MULTIPLE) * GATED_D_FF_MULTIPLE
+    return 4 * d_model
 
 
 @dataclass
@@ -33,6 +47,9 @@ class StackConfig:
     norm_position: Optional[str] = None  # None: the shared norm_position
     positions: Optional[str] = None  # None: the shared positions
     layer_norm_eps: Optional[float] = None  # None: the shared layer_norm_eps
+    n_kv_heads: Optional[int] = None  # None: the shared n_kv_heads
+    norm: Optional[str] = None  # None: the shared norm
+    rope_theta: Optional[float] = None  # None: the shared rope_theta
 
 
 # The fields that change how a network trains, not the network its weights define. Every other
@@ -49,23 +66,38 @@ class ModelConfig:
     n_layers: int = 6  # seq2seq: encoder layers
     n_decoder_layers: int = 0  # seq2seq only; 0 = n_layers
     n_heads: int = 8  # attention heads; must divide d_model
-    d_ff: int = 0  # MLP width; 0 = 4 * d_model (filled in when the config is made)
+    # Key/value heads, each shared by n_heads / n_kv_heads query heads (grouped-query attention,
+    # Ainslie et al. 2023); 0 = n_heads (multi-head attention). Must divide n_heads.
+    n_kv_heads: int = 0
+    # MLP width; 0 = 4 * d_model, or for swiglu/geglu 2/3 of that rounded up to a multiple of 256
+    # (Llama's rule; filled in when the config is made)
+    d_ff: int = 0
     max_seq_len: int = 512  # positions the model has (and the longest input it takes)
     dropout: float = 0.1  # embeddings, attention probabilities and residual branches
-    activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new) | relu
+    # gelu | gelu_tanh (GPT-2's gelu_new) | relu | swiglu | geglu: the last two gated, silu(x W) * (x V)
+    # and gelu(x W) * (x V) (Shazeer 2020), as in Llama and ModernBERT
+    activation: str = "gelu"
     # pre: x + f(norm(x)) with a final norm after the last block (GPT-2);
     # post: norm(x + f(x)) with a norm after the embeddings instead (BERT, Vaswani et al.).
     # Pre-LN stacks also get GPT-2's 1/sqrt(number of residual branches) scaling of the
     # residual projections at init: post-LN renormalises every branch, so BERT has none.
     norm_position: str = "pre"
-    positions: str = "learned"  # learned | sinusoidal
-    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
+    norm: str = "layernorm"  # layernorm | rmsnorm (Zhang & Sennrich 2019, as in Llama): every norm of the model
+    # learned | sinusoidal (added to the token embeddings) | rope (rotary: queries and keys of
+    # self-attention rotated by their position, Su et al. 2021)
+    positions: str = "learned"
+    rope_theta: float = 10000.0  # rope only: the base of the rotary frequencies
+    layer_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm or RMSNorm)
+    bias: bool = True  # biases in the linear layers and LayerNorms; false: none anywhere (Llama, ModernBERT)
     activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
     label_smoothing: float = 0.1  # seq2seq only
     # seq2seq only: the source embedding, target embedding and output projection are one
     # matrix over the shared vocabulary, and token embeddings are scaled by sqrt(d_model)
     # (Vaswani et al. 2017, section 3.4; with learned positions too).
     share_embeddings: bool = False
+    # The output layer (GPT's and the decoder's LM head, BERT's MLM decoder) is the token
+    # embedding matrix (Press & Wolf 2017); false: a matrix of its own (Llama 2's untied head).
+    tie_embeddings: bool = True
     init_std: float = 0.02  # std of the normal initialisation of the weights
     # Reserved ids of pipeline/format.py's tokenizers.
     pad_id: int = 0
@@ -78,7 +110,20 @@ class ModelConfig:
     def __post_init__(self):
         # One name, one meaning: after construction d_ff is the MLP's width, never the 0 shorthand.
         if self.d_ff == 0:
-            self.d_ff = 4 * self.d_model
+            self.d_ff = default_d_ff(self.d_model, self.activation)
+            # A Seq2Seq stack with an activation of its own gets its own width by the same rule.
+            for stack in (self.encoder, self.decoder):
+                if isinstance(stack, StackConfig) and stack.d_ff is None and stack.activation is not None:
+                    stack.d_ff = default_d_ff(self.d_model, stack.activation)
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads: n_kv_heads, or n_heads where that is 0."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     def for_stack(self, stack: str) -> "ModelConfig":
         """The flat config of a Seq2Seq's `encoder` or `decoder` stack, overrides applied
@@ -104,6 +149,8 @@ class ModelConfig:
         for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
             value = getattr(self, name)
             _check(0 <= value < self.vocab_size, f"{name}={value}: outside the vocabulary [0, {self.vocab_size})")
+        _check(self.tie_embeddings or not self.share_embeddings,
+               "share_embeddings=True makes the output layer the shared embedding: it needs tie_embeddings=True")
         if self.arch == "seq2seq":
             for stack in STACKS:
                 _check_stack(self.for_stack(stack), self, stack)
@@ -133,9 +180,16 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
     _check(cfg.activation in ACTIVATIONS, f"{named('activation')}: expected one of {ACTIVATIONS}")
     _check(cfg.norm_position in NORM_POSITIONS, f"{named('norm_position')}: expected one of {NORM_POSITIONS}")
     _check(cfg.positions in POSITIONS, f"{named('positions')}: expected one of {POSITIONS}")
+    _check(cfg.n_kv_heads >= 0, f"{named('n_kv_heads')}: must be >= 0 (0 = n_heads)")
+    _check(cfg.n_heads % cfg.kv_heads == 0, f"{named('n_kv_heads')} does not divide {named('n_heads')}")
+    _check(cfg.norm in NORMS, f"{named('norm')}: expected one of {NORMS}")
     _check(cfg.layer_norm_eps > 0, f"{named('layer_norm_eps')}: must be positive")
     if cfg.positions == "sinusoidal":
         _check(cfg.d_model % 2 == 0, f"d_model={cfg.d_model}: sinusoidal positions need an even d_model")
+    if cfg.positions == "rope":
+        _check(cfg.head_dim % 2 == 0, f"d_model={cfg.d_model} / {named('n_heads')}: heads of {cfg.head_dim} "
+                                      "dimensions; rotary positions turn pairs of them, so the number must be even")
+        _check(cfg.rope_theta > 0, f"{named('rope_theta')}: must be positive")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,4 +1,4 @@
-"""GPT: a decoder-only causal language model with tied input and output embeddings.
+"""GPT: a decoder-only causal language model, its output layer tied to its input embeddings by default.
 
 Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (GPT-2);
 karpathy/nanoGPT. Labels are the project's (`model.loss`): labels[:, t] is the token
@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from model.blocks import KVCache, ModelOutput, Transformer
+from model.blocks import KVCache, ModelOutput, Transformer, init_weights
 from model.config import ModelConfig
 from model.generation import generate_causal
 from model.loss import LMHead
@@ -24,8 +24,11 @@ class GPT(Transformer):
     def __init__(self, cfg: ModelConfig, cross_attention: bool = False):
         super().__init__(cfg, causal=True, cross_attention=cross_attention)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
-        # Tied (Press & Wolf 2017): the state dict lists the tensor under both names.
-        self.lm_head.weight = self.embed.tok.weight
+        if cfg.tie_embeddings:
+            # Tied (Press & Wolf 2017): the state dict lists the tensor under both names.
+            self.lm_head.weight = self.embed.tok.weight
+        else:
+            init_weights(self.lm_head, cfg.init_std)
 
     def forward(
         self,

@@ -14,6 +14,11 @@ architecture differs from its stack's raises `WarmStartError` with a one-line me
 Position embeddings are the one tensor that may differ in size: they are truncated or
 extended (new rows keep their fresh initialisation).
 
+Rotary sources (a Llama-style GPT, a rotary BERT) bring no position tensor: their positions are
+the rotation of self-attention's queries and keys, which the stack applies as its source did.
+The new cross-attention takes no rotary positions (`model.blocks.Attention`): its keys are source
+positions, whose distance from a target position means nothing.
+
 With `share_embeddings` the Seq2Seq has one token matrix (source, target and output
 projection) and both sources offer one. The rule: the decoder source's when there is one, else
 the encoder source's. The output projection is the tied matrix, read by the decoder's final
@@ -42,9 +47,12 @@ from model.seq2seq import Seq2Seq
 SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
 # Fields a source must share with the stack it fills; max_seq_len may differ (resized).
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "activation", "norm_position",
-    "positions", "layer_norm_eps", "pad_id", "bos_id", "eos_id", "mask_id",
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm", "norm_position",
+    "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id", "eos_id", "mask_id",
 )  # fmt: skip
+# ... and the decoder source also whether its output layer is its token embedding: the decoder has
+# an LM head, the encoder none (a source's head is dropped there).
+DECODER_FIELDS = ("tie_embeddings",)
 RESIZABLE = "embed.pos.weight"
 TOKEN_EMBEDDING = "embed.tok.weight"
 
@@ -92,18 +100,24 @@ class WarmStartReport:
         return "\n".join(lines)
 
 
+def architecture_fields(side: str) -> tuple[str, ...]:
+    """The config fields a source must share with the Seq2Seq stack `side` it fills."""
+    return ARCHITECTURE_FIELDS + (DECODER_FIELDS if side == "decoder" else ())
+
+
 def seq2seq_config(
     encoder_config: Optional[ModelConfig] = None, decoder_config: Optional[ModelConfig] = None, **overrides
 ) -> ModelConfig:
     """The Seq2Seq config whose encoder and decoder stacks match the given source configs.
 
     Shared fields (dropout, init, ids, ...) come from the encoder source, else the decoder
-    source, else the defaults; max_seq_len is the larger of the sources'; `overrides`
+    source, else the defaults; tie_embeddings from the decoder source, whose LM head it
+    describes; max_seq_len is the larger of the sources'; `overrides`
     (any ModelConfig field, e.g. max_seq_len, dropout, label_smoothing) are applied last.
     """
     encoder, decoder = encoder_config, decoder_config
     sources = [c for c in (encoder, decoder) if c is not None]
-    for name in ("vocab_size", "d_model", "pad_id", "bos_id", "eos_id", "mask_id"):
+    for name in ("vocab_size", "d_model", "bias", "pad_id", "bos_id", "eos_id", "mask_id"):
         values = {getattr(c, name) for c in sources}
         if len(values) > 1:
             why = " (share_embeddings=True needs one vocabulary)" if name == "vocab_size" and overrides.get(
@@ -114,7 +128,9 @@ def seq2seq_config(
     def stack(c: Optional[ModelConfig]) -> StackConfig:
         if c is None:
             return StackConfig()
-        return StackConfig(c.n_heads, c.d_ff, c.activation, c.norm_position, c.positions, c.layer_norm_eps)
+        return StackConfig(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, d_ff=c.d_ff, activation=c.activation,
+                           norm=c.norm, norm_position=c.norm_position, positions=c.positions, rope_theta=c.rope_theta,
+                           layer_norm_eps=c.layer_norm_eps)
 
     cfg = dataclasses.replace(
         base,
@@ -122,6 +138,7 @@ def seq2seq_config(
         n_layers=(encoder or base).n_layers,
         n_decoder_layers=(decoder or base).n_layers,
         max_seq_len=max(c.max_seq_len for c in sources) if sources else base.max_seq_len,
+        tie_embeddings=(decoder or base).tie_embeddings,
         encoder=stack(encoder),
         decoder=stack(decoder),
     )
@@ -169,9 +186,9 @@ def _shared_origin(cfg: ModelConfig, side: str, source: Pretrained) -> str:
     why = ("the decoder source trained it as its output layer, and the Seq2Seq's output projection is this matrix"
            if side == "decoder" else "there is no decoder source; the encoder source's is the one pretrained matrix")
     line = f"share_embeddings: source, target and output embeddings <- {side}:{TOKEN_EMBEDDING} ({why})"
-    if source.config.positions == "learned":
+    if source.config.positions != "sinusoidal":
         line += (f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the source"
-                 " (learned positions) used 1")
+                 f" ({source.config.positions} positions) used 1")
     if side == "decoder":
         line += f"; encoder:{TOKEN_EMBEDDING}, if given, is dropped"
     return line
@@ -191,7 +208,7 @@ def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_s
         raise WarmStartError(
             f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq vocab_size={stack.vocab_size}{why}"
         )
-    for name in ARCHITECTURE_FIELDS:
+    for name in architecture_fields(side):
         if getattr(src, name) != getattr(stack, name):
             raise WarmStartError(
                 f"{side} source has {name}={getattr(src, name)!r} but the Seq2Seq {side} has {getattr(stack, name)!r}"

@@ -114,3 +114,31 @@ def test_compiled_bert_under_zero1_matches_eager(tiny_dataset, tmp_path):
     for key in ("train/loss", "eval/loss", "eval/accuracy"):
         expected = [row[key] for row in metrics(eager) if key in row]
         assert [row[key] for row in metrics(compiled) if key in row] == pytest.approx(expected, abs=LOSS_TOLERANCE, rel=0)
+
+
+@pytest.mark.slow
+def test_compiled_llama_shaped_blocks_are_one_graph_and_match_eager():
+    """Rotary (cos, sin) reach each compiled block as arguments; grouped heads go to SDPA as
+    they are; RMSNorm and the gated MLP fuse. Both blocks share one graph, without breaks, and
+    the loss and gradients are eager's (fp32)."""
+    from torch._dynamo.utils import counters
+
+    from launch.train import compile_model
+    from model import ModelConfig, build_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+                      max_seq_len=16, dropout=0.0, positions="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    torch.manual_seed(0)
+    eager, compiled = build_model(cfg), build_model(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    compile_model(compiled)
+    x = torch.randint(5, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    losses = [model(x, labels=x).loss for model in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=LOSS_TOLERANCE)
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)

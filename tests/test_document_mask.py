@@ -3,8 +3,9 @@ each were alone.
 
 The model: with `document_ids`, GPT's logits over a packed block (a fragment of a document cut
 by the previous block first, padding where a row is short) equal the logits of each document
-run on its own with positions from 0; BERT's likewise (block-diagonal). FlexAttention (eager on
-the CPU here) gives the SDPA path's logits and gradients. The data: `doc_starts` stored by
+run on its own with positions from 0 (learned, sinusoidal or rotary); BERT's likewise
+(block-diagonal). FlexAttention (eager on the CPU here) gives the SDPA path's logits and
+gradients, grouped key/value heads included. The data: `doc_starts` stored by
 prepare become the batch's `document_ids`, checked when read; a dataset prepared without them
 is refused with the mask on and read as before with it off. End to end: `launch.train` with
 `data.document_mask=true` trains GPT and BERT and says which attention kernel ran.
@@ -28,6 +29,8 @@ EOS = 3
 VARIANTS = {
     "pre-learned": {},
     "post-sinusoidal-relu": dict(norm_position="post", positions="sinusoidal", activation="relu"),
+    # Rotary positions restart at each document as learned ones do; grouped key/value heads.
+    "llama": dict(positions="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2, bias=False),
 }
 
 
@@ -151,6 +154,22 @@ def test_flex_attention_equals_sdpa_on_cpu(arch):
             warnings.simplefilter("ignore")  # FlexAttention warns that its eager form is unfused
             logits[kernel] = model(**inputs).logits
         assert model.attention_kernel == f"{kernel} (document mask)"
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_flex_attention_equals_sdpa_on_cpu_with_grouped_heads(arch):
+    """FlexAttention's own grouped key/value heads (`enable_gqa`) in a rotary stack: SDPA's logits."""
+    torch.manual_seed(0)
+    model = (GPT if arch == "gpt" else BERT)(tiny(arch, **VARIANTS["llama"])).eval()
+    inputs = batch()
+    logits = {}
+    for kernel in ("sdpa", "flex_attention"):
+        model.document_attention = kernel
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FlexAttention warns that its eager form is unfused
+            logits[kernel] = model(**inputs).logits
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
 

@@ -277,3 +277,73 @@ def test_a_rows_own_limit_equals_max_len_for_it_alone(seq2seq, beam_size, scale)
         assert batched.scores[row].item() == pytest.approx(alone.scores[0].item(), abs=1e-5)
     cut = [int(batched.lengths[row]) == n + 1 for row, n in enumerate(lengths)]
     assert any(cut) and not all(cut)
+
+
+# --- the Llama shape: rotary positions, grouped key/value heads in the cache ----------------
+
+LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2, bias=False, tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def llama_gpt():
+    torch.manual_seed(0)
+    return build_model(tiny("gpt", **LLAMA))
+
+
+@pytest.fixture(scope="module")
+def rotary_seq2seq():
+    torch.manual_seed(0)
+    return build_model(tiny("seq2seq", **LLAMA))
+
+
+def test_llama_gpt_cached_greedy_equals_recomputation(llama_gpt):
+    """Each step rotates its new query and key at position past + i; the cache holds rotated
+    keys of the 2 key/value heads."""
+    prompt = ids(2, 5)
+    out = llama_gpt.generate(prompt, max_new_tokens=8)
+    llama_gpt.eval()
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, llama_gpt(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_llama_gpt_left_padded_batch_equals_each_prompt_alone(llama_gpt):
+    """Rotary positions, like learned ones, count from a row's first real token."""
+    short, long = ids(1, 3, seed=1), ids(1, 6, seed=2)
+    batch = torch.cat([torch.cat([torch.full((1, 3), PAD), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    out = llama_gpt.generate(batch, mask, max_new_tokens=6)
+    assert torch.equal(out[0, 6:], llama_gpt.generate(short, max_new_tokens=6)[0, 3:])
+    assert torch.equal(out[1], llama_gpt.generate(long, max_new_tokens=6)[0])
+
+
+def test_rotary_seq2seq_cached_greedy_equals_recomputation(rotary_seq2seq):
+    src = ids(2, 6)
+    hyp = rotary_seq2seq.generate(src, max_len=7)
+    rotary_seq2seq.eval()
+    tgt = torch.full((2, 1), BOS)
+    with torch.no_grad():
+        for _ in range(7):
+            tgt = torch.cat([tgt, rotary_seq2seq(src, None, tgt).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    for row in range(2):
+        expected = tgt[row, 1:].tolist()
+        expected = expected[: expected.index(EOS)] if EOS in expected else expected  # </s> is not returned
+        assert hyp.tokens[row, : hyp.lengths[row]].tolist() == expected
+
+
+def test_rotary_seq2seq_beam_scores_match_the_model_and_padding_changes_nothing(rotary_seq2seq):
+    """Beam search reorders the grouped-head cache; its scores are the model's own
+    log-probabilities, and a padded source in a batch decodes as it does alone."""
+    src = ids(2, 6, seed=5)
+    src_mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    hyp = rotary_seq2seq.generate(src, src_mask, max_len=8, beam_size=3)
+    for b in range(2):
+        tokens = hyp.tokens[b, : hyp.lengths[b]].tolist()
+        expected = _teacher_forced_score(rotary_seq2seq, src[b : b + 1], src_mask[b : b + 1], tokens,
+                                         len(tokens) < 8, 1.0)
+        assert hyp.scores[b].item() == pytest.approx(expected, abs=1e-4)
+    alone = rotary_seq2seq.generate(src[1:, :4], max_len=8, beam_size=3)
+    n = int(alone.lengths[0])
+    assert int(hyp.lengths[1]) == n and torch.equal(hyp.tokens[1, :n], alone.tokens[0, :n])

@@ -29,9 +29,13 @@ def ids(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(5, V, shape, generator=torch.Generator().manual_seed(seed))
 
 
+# The Llama shape: rotary positions, RMSNorm, SwiGLU, grouped-query attention (2 key/value
+# heads for 4 query heads), no biases, an output layer of its own.
+LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2, bias=False, tie_embeddings=False)
 VARIANTS = {
     "pre-learned": {},
     "post-sinusoidal-relu": dict(norm_position="post", positions="sinusoidal", activation="relu"),
+    "llama": LLAMA,
 }
 
 
@@ -56,6 +60,13 @@ VARIANTS = {
         (dict(arch="seq2seq", decoder=StackConfig(n_heads=5)), "not divisible by decoder.n_heads=5"),
         (dict(arch="seq2seq", encoder=StackConfig(activation="tanh")), "encoder.activation='tanh'"),
         (dict(arch="seq2seq", label_smoothing=1.0), "label_smoothing=1.0"),
+        (dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=4"),
+        (dict(n_kv_heads=-1), "n_kv_heads=-1"),
+        (dict(arch="seq2seq", decoder=StackConfig(n_kv_heads=3)), "decoder.n_kv_heads=3 does not divide n_heads=4"),
+        (dict(norm="batchnorm"), "norm='batchnorm'"),
+        (dict(positions="rope", d_model=36), "d_model=36 / n_heads=4: heads of 9 dimensions"),
+        (dict(positions="rope", rope_theta=0.0), "rope_theta=0.0"),
+        (dict(arch="seq2seq", share_embeddings=True, tie_embeddings=False), "needs tie_embeddings=True"),
     ],
 )
 def test_config_validation(overrides, message):
@@ -85,6 +96,16 @@ def test_for_stack_resolves_overrides():
     assert tiny(d_ff=0).d_ff == 4 * 32
 
 
+def test_gated_d_ff_default_is_llamas_rule():
+    # 2/3 of 4 x d_model, rounded up to a multiple of 256: Llama 7B's 11008 at d_model 4096.
+    assert [ModelConfig(d_model=d, activation="swiglu").d_ff for d in (4096, 768, 256, 32)] == [11008, 2048, 768, 256]
+    assert ModelConfig(d_model=256, activation="geglu").d_ff == 768
+    assert ModelConfig(d_model=256, activation="swiglu", d_ff=700).d_ff == 700  # an explicit width is kept
+    # A Seq2Seq stack with an activation of its own gets its own width by the same rule.
+    cfg = tiny("seq2seq", d_model=256, n_heads=4, d_ff=0, decoder=StackConfig(activation="swiglu"))
+    assert (cfg.for_stack("encoder").d_ff, cfg.for_stack("decoder").d_ff) == (1024, 768)
+
+
 def test_build_model_dispatches_on_arch():
     assert type(build_model(tiny("gpt"))) is GPT
     assert type(build_model(tiny("bert"))) is BERT
@@ -109,6 +130,30 @@ def test_all_stacks_share_key_names():
     assert all("cross_attn" in k for k in missing) and not unexpected
     missing, unexpected = s2s.encoder.load_state_dict(bert.state_dict(), strict=False)
     assert not missing and all(k.startswith("head.") for k in unexpected)
+
+
+def test_llama_shape_keys_and_shapes():
+    """The same key names as every other stack; no biases, no position keys, smaller k and v
+    projections, the gated MLP's two input matrices in one `fc`, an LM head of its own."""
+    gpt = build_model(tiny("gpt", **LLAMA))
+    keys = set(gpt.state_dict())
+    assert not any(k.endswith(".bias") for k in keys) and not any("pos" in k for k in keys)
+    assert {k.rsplit(".", 1)[0] for k in keys if k.startswith("blocks.0.")} == {
+        "blocks.0.attn_norm", "blocks.0.attn.q_proj", "blocks.0.attn.k_proj", "blocks.0.attn.v_proj",
+        "blocks.0.attn.out_proj", "blocks.0.mlp_norm", "blocks.0.mlp.fc", "blocks.0.mlp.proj"}
+    block = gpt.blocks[0]
+    assert isinstance(block.attn_norm, torch.nn.RMSNorm) and isinstance(gpt.norm, torch.nn.RMSNorm)
+    assert block.attn.k_proj.weight.shape == (2 * 8, 32) and block.attn.q_proj.weight.shape == (32, 32)
+    assert block.mlp.fc.weight.shape == (2 * 64, 32) and block.mlp.proj.weight.shape == (32, 64)
+    assert gpt.lm_head.weight is not gpt.embed.tok.weight and "lm_head.weight" in keys
+    assert gpt.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    bert = build_model(tiny("bert", **LLAMA))
+    assert bert.head.decoder.bias is None and bert.head.dense.bias is None
+    assert bert.head.decoder.weight is not bert.embed.tok.weight
+    # LayerNorm without biases, a gated GELU (GeGLU): ModernBERT's layout.
+    modern = build_model(tiny("bert", positions="rope", activation="geglu", bias=False))
+    assert modern.blocks[0].attn_norm.bias is None and isinstance(modern.blocks[0].attn_norm, torch.nn.LayerNorm)
+    assert not any(k.endswith(".bias") for k in modern.state_dict())
 
 
 def test_sinusoidal_stack_has_no_position_parameters():
@@ -316,6 +361,22 @@ def test_activation_checkpointing_gives_the_same_gradients(arch):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "bert", "seq2seq"])
+def test_activation_checkpointing_gives_the_same_gradients_in_the_llama_shape(arch):
+    """The rotary (cos, sin) reach each recomputed block as an argument; dropout replays."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(tiny(arch, activation_checkpointing=checkpointing, dropout=0.1, **LLAMA)).train()
+        x = ids(2, 6)
+        torch.manual_seed(1)
+        out = model(x, None, x, labels=x) if arch == "seq2seq" else model(x, labels=x)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_dropout_is_off_in_eval_mode():
     model = build_model(tiny("gpt", dropout=0.5))
     x = ids(1, 6)
@@ -345,6 +406,14 @@ def _overfit(model, batch: dict, steps: int) -> tuple[float, float]:
 def test_gpt_overfits_one_batch():
     torch.manual_seed(0)
     model = build_model(tiny("gpt"))
+    x = ids(4, 12)
+    first, last = _overfit(model, dict(input_ids=x, labels=x), 300)
+    assert first > 3.0 and last < 0.05
+
+
+def test_llama_shaped_gpt_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny("gpt", **LLAMA))
     x = ids(4, 12)
     first, last = _overfit(model, dict(input_ids=x, labels=x), 300)
     assert first > 3.0 and last < 0.05

@@ -103,6 +103,16 @@ def test_a_good_config_passes_with_its_figures(data, tmp_path, capsys):
     assert f"epochs in max_steps:  {cfg.max_steps / 7:,.2f}" in out
 
 
+@pytest.mark.parametrize("config", ["llama_small.yaml", "llama_gpu_small.yaml"])
+def test_the_llama_configs_pass_with_their_figures(data, tmp_path, capsys, config):
+    code, out, problems = dry_run(args(data, tmp_path, config=config), capsys)
+    assert code == 0 and problems == [], out
+    cfg = load_config(TrainConfig, ROOT / "configs" / config, args(data, tmp_path)[1:])
+    model = build_model(replace(cfg.model, vocab_size=VOCAB_SIZE))
+    assert model.cfg.positions == "rope" and model.cfg.kv_heads < model.cfg.n_heads
+    assert f"parameters:           {sum(p.numel() for p in model.parameters()):,}" in out
+
+
 def test_json_figures_and_the_world_from_the_environment_or_the_flag(data, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -137,6 +147,25 @@ def test_memory_is_deepspeeds_estimate_for_the_zero_stage():
     assert gpu(2, offload_optimizer=True) == 2 * p
     assert gpu(3) == 4 * largest + int(18 * p / gpus)
     assert gpu(3, offload_optimizer=True, offload_params=True) == 4 * largest
+
+
+def test_activation_estimate_counts_grouped_heads_and_gated_mlps():
+    """Per token and block, in bf16: 2 x (9 d + 2 d_ff) plain; 2 x (7 d + 2 d_kv + 4 d_ff) with
+    grouped key/value heads (k and v of d_kv) and a gated MLP (gate and value, activated gate,
+    product). The rest (embeddings, the LM head's loss) is the same for both."""
+    from launch.preflight import activation_bytes
+    from launch.tasks import TASKS
+    from model import ModelConfig
+
+    d, T, B, L = 64, 128, 2, 2
+    plain = ModelConfig(arch="gpt", vocab_size=1000, d_model=d, n_layers=L, n_heads=4, d_ff=4 * d, max_seq_len=T,
+                        dropout=0.0)
+    llama = replace(plain, n_kv_heads=1, activation="swiglu", d_ff=160, positions="rope", norm="rmsnorm", bias=False)
+
+    def estimate(cfg):
+        return activation_bytes(cfg, TASKS["causal_lm"], B, T, 0, 0.15, "bf16")
+
+    assert estimate(llama) - estimate(plain) == B * T * L * 2 * ((7 * d + 2 * 16 + 4 * 160) - (9 * d + 2 * 4 * d))
 
 
 def _drop_shard(data: Path) -> None:
@@ -269,6 +298,27 @@ def test_warm_start_sources_are_checked(data, tmp_path, capsys):
     code, out, problems = dry_run(args(data, tmp_path, f"init.decoder={tmp_path / 'nothing'}", config="tiny_translation.yaml"),
                                   capsys)
     assert code == 2 and problems[0].startswith("init.decoder: ") and "not an exported model directory" in problems[0]
+
+
+def test_llama_shaped_warm_start_sources_are_checked(data, tmp_path, capsys):
+    """A Llama-style GPT decoder (untied head) and a rotary BERT encoder fit a Seq2Seq of their
+    shapes; the decoder's tie_embeddings is checked, the encoder's (which has no LM head) is not."""
+    llama = ["model.bias=false", "model.tie_embeddings=false", "model.positions=rope", "model.decoder.norm=rmsnorm",
+             "model.decoder.activation=swiglu", "model.decoder.n_kv_heads=2", "model.encoder.norm_position=pre",
+             "model.encoder.activation=geglu"]
+    cfg = translation_config(data, tmp_path, *llama)
+    tokenizer = data / TOKENIZER_FILE
+    bert = export(tmp_path / "bert", replace(cfg.model.for_stack("encoder"), arch="bert", tie_embeddings=True), tokenizer)
+    gpt = export(tmp_path / "gpt", replace(cfg.model.for_stack("decoder"), arch="gpt"), tokenizer)
+    sources = [f"init.encoder={bert}", f"init.decoder={gpt}"]
+    code, out, problems = dry_run(args(data, tmp_path, *llama, *sources, config="tiny_translation.yaml"), capsys)
+    assert code == 0, out
+    assert "fits the encoder" in out and "fits the decoder" in out
+    tied = [*llama[:1], "model.tie_embeddings=true", *llama[2:]]
+    code, out, problems = dry_run(args(data, tmp_path, *tied, *sources, config="tiny_translation.yaml"), capsys)
+    assert code == 2 and "fits the encoder" in out
+    assert problems == [f"init.decoder: {gpt} (gpt) has tie_embeddings=False but the Seq2Seq decoder has "
+                        "tie_embeddings=True"], out
 
 
 def test_translation_pairs_longer_than_the_model_are_found_in_the_shards(data, tmp_path, capsys):

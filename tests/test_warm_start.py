@@ -206,3 +206,74 @@ def test_source_state_dict_from_a_gpt_instance_loads_directly():
     cfg = seq2seq_config(decoder_config=source.cfg)
     model, report = warm_start(cfg, SHA, decoder=Pretrained(source.state_dict(), source.cfg, SHA))
     assert torch.equal(model.decoder.blocks[0].attn.q_proj.weight, source.blocks[0].attn.q_proj.weight)
+
+
+# --- the Llama shape ------------------------------------------------------------------------
+
+
+def llama_config(**overrides) -> ModelConfig:
+    """A Llama-style GPT: rotary positions, RMSNorm, SwiGLU, 2 key/value heads of 4, no biases, untied head."""
+    return gpt_config(**{**dict(n_heads=4, n_kv_heads=2, d_ff=0, positions="rope", rope_theta=500000.0,
+                                norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False), **overrides})
+
+
+def rotary_bert_config(**overrides) -> ModelConfig:
+    """A rotary BERT in ModernBERT's layout: pre-norm LayerNorm without biases, GeGLU, no biases."""
+    return bert_config(**{**dict(norm_position="pre", layer_norm_eps=1e-5, positions="rope", rope_theta=160000.0,
+                                 activation="geglu", d_ff=48, bias=False), **overrides})
+
+
+def test_llama_decoder_and_rotary_bert_encoder_warm_start_a_translation_model():
+    """Every tensor accounted for (no position tensor on either side, the untied LM head copied,
+    the new cross-attention with the decoder's key/value heads and no biases), and the stacks
+    compute what their sources computed; the new cross-attention takes no rotary positions."""
+    encoder, decoder = pretrained(rotary_bert_config(), seed=11), pretrained(llama_config(), seed=12)
+    cfg = seq2seq_config(encoder.config, decoder.config)
+    enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
+    assert (enc.positions, enc.rope_theta, enc.norm, enc.activation, enc.n_kv_heads) == ("rope", 160000.0, "layernorm", "geglu", 0)
+    assert (dec.positions, dec.rope_theta, dec.norm, dec.activation, dec.n_kv_heads, dec.d_ff) == (
+        "rope", 500000.0, "rmsnorm", "swiglu", 2, 256)
+    assert not cfg.bias and not cfg.tie_embeddings  # the decoder source's head is its own matrix
+    model, report = warm_start(cfg, SHA, encoder=encoder, decoder=decoder)
+    state = model.state_dict()
+    assert list(report.tensors) == list(state) and not report.keys("resized")
+    assert not any(k.endswith(".bias") or "pos" in k for k in state)
+    new = report.keys("new")
+    assert len(new) == 3 * 5 and all(".cross_attn." in k or ".cross_attn_norm." in k for k in new)
+    assert model.decoder.blocks[0].cross_attn.k_proj.weight.shape == (2 * 8, 32)  # the decoder's 2 kv heads
+    origin = report.tensors["decoder.lm_head.weight"]
+    assert (origin.status, origin.source, origin.note) == ("copied", "decoder:lm_head.weight", "")
+    for key, origin in report.tensors.items():
+        if origin.status == "copied":
+            side, source_key = origin.source.split(":")
+            assert torch.equal(state[key], {"encoder": encoder, "decoder": decoder}[side].state_dict[source_key]), key
+
+    model.eval()
+    source_bert, source_gpt = build_model(encoder.config).eval(), build_model(decoder.config).eval()
+    source_bert.load_state_dict(encoder.state_dict)
+    source_gpt.load_state_dict(decoder.state_dict)
+    src, tgt = ids(2, 7, seed=3), ids(2, 5, seed=4)
+    src_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    torch.testing.assert_close(model.encoder(src, src_mask), Transformer.forward(source_bert, src, src_mask))
+    with torch.no_grad():
+        for block in model.decoder.blocks:
+            block.cross_attn.out_proj.weight.zero_()
+    torch.testing.assert_close(model(src, src_mask, tgt).logits, source_gpt(tgt).logits)
+
+
+def test_llama_shape_mismatches_are_refused():
+    decoder = pretrained(llama_config(), seed=12)
+    tied = seq2seq_config(decoder_config=decoder.config, tie_embeddings=True)
+    assert "decoder source has tie_embeddings=False but the Seq2Seq decoder has True" in _error(tied, SHA, decoder=decoder)
+    mha = seq2seq_config(decoder_config=decoder.config, decoder=StackConfig(n_kv_heads=0))
+    assert "decoder source has n_kv_heads=2 but the Seq2Seq decoder has 0" in _error(mha, SHA, decoder=decoder)
+    theta = seq2seq_config(decoder_config=decoder.config, rope_theta=10000.0, decoder=StackConfig(rope_theta=10000.0))
+    assert "rope_theta=500000.0" in _error(theta, SHA, decoder=decoder)
+    # A biased BERT and a bias-free Llama cannot share one Seq2Seq: `bias` is one for both stacks.
+    with pytest.raises(WarmStartError, match="differ in bias"):
+        seq2seq_config(bert_config(), decoder.config)
+    # The encoder side has no LM head: an untied encoder source fits a tied Seq2Seq.
+    untied_bert = pretrained(rotary_bert_config(tie_embeddings=False), seed=13)
+    cfg = seq2seq_config(untied_bert.config, tie_embeddings=True)
+    model, report = warm_start(cfg, SHA, encoder=untied_bert)
+    assert "encoder:head.decoder.weight" in report.dropped
