@@ -10,12 +10,13 @@ A ZeRO checkpoint is tied to the world size that wrote it (DeepSpeed #2898); its
 copy loads on any world size. `launch.export` turns any checkpoint into plain weights.
 This module reads DeepSpeed's file names but never imports it, nor torch.distributed.
 
-Integrity: once every rank has written, rank 0 records each file's size and sha256 in the
-checkpoint's `integrity.json` (`write_integrity`), before the pointer moves. A file damaged
-afterwards (a truncated copy, a full disk, bit rot) is found before DeepSpeed reads it: a
-resume takes the newest checkpoint that every rank finds intact, each rank hashing its share
-of the files (`files_for_rank`, `first_intact`: the trainer supplies the all-gather), so that
-all ranks skip the same ones; export refuses a damaged one. Checkpoints written before
+Integrity: once every rank has written, each rank hashes its share of the files (`hashing_shares`:
+those it wrote, and the shared ones balanced by size), and rank 0 records every file's size and
+sha256 in the checkpoint's `integrity.json` (`write_integrity`), before the pointer moves. A
+file damaged afterwards (a truncated copy, a full disk, bit rot) is found before DeepSpeed reads
+it: a resume takes the newest checkpoint that every rank finds intact, each rank hashing its
+share by the same rule (`files_for_rank`, `first_intact`: the trainer supplies the all-gather),
+so that all ranks skip the same ones; export refuses a damaged one. Checkpoints written before
 integrity.json existed are trusted with a warning, once their torch files open as whole
 archives (`check_archives`).
 """
@@ -307,19 +308,55 @@ def _check_unrecorded(root: Path, tag: str) -> str | None:
 # ----------------------------------------------------------------------------- integrity.json
 
 
-def write_integrity(tag_dir: str | Path) -> Path:
+def write_integrity(tag_dir: str | Path, files: dict[str, dict] | None = None) -> Path:
     """Record every file of checkpoint `tag_dir` (relative path, size, sha256) in its
-    integrity.json, written atomically and last. Call it on one rank once every rank has written
-    (after the barrier) and before the pointer moves; a file written later is not covered."""
+    integrity.json, written atomically and last. `files`: the entries the ranks hashed
+    (`hash_files` over their `hashing_shares`, gathered); None: hash them here, one by one. Call
+    it on one rank once every rank has written and before the pointer moves; a file written
+    later is not covered."""
     tag_dir = Path(tag_dir)
-    files = {}
-    for path in sorted(tag_dir.rglob("*")):
-        if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial"):
-            files[path.relative_to(tag_dir).as_posix()] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    if files is None:
+        files = hash_files(tag_dir, sorted(files_on_disk(tag_dir)))
     partial = tag_dir / (INTEGRITY + ".partial")
-    partial.write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
+    partial.write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}, indent=1) + "\n")
     os.replace(partial, tag_dir / INTEGRITY)
     return tag_dir / INTEGRITY
+
+
+def files_on_disk(tag_dir: str | Path) -> dict[str, int]:
+    """{relative path: size} of the files of checkpoint `tag_dir` that integrity.json covers."""
+    tag_dir = Path(tag_dir)
+    return {path.relative_to(tag_dir).as_posix(): path.stat().st_size for path in sorted(tag_dir.rglob("*"))
+            if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial")}
+
+
+def hash_files(tag_dir: str | Path, names: Sequence[str]) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of files `names` (relative to `tag_dir`), as integrity.json records them."""
+    tag_dir = Path(tag_dir)
+    return {name: {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)} for name in names}
+
+
+def hashing_shares(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Which rank hashes which file of a checkpoint ({relative path: size}), at save and at
+    resume alike: a file named for the rank that wrote it (DeepSpeed's `zero_pp_rank_R_...`) goes
+    to rank R, who has just written it (still in its page cache) and at save holds it first;
+    every other file (the shared ones, and those of ranks this world lacks), biggest first, to the
+    least loaded rank. The shares cover every file once."""
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    rest = []
+    for name, size in sizes.items():
+        match = _RANK_FILE.match(name) or _MODEL_STATES.match(name)
+        writer = int(match.group(1)) if match and match.group(1) is not None else None
+        if writer is not None and writer < world_size:
+            shares[writer].append(name)
+            loads[writer] += size
+        else:
+            rest.append(name)
+    for name in sorted(rest, key=lambda name: (-sizes[name], name)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[least].append(name)
+        loads[least] += sizes[name]
+    return [sorted(share) for share in shares]
 
 
 def verify(tag_dir: str | Path, files: list[str] | None = None) -> str | None:
@@ -352,19 +389,14 @@ def verify(tag_dir: str | Path, files: list[str] | None = None) -> str | None:
 
 
 def files_for_rank(tag_dir: str | Path, rank: int, world_size: int) -> list[str]:
-    """This rank's share of the files integrity.json records, for it to hash: the shares of all
-    ranks cover every file once, balanced by size (the biggest to the least loaded). Together the
-    ranks check everything, each about 1/world_size of it, whatever world size wrote the
-    checkpoint. [] without a readable integrity.json (`verify` says why)."""
+    """This rank's share of the files integrity.json records, for it to hash on resume: the
+    share it hashed at save on the same world size (`hashing_shares`); together the ranks check
+    everything, whatever world size wrote the checkpoint. [] without a readable integrity.json
+    (`verify` says why)."""
     record, _ = _read_integrity(Path(tag_dir))
     if record is None:
         return []
-    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
-    for name in sorted(record, key=lambda name: (-record[name]["size"], name)):
-        least = min(range(world_size), key=lambda r: (loads[r], r))
-        shares[least].append(name)
-        loads[least] += record[name]["size"]
-    return sorted(shares[rank])
+    return hashing_shares({name: entry["size"] for name, entry in record.items()}, world_size)[rank]
 
 
 def check_archives(tag_dir: str | Path) -> str | None:

@@ -702,7 +702,9 @@ def evaluate(run: Run) -> dict:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """Every rank writes its part; the `latest` pointer moves once all have finished."""
+    """Every rank writes its part and hashes its share of the files (`ckpt.hashing_shares`: the
+    ones it wrote, and the shared ones balanced by size); rank 0 records them all in
+    integrity.json, and the `latest` pointer moves once all have finished."""
     root = ckpt.checkpoint_root(run.cfg.run_dir)
     tag = ckpt.tag_for(run.step)
     client_state = {
@@ -712,21 +714,31 @@ def save_checkpoint(run: Run) -> Path:
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
     }
+    tag_dir = root / tag
     if run.denv.is_main:
         ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
     dist.barrier()
     run.engine.save(root, tag, client_state)
     dist.barrier()
-    if run.denv.is_main:
+
+    def listed() -> dict[str, int]:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
                                              "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
         info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
-        (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
-        ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
+        (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
+        return ckpt.files_on_disk(tag_dir)
+
+    # One listing, rank 0's, so that every rank computes the same shares.
+    share = ckpt.hashing_shares(_on_main(run.denv, listed), run.denv.world_size)[run.denv.rank]
+    hashed = dist.all_gather_object(ckpt.hash_files(tag_dir, share))
+    if run.denv.is_main:
+        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for the record.
+        ckpt.write_integrity(tag_dir, {name: {**entry, "hashed_by": rank} for rank, entries in enumerate(hashed)
+                                       for name, entry in entries.items()})
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
     dist.barrier()
-    return root / tag
+    return tag_dir
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
