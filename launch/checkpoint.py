@@ -10,18 +10,25 @@ A ZeRO checkpoint is tied to the world size that wrote it (DeepSpeed #2898); its
 copy loads on any world size. `launch.export` turns any checkpoint into plain weights.
 This module reads DeepSpeed's file names but never imports it, nor torch.distributed.
 
-Integrity: once every rank has written, rank 0 records each file's size and sha256 in the
-checkpoint's `integrity.json` (`write_integrity`), before the pointer moves. A file damaged
-afterwards (a truncated copy, a full disk, bit rot) is found before DeepSpeed reads it: a
-resume takes the newest checkpoint that every rank finds intact, each rank hashing its share
-of the files (`files_for_rank`, `first_intact`: the trainer supplies the all-gather), so that
-all ranks skip the same ones; export refuses a damaged one. Checkpoints written before
-integrity.json existed are trusted with a warning, once their torch files open as whole
-archives (`check_archives`).
+Integrity: once every rank has written, each rank hashes its share of the files
+(`hashing_shares`: those it wrote, and the shared ones balanced by size), and rank 0 records
+every file's size and sha256 in the checkpoint's `integrity.json` (`write_integrity`), before
+the pointer moves. A file damaged afterwards (a truncated copy, a full disk, bit rot) is found
+before DeepSpeed reads it: a resume takes the newest checkpoint that every rank finds intact,
+each rank hashing its share by the same rule (`files_for_rank`, `first_intact`: the trainer
+supplies the all-gather), so that all ranks skip the same ones; export refuses a damaged one.
+Checkpoints written before integrity.json existed are trusted with a warning, once their torch
+files open as whole archives (`check_archives`).
+
+A save that its file system cannot hold is refused beforehand (`short_of_space`), or, when a
+rank's write fails, reported once the ranks have gathered each one's `WriteFailure`
+(`save_failed`): one line naming the file system, what the save needs and what was free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -29,7 +36,7 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from omegaconf import OmegaConf
 
@@ -175,6 +182,85 @@ def _rank_files(directory: Path) -> list[re.Match]:
     return [m for m in (_RANK_FILE.match(p.name) for p in directory.iterdir()) if m]
 
 
+# ----------------------------------------------------------------------------- a save the file system cannot hold
+
+
+class WriteFailure(NamedTuple):
+    """An OSError of one rank's step of a save, as the ranks gather it (`save_failed` says it)."""
+
+    rank: int
+    doing: str  # "writing", "hashing"
+    errno: int | None
+    strerror: str
+    filename: str | None
+
+
+def free_space(path: str | Path) -> int:
+    """Bytes free to this user on the file system that holds `path` (or would: its nearest existing ancestor)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def file_system(path: str | Path) -> str:
+    """The file system that holds `path`, for a message: "TYPE on MOUNT_POINT" (the mount point
+    alone where /proc/self/mounts does not say)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    mount = path.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    kind = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            # The last mount on a directory is the one seen; octal escapes (\040) stand for spaces and the like.
+            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
+                kind = fields[2]
+    return f"{kind} on {mount}" if kind else str(mount)
+
+
+def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -> str | None:
+    """The line refusing to save checkpoint `root/tag` where its file system has `free` bytes and
+    the save needs about `need` (`how`: how that is counted); None where it fits."""
+    if free >= need:
+        return None
+    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
+            f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}")
+
+
+def save_failed(root: str | Path, tag: str, failure: WriteFailure, need: int, how: str, free: int | None) -> str:
+    """The line for a save of checkpoint `root/tag` that `failure` ended, once what it wrote is
+    removed: which file system, full or not, the rank and file, what the save needs and what
+    was free before it."""
+    root = Path(root)
+    said = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota"}.get(failure.errno, "failed")
+    name = failure.filename or "?"
+    for base in (root / tag, root):
+        with contextlib.suppress(ValueError):
+            name = Path(name).relative_to(base).as_posix()
+            break
+    was_free = f" and {_size(free)} was free before it" if free is not None else ""
+    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
+            f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
+            f"{was_free}; the partial {tag} is removed and {_still_latest(root)}")
+
+
+def _still_latest(root: Path) -> str:
+    latest = latest_tag(root)
+    kept = f"{Path(root) / POINTER} still names {latest}" if latest else "no checkpoint of this run is complete yet"
+    return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 2**10:,.0f} KiB"
+
+
 # ----------------------------------------------------------------------------- resume from an intact checkpoint
 #
 # On every rank, in the trainer (it owns the process group; this module stays free of it):
@@ -307,19 +393,55 @@ def _check_unrecorded(root: Path, tag: str) -> str | None:
 # ----------------------------------------------------------------------------- integrity.json
 
 
-def write_integrity(tag_dir: str | Path) -> Path:
+def write_integrity(tag_dir: str | Path, files: dict[str, dict] | None = None) -> Path:
     """Record every file of checkpoint `tag_dir` (relative path, size, sha256) in its
-    integrity.json, written atomically and last. Call it on one rank once every rank has written
-    (after the barrier) and before the pointer moves; a file written later is not covered."""
+    integrity.json, written atomically and last. `files`: the entries the ranks hashed
+    (`hash_files` over their `hashing_shares`, gathered); None: hash them here, one by one. Call
+    it on one rank once every rank has written and before the pointer moves; a file written
+    later is not covered."""
     tag_dir = Path(tag_dir)
-    files = {}
-    for path in sorted(tag_dir.rglob("*")):
-        if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial"):
-            files[path.relative_to(tag_dir).as_posix()] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    if files is None:
+        files = hash_files(tag_dir, sorted(files_on_disk(tag_dir)))
     partial = tag_dir / (INTEGRITY + ".partial")
-    partial.write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
+    partial.write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}, indent=1) + "\n")
     os.replace(partial, tag_dir / INTEGRITY)
     return tag_dir / INTEGRITY
+
+
+def files_on_disk(tag_dir: str | Path) -> dict[str, int]:
+    """{relative path: size} of the files of checkpoint `tag_dir` that integrity.json covers."""
+    tag_dir = Path(tag_dir)
+    return {path.relative_to(tag_dir).as_posix(): path.stat().st_size for path in sorted(tag_dir.rglob("*"))
+            if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial")}
+
+
+def hash_files(tag_dir: str | Path, names: Sequence[str]) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of files `names` (relative to `tag_dir`), as integrity.json records them."""
+    tag_dir = Path(tag_dir)
+    return {name: {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)} for name in names}
+
+
+def hashing_shares(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Which rank hashes which file of a checkpoint ({relative path: size}), at save and at
+    resume alike: a file named for the rank that wrote it (DeepSpeed's `zero_pp_rank_R_...`) goes
+    to rank R, who has just written it (still in its page cache) and at save holds it first;
+    every other file (the shared ones, and those of ranks this world lacks), biggest first, to the
+    least loaded rank. The shares cover every file once."""
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    rest = []
+    for name, size in sizes.items():
+        match = _RANK_FILE.match(name) or _MODEL_STATES.match(name)
+        writer = int(match.group(1)) if match and match.group(1) is not None else None
+        if writer is not None and writer < world_size:
+            shares[writer].append(name)
+            loads[writer] += size
+        else:
+            rest.append(name)
+    for name in sorted(rest, key=lambda name: (-sizes[name], name)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[least].append(name)
+        loads[least] += sizes[name]
+    return [sorted(share) for share in shares]
 
 
 def verify(tag_dir: str | Path, files: list[str] | None = None) -> str | None:
@@ -352,19 +474,14 @@ def verify(tag_dir: str | Path, files: list[str] | None = None) -> str | None:
 
 
 def files_for_rank(tag_dir: str | Path, rank: int, world_size: int) -> list[str]:
-    """This rank's share of the files integrity.json records, for it to hash: the shares of all
-    ranks cover every file once, balanced by size (the biggest to the least loaded). Together the
-    ranks check everything, each about 1/world_size of it, whatever world size wrote the
-    checkpoint. [] without a readable integrity.json (`verify` says why)."""
+    """This rank's share of the files integrity.json records, for it to hash on resume: the
+    share it hashed at save on the same world size (`hashing_shares`); together the ranks check
+    everything, whatever world size wrote the checkpoint. [] without a readable integrity.json
+    (`verify` says why)."""
     record, _ = _read_integrity(Path(tag_dir))
     if record is None:
         return []
-    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
-    for name in sorted(record, key=lambda name: (-record[name]["size"], name)):
-        least = min(range(world_size), key=lambda r: (loads[r], r))
-        shares[least].append(name)
-        loads[least] += record[name]["size"]
-    return sorted(shares[rank])
+    return hashing_shares({name: entry["size"] for name, entry in record.items()}, world_size)[rank]
 
 
 def check_archives(tag_dir: str | Path) -> str | None:

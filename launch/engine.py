@@ -274,8 +274,15 @@ class Engine:
         return float(getattr(self._engine.optimizer, "cur_scale", getattr(self._engine.optimizer, "loss_scale", 1.0)))
 
     def save(self, directory: str | Path, tag: str, client_state: dict) -> None:
-        """Every rank must call this: ZeRO partitions are written by their owners."""
-        self._engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+        """Every rank must call this: ZeRO partitions are written by their owners. A write that
+        fails with an OSError (ENOSPC on a full disk) is raised, naming its file, once DeepSpeed's
+        save has returned (`_write_failures_kept`): raised inside it, it would skip the save's
+        closing barrier and leave the other ranks waiting there."""
+        failures: list[OSError] = []
+        with _write_failures_kept(self._engine, failures):
+            self._engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+        if failures:
+            raise failures[0]
 
     def load(self, directory: str | Path, tag: str) -> dict:
         """Module, optimizer, schedule and step from a checkpoint: one this world size wrote, or
@@ -360,6 +367,78 @@ class Engine:
         adam_steps = {int(s["step"]) for s in basic.state.values() if "step" in s}
         return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "global_steps": self._engine.global_steps,
                 "adam_steps": sorted(adam_steps), "lr": self.lr}
+
+
+@contextlib.contextmanager
+def _write_failures_kept(engine, failures: list[OSError]) -> Iterator[None]:
+    """Inside, DeepSpeed's checkpoint writes (its checkpoint engine's `save`, its copy of the
+    recovery scripts) append their OSError to `failures` instead of raising it, and write nothing
+    once one has, while the rest of the save, collectives included, goes on as on the other
+    ranks. torch.save is handed an open file, not the path: a full disk's errno then reaches us
+    (from a path, torch's C++ writer says only "basic_ios::clear: iostream error")."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    writer = engine.checkpoint_engine
+    # DeepSpeed's default engine calls torch.save with this format choice; another engine writes its own way.
+    zip_format = writer.zipfile_serialization if type(writer) is TorchCheckpointEngine else None
+    write, copy_scripts = writer.save, engine._copy_recovery_script
+
+    def save(state_dict, path):
+        if failures:
+            return
+        try:
+            if zip_format is None:
+                write(state_dict, path)
+            else:
+                with open(path, "wb") as file:
+                    torch.save(state_dict, file, _use_new_zipfile_serialization=zip_format)
+        except Exception as err:  # torch.save's RuntimeError from a failed write holds the OSError
+            cause = _os_error(err)
+            if cause is None:
+                raise
+            failures.append(OSError(cause.errno, cause.strerror or str(cause), str(path)))
+
+    def copy_recovery_scripts(save_path):
+        if not failures:
+            try:
+                copy_scripts(save_path)
+            except OSError as err:
+                failures.append(OSError(err.errno, err.strerror or str(err), err.filename or str(save_path)))
+
+    writer.save, engine._copy_recovery_script = save, copy_recovery_scripts
+    try:
+        yield
+    finally:
+        del writer.save, engine._copy_recovery_script  # the class's methods again
+
+
+def _os_error(err: BaseException | None) -> OSError | None:
+    """The OSError that `err` is, or was raised from or while handling; None if none."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[int, str]:
+    """(about how many bytes a checkpoint takes, all ranks' files together; how that is
+    counted), from the parameter count: per parameter, the weights of the model-states file (4
+    bytes in fp32, 2 in bf16 or fp16; none under ZeRO-3, where the weights are the fp32 masters'
+    partitions), the fp32 master weights (a copy, except in fp32 without ZeRO) and AdamW's two
+    fp32 moments. What DeepSpeed writes, less its pickles' overhead (a few percent on a tiny
+    model; tests/test_checkpoint_save.py compares the two)."""
+    per_parameter = {}
+    if zero_stage < 3:
+        per_parameter["weights"] = 4 if precision == "fp32" else 2
+    if zero_stage > 0 or precision != "fp32":
+        per_parameter["fp32 master weights"] = 4
+    per_parameter["Adam moments"] = 8
+    each = sum(per_parameter.values())
+    how = ", ".join(f"{name} {size}" for name, size in per_parameter.items())
+    return parameters * each, f"{parameters:,} parameters x {each} bytes: {how}"
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from launch import checkpoint as ckpt
 from launch import preflight
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
-from launch.engine import Engine, deepspeed_config
+from launch.engine import Engine, checkpoint_size, deepspeed_config
 from launch.metrics import memory_mb, peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import check_writable_dir, data_fits_model
@@ -702,9 +702,17 @@ def evaluate(run: Run) -> dict:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """Every rank writes its part; the `latest` pointer moves once all have finished."""
+    """Every rank writes its part and hashes its share of the files (`ckpt.hashing_shares`: the
+    ones it wrote, and the shared ones balanced by size); rank 0 records them all in
+    integrity.json, and the `latest` pointer moves once all have finished.
+
+    A save that its file system cannot hold ends the job on every rank in one line naming it and
+    what the save needs (`launch.engine.checkpoint_size`): refused before anything is written
+    where the file system has less free space, else failed by any rank's OSError (ENOSPC) in
+    any step (`_save_step`). The previous checkpoint stays the latest, and this one is removed."""
     root = ckpt.checkpoint_root(run.cfg.run_dir)
     tag = ckpt.tag_for(run.step)
+    tag_dir = root / tag
     client_state = {
         "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.data.train.state_dict(),
         "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
@@ -712,21 +720,66 @@ def save_checkpoint(run: Run) -> Path:
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
     }
-    if run.denv.is_main:
+    need, how = checkpoint_size(run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision)
+    free = None
+
+    def part(work, doing: str, *, main_only: bool = False) -> list:  # `free` as measured by then
+        return _save_step(run, root, tag, work, doing, main_only,
+                          lambda failure: ckpt.save_failed(root, tag, failure, need, how, free))
+
+    def make_room() -> int:
         ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
-    dist.barrier()
-    run.engine.save(root, tag, client_state)
-    dist.barrier()
-    if run.denv.is_main:
+        room = ckpt.free_space(root)
+        if room >= need:
+            tag_dir.mkdir(parents=True)  # here, not in DeepSpeed's save, whose failure would leave the others waiting
+        return room
+
+    free = part(make_room, "writing", main_only=True)[0]
+    if refusal := ckpt.short_of_space(root, tag, free, need, how):
+        raise UserError(refusal)  # on every rank: each has rank 0's figure
+    part(lambda: run.engine.save(root, tag, client_state), "writing")
+
+    def listed() -> dict[str, int]:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
                                              "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
         info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
-        (root / tag / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
-        ckpt.write_integrity(root / tag)  # sizes and sha256 of every file, checked before a resume trusts it
+        (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
+        return ckpt.files_on_disk(tag_dir)
+
+    # One listing, rank 0's, so that every rank computes the same shares.
+    share = ckpt.hashing_shares(part(listed, "writing", main_only=True)[0], run.denv.world_size)[run.denv.rank]
+    hashed = part(lambda: ckpt.hash_files(tag_dir, share), "hashing")
+
+    def recorded() -> None:
+        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for the record.
+        ckpt.write_integrity(tag_dir, {name: {**entry, "hashed_by": rank} for rank, entries in enumerate(hashed)
+                                       for name, entry in entries.items()})
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
-    dist.barrier()
-    return root / tag
+
+    part(recorded, "writing", main_only=True)
+    return tag_dir
+
+
+def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool, failed) -> list:
+    """One step of a save: `work()` on every rank (or on rank 0 alone), its values gathered from
+    every rank. An OSError of any rank's work fails the save on every rank alike, none left
+    waiting in a collective: rank 0 removes what was written of checkpoint `tag` (unless the
+    pointer names it), then every rank raises the UserError `failed(ckpt.WriteFailure)` words."""
+    value = failure = None
+    if run.denv.is_main or not main_only:
+        try:
+            value = work()
+        except OSError as err:
+            failure = ckpt.WriteFailure(run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename)
+    gathered = dist.all_gather_object((value, failure))
+    failures = [failure for _, failure in gathered if failure is not None]
+    if failures:
+        if run.denv.is_main and ckpt.latest_tag(root) != tag:
+            ckpt.discard(root, tag)
+        dist.barrier()  # removed before any rank ends the job
+        raise UserError(failed(failures[0]))
+    return [value for value, _ in gathered]
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:

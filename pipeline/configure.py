@@ -244,7 +244,9 @@ def run_main(main: Callable[[], Any]) -> None:
     try:
         code = main()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # One write, newline included: print's two would let the ranks of a job, which all say
+        # the same line into one stream, splice their lines together.
+        sys.stderr.write(f"error: {err}\n")
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -294,6 +294,29 @@ def assert_one_error_line(code: int, lines: list[str], *fragments: str) -> str:
     return errors[0]
 
 
+def test_the_error_line_is_written_in_one_piece(monkeypatch):
+    """Every rank of a job says the same error into one stream (stderr is written through to the
+    pipe at each write): in two writes, the text and then its newline, two ranks' lines splice."""
+    from pipeline.configure import run_main
+
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    def fail():
+        raise UserError("a named problem")
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    with pytest.raises(SystemExit):
+        run_main(fail)
+    assert writes == ["error: a named problem\n"]
+
+
 BAD_MANIFESTS = {
     "a JSON list": (lambda m: [m], "a JSON list, expected an object"),
     "no tokenizer": (lambda m: {k: v for k, v in m.items() if k != "tokenizer"}, "no tokenizer record"),
