@@ -27,8 +27,10 @@ export PYTHONPATH=$PROJECT_DIR${PYTHONPATH:+:$PYTHONPATH}
 [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 
 # The address of the allocation's first node: its NodeAddr, which is its name on most
-# clusters (and 127.0.0.1 on slurm/local-cluster.sh's emulated nodes).
-head_node() { scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1; }
+# clusters (and 127.0.0.1 on slurm/local-cluster.sh's emulated nodes). awk reads the whole
+# list: `head -n 1` may exit before scontrol has written its last name, and the SIGPIPE that
+# scontrol then gets ends the script (exit 141) under pipefail.
+head_node() { scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1'; }
 node_addr() { scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; }
 
 # A port every node derives from the job id alone (a requeued job keeps its id).

@@ -337,7 +337,9 @@ echo "$@" >> "$SRUN_CALLS"
 """
 FAKE_SCONTROL = """#!/bin/sh
 case "$1 $2" in
-    "show hostnames") echo node1; echo node2 ;;
+    # The pause lets a reader that stops at the first name exit before the second is written
+    # (a real scontrol on a large job does the same): that must not end the script.
+    "show hostnames") echo node1; sleep 0.3; echo node2 ;;
     "show node") echo "NodeName=$3 NodeAddr=127.0.0.1 State=IDLE" ;;
 esac
 """
