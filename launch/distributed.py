@@ -5,10 +5,11 @@ MASTER_ADDR and MASTER_PORT. Under `srun` (one process per rank) only SLURM_* va
 set; they are translated here, with the rendezvous on the first node of the allocation. A
 plain `python -m launch.train` is a world of one.
 
-A rank also dies with its launcher (`die_with_parent`): torchrun starts each rank in a session
-of its own, so a `kill -9` of torchrun (a user, or a scheduler without cgroups) would leave the
-ranks training to the end and writing checkpoints, unseen. And a rendezvous port that is
-already taken is reported in one line (`init_process_group`), not as a traceback.
+A rank also ends with its launcher (`die_with_parent`, `stop_with_launcher`): torchrun starts
+each rank in a session of its own, so a `kill -9` of torchrun (a user, or a scheduler without
+cgroups) would leave the ranks training to the end and writing checkpoints, unseen. And a
+rendezvous port that is already taken is reported in one line (`init_process_group`), not as a
+traceback.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def init_process_group(denv: DistEnv, timeout_s: int) -> str:
             if problem is None:
                 raise
             raise UserError(problem) from err
+        if backend == "nccl" and denv.world_size > 1:
+            global _host_group
+            _host_group = dist.new_group(backend="gloo")  # see any_rank
     return backend
 
 
@@ -188,7 +192,10 @@ def port_in_use(port: int) -> bool:
 # Linux's prctl(2) option: the signal this process gets when the thread that forked it exits.
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL_S = 1.0
+LAUNCHER_GONE_GRACE_S = 30.0  # as long as torchrun gives its ranks between SIGTERM and SIGKILL
 _armed = False
+_pdeathsig = False  # whether the kernel signals this rank when its launcher dies
+_stop_on_death: tuple[int, float] | None = None  # (signal, grace) once `stop_with_launcher` is called
 
 
 def launcher_kind(env=None) -> str:
@@ -207,7 +214,8 @@ def launcher_kind(env=None) -> str:
 
 
 def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
-    """End this process (SIGKILL, nothing written) when the launcher that started it dies.
+    """End this process (SIGKILL, nothing written) when the launcher that started it dies; after
+    `stop_with_launcher`, ask it to stop with a checkpoint instead.
 
     Call it first thing in a rank. Two mechanisms:
     * a watchdog thread compares `os.getppid()` with the parent recorded here every
@@ -226,7 +234,7 @@ def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
     program means exactly that, and we exit at once. A plain run started detached (`nohup`, which
     leaves SIGHUP ignored, or `setsid`) was meant to outlive its shell: it is left alone.
     Returns the launcher kind watched, or None when left alone. Calling it again does nothing."""
-    global _armed
+    global _armed, _pdeathsig
     if _armed:
         return None
     kind = launcher_kind()
@@ -236,7 +244,8 @@ def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
     if kind != "plain" and not _runs_launcher(parent, kind):
         _die(f"the {kind} launcher that started this rank is gone (the parent is now pid {parent}, "
              f"{os.path.basename(_program(parent).split(' ')[0]) or 'unknown'})")
-    if kind in ("torchrun", "deepspeed") and _set_pdeathsig(signal.SIGKILL) and os.getppid() != parent:
+    _pdeathsig = kind in ("torchrun", "deepspeed") and _set_pdeathsig(signal.SIGKILL)
+    if _pdeathsig and os.getppid() != parent:
         _die(f"the {kind} launcher (pid {parent}) died as this rank started")  # between the read and prctl
     runner = _deepspeed_runner(parent) if kind == "deepspeed" else None
     threading.Thread(target=_watch, args=(kind, parent, runner, interval_s), name="die-with-parent",
@@ -245,14 +254,46 @@ def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
     return kind
 
 
+def stop_with_launcher(signum: int, grace_s: float = LAUNCHER_GONE_GRACE_S) -> None:
+    """From now on the launcher's death asks this rank to stop instead of killing it: `signum`,
+    which the caller handles as a stop request (checkpoint the step reached, exit), is delivered
+    to its main thread (the parent-death signal becomes `signum`; the watchdog sends it too), and
+    the rank is killed `grace_s` later if it has not ended by then (a collective waiting for a
+    rank that is gone). Call it once the handler is installed; a launcher that dies before dies
+    with its ranks as `die_with_parent` says.
+
+    Why the ranks, not the launcher: a signal that torchrun or the deepspeed runner does not handle
+    kills it outright, and their code is not ours. torchrun turns SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT into an exception and passes SIGTERM on to its ranks, which stop, but SIGUSR1 (what
+    `scancel --signal=USR1` without `B:` sends, or a `kill -USR1` of the launcher) ends it at once;
+    a wrapper that passed signals on would serve only the jobs started through it. The ranks see
+    their launcher die whatever killed it, so a `kill -9` of the launcher also ends them with a
+    checkpoint, within the grace, rather than without one."""
+    global _stop_on_death
+    _stop_on_death = (int(signum), grace_s)
+    if _pdeathsig:
+        _set_pdeathsig(signum)
+
+
 def _watch(kind: str, parent: int, runner: int | None, interval_s: float) -> None:
     while True:
         time.sleep(interval_s)
         if os.getppid() != parent:
-            _die(f"the {kind} launcher (pid {parent}) died")
+            return _launcher_gone(f"the {kind} launcher (pid {parent}) died")
         # DeepSpeed's launch.py outlives a killed runner (it is reparented), so ask who its parent is now.
         if runner is not None and _parent_of(parent) not in (runner, None):
-            _die(f"the deepspeed runner (pid {runner}) died")
+            return _launcher_gone(f"the deepspeed runner (pid {runner}) died")
+
+
+def _launcher_gone(reason: str) -> None:
+    """Die, or, after `stop_with_launcher`, ask the main thread to stop and die if it has not ended in time."""
+    if _stop_on_death is None:
+        _die(reason)
+    signum, grace_s = _stop_on_death
+    _tell(f"{reason}; stopping with a checkpoint (killed if still running in {grace_s:.0f} s)")
+    signal.pthread_kill(threading.main_thread().ident, signum)
+    time.sleep(grace_s)
+    _die(f"{reason}, and this rank did not stop within {grace_s:.0f} s")
 
 
 def _started_detached() -> bool:
@@ -319,13 +360,17 @@ def _read_proc(pid: int, name: str) -> str | None:
 
 def _die(reason: str) -> None:
     """SIGKILL ourselves, as PR_SET_PDEATHSIG would: no checkpoint, no W&B summary, no cleanup."""
-    try:
-        print(f"rank pid {os.getpid()}: {reason}; exiting", file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # stderr may be a pipe to the launcher that died
-        pass
+    _tell(f"{reason}; exiting")
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
+
+
+def _tell(message: str) -> None:
+    try:
+        print(f"rank pid {os.getpid()}: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr may be a pipe to the launcher that died
+        pass
 
 
 # ----------------------------------------------------------------------------- ending a rank
@@ -416,6 +461,23 @@ def all_reduce_sum(values: list) -> list[float]:
     return all_reduce_sum_tensor(values).cpu().tolist()
 
 
+_host_group = None  # under NCCL, the gloo group of every rank that `any_rank` sums over
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank, known to the host at once: summed on the CPU, by gloo
+    (under NCCL a gloo group of the same ranks, made with the process group), so the answer waits
+    for no work queued on a device. For a decision the ranks must share before the first
+    collective of a step: whether any of them was stopped while it waited for its batches."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    votes = torch.tensor([float(flag)])
+    dist.all_reduce(votes, group=_host_group)
+    return bool(votes.item())
+
+
 def destroy() -> None:
+    global _host_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _host_group = None

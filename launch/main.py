@@ -8,7 +8,9 @@ same number of steps -> evaluate BLEU and chrF on valid and test -> a report dir
 Each stage runs the project's own entry points as subprocesses, writes into its own
 directory under `out_dir`, and is skipped when its output already exists and is complete
 (the dataset must also pass `pipeline.validate`); a re-run says what it skipped. A failed
-stage stops the run with its error and leaves earlier stages' outputs as they were.
+stage stops the run with its error and leaves earlier stages' outputs as they were. SIGTERM,
+SIGINT or SIGHUP to the main job stops the stage it runs too (a training stage checkpoints),
+and a re-run continues from there.
 `configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,20 +45,60 @@ class StageFailed(Exception):
     pass
 
 
+class Stopped(Exception):
+    """SIGTERM, SIGINT or SIGHUP to the main job; `ended` says what became of the stage it ran."""
+
+    def __init__(self, signum: int, ended: str = ""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.ended = signum, ended
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STAGE_STOP_S = 60  # how long a stage may take to stop (torchrun gives its ranks 30 s) before it is killed
+
+
+def _on_signal(signum, frame) -> None:
+    raise Stopped(signum)
+
+
 def _run(stage: str, command: list[str], log: Path) -> None:
     """Run one stage's command, its output to `log`; a failure names the stage and the log."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     _say(f"{stage}: {' '.join(command)}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # In a process group of its own, so that a Ctrl-C in the terminal reaches the main job alone,
+    # which passes it on to the stage once (a rank takes a second SIGINT for "now").
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     with open(log, "w") as fh:
-        code = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        process = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, **group)
+        try:
+            code = process.wait()
+        except Stopped as stop:
+            raise Stopped(stop.signum, _stop_stage(stage, process, stop.signum, log)) from None
     if code != 0:
         lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
         # The entry points' own one-line errors say most; else the log's last line.
         errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
         raise StageFailed(f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})")
     _say(f"{stage}: done in {time.time() - started:.0f} s")
+
+
+def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
+    """Pass the main job's signal on to the stage and wait for it to end (torchrun passes SIGTERM
+    on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
+    train on unseen); its process group is killed after STAGE_STOP_S, or at a second signal.
+    Returns what became of it, in words."""
+    started = time.time()
+    process.send_signal(signum)
+    try:
+        code = process.wait(timeout=STAGE_STOP_S)
+        how = f"ended with it (exit {code})"
+    except (subprocess.TimeoutExpired, Stopped):
+        os.killpg(process.pid, signal.SIGKILL)
+        code = process.wait()
+        how = "killed, having not ended"
+    return f"stage {stage} {how} {time.time() - started:.0f} s later (log: {log})"
 
 
 def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
@@ -278,11 +321,16 @@ def main_job(cfg: MainConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_signal)
     try:
         print(main_job(cfg))
     except StageFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Stopped as stop:
+        _say(f"stopped by {stop}" + (f": {stop.ended}" if stop.ended else "") + "; a re-run continues from there")
+        return 128 + stop.signum
     return 0
 
 

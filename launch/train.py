@@ -18,7 +18,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
 import time
 import warnings
@@ -31,6 +30,8 @@ import torch
 from launch import checkpoint as ckpt
 from launch import preflight
 from launch import distributed as dist
+from launch import stop
+from launch.stop import StopRequested, stoppable
 from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
 from launch.engine import Engine, checkpoint_size, deepspeed_config
 from launch.metrics import memory_mb, peak_flops, set_fp32_matmul
@@ -143,7 +144,8 @@ def setup(cfg: TrainConfig) -> Run:
     dist.set_threads(cfg.threads_per_rank, denv)
     plan = batch_plan(cfg, denv.world_size)
     cfg = replace(cfg, grad_accum=plan.grad_accum)
-    data = open_data(cfg, task, denv)
+    with stoppable():  # every rank reads the manifest, before there is a process group to leave
+        data = open_data(cfg, task, denv)
     cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
     dist.init_process_group(denv, cfg.dist_timeout_s)
     tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
@@ -174,17 +176,21 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def _on_main(denv: dist.DistEnv, work):
-    """`work()` on rank 0, its result (or its UserError, raised on every rank) broadcast: a
-    refusal on rank 0 alone would leave the other ranks waiting at the next collective."""
+    """`work()` on rank 0, its result (or its UserError or StopRequested, raised on every rank)
+    broadcast: a refusal on rank 0 alone would leave the other ranks waiting at the next collective."""
     outcome = None
     if denv.is_main:
         try:
             outcome = ("ok", work())
         except UserError as err:
             outcome = ("error", str(err))
+        except StopRequested as request:
+            outcome = ("stop", str(request))
     kind, value = dist.broadcast_object(outcome)
     if kind == "error":
         raise UserError(value)
+    if kind == "stop":
+        raise StopRequested(value)
     return value
 
 
@@ -416,17 +422,24 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
     """RUN_DIR's config, tokenizer and metrics (rows after `step` dropped), and the W&B run;
     the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
     run_dir = Path(cfg.run_dir)
-    if denv.is_main:
+
+    def write_run_dir() -> str:  # rank 0; returns the manifest's sha256, for the W&B run
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir, step)
         if dropped:
             print(f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job", file=sys.stderr)
         save_config(cfg, run_dir / "config.yaml")
-        # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked against the manifest's sha256.
-        shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), remote.FetchConfig.from_loader_config(
-            cfg.data), sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
+        fetch = remote.FetchConfig.from_loader_config(cfg.data)
+        # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked
+        # against the manifest's sha256; then the manifest's own.
+        with stoppable():
+            shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
+                                              sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
+            return hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)).hexdigest()
+
+    manifest_sha256 = _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
-    summary = {"git_commit": git_commit(), "data_manifest_sha256": hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST))).hexdigest(),
+    summary = {"git_commit": git_commit(), "data_manifest_sha256": manifest_sha256,
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
@@ -452,24 +465,8 @@ def _set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 
-STOP_FILE = "STOP"  # touched by slurm/*.sbatch on SLURM's warning signal
-PREEMPTED_FILE = "preempted.json"  # left for the batch script: requeue me
-_signalled = False
-
-
-def _on_signal(signum, frame) -> None:
-    global _signalled
-    _signalled = True
-
-
-def install_preemption_handlers() -> None:
-    """SIGUSR1 (SLURM's `--signal` warning) and SIGTERM ask for a checkpoint and a clean exit."""
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, _on_signal)
-
-
 def _stop_requested(run: Run) -> bool:
-    return _signalled or (run.denv.is_main and (Path(run.cfg.run_dir) / STOP_FILE).exists())
+    return stop.requested() or (run.denv.is_main and stop.stop_file(run.cfg.run_dir))
 
 
 def _batches(loader: ShardLoader):
@@ -478,8 +475,9 @@ def _batches(loader: ShardLoader):
         yield from loader
 
 
-def train_step(run: Run, batches) -> dict:
-    """One optimizer step: grad_accum micro batches, forward and backward through the engine.
+def train_step(run: Run, batches) -> dict | None:
+    """One optimizer step: grad_accum micro batches, forward and backward through the engine;
+    None, with no step taken, when a stop request cut some rank's wait for its batches short.
 
     The loss is the mean over every scored token of the step, all ranks and micro batches
     together (fairseq's normalisation; Hugging Face's average_tokens_across_devices): the step's
@@ -507,9 +505,19 @@ def train_step(run: Run, batches) -> dict:
     non_finite_here = torch.zeros(len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device)  # micro batches
     served = []  # handles on this step's batches; their sample keys are worked out only when needed
     micro = []
-    for _ in range(run.plan.grad_accum):
-        micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
-        served.append(run.data.train.served_batch())
+    try:
+        with stoppable():
+            for _ in range(run.plan.grad_accum):
+                micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
+                served.append(run.data.train.served_batch())
+        stopped = False
+    except StopRequested:
+        stopped = True
+    # A rank stopped while it waited for its batches has none to train on: every rank learns of
+    # it here, before the step's first collective, and gives the step up.
+    if dist.any_rank(stopped):
+        run.data.train.rewind()
+        return None
     scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
     # Summed over the ranks and left on the device, as is every weight made from it below: the
     # host issues this step's forwards without waiting for the previous step to finish.
@@ -672,17 +680,28 @@ def _ranks(ranks: list[int], shown: int = 8) -> str:
 
 @torch.compiler.set_stance("force_eager")  # see compile_model: no eval graphs or their recompiles
 @torch.no_grad()
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run) -> dict | None:
     """Token-weighted loss (and perplexity; masked-token accuracy for mlm) on the valid split.
-    Every rank runs the same number of forwards, which ZeRO-3 needs."""
+    Every rank runs the same number of forwards, which ZeRO-3 needs, so the ranks agree after
+    each batch read whether a stop request cut a rank's wait for it short: then None."""
     loader = run.data.valid
     if loader is None:
         return {}
     run.engine.train(False)
     loader.load_state_dict({**loader.state_dict(), "epoch": 0, "samples_consumed": 0})
     sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-    for index, batch in enumerate(loader):
-        if run.cfg.eval_batches and index >= run.cfg.eval_batches:
+    batches = iter(loader)
+    for _ in range(run.cfg.eval_batches or len(loader)):
+        try:
+            with stoppable():
+                batch = next(batches, None)
+            stopped = False
+        except StopRequested:
+            batch, stopped = None, True
+        if dist.any_rank(stopped):
+            run.engine.train(True)
+            return None
+        if batch is None:
             break
         inputs = run.task.model_inputs(batch, run.engine.device)
         output = run.engine(**inputs)
@@ -820,6 +839,8 @@ def fit(run: Run) -> dict:
     while run.step < stop_at:
         step_start = time.perf_counter()
         result = train_step(run, batches)
+        if result is None:  # a stop request cut some rank's wait for its batches short: no step taken
+            return stop_for_requeue(run, last_saved, last_eval)
         if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
             told_kernel = True
@@ -858,18 +879,16 @@ def fit(run: Run) -> dict:
                 metrics.update({"train/loss_scale": run.engine.loss_scale})
             window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
             window_clipped = window_steps = 0
+        stopped = False
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
-            last_eval = evaluate(run)
-            metrics.update(last_eval)
+            evaluated = evaluate(run)  # None: a stop request cut some rank's wait for validation data short
+            stopped = evaluated is None
+            last_eval = evaluated or last_eval
+            metrics.update(evaluated or {})
         if metrics:
             _log(run, metrics)
-        if result["stop"] and run.step < stop_at:  # on the last step a normal end is as good
-            save_checkpoint(run)
-            if run.denv.is_main:
-                (Path(cfg.run_dir) / STOP_FILE).unlink(missing_ok=True)
-                (Path(cfg.run_dir) / PREEMPTED_FILE).write_text(json.dumps({"step": run.step}) + "\n")
-                print(f"stop requested: checkpoint at step {run.step} saved; exiting for a requeue", file=sys.stderr)
-            return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
+        if stopped or (result["stop"] and run.step < stop_at):  # on the last step a normal end is as good
+            return stop_for_requeue(run, last_saved, last_eval)
         if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
             save_checkpoint(run)
             last_saved = run.step
@@ -877,6 +896,20 @@ def fit(run: Run) -> dict:
         save_checkpoint(run)
     return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
             **data_counters(run), **last_eval}
+
+
+def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
+    """End a job asked to stop, on every rank: the step reached checkpointed (unless it is already,
+    or none was trained), RUN_DIR/preempted.json left for the batch script, one line."""
+    if run.step != last_saved:
+        save_checkpoint(run)
+        done = f"checkpoint at step {run.step} saved"
+    else:
+        done = f"step {run.step} is checkpointed already" if run.step else "nothing trained, nothing to checkpoint"
+    if run.denv.is_main:
+        stop.leave_for_requeue(run.cfg.run_dir, run.step)
+        print(f"stop requested: {done}; exiting for a requeue", file=sys.stderr)
+    return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
 
 
 def data_counters(run: Run) -> dict:
@@ -898,7 +931,7 @@ def tokens_by_source(run: Run) -> dict[str, int]:
 
 
 def train(cfg: TrainConfig) -> dict:
-    install_preemption_handlers()
+    stop.install(cfg.run_dir)  # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
     faulthandler.enable(all_threads=True)
@@ -911,9 +944,12 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig) -> dict:
-    run = setup(cfg)
+    try:
+        run = setup(cfg)
+    except StopRequested:  # while it waited for the dataset: nothing trained
+        return _stopped_in_setup(cfg)
     if run.denv.is_main:
-        (Path(cfg.run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
+        (Path(cfg.run_dir) / stop.PREEMPTED_FILE).unlink(missing_ok=True)
     try:
         final = fit(run)
         if final.get("preempted"):
@@ -928,6 +964,18 @@ def _train(cfg: TrainConfig) -> dict:
                 loader.close()  # its workers, before the rank ends (they would outlive it a while)
         run.tracker.finish()
         dist.destroy()
+
+
+def _stopped_in_setup(cfg: TrainConfig) -> dict:
+    """End a job whose wait for the dataset (its manifest, its tokenizer) a stop request cut short:
+    nothing to checkpoint; a requeue continues from the latest checkpoint, if any."""
+    dist.destroy()
+    tag = ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir))
+    step = int(tag.rpartition("_")[2]) if tag else 0
+    if dist.read_env().is_main:
+        stop.leave_for_requeue(cfg.run_dir, step)
+        print("stop requested before training began: nothing to checkpoint; exiting for a requeue", file=sys.stderr)
+    return {"step": step, "preempted": True}
 
 
 def main(argv: list[str] | None = None) -> int:

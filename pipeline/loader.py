@@ -95,10 +95,15 @@ Design. The manifest knows every shard's sample count, so each epoch's order cos
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +193,7 @@ class ShardLoader:
         self.pin_memory = pin_memory
         self._workers: DataLoader | None = None  # started at the first iteration, kept (see the module doc, 4)
         self._cursor = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch) for the workers
+        self._closing: torch.Tensor | None = None  # set by `close` for the workers: see `_worker_lifetime`
         self.vocab_size = int(tokenizer["vocab_size"])
         # The reserved ids are special in every tokenizer of this project, whatever the list says.
         special_ids = sorted(set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", [])))
@@ -240,6 +246,7 @@ class ShardLoader:
         self.skipped_shards: list[dict] = []
         self._skipped_seen: set[tuple[int, str]] = set()
         self._consumed = 0
+        self._tokens_at_step = dict(self.stats["tokens_by_source"])  # as they were at the last step boundary
         self._served: tuple[_EpochBatches, int] | None = None  # the last batch handed out (a filler: its source)
         log.info(
             "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
@@ -286,23 +293,36 @@ class ShardLoader:
             return iter(self._epoch_batches(epoch, first))
         self._cursor[0], self._cursor[1] = epoch, first
         if self._workers is None:
+            self._closing = torch.zeros(1, dtype=torch.int64).share_memory_()
             # A private generator: creating a DataLoader iterator draws a seed from the one it
             # is given, and drawing from torch's global generator would shift the trainer's
             # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
             self._workers = DataLoader(_CursorBatches(self._batch_spec(), self._cursor), batch_size=None,
                                        num_workers=self.num_workers, collate_fn=_as_is, persistent_workers=True,
-                                       generator=torch.Generator().manual_seed(self.seed))
+                                       generator=torch.Generator().manual_seed(self.seed),
+                                       worker_init_fn=functools.partial(_worker_lifetime, self._closing))
         return iter(self._workers)  # the workers restart their iteration at the cursor
 
     def close(self) -> None:
-        """Stop the workers (they are also stopped when the loader is collected)."""
+        """Stop the workers (they are also stopped when the loader is collected). One that is
+        blocked in a remote fetch ends itself a moment later (`_worker_lifetime`)."""
         workers, self._workers = self._workers, None
+        if self._closing is not None:
+            self._closing[0] = 1
         iterator = getattr(workers, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
 
+    def rewind(self) -> None:
+        """Forget the batches handed out since the last step boundary (a multiple of grad_accum),
+        so that a step given up while its batches were being read (a stop request) is saved as
+        not begun; the next iteration starts at that boundary."""
+        self._consumed -= self._consumed % self.grad_accum
+        self.stats["tokens_by_source"] = dict(self._tokens_at_step)
+
     def __iter__(self):
         epoch, first = self.epoch, self._consumed
+        self._tokens_at_step = dict(self.stats["tokens_by_source"])
         if first < self._num_batches:
             epoch_batches = self._epoch_batches(epoch, first)
             items = self._items(epoch, first)
@@ -323,6 +343,8 @@ class ShardLoader:
                 self._served = (epoch_batches, source)
                 expected += 1
                 self._consumed = expected
+                if expected % self.grad_accum == 0:  # a step's last batch: what `rewind` returns to
+                    self._tokens_at_step = dict(self.stats["tokens_by_source"])
                 self.stats["batches_yielded"] += 1
                 yield batch
             if expected != self._num_batches:
@@ -453,6 +475,34 @@ class _CursorBatches(IterableDataset):
     def __iter__(self):
         epoch, first = (int(value) for value in self.cursor.tolist())
         return iter(_epoch_batches(self.spec, epoch, first))
+
+
+WORKER_EXIT_S = 1.0  # how long a closed loader's worker may take to end by itself
+
+
+def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
+    """A DataLoader worker (its worker_init_fn) lives as long as its loader and its rank, no longer:
+    * it ignores SIGTERM, which reaches every process of a job (torchrun sends it to each rank's
+      process group, SLURM to every process of a step): dead of it mid-batch, a worker takes its
+      rank down ("DataLoader worker is killed by signal") before the rank, which takes SIGTERM for
+      a stop request, could checkpoint;
+    * a thread ends it WORKER_EXIT_S after its loader is closed, or at once when its rank is gone,
+      if it has not ended by itself. Asked to stop, a worker ends between two batches, but one
+      blocked in a remote fetch or a retry's back-off (minutes, at the default timeouts) would
+      keep its rank, and a stop request, waiting. What it leaves in the shard cache is what a
+      killed download leaves, which the next fetch clears (`pipeline.remote`). Exit status 0:
+      the DataLoader takes any other for a worker that failed."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = os.getppid()
+
+    def leave():
+        while not int(closing[0]) and os.getppid() == rank:
+            time.sleep(0.1)
+        if os.getppid() == rank:
+            time.sleep(WORKER_EXIT_S)
+        os._exit(0)
+
+    threading.Thread(target=leave, name="worker-lifetime", daemon=True).start()
 
 
 # A shard's place in the stream: (source, pass of that source, place in the pass's shard order).

@@ -1,7 +1,13 @@
-"""The main job (`launch.main`): every stage end to end on tiny data, skipping on a re-run, and a failed stage."""
+"""The main job (`launch.main`): every stage end to end on tiny data, skipping on a re-run, a failed stage,
+and a signal to it ending the stage it runs."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +69,46 @@ def test_bad_start_is_refused(tmp_path):
     config.write_text("bert_pretrain_steps: -1\n")
     run = main_job(config)
     assert run.returncode == 2 and "bert_pretrain_steps=-1" in run.stderr and "must be positive" in run.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, tmp_path, signum):
+    """Issue #28, item 9. SIGTERM or SIGINT to `launch.main` while a training stage runs under
+    torchrun (which has no parent-death handling of its own): the stage is stopped with it, its
+    ranks checkpoint the step they reached, and no process of the stage is left a few seconds
+    later; the main job says so in one line and exits 128 + the signal's number."""
+    from test_reliability import alive, command_of, descendants, kill_all, wait_for
+
+    out = tmp_path / "out"
+    config = tmp_path / "main.yaml"
+    config.write_text(f"out_dir: {out}\ndata_dir: {tiny_dataset}\nnproc: 2\npretrain_steps: 100000\n"
+                      "starts: [random/gpt]\n")
+    job = subprocess.Popen([sys.executable, "-m", "launch.main", str(config)], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    stage: list[int] = []
+    try:
+        wait_for(lambda: job.poll() is not None or (out / "pretrain-gpt" / "metrics.jsonl").is_file(), 600,
+                 "the GPT pretraining to train")
+        assert job.poll() is None, job.communicate()
+        stage = descendants(job.pid)  # torchrun, its ranks and their DataLoader workers
+        assert sum("launch.train" in command_of(pid) for pid in stage) >= 3, [command_of(pid) for pid in stage]
+        job.send_signal(signum)
+        signalled = time.monotonic()
+        try:
+            _, stderr = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launch.main still runs 60 s after {signum.name}") from None
+        wait_for(lambda: not any(alive(pid) for pid in stage), 5, "every process of the stage to end")
+        print(f"\n{signum.name}: main and its stage gone {time.monotonic() - signalled:.1f} s after the signal")
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        kill_all(stage)
+    assert job.returncode == 128 + signum, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith(f"[main] stopped by {signum.name}")]
+    assert len(said) == 1 and "pretrain gpt" in said[0], stderr[-3000:]
+    run_dir = out / "pretrain-gpt"
+    step = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"

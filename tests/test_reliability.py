@@ -58,6 +58,15 @@ def children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
 
 
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        below = children(todo.pop())
+        found += below
+        todo += below
+    return found
+
+
 def command_of(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -214,67 +223,82 @@ def train_command(data: Path, run_dir: Path, *overrides: str) -> list[str]:
             f"run_dir={run_dir}", *TINY, "wandb.mode=disabled", *overrides]
 
 
-def assert_ranks_die_with(launcher: subprocess.Popen, run_dir: Path, ranks_of) -> None:
-    """Wait until both ranks train, kill -9 the launcher, and expect no rank left within 10 s."""
-    ranks: list[int] = []
+def start_job(launcher: str, data: Path, run_dir: Path, stderr: Path) -> subprocess.Popen:
+    """Two ranks of a long tiny-GPT run, with a DataLoader worker each, under torchrun or the
+    deepspeed runner (which starts deepspeed.launcher.launch, which starts the ranks)."""
+    train = train_command(data, run_dir, "max_steps=100000", "log_every=1", "eval_every=0", "checkpoint.every_steps=0",
+                          "data.log_sample_keys=true", "data.num_workers=1")
+    if launcher == "torchrun":
+        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *train]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
+                   "--module", *train[1:]]
+    return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+
+
+def is_rank(pid: int) -> bool:
+    """A launch.train process (a rank or its DataLoader worker), not the launcher that names it."""
+    words = set(command_of(pid).split())
+    return "launch.train" in words and not words & {"torch.distributed.run", "deepspeed.launcher.launch"}
+
+
+def steps_of(run_dir: Path, rank: int) -> list[int]:
+    keys = run_dir / f"sample_keys.rank{rank}.jsonl"
+    return [json.loads(line)["step"] for line in keys.read_text().splitlines()] if keys.is_file() else []
+
+
+@LINUX
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, target, signum", [
+    ("torchrun", "ranks", signal.SIGUSR1),
+    ("torchrun", "launcher", signal.SIGUSR1),
+    ("torchrun", "launcher", signal.SIGKILL),
+    ("deepspeed", "launcher", signal.SIGUSR1),
+    ("deepspeed", "launcher", signal.SIGKILL),
+], ids=["torchrun-ranks-USR1", "torchrun-USR1", "torchrun-KILL", "deepspeed-runner-USR1", "deepspeed-runner-KILL"])
+def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(tiny_dataset, tmp_path, launcher, target,
+                                                                             signum):
+    """Issue #28, item 4. SIGUSR1 to the ranks (SLURM's `--signal=B:USR1` path, through the
+    batch script) asks them to checkpoint and exit for a requeue. SIGUSR1 to the launcher (what
+    `scancel --signal=USR1` or `--signal=USR1` without `B:` does) kills torchrun or the deepspeed
+    runner outright, as a kill -9 does: the ranks, left without it, stop the same way instead of
+    dying unsaved. Either way every rank ends within 10 s, the step it reached checkpointed, with
+    RUN_DIR/preempted.json and the one stop line."""
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
+    job = start_job(launcher, tiny_dataset, run_dir, stderr)
+    processes: list[int] = []
     try:
-        wait_for(lambda: launcher.poll() is not None or all(
-            (run_dir / f"sample_keys.rank{r}.jsonl").is_file() for r in range(2)), 300, "both ranks to train")
-        assert launcher.poll() is None, "the job ended before it was killed"
-        ranks = ranks_of(launcher.pid)
-        assert len(ranks) == 2 and all("launch.train" in command_of(pid) for pid in ranks), ranks
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        killed_at = time.monotonic()
+        wait_for(lambda: job.poll() is not None or all(steps_of(run_dir, r) for r in range(2)), 300,
+                 "both ranks to train")
+        assert job.poll() is None, f"the job ended before it was signalled: {stderr.read_text()[-3000:]}"
+        processes = descendants(job.pid)  # the ranks, their DataLoader workers, DeepSpeed's launch.py
+        ranks = [pid for pid in processes if is_rank(pid) and not is_rank(parent_of(pid))]  # not their workers
+        assert len(ranks) == 2, [command_of(pid) for pid in processes]
+        reached = len(steps_of(run_dir, 0))
+        for pid in (ranks if target == "ranks" else [job.pid]):
+            os.kill(pid, signum)
+        signalled = time.monotonic()
         try:
-            wait_for(lambda: not any(alive(pid) for pid in ranks), 10, "the ranks to die with their launcher")
+            wait_for(lambda: not any(alive(pid) for pid in processes), 10, "every process of the job to end")
         except AssertionError:
-            steps = len((run_dir / "sample_keys.rank0.jsonl").read_text().splitlines())
-            raise AssertionError(f"ranks {[p for p in ranks if alive(p)]} still alive 10 s after the launcher "
-                                 f"was killed, at step {steps}") from None
-        print(f"\nranks gone {time.monotonic() - killed_at:.1f} s after kill -9 of the launcher")
+            raise AssertionError(f"{[command_of(p)[:80] for p in processes if alive(p)]} still alive 10 s after "
+                                 f"{signum.name} to the {target}: {stderr.read_text()[-3000:]}") from None
+        print(f"\n{signum.name} to the {target} of {launcher}: every process gone "
+              f"{time.monotonic() - signalled:.1f} s later")
+        if target == "ranks":
+            assert job.wait(timeout=30) == 0, stderr.read_text()[-3000:]
     finally:
-        kill_all([launcher.pid] + ranks)
-
-
-@LINUX
-@pytest.mark.slow
-def test_killing_torchrun_kills_its_ranks(tiny_dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               *train_command(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
-                              "checkpoint.every_steps=0", "data.log_sample_keys=true")]
-    launcher = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / "stderr", "w"))
-    # torchrun starts each rank in a session of its own: they are its children, found before the kill.
-    assert_ranks_die_with(launcher, run_dir, children)
-    assert not (run_dir / "checkpoints").exists()
-
-
-@LINUX
-@pytest.mark.slow
-def test_killing_the_deepspeed_runner_kills_its_ranks(tiny_dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port), "--module",
-               *train_command(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
-                              "checkpoint.every_steps=0", "data.log_sample_keys=true")[1:]]
-    launcher = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / "stderr", "w"))
-
-    # The runner starts deepspeed.launcher.launch, which starts the ranks; a user kills the runner.
-    def ranks_of(runner: int) -> list[int]:
-        (per_node,) = children(runner)
-        return children(per_node)
-
-    per_node = wait_for(lambda: children(launcher.pid)[:1], 60, "deepspeed.launcher.launch")[0]
-    try:
-        assert_ranks_die_with(launcher, run_dir, ranks_of)
-        wait_for(lambda: not alive(per_node), 10, "DeepSpeed's launch.py to end with its ranks")
-    finally:
-        kill_all([per_node])
+        kill_all([job.pid, *processes])
+    text = stderr.read_text()
+    last = steps_of(run_dir, 0)[-1]
+    assert last >= reached and steps_of(run_dir, 1)[-1] == last  # no step lost, none trained after the stop
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": last}, text[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    said = [line for line in text.splitlines() if line.startswith("stop requested")]
+    assert said == [f"stop requested: checkpoint at step {last} saved; exiting for a requeue"], text[-3000:]
 
 
 # ----------------------------------------------------------------------------- one-line errors

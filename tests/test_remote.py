@@ -4,6 +4,7 @@ one download for two processes, nothing half-written left by a killed download),
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,12 +32,15 @@ from pipeline.remote import FetchConfig
 from tests.shardtools import make_dataset
 
 UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards
+HANG_S = 300  # the longest a request the server never answers is held open
 
 
 class _Handler(BaseHTTPRequestHandler):
     """Serves server.root; server.fail[path] = how many more requests of it get a 500 (-1: all),
     paths in server.missing get a 404;
-    paths in server.trickle are sent slowly, server.trickle_s per 256 bytes."""
+    paths in server.trickle are sent slowly, server.trickle_s per 256 bytes;
+    with server.answer_only (a set of paths), a request for any other shard is accepted and never
+    answered (until server.release is set, or HANG_S)."""
 
     def do_GET(self):
         server = self.server
@@ -45,6 +50,11 @@ class _Handler(BaseHTTPRequestHandler):
             failures = server.fail.get(path, 0)
             if failures > 0:
                 server.fail[path] = failures - 1
+            hang = path.endswith(".tar") and server.answer_only is not None and path not in server.answer_only
+            server.hanging += hang
+        if hang:
+            server.release.wait(HANG_S)
+            return
         if failures:
             self.send_error(500, "injected failure")
             return
@@ -102,6 +112,7 @@ def serve_directory(local: Path, cache: Path) -> Served:
     server.daemon_threads = True
     server.root, server.lock, server.requests = local.parent, threading.Lock(), []
     server.fail, server.missing, server.trickle, server.trickle_s = {}, set(), set(), 0.05
+    server.answer_only, server.hanging, server.release = None, 0, threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return Served(local, f"http://127.0.0.1:{server.server_address[1]}/{local.name}", server, cache)
 
@@ -404,5 +415,213 @@ def test_evaluation_pairs_read_from_a_url_are_the_local_ones(tmp_path):
         assert len(pairs) == len(local) == 17
         assert all((a == c).all() and (b == d).all() for (a, b), (c, d) in zip(pairs, local))
     finally:
+        served.server.shutdown()
+        served.server.server_close()
+
+
+# ----------------------------------------------------------------------------- a server that never answers
+# Issue #28, item 3: a stop request (a signal, the STOP file) ends a job whose fetches hang, within
+# seconds and as any stop does, instead of after the fetch timeouts and retries (minutes).
+
+STOP_WITHIN_S = 10  # the step agreement, a tiny model's checkpoint, the DataLoader workers' end
+
+
+def train_from(url: str, run_dir: Path, cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """launch.train on a tiny GPT reading `url`, with the fetch timeouts and retries at their defaults."""
+    from test_train import TINY
+
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    return [sys.executable, *launcher, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"),
+            f"data.data_dir={url}", f"run_dir={run_dir}", f"data.cache_dir={cache}", *TINY, "wandb.mode=disabled",
+            "max_steps=100000", "log_every=1", "eval_every=0", "checkpoint.every_steps=0", "data.log_sample_keys=true",
+            *overrides]
+
+
+def answer_the_first_shard_only(served: Served) -> None:
+    """Serve the shard the trainer's stream begins with (data.seed 0); hang on every other."""
+    loader = ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=1)
+    next(iter(loader))
+    (key,) = loader.sample_keys()
+    served.server.answer_only = {"/" + str(Path(key.split("#")[0]).relative_to(served.local.parent))}
+
+
+def steps_made(run_dir: Path) -> int:
+    keys = run_dir / "sample_keys.rank0.jsonl"
+    return len(keys.read_text().splitlines()) if keys.is_file() else 0
+
+
+def wait_until_stuck(job: subprocess.Popen, served: Served, run_dir: Path) -> int:
+    """Wait until a shard request hangs and training, having made a step, has made none for 3 s;
+    the steps made."""
+    from test_reliability import wait_for
+
+    wait_for(lambda: job.poll() is not None or (served.server.hanging and steps_made(run_dir)), 300,
+             "a shard request to hang after the first step")
+    last, since = -1, time.monotonic()
+    while time.monotonic() - since < 3:
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before it was stopped"
+        if (steps := steps_made(run_dir)) != last:
+            last, since = steps, time.monotonic()
+        time.sleep(0.2)
+    return last
+
+
+def request_stop(how: str, pid: int, run_dir: Path) -> None:
+    if how == "STOP":
+        (run_dir / "STOP").touch()
+    else:
+        os.kill(pid, getattr(signal, how))
+
+
+def assert_stopped_at(run_dir: Path, stderr: str, steps: int) -> None:
+    """The end of any stop: the step reached checkpointed, preempted.json, one line, no traceback."""
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": steps}
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    said = [line for line in stderr.splitlines() if line.startswith("stop requested")]
+    assert said == [f"stop requested: checkpoint at step {steps} saved; exiting for a requeue"], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert not (run_dir / "STOP").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+@pytest.mark.parametrize("how, workers", [("SIGTERM", 1), ("SIGUSR1", 0), ("SIGINT", 1), ("STOP", 0)])
+def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(tiny_dataset, tmp_path, how, workers):
+    """The server answers the manifest, the tokenizer and the epoch's first shard, and accepts
+    every other shard request and never answers it. Once training has used up the first shard
+    and waits (in a DataLoader worker, or in the rank itself without workers), a stop request
+    ends the job within seconds: the step reached checkpointed, no process of the job left."""
+    from test_reliability import alive, descendants, kill_all, wait_for
+
+    served = serve_directory(tiny_dataset, tmp_path / "cache")
+    answer_the_first_shard_only(served)
+    run_dir = tmp_path / "run"
+    stderr = tmp_path / "stderr"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    job = subprocess.Popen(train_from(served.url, run_dir, served.cache, f"data.num_workers={workers}"), cwd=ROOT,
+                           env=env, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+    processes = []
+    try:
+        steps = wait_until_stuck(job, served, run_dir)
+        assert steps > 0
+        processes = [job.pid, *descendants(job.pid)]
+        assert len(processes) == 1 + workers, processes
+        asked = time.monotonic()
+        request_stop(how, job.pid, run_dir)
+        try:
+            job.wait(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{how}: the job still runs {STOP_WITHIN_S} s after the stop request, blocked on "
+                                 f"the server ({served.server.hanging} shard requests unanswered)") from None
+        took = time.monotonic() - asked
+        wait_for(lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end")
+        print(f"\n{how}, {workers} workers: stopped {took:.1f} s after the request, at step {steps}")
+        assert job.returncode == 0, stderr.read_text()[-3000:]
+        assert_stopped_at(run_dir, stderr.read_text(), steps)
+    finally:
+        kill_all([job.pid, *processes, *descendants(job.pid)])
+        served.server.release.set()
+        served.server.shutdown()
+        served.server.server_close()
+
+
+@contextlib.contextmanager
+def silent_server():
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers; yields its port
+    and a function giving how many connections it has accepted."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    held, done = [], threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], lambda: len(held)
+    finally:
+        done.set()
+        thread.join(5)
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_a_stop_request_ends_a_job_waiting_for_its_manifest(tmp_path):
+    """The data server accepts the connection and never answers: the trainer waits for the
+    manifest (for minutes, at the default timeout and retries). SIGTERM ends it within seconds,
+    as a stop before training does: one line, nothing to checkpoint, preempted.json, exit 0."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    with silent_server() as (port, accepted):
+        job = subprocess.Popen(train_from(f"http://127.0.0.1:{port}/data", run_dir, tmp_path / "cache"), cwd=ROOT,
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not accepted() and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert accepted() and job.poll() is None, job.poll()
+            time.sleep(1)
+            asked = time.monotonic()
+            job.send_signal(signal.SIGTERM)
+            try:
+                _, stderr = job.communicate(timeout=STOP_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the job still waits for its manifest {STOP_WITHIN_S} s after SIGTERM") from None
+            print(f"\nstopped {time.monotonic() - asked:.1f} s after SIGTERM")
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("stop requested")]
+    assert said == ["stop requested before training began: nothing to checkpoint; exiting for a requeue"], stderr
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 0}
+    assert "Traceback" not in stderr and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+def test_two_ranks_blocked_on_a_server_that_never_answers_stop_together(tiny_dataset, tmp_path):
+    """Two ranks under torchrun with DataLoader workers: the STOP file, seen by a rank that has
+    waited for its batch a while, ends the job within seconds. A rank that read its batches
+    learns of the stop from the one that could not, in the step's first reduction, and both
+    checkpoint the step they reached."""
+    from test_reliability import alive, descendants, kill_all, wait_for
+
+    served = serve_directory(tiny_dataset, tmp_path / "cache")
+    answer_the_first_shard_only(served)
+    run_dir = tmp_path / "run"
+    stderr = tmp_path / "stderr"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    job = subprocess.Popen(train_from(served.url, run_dir, served.cache, "data.num_workers=1", nproc=2), cwd=ROOT,
+                           env=env, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+    processes = []
+    try:
+        steps = wait_until_stuck(job, served, run_dir)
+        assert steps > 0
+        processes = [job.pid, *descendants(job.pid)]
+        asked = time.monotonic()
+        request_stop("STOP", job.pid, run_dir)
+        try:
+            job.wait(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the ranks still run {STOP_WITHIN_S} s after the STOP file") from None
+        took = time.monotonic() - asked
+        wait_for(lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end")
+        print(f"\n2 ranks: stopped {took:.1f} s after the STOP file, at step {steps}")
+        assert job.returncode == 0, stderr.read_text()[-3000:]
+        assert_stopped_at(run_dir, stderr.read_text(), steps)
+        assert steps_made(run_dir) == len((run_dir / "sample_keys.rank1.jsonl").read_text().splitlines())
+    finally:
+        kill_all([job.pid, *processes, *descendants(job.pid)])
+        served.server.release.set()
         served.server.shutdown()
         served.server.server_close()
