@@ -159,7 +159,7 @@ def _split_flags(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: int | None = None) -> Report:
-    """Resolve `cfg` as `launch.train.setup` would, without a process group or an engine, and
+    """Resolve `cfg` as `launch.train.setup.setup` would, without a process group or an engine, and
     collect every problem instead of stopping at the first."""
     report = Report()
     for line in config_problems(cfg):
