@@ -242,6 +242,12 @@ class MainConfig:
     gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
     translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
+    # key.sub=value overrides of one stage's training config, after the job's own (data_dir,
+    # run_dir, steps, ZeRO stage): e.g. [model.max_seq_len=1024] for a BERT whose YAML has fewer
+    # positions than the data's blocks
+    gpt_overrides: List[str] = field(default_factory=list)
+    bert_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for the BERT pretraining
+    translation_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for every fine-tuning run
     pretrain_steps: int = 500  # max_steps of each pretraining run
     # max_steps of the BERT pretraining if not pretrain_steps (0): a BERT step predicts only the
     # masked tokens and costs less than a GPT step, so equal steps are not an equal budget
