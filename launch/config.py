@@ -236,6 +236,8 @@ class MainConfig:
 
     out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
     prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
+    # key.sub=value overrides of the prepare config, before the job's own (output_dir: data_dir), e.g. [seq_len=1024]
+    prepare_overrides: List[str] = field(default_factory=list)
     data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
     zero_stage: int = 2  # deepspeed.zero_stage of every training run

@@ -187,7 +187,7 @@ def pretrained_needed(starts: list[tuple[str, str]]) -> list[str]:
 
 
 def prepare_overrides(cfg: MainConfig) -> list[str]:
-    return [f"output_dir={cfg.data_dir}", "overwrite=true", "progress=false"]
+    return [*cfg.prepare_overrides, f"output_dir={cfg.data_dir}", "overwrite=true", "progress=false"]
 
 
 def stage_prepare(cfg: MainConfig, logs: Path) -> None:
