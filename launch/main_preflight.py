@@ -30,7 +30,7 @@ STACK_OF = dict(zip(STACKS, (0, 1)))  # (encoder, decoder) index of a start's si
 
 def dry_run(cfg: MainConfig, config: str) -> int:
     """Print each stage's report and the chain's verdict; 2 if any stage has a problem, else 0."""
-    cfg = replace(cfg, wandb_group=cfg.wandb_group or "the-job's-group")  # resolved at run time, in out_dir
+    cfg = replace(cfg, wandb_group=cfg.wandb_group or "WANDB_GROUP")  # chosen at run time, kept in out_dir
     out = Path(cfg.out_dir)
     problems: list[str] = [f"main: {line}" for line in job.main_problems(cfg)]
     print(f"dry run of {config}: the whole chain, nothing started, nothing written")
@@ -40,15 +40,16 @@ def dry_run(cfg: MainConfig, config: str) -> int:
     sources = {}
     for name in job.pretrained_needed(starts):
         stage = f"pretrain {name}"
-        report = stage_report(stage, getattr(cfg, f"{name}_config"),
-                                         job.pretrain_overrides(cfg, name, out / f"pretrain-{name}"), cfg, planned)
+        overrides = job.pretrain_overrides(cfg, name, out / f"pretrain-{name}")
+        report = stage_report(stage, getattr(cfg, f"{name}_config"), overrides, cfg, planned)
         sources[name] = report.model_config  # the model its export will hold
         finish(stage, report, problems)
 
     if starts:
         stage = f"fine-tune ({', '.join(cfg.starts)})"
-        report = stage_report(stage, cfg.translation_config,
-                                         job.finetune_overrides(cfg, out / "finetune-START", {}), cfg, planned)
+        # One report for every start: they differ only in init.*, checked below against each source.
+        report = stage_report(stage, cfg.translation_config, job.finetune_overrides(cfg, out / "finetune-START", {}),
+                              cfg, planned)
         model_cfg = report.model_config
         for side in STACKS:
             for name in sorted({start[STACK_OF[side]] for start in starts} - {"random"}):

@@ -530,3 +530,18 @@ def test_a_training_config_stands_for_the_export_it_will_make(data, tmp_path, ca
     assert code == 2
     assert problems == [f"init.encoder: {ROOT / 'configs' / 'small_bert.yaml'} (the model its run will export) (bert) has "
                         "d_model=256, n_layers=3, d_ff=1024 but the Seq2Seq encoder has d_model=64, n_layers=2, d_ff=256"], out
+
+
+@pytest.mark.parametrize("shown, expected", [("NodeName=node1 NodeAddr=10.1.2.3 State=IDLE", "10.1.2.3"),
+                                             ("NodeName=node1 State=IDLE", "node1")], ids=["NodeAddr", "none"])
+def test_the_batch_scripts_take_a_nodes_name_where_slurm_reports_no_node_addr(tmp_path, shown, expected):
+    """slurm/common.sh's node_addr, under the scripts' `set -euo pipefail`: a grep that finds no
+    NodeAddr ended the script with status 1 and no word; the first node's name stands in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho '{shown}'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    run = subprocess.run(["bash", "-c", 'set -euo pipefail; source slurm/common.sh; addr=$(node_addr node1); echo "[$addr]"'],
+                         cwd=ROOT, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROJECT_DIR": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == f"[{expected}]\n", run.stderr
