@@ -186,6 +186,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: i
     report = Report()
     for line in config_problems(cfg):
         report.problem_line(line)
+    if 0 < cfg.max_steps <= cfg.schedule.warmup_steps:
+        report.warn("schedule.warmup_steps", f"{cfg.schedule.warmup_steps:,} but max_steps is {cfg.max_steps:,}: the "
+                                             "learning rate never reaches optim.lr")
     task = TASKS.get(cfg.task)
     world = resolve_world(world_size, ranks_per_node)
     if task is not None:

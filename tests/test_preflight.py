@@ -545,3 +545,11 @@ def test_the_batch_scripts_take_a_nodes_name_where_slurm_reports_no_node_addr(tm
                          cwd=ROOT, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROJECT_DIR": str(ROOT)},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout == f"[{expected}]\n", run.stderr
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning(data, tmp_path, capsys):
+    code, out, problems = dry_run(args(data, tmp_path, "max_steps=20", "schedule.warmup_steps=20"), capsys)
+    assert code == 0 and problems == [], out
+    assert "  schedule.warmup_steps: 20 but max_steps is 20: the learning rate never reaches optim.lr" in out.splitlines()
+    code, out, _ = dry_run(args(data, tmp_path, "max_steps=21", "schedule.warmup_steps=20"), capsys)
+    assert "schedule.warmup_steps" not in out
