@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -553,3 +554,37 @@ def test_a_warmup_as_long_as_the_run_is_a_warning(data, tmp_path, capsys):
     assert "  schedule.warmup_steps: 20 but max_steps is 20: the learning rate never reaches optim.lr" in out.splitlines()
     code, out, _ = dry_run(args(data, tmp_path, "max_steps=21", "schedule.warmup_steps=20"), capsys)
     assert "schedule.warmup_steps" not in out
+
+
+@pytest.mark.slow
+def test_the_gpu_scale_pair_the_dry_run_passes_loads_into_the_translation_model():
+    """What the chain dry run says fits, model.warm_start loads: BERT-base (with transfer_gpu's
+    overrides) and GPT-2 small into translation_gpu's Seq2Seq, every tensor accounted for, only
+    the position tables resized (truncated to 128 rows). Source weights are zeros: the shapes
+    and keys are what is checked here, the copying is tests/test_warm_start.py's."""
+    from model.warm_start import Pretrained, warm_start
+
+    main = load_config(MainConfig, ROOT / "configs" / "transfer_gpu.yaml")
+
+    def model_config(path: str, overrides: list[str]):
+        return replace(load_config(TrainConfig, ROOT / path, [o for o in overrides if o.startswith("model.")]).model,
+                       vocab_size=8000)
+
+    def zeros(cfg) -> dict:
+        with torch.device("meta"):
+            keys = build_model(cfg).state_dict(keep_vars=True)
+        made = {}  # tied keys share one tensor, as in the model
+        return {key: made.setdefault(id(value), torch.zeros(value.shape)) for key, value in keys.items()}
+
+    bert = model_config(main.bert_config, main.bert_overrides)
+    gpt = model_config(main.gpt_config, main.gpt_overrides)
+    translation = model_config(main.translation_config, main.translation_overrides)
+    model, report = warm_start(translation, "sha", encoder=Pretrained(zeros(bert), bert, "sha"),
+                               decoder=Pretrained(zeros(gpt), gpt, "sha"))
+    assert sorted(report.keys("resized")) == ["decoder.embed.pos.weight", "encoder.embed.pos.weight"]
+    # New: the decoder's cross-attention and its norm, 10 tensors in each of its 12 blocks; the rest copied.
+    assert {re.sub(r"^decoder\.blocks\.\d+\.", "", key) for key in report.keys("new")} == {
+        f"cross_attn.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "out_proj") for kind in ("weight", "bias")
+    } | {"cross_attn_norm.weight", "cross_attn_norm.bias"}
+    assert len(report.keys("new")) == 10 * 12
+    assert len(report.tensors) == len(model.state_dict()) == len(report.keys("copied")) + 2 + 120
