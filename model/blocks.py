@@ -1,37 +1,6 @@
 """The one set of blocks that GPT, BERT and Seq2Seq are built from.
 
-`Attention` (self or cross, causal or bidirectional, padding masks, key/value cache) runs on
-torch's `scaled_dot_product_attention` (`attention`: with a backward of its own in compiled bf16
-training on a CPU), or on FlexAttention for document masks on CUDA; `MLP` and `GatedMLP`; `Block`
-(pre- or post-norm residual sublayers); `DecoderBlock` (a Block plus a cross-attention submodule
-with its own keys); `Embeddings`; `Rotary`; and `Transformer`, the stack of embeddings, blocks and
-one norm. The three
-models subclass or compose `Transformer` and differ only in masks and heads, so every stack
-has the same parameter names (`embed.*`, `blocks.{i}.attn`, `.attn_norm`, `.mlp`,
-`.mlp_norm`, `norm`) and a pretrained GPT or BERT loads into a Seq2Seq unchanged.
-
-Document masks: a packed block holds several documents (the loader's `document_ids`). Given
-them, a token attends only to tokens of its own document (block-causal in GPT, block-diagonal in
-BERT) and positions restart at 0 at each document's first token, so each document is computed
-as if it were alone (as in Llama 3's pretraining, and Krell et al. 2021, "Efficient
-Sequence Packing without Cross-contamination"). On the CPU the mask is a dense (B, 1, T, T)
-SDPA mask. On CUDA it is a FlexAttention `BlockMask` (Dong et al. 2024, "Flex Attention"),
-whose kernel skips the blocks of the score matrix that lie wholly outside every document rather
-than computing and masking them; SDPA with the dense mask stands in where FlexAttention cannot
-run (no Triton, attention dropout in this forward, which FlexAttention does not do, or heads
-narrower than its compiled CUDA kernel takes, FLEX_MIN_HEAD_DIM).
-`Transformer.attention_kernel` names what the last forward ran.
-
-The options of a Llama-shaped stack are parts chosen by the config, not branches of one
-layer: `make_norm` (LayerNorm, or RMSNorm: Zhang & Sennrich 2019), `make_mlp` (MLP, or a gated
-MLP: Shazeer 2020), `Rotary` (rotary positions: Su et al. 2021) in place of added position
-embeddings, fewer key/value heads than query heads in `Attention` (grouped-query attention:
-Ainslie et al. 2023), and `bias` for every linear layer and LayerNorm. docs/design.md says why.
-
-References: Vaswani et al. 2017, "Attention Is All You Need" (post-LN, sinusoidal positions);
-Radford et al. 2019, GPT-2 (pre-LN, residual init scaling); Devlin et al. 2019, BERT;
-Touvron et al. 2023, Llama (RMSNorm, SwiGLU, rotary positions, no biases);
-karpathy/nanoGPT `model.py`; torchtune `modules/transformer.py` (blocks by composition).
+The design and its reasons: docs/design.md#modelblockspy.
 """
 
 from __future__ import annotations

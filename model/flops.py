@@ -1,40 +1,6 @@
 """Training FLOPs of GPT, BERT and Seq2Seq, for model FLOPs utilisation (MFU).
 
-Counts matrix multiplications only, 2 FLOPs per multiply-add, and training = 3 x forward
-(the backward pass costs twice the forward), as Kaplan et al. 2020 ("Scaling Laws for Neural
-Language Models") and Chowdhery et al. 2022 (PaLM, appendix B) do. For GPT and BERT, per
-token of a sequence of T tokens through L layers of width d:
-
-    6 N + 12 L T d
-
-where N = `matmul_params(cfg)`: the weights of every matmul a token goes through, that is
-2 d^2 + 2 d d_kv (q and out; k and v, d_kv = n_kv_heads x d / n_heads, so d with plain
-multi-head attention, less with grouped-query attention) + 2 d d_ff (MLP; 3 d d_ff for a gated
-one, whose gate is a third matrix) per block, plus the output layer d V (counted whether or not
-it is tied to the embeddings: it is a matmul, while the input lookup is not), plus BERT's
-head dense layer d^2. Biases, norms, softmax and embedding lookups, O(d) per token, are left
-out. BERT's head runs only on the masked positions a batch scores (`model.bert`), so its
-d^2 + d V count for those tokens only when `training_flops` is told how many there are.
-12 L T d is QK^T and AV (2 T d multiply-adds per token and layer, times 3), counted over
-all T keys even under a causal mask, as PaLM does; it does not shrink with grouped-query
-attention, whose every query head still meets T keys. Rotary positions, norms and the gate's
-product are O(d) per token and left out.
-
-A Seq2Seq pair of S source and T target tokens costs 6 x (encoder matmul params) x S +
-12 L_enc S^2 d for the encoder; for the decoder 6 x (decoder self-attention, cross-attention
-q and out, MLP, LM head) x T + 6 x 2 d d_kv x S per layer (cross-attention keys and values
-of the memory) + 12 L_dec (T + S) T d (self- and cross-attention).
-
-Other counts a reader may compare with, per token of a sequence of T tokens:
-* PaLM (Chowdhery et al. 2022, appendix B): 6 N + 12 L H Q T, H Q = d, with N the
-  parameters; the formula above is this one with N counted as the matmul weights.
-* llm.c (Karpathy, `gpt2_estimate_mfu`): 6 N + 6 L d T with N *all* the parameters
-  (embeddings, norms and biases included) and causal attention counted half, since half of
-  QK^T is masked. `llmc_flops_per_token` gives it; the trainer logs MFU by both (`perf/mfu`
-  and `perf/mfu_llmc`). For GPT-2 124M at T = 1024 ours is 854 MFLOP per token and llm.c's
-  803 (6% less): it counts half of the attention square, we all of it (as PaLM does); the
-  weights both count are within 1%. llm.c's does not cover a Seq2Seq pair, for which only
-  ours is logged.
+The design and its reasons: docs/design.md#modelflopspy.
 """
 
 from __future__ import annotations

@@ -1,49 +1,6 @@
 """The losses of the three models, and the ignore index of their labels.
 
-Labels are aligned with the positions that predict them (`launch.tasks` makes them); a label
-of IGNORE_INDEX scores nothing. `cross_entropy` is the plain loss over given logits (BERT's
-head, which only runs on the scored positions); `linear_cross_entropy` is the language-model
-head's loss without its (tokens x vocabulary) logits (GPT and the Seq2Seq decoder).
-
-A causal LM's loss needs logits for every position, but only to reduce them to one number:
-materialising (B*T, V) float logits, their log-softmax and the gradient of both costs more
-memory traffic than the projection itself on a CPU, and most of the activation memory of a
-small model on a GPU. `linear_cross_entropy` projects a chunk of rows at a time into float32
-logits, turns each chunk's log-softmax into its gradient in place (softmax minus the smoothed
-one-hot target) and multiplies that straight back into the gradients of the hidden states and
-the weight, so the backward pass only scales what the forward pass left. The same idea as
-Liger Kernel's fused linear cross-entropy and Wijmans et al. 2024, "Cut Your Losses in
-Large-Vocabulary Language Models", written in plain torch.
-
-Precision. The loss and the gradients are accumulated in float32 (float64 for float64 inputs)
-whatever the training dtype. With fp16 or bf16 inputs the three GEMMs of a chunk (logits, and
-the gradients of h and of the weight) take 16-bit operands (h, the weight, and the (c, V) logit
-gradient rounded to the input dtype) and produce float32: on CUDA `torch.mm` / `torch.addmm`
-with `out_dtype`, cuBLAS with a float32 accumulator, the weight gradient accumulating in place
-across chunks. torch has no such GEMM on a CPU: there the logits come from float32 copies of the
-operands (the same numbers), and the gradient GEMMs run in bf16 with bf16 results added into
-float32 (bf16), or on float32 copies (fp16, whose CPU GEMMs are slow); `_Gemms` has the cases.
-In fp16 the logit gradient, which lies in [-1, 1], is multiplied by FP16_GRAD_SCALE = 2^14
-before rounding, so that probabilities down to ~4e-12 stay representable rather than flushing
-below fp16's 6e-8; the factor comes off in float32.
-
-The gradients are saved in float32 and leave as the inputs' dtype only in backward, after
-being multiplied by the incoming gradient. Under fp16 mixed precision that incoming gradient is
-DeepSpeed's loss scale, so it reaches the gradients before they are rounded to fp16 (saving
-them in fp16 and scaling afterwards flushed small entries of the hidden-state gradient to
-zero). The cost, for 16-bit training, is 4 bytes per element instead of 2 for the saved
-hidden-state gradient (+2 N C bytes for N rows of width C) and for the weight gradient (+2 V C
-bytes; the forward pass built it in float32 before anyway). The 1 / (number of scored rows)
-factor and the zeroing of ignored rows are applied in backward in the same multiplication.
-
-Chunks. On a CPU a chunk is CHUNK_ELEMENTS logits (16 MiB of float32, about what stays in the
-cache hierarchy). On a GPU it is GPU_CHUNK_BYTES of float32 logits (thousands of rows, so the
-GEMMs run at full rate); a chunk holds its float32 logits and their log-softmax at once, then a
-16-bit copy of the gradient, so its peak is about twice that (`chunk_peak_bytes`). Both are
-module constants, and `linear_cross_entropy(..., chunk_rows=...)` overrides them per call.
-
-`LMHead` is the `nn.Linear` onto the vocabulary that uses it when given targets; it stays a
-module (and `lm_head.weight` its key) so that ZeRO-3 gathers its weight around the call.
+The design and its reasons: docs/design.md#modellosspy.
 """
 
 from __future__ import annotations

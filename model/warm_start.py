@@ -1,31 +1,6 @@
 """Warm-starting a Seq2Seq from pretrained GPT and BERT weights.
 
-Rothe, Narayan and Severyn 2020, "Leveraging Pre-trained Checkpoints for Sequence Generation
-Tasks" (Hugging Face's `EncoderDecoderModel` does the same): the encoder takes a BERT's
-embeddings and blocks, the decoder a GPT's (or a BERT's, then run with a causal mask), and
-the decoder's cross-attention starts new. Any side may start from scratch. Both sides must
-share the Seq2Seq's tokenizer, checked by its sha256, so that embeddings transfer.
-
-Nothing is loaded silently. The report accounts for every tensor of the Seq2Seq (copied
-from a named source key, resized, or new) and for every source tensor the Seq2Seq does not
-use (dropped: BERT's MLM head, GPT's LM head on the encoder side). A different tokenizer, a
-vocabulary or shape mismatch, a missing or unknown source key, or a source config whose
-architecture differs from its stack's raises `WarmStartError` with a one-line message.
-Position embeddings are the one tensor that may differ in size: they are truncated or
-extended (new rows keep their fresh initialisation).
-
-Rotary sources (a Llama-style GPT, a rotary BERT) bring no position tensor: their positions are
-the rotation of self-attention's queries and keys, which the stack applies as its source did.
-The new cross-attention takes no rotary positions (`model.blocks.Attention`): its keys are source
-positions, whose distance from a target position means nothing.
-
-With `share_embeddings` the Seq2Seq has one token matrix (source, target and output
-projection) and both sources offer one. The rule: the decoder source's when there is one, else
-the encoder source's. The output projection is the tied matrix, read by the decoder's final
-hidden states; the decoder source trained its matrix as exactly that, the output layer over its
-own final hidden states (GPT's LM head, BERT's tied MLM decoder), so the decoder's logits stay
-the source's, while the encoder only reads the matrix as input. The other source's matrix is
-dropped, and the report's `shared` line says which was taken and why.
+The design and its reasons: docs/design.md#modelwarm_startpy.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """An exclusive lock on a directory for the life of a job, so that two jobs never write one
 output (two prepares of one dataset, two trainers in one run directory).
 
-    with dir_lock(run_dir, what="train"):
-        ...  # nobody else holds run_dir until the block ends
-
-The lock is `fcntl.flock` on a lock file (`DIR/.lock`, or a file the caller names, e.g. one
-beside a directory that gets replaced as a whole). The holder writes its host name, pid and
-start time into the file, so a second job fails at once with a `UserError` naming them. The
-kernel drops a flock when its holder dies, however it dies (`kill -9` included), so a lock
-file whose flock can be taken is stale: its recorded holder is gone, and the lock is taken
-over with a warning (`logging`). A clean release deletes the file.
-
-Limitations:
-- Shared file systems. NFS (Linux >= 2.6.12 maps flock to POSIX locks), CephFS and GPFS
-  honour the lock across hosts, but only while their lock service works; NFS mounted with
-  `nolock`, BeeGFS without global file locks or Lustre with `localflock` honour it on one host
-  only, silently. There a job on another host sees a "stale" lock and takes it over: the
-  warning names the other host, which is the hint to look. A file system that refuses flock
-  outright (Lustre mounted without `flock`) gets a warning and no lock at all, rather than a
-  job that cannot start.
-- A lock belongs to the open file, which a `fork()` without `exec` shares. A forked child (a
-  DataLoader worker, say) closes its copy at once (`os.register_at_fork`), so the lock dies
-  with its holder, not with the last of its children; the holder's own copy keeps the lock.
-  Processes started with `subprocess` do not inherit it (the descriptor is close-on-exec).
-- One process taking the same lock twice fails like a second process would.
+The design and its reasons: docs/design.md#pipelinelockpy.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """A prepared dataset read from a URL (`http(s)://`, `s3://`, any fsspec protocol): fetched
 through a shared on-disk cache, with retries, and prefetched ahead of the reader.
 
-The loader reads whole shards (`pipeline.shards.read_shard`), so a remote shard is fetched whole
-into `cache_dir`, then read from there exactly as a local one: the batch stream of a URL equals
-that of the same dataset on a local path. What the cache guarantees, when several ranks and
-their DataLoader workers on one node share it (the webdataset trap of a shared cache read before
-it is fully written):
-
-* A shard is downloaded to a temporary name in the cache directory and renamed into place once
-  complete and checked (size and sha256 against the manifest): no reader ever sees half a file,
-  and a download killed midway leaves only its temporary file, which the next fetch of that
-  shard removes.
-* One `flock` per entry: the downloader holds it exclusively, readers hold it shared while they
-  read, so a shard is downloaded once per node, the others wait for it; the lock dies with its
-  process, so a killed rank never blocks the others.
-* The cache is capped (`cache_max_gb`): before and after a download, the least recently used
-  entries (last use is the file's mtime, set at every read) are removed until it fits, passing
-  over entries some process is reading. One shard larger than the cap stays alone.
-* A failed transfer is retried `fetch_retries` times with exponential back-off; a shard that
-  still fails raises `FetchError`, which the shard reader turns into a `ShardError`, so the loader
-  skips it like a corrupt local shard (counted, fillers keep the ranks in step).
-
-Entry names are a hash of the URL and the manifest's sha256 of the shard, so a dataset prepared
-anew under the same URL never reads stale entries. Each process runs one prefetch thread
-(`prefetch`): given the ordered shards a DataLoader worker will read from its first batch on, it
-keeps the next `prefetch_shards` of them downloaded ahead of the reader. Shards before the first
-batch are not in that list: a resumed run downloads nothing it skips.
+The design and its reasons: docs/design.md#pipelineremotepy.
 """
 
 from __future__ import annotations

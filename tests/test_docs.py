@@ -145,3 +145,25 @@ def test_a_dead_link_is_caught(tmp_path, monkeypatch):
                     "```\n[fenced](missing.md)\n```\n", encoding="utf-8")
     (tmp_path / "b.md").write_text("Intro\n\n# B\n", encoding="utf-8")
     assert [dead(page, target) is None for target in links(page)] == [True, True, False, False]
+
+
+CODE_DOC_LINK = re.compile(r"\b(docs/[\w.-]+\.md(?:#[\w-]+)?)")
+
+
+def code_doc_links() -> list[tuple[str, str]]:
+    """(file, target) for every `docs/PAGE.md[#anchor]` named in the code: the module docstrings
+    keep a summary and point there for the rest."""
+    found = []
+    for package in ("pipeline", "model", "launch", "benchmarks", "slurm"):
+        for path in sorted((ROOT / package).rglob("*")):
+            if path.suffix in (".py", ".sh", ".sbatch") and path.is_file():
+                found += [(str(path.relative_to(ROOT)), target)
+                          for target in CODE_DOC_LINK.findall(path.read_text(encoding="utf-8"))]
+    return found
+
+
+def test_every_docs_link_in_the_code_resolves():
+    found = code_doc_links()
+    assert any("#" in target for _, target in found), "no module points into docs/ any more: is the pattern right?"
+    problems = [f"{where}: {why}" for where, target in found if (why := dead(ROOT / "README.md", target))]
+    assert not problems, problems
