@@ -11,7 +11,14 @@ directory under `out_dir`, and is skipped when its output already exists and is 
 stage stops the run with its error and leaves earlier stages' outputs as they were. SIGTERM,
 SIGINT or SIGHUP to the main job stops the stage it runs too (a training stage checkpoints),
 and a re-run continues from there.
-`configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020).
+`configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020);
+`configs/transfer_gpu.yaml` the same at GPT-2 small / BERT-base size on 8 GPUs.
+
+`--dry-run` checks the whole chain and starts nothing (`launch.main_preflight`): every stage's
+config resolved as the stage would resolve it, each training run's preflight, and the
+pretrained models' shapes against the translation model they will warm-start; exit 2 if any
+problem. Exit status otherwise: 2 for a bad input found before a stage ran (a config, a key),
+1 for a stage that failed, 128 + N for signal N.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from launch.config import MainConfig, TrainConfig
 from launch.report import plot_losses, read_metrics
 from pipeline.configure import UserError, parse_cli, run_main, save_config
 
-USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...]
+USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
-The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report."""
+The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report.
+--dry-run: check every stage's config, the training runs' preflights and the warm starts' shapes; start nothing."""
 SIDES = ("random", "bert", "gpt")
 
 
@@ -125,23 +133,61 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return final.is_file() and json.loads(final.read_text()).get("step") == steps
 
 
-def _check(cfg: MainConfig) -> list[tuple[str, str]]:
-    starts = []
-    for start in cfg.starts:
-        encoder, _, decoder = start.partition("/")
-        if encoder not in SIDES or decoder not in SIDES:
-            raise UserError(f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}")
-        starts.append((encoder, decoder))
-    for split in cfg.eval_splits:
-        if split not in ("train", "valid", "test"):
-            raise UserError(f"eval_splits: {split!r} is not train, valid or test")
+def parse_starts(cfg: MainConfig) -> list[tuple[str, str]]:
+    """(encoder, decoder) of each well-formed start of `starts`."""
+    pairs = [start.partition("/")[::2] for start in cfg.starts]
+    return [(encoder, decoder) for encoder, decoder in pairs if encoder in SIDES and decoder in SIDES]
+
+
+def main_problems(cfg: MainConfig) -> list[str]:
+    """Every problem of the main job's own keys, each line starting with its key; empty if none."""
+    problems = [f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}" for start in cfg.starts
+                if len(start.split("/")) != 2 or not set(start.split("/")) <= set(SIDES)]
+    problems += [f"eval_splits: {split!r} is not train, valid or test" for split in cfg.eval_splits
+                 if split not in ("train", "valid", "test")]
     if cfg.pretrain_steps <= 0 or cfg.bert_pretrain_steps < 0 or cfg.finetune_steps <= 0:
-        raise UserError(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
+        problems.append(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
                         f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)")
-    for path in (cfg.prepare_config, cfg.gpt_config, cfg.bert_config, cfg.translation_config):
-        if not Path(path).is_file():
-            raise UserError(f"config file not found: {path}")
-    return starts
+    if cfg.nproc < 1:
+        problems.append(f"nproc: {cfg.nproc}: must be at least 1")
+    if cfg.beam < 1:
+        problems.append(f"beam: {cfg.beam}: must be at least 1")
+    for key in ("prepare_config", "gpt_config", "bert_config", "translation_config"):
+        if not Path(getattr(cfg, key)).is_file():
+            problems.append(f"{key}: config file not found: {getattr(cfg, key)}")
+    return problems
+
+
+def _check(cfg: MainConfig) -> list[tuple[str, str]]:
+    """The starts, or a UserError with the first of `main_problems`."""
+    problems = main_problems(cfg)
+    if problems:
+        raise UserError(problems[0])
+    return parse_starts(cfg)
+
+
+def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
+    """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the stage's overrides."""
+    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={_pretrain_steps(cfg, name)}",
+            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *getattr(cfg, f"{name}_overrides")]
+
+
+def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> list[str]:
+    """What the job passes to a fine-tuning run; `init`: stack -> exported directory of each warm side.
+    Random sides are left to the config's default (""): an empty override would read as null."""
+    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
+            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *cfg.translation_overrides,
+            *(f"init.{stack}={directory}" for stack, directory in init.items())]
+
+
+def pretrained_needed(starts: list[tuple[str, str]]) -> list[str]:
+    """The pretraining runs the starts need, in the order they run (both when there are no starts)."""
+    needed = {side for start in starts for side in start} - {"random"}
+    return [name for name in ("gpt", "bert") if name in needed or not starts]
+
+
+def prepare_overrides(cfg: MainConfig) -> list[str]:
+    return [*cfg.prepare_overrides, f"output_dir={cfg.data_dir}", "overwrite=true", "progress=false"]
 
 
 def stage_prepare(cfg: MainConfig, logs: Path) -> None:
@@ -154,8 +200,8 @@ def stage_prepare(cfg: MainConfig, logs: Path) -> None:
         # The summary line, or the one-line error of a dataset it cannot read (an older format).
         said = check.stdout.strip().splitlines() or check.stderr.strip().splitlines() or [f"exit {check.returncode}"]
         _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
-    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, f"output_dir={data}", "overwrite=true",
-                     "progress=false"], logs / "prepare.log")
+    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
+         logs / "prepare.log")
 
 
 def _say_pretraining_text(cfg: MainConfig) -> None:
@@ -198,9 +244,8 @@ def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Pat
     if _finished(run_dir, steps):
         _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:
-        _run(f"pretrain {name}", _train_command(cfg.nproc, config, [
-            f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={steps}",
-            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg)]), logs / f"pretrain-{name}.log")
+        _run(f"pretrain {name}", _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
+             logs / f"pretrain-{name}.log")
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
@@ -217,11 +262,9 @@ def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, o
     if _finished(run_dir, cfg.finetune_steps):
         _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
         return run_dir
-    # Random sides are left to the config's default (""): an empty override would read as null.
-    init = [f"init.{stack}={exports[side]}" for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"]
-    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, [
-        f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-        f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *init]), logs / f"finetune-{name}.log")
+    init = {stack: str(exports[side]) for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"}
+    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
+         logs / f"finetune-{name}.log")
     return run_dir
 
 
@@ -304,12 +347,10 @@ def main_job(cfg: MainConfig) -> str:
     started = time.time()
     stage_prepare(cfg, logs)
     _say_pretraining_text(cfg)
-    needed = {side for start in starts for side in start} - {"random"}
     exports, pretrained = {}, {}
-    for name, config in (("gpt", cfg.gpt_config), ("bert", cfg.bert_config)):
-        if name in needed or not starts:
-            exports[name] = stage_pretrain(cfg, name, config, out, logs)
-            pretrained[name] = out / f"pretrain-{name}"
+    for name in pretrained_needed(starts):
+        exports[name] = stage_pretrain(cfg, name, getattr(cfg, f"{name}_config"), out, logs)
+        pretrained[name] = out / f"pretrain-{name}"
     finetuned = {}
     for encoder, decoder in starts:
         run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs)
@@ -320,6 +361,12 @@ def main_job(cfg: MainConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:  # check the whole chain; start nothing, write nothing
+        from launch.main_preflight import dry_run  # it reads this module's stage commands
+
+        rest = [arg for arg in argv if arg != "--dry-run"]
+        return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)

@@ -36,7 +36,11 @@ from pipeline.loader import ShardLoader
 from pipeline.lock import dir_lock
 
 
-USAGE = "usage: python -m launch.train CONFIG.yaml [key.sub=value ...]"
+USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]
+
+--dry-run: what the run would be (batch, parameters, FLOPs, memory per GPU) and every reason it
+would fail, each naming its key, in seconds; starts nothing, writes nothing; exit 2 if any
+(launch.preflight). Exit status: 2 for a bad input (one `error:` line), 1 for a run that failed."""
 
 
 
