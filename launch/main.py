@@ -7,7 +7,9 @@ same number of steps -> evaluate BLEU and chrF on valid and test -> a report dir
 
 Each stage runs the project's own entry points as subprocesses, writes into its own
 directory under `out_dir`, and is skipped when its output already exists and is complete
-(the dataset must also pass `pipeline.validate`); a re-run says what it skipped. A failed
+(the dataset must also pass `pipeline.validate`); a re-run says what it skipped. While a stage
+runs, its latest progress line and the job's overall ETA (`StageClock`) are printed every
+PROGRESS_EVERY_S seconds. A failed
 stage stops the run with its error and leaves earlier stages' outputs as they were. SIGTERM,
 SIGINT or SIGHUP to the main job stops the stage it runs too (a training stage checkpoints),
 and a re-run continues from there.
