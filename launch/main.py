@@ -9,10 +9,9 @@ Each stage runs the project's own entry points as subprocesses, writes into its 
 directory under `out_dir`, and is skipped when its output already exists and is complete
 (the dataset must also pass `pipeline.validate`); a re-run says what it skipped. While a stage
 runs, its latest progress line and the job's overall ETA (`StageClock`) are printed every
-PROGRESS_EVERY_S seconds. A failed
-stage stops the run with its error and leaves earlier stages' outputs as they were. SIGTERM,
-SIGINT or SIGHUP to the main job stops the stage it runs too (a training stage checkpoints),
-and a re-run continues from there.
+PROGRESS_EVERY_S seconds. A failed stage stops the run with its error and leaves earlier
+stages' outputs as they were. SIGTERM, SIGINT or SIGHUP to the main job stops the stage it runs
+too (a training stage checkpoints), and a re-run continues from there.
 `configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020).
 """
 

@@ -50,6 +50,7 @@ class Meter:
         self.n = self._said_n = 0
         self.bar = None
         self.plain = False
+        self.every = every_s()  # read on every rank: a bad value fails them all alike
         if not enabled:
             return
         if self.stream.isatty():
@@ -58,7 +59,7 @@ class Meter:
             self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, dynamic_ncols=columns > 0,
                             ncols=None if columns else 80, nrows=None if rows else 24)
         else:
-            self.plain, self.every = True, every_s()
+            self.plain = True
             self.started = self._said_at = time.monotonic()
 
     def update(self, n: int = 1) -> None:
