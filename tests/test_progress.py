@@ -8,6 +8,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -187,6 +188,17 @@ def test_training_line_has_tokens_per_second_eta_and_last_checkpoint(trained):
     assert lines[1].endswith("| last ckpt none yet") and lines[2].endswith("| last ckpt none yet")  # saved after the line
     assert re.search(r"\| last ckpt step 2 at \d\d:\d\d:\d\d$", lines[3]), lines[3]
     assert lines[4].endswith("| ETA 00:00 | " + lines[3].rpartition("| ")[2])
+
+
+def test_a_resumed_run_counts_its_eta_from_where_it_resumed_and_names_that_checkpoint(trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained["run"], run_dir)
+    resumed = python_m("launch.train", str(ROOT / "configs" / "tiny_translation.yaml"),
+                       f"data.data_dir={trained['data']}", f"run_dir={run_dir}", *TRAIN, "max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    lines = [line for line in resumed.stderr.splitlines() if re.match(r"step \d+/6 \|", line)]
+    assert [line.split()[1] for line in lines] == ["5/6", "6/6"], resumed.stderr[-3000:]
+    assert re.search(r"\| ETA \d\d:\d\d \| last ckpt step 4 at \d\d:\d\d:\d\d$", lines[0]), lines[0]
 
 
 def test_export_and_average_show_plain_progress_without_a_terminal(trained):
