@@ -32,6 +32,7 @@ from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
 from pipeline.configure import UserError, config_from_dict, load_config, parse_cli, run_main
 from pipeline.format import file_sha256
+from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR
 
@@ -138,10 +139,13 @@ def export(checkpoint: str | Path, out: str | Path) -> dict:
     run = read_run_checkpoint(checkpoint)
     if not run.tokenizer.is_file():
         raise UserError(f"{run.tokenizer} not found")
-    state = consolidated_state_dict(run.root, run.tag)
     meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
             "source": str((run.root / run.tag).resolve())}
-    save_model_dir(out, state, run.config.model, run.tokenizer, meta)
+    with meter(2, f"export {run.tag}", "phase") as shown:  # verify and consolidate; write
+        state = consolidated_state_dict(run.root, run.tag)
+        shown.update()
+        save_model_dir(out, state, run.config.model, run.tokenizer, meta)
+        shown.update()
     return meta
 
 

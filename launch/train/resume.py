@@ -210,6 +210,7 @@ def save_checkpoint(run: Run) -> Path:
                                        for name, entry in entries.items()})
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
+        run.tracker.checkpointed(run.step)
 
     part(recorded, "writing", main_only=True)
     return tag_dir

@@ -61,6 +61,8 @@ def setup(cfg: TrainConfig) -> Run:
     progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
     run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
     tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters, tf32)
+    if resume_from and denv.is_main:  # the progress line's last checkpoint, until this job saves one
+        tracker.checkpointed(progress.step, (resume_from[0] / resume_from[1]).stat().st_mtime)
     guard = Guard(cfg.guard.max_consecutive_skips, cfg.guard.spike_factor, cfg.guard.spike_warmup_steps,
                   cfg.guard.spike_window)
     guard.load_state_dict(progress.guard)
@@ -244,5 +246,5 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
     tracker = Tracker(enabled=denv.is_main, settings=cfg.wandb, run_dir=run_dir, run_id=run_id,
-                      config=config_to_dict(cfg), summary=summary)
+                      config=config_to_dict(cfg), summary=summary, start_step=step)
     return tracker, peak
