@@ -117,6 +117,11 @@ class PrepareConfig:
     keep_partial: bool = False  # keep OUTPUT_DIR.partial after a failed or interrupted run, to debug it
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
+    # Bytes of input per scan work unit: larger text, jsonl and tsv files are cut into ranges
+    # of this size; compressed ones (.gz, .zst) larger than this are decompressed by the driver
+    # and handed to the workers in chunks of this many decompressed bytes. Parquet files are
+    # cut into runs of row groups of about this size. The output never depends on it.
+    unit_bytes: int = 64 << 20
     source: SourceConfig = field(default_factory=SourceConfig)
     # Several sources in one prepare, each with its own `name`, format, paths and fields (the
     # keys of `source`); each keeps its own shards and counts. Splits and de-duplication are

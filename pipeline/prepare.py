@@ -17,24 +17,26 @@ prepare of the same output fails at once, naming the first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 import signal
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Iterator
 
 from pipeline.config import TASKS, PrepareConfig
 from pipeline.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
 from pipeline.lock import dir_lock
 from pipeline.sources import (Unit, check_sources, check_usable, describe_skipped, expand_paths, is_parallel, plan_units,
-                              source_list, source_where)
+                              decompressed_size, source_list, source_where, stream_chunks)
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
-CHUNK_BYTES = 64 << 20  # large text files are scanned in ranges of this size
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
 
 
@@ -48,7 +50,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     for index, source in enumerate(source_list(cfg)):
         source_files = expand_paths(source, source_where(cfg, index))
         files.append(source_files)
-        units.extend(plan_units(source_files, source, CHUNK_BYTES, index, source_where(cfg, index)))
+        units.extend(plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index)))
     given_model = None
     if cfg.tokenizer.model_path:
         path = Path(cfg.tokenizer.model_path)
@@ -57,6 +59,12 @@ def prepare(cfg: PrepareConfig) -> dict:
         given_model = path.read_bytes()
         processor_from_bytes(given_model, source=str(path))
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
+    need, why = scratch_need(cfg, files)
+    where, free = free_space(output)
+    log(f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); {_size(free)} free on {where}")
+    if need > free:
+        raise UserError(f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
+                        f"free; free some space or choose an output_dir on a larger file system")
     # The lock file lies beside the output rather than in it or in its staging directory:
     # both are deleted and renamed during a run, and a lock must stay one file for as long as
     # anyone may contend for it. Taken before the staging directory is touched, since a
@@ -71,6 +79,41 @@ def prepare(cfg: PrepareConfig) -> dict:
             _discard(staging, cfg.keep_partial, err, log)
             raise
     return manifest
+
+
+def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
+    """About how many bytes the scan's bucket files (`OUTPUT_DIR.partial/_work`) take at their
+    largest, and how that was counted: each text once per family of buckets it goes to (the
+    monolingual texts, and `source TAB target` for translation), at most the input's
+    decompressed size each (the scan drops markup and keys, never adds). The shards come on
+    top, once the scan is done, while the buckets are still there."""
+    need, text, twice = 0, 0, False
+    for source, paths in zip(source_list(cfg), files):
+        size = sum(decompressed_size(path) for path in paths)
+        copies = (any(task in cfg.tasks for task in ("causal_lm", "mlm"))
+                  + ("translation" in cfg.tasks and is_parallel(source)))
+        text += size
+        need += copies * size
+        twice = twice or copies == 2
+    return need, f"{_size(text)} of decompressed input" + (", pairs twice: as texts and as pairs" if twice else "")
+
+
+def free_space(output: Path) -> tuple[str, int]:
+    """The file system the staging directory goes on (its nearest existing ancestor) and the
+    bytes an unprivileged user may still write there."""
+    where = output.absolute().parent
+    while not where.exists():
+        where = where.parent
+    stats = os.statvfs(where)
+    return str(where), stats.f_bavail * stats.f_frsize
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def check_config(cfg: PrepareConfig) -> None:
@@ -120,12 +163,14 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
-        batches = scan_batches(units, cfg.ray.num_workers)
+        scanned_units: list[Unit] = []  # `units` with each streamed file replaced by its chunks
         scanned = run_tasks(
-            scan_units, [(batch,) for batch in batches], num_workers=cfg.ray.num_workers,
-            desc="scan", progress=cfg.progress, shared={"cfg": cfg, "work_dir": str(work_dir)},
+            scan_units, ((batch,) for batch in scan_batches(units, cfg.ray.num_workers, cfg.unit_bytes, scanned_units)),
+            num_workers=cfg.ray.num_workers, desc="scan", progress=cfg.progress,
+            shared={"cfg": cfg, "work_dir": str(work_dir)},
         )
         scanned = [result for results in scanned for result in results]  # one per unit, in unit order
+        units = scanned_units
         sources = source_list(cfg)
         by_source = []
         for index, source in enumerate(sources):
@@ -207,23 +252,36 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
 SCAN_TASKS_PER_WORKER = 4  # small units are batched into about this many scan tasks per worker
 
 
-def scan_batches(units: list[Unit], num_workers: int) -> list[list[tuple[int, Unit]]]:
+def scan_batches(units: list[Unit], num_workers: int, unit_bytes: int,
+                 numbered: list[Unit] | None = None) -> Iterator[list[tuple[int, Unit]]]:
     """Consecutive units grouped into scan tasks of about equal input bytes: enough tasks to keep
-    the workers busy to the end, few enough that scheduling does not dominate small files."""
+    the workers busy to the end, few enough that scheduling does not dominate small files. A
+    `stream` unit is decompressed here, as its tasks are wanted, into chunks of `unit_bytes`,
+    a task each; units are numbered as they come, and appended to `numbered` without their data."""
     sizes = [_unit_bytes(unit) for unit in units]
     target = sum(sizes) / max(1, SCAN_TASKS_PER_WORKER * num_workers)
-    batches: list[list[tuple[int, Unit]]] = []
     current: list[tuple[int, Unit]] = []
-    load = 0
-    for index, (unit, size) in enumerate(zip(units, sizes)):
+    load, index = 0, 0
+    numbered = [] if numbered is None else numbered
+    for unit, size in zip(units, sizes):
+        if unit.stream:
+            if current:
+                yield current
+                current, load = [], 0
+            for chunk in stream_chunks(unit, unit_bytes):
+                numbered.append(dataclasses.replace(chunk, data=None))
+                yield [(index, chunk)]
+                index += 1
+            continue
         current.append((index, unit))
+        numbered.append(unit)
+        index += 1
         load += size
         if load >= target:
-            batches.append(current)
+            yield current
             current, load = [], 0
     if current:
-        batches.append(current)
-    return batches
+        yield current
 
 
 def _job_bytes(work_dir: Path, n_units: int, dataset: str, bucket: int) -> int:

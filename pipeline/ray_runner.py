@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sized
 
 from pipeline.config import RayConfig
 from pipeline.configure import UserError
@@ -106,7 +106,7 @@ INTERRUPTED = threading.Event()
 
 def run_tasks(
     fn: Callable[..., Any],
-    arguments: Sequence[tuple],
+    arguments: Iterable[tuple],
     *,
     num_workers: int,
     desc: str,
@@ -116,23 +116,34 @@ def run_tasks(
     """`[fn(*args, **shared) for args in arguments]`, computed as Ray tasks, in order.
 
     `shared` values (a tokenizer, a config) are put in the object store once rather than
-    pickled into every task.
+    pickled into every task. `arguments` may be an iterator (chunks of a file decompressed as
+    they are needed): it is drawn from only as tasks are submitted, so at most 2 x
+    `num_workers` of its items are held at once.
     """
     import ray
 
     remote = ray.remote(num_cpus=1, max_retries=0)(fn)
     shared_refs = {name: ray.put(value) for name, value in (shared or {}).items()}
-    results: list[Any] = [None] * len(arguments)
+    total = len(arguments) if isinstance(arguments, Sized) else None
+    upcoming = iter(arguments)
+    results: list[Any] = []
     pending: dict[Any, int] = {}
-    next_index = 0
-    with meter(len(arguments), desc, "task", enabled=progress) as bar:
-        while next_index < len(arguments) or pending:
+    exhausted = False
+    with meter(total, desc, "task", enabled=progress) as bar:
+        while not exhausted or pending:
             if INTERRUPTED.is_set():
                 raise KeyboardInterrupt("interrupted")
             # Twice the workers in flight, so none idles while the driver collects a result.
-            while next_index < len(arguments) and len(pending) < 2 * num_workers:
-                pending[remote.remote(*arguments[next_index], **shared_refs)] = next_index
-                next_index += 1
+            while not exhausted and len(pending) < 2 * num_workers:
+                args = next(upcoming, None)
+                if args is None:
+                    exhausted = True
+                    break
+                pending[remote.remote(*args, **shared_refs)] = len(results)
+                results.append(None)
+                del args  # a chunk's bytes are the task's now (in the object store), not the driver's
+            if not pending:
+                break
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)  # wakes to see INTERRUPTED
             for ref in done:
                 index = pending.pop(ref)

@@ -13,8 +13,11 @@ Files"): a header of five 32-bit words, then tables of (length, offset) for orig
 translations; an original is `[msgctxt \\x04] msgid [\\x00 msgid_plural]` and a
 translation holds the plural forms separated by NUL. `.po` files are parsed with polib.
 
-Any file ending in `.gz` or `.zst` is read decompressed, as a stream (such a file is one work
-unit: a compressed stream cannot be entered mid-file). A parquet file is read with pyarrow one
+Any file ending in `.gz` or `.zst` is read decompressed, as a stream: a compressed stream cannot
+be entered mid-file. One larger than a work unit (text by lines, jsonl, tsv) is marked `stream`:
+the driver decompresses it once and hands its lines out in chunks of about `unit_bytes`, cut
+at newlines (`stream_chunks`), each chunk a unit of its own, so that Ray tasks scan it in
+parallel (docs/design.md, "Large compressed files"). A parquet file is read with pyarrow one
 row group at a time, only the text (and target) columns, in record batches, so a file larger
 than memory works; its work units are runs of row groups of about `chunk_bytes`.
 
@@ -31,6 +34,7 @@ legacy single `source:` as a list of one. Each `Unit` carries the index of its s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import gzip
@@ -44,7 +48,7 @@ import stat
 import struct
 import unicodedata
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Iterator, Mapping, Optional
 
 from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
@@ -102,13 +106,18 @@ def text_hash(text: str, salt: str) -> int:
 
 @dataclass(frozen=True)
 class Unit:
-    """One Ray task's share of the input: a whole file, a byte range of a large text file, or
-    a run of row groups [start, end) of a parquet file."""
+    """One Ray task's share of the input: a whole file, a byte range of a large text file, a
+    run of row groups [start, end) of a parquet file, or a chunk of a streamed compressed file:
+    its lines in `data`, [start, end) their offsets in the decompressed stream."""
 
     path: str
     start: int = 0
     end: int = -1  # -1: to the end of the file
     source: int = 0  # index in `source_list(cfg)`
+    # A compressed file larger than a unit: the driver cuts it into chunks (`stream_chunks`);
+    # read as it is (`read_unit`), it is the whole file.
+    stream: bool = False
+    data: Optional[bytes] = field(default=None, repr=False, compare=False)
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -282,26 +291,73 @@ COMPRESSED = (".gz", ".zst")
 
 
 def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int, source: int = 0, where: str = "source") -> list[Unit]:
-    """Split the inputs into work units. Only uncompressed line-oriented files are cut into
-    byte ranges (a reader can start mid-file at the next newline), and parquet files into runs
-    of row groups; the rest are whole."""
+    """Split the inputs into work units. Uncompressed line-oriented files are cut into byte
+    ranges (a reader can start mid-file at the next newline), parquet files into runs of row
+    groups; compressed line-oriented files larger than `chunk_bytes` are marked `stream`, for
+    the driver to cut into chunks as it decompresses them; the rest are whole. Paragraph text
+    is never cut: a paragraph may span any newline."""
     units = []
     for path in files:
         if cfg.format == "parquet":
             units.extend(_parquet_units(path, cfg, chunk_bytes, source, where))
             continue
         size = os.path.getsize(path)
-        splittable = (
-            cfg.format in ("text", "jsonl", "tsv")
-            and not path.endswith(COMPRESSED)
-            and not (cfg.format == "text" and cfg.text_split == "paragraph")
-        )
+        splittable = cfg.format in ("text", "jsonl", "tsv") and not (cfg.format == "text" and cfg.text_split == "paragraph")
         if not splittable or size <= chunk_bytes:
             units.append(Unit(path, source=source))
-            continue
-        for start in range(0, size, chunk_bytes):
-            units.append(Unit(path, start, min(start + chunk_bytes, size), source))
+        elif path.endswith(COMPRESSED):
+            units.append(Unit(path, source=source, stream=True))
+        else:
+            units.extend(Unit(path, start, min(start + chunk_bytes, size), source) for start in range(0, size, chunk_bytes))
     return units
+
+
+ASSUMED_RATIO = 5  # decompressed / compressed size of a .zst whose header does not say (text: 3-6)
+
+
+def decompressed_size(path: str) -> int:
+    """About how many bytes `path` holds decompressed, without decompressing it: a .zst's first
+    frame header (when it declares the size, as `zstd FILE` writes it; else ASSUMED_RATIO x
+    its size), a .gz's trailer (ISIZE, the size modulo 2**32 of its last member, lifted to at
+    least the compressed size), any other file's size. For the scratch-space estimate."""
+    size = os.path.getsize(path)
+    if path.endswith(".zst"):
+        import zstandard
+
+        with open(path, "rb") as fh:
+            head = fh.read(18)  # the largest frame header
+        try:
+            declared = zstandard.frame_content_size(head)
+        except zstandard.ZstdError:
+            declared = -1
+        return max(declared, size) if declared >= 0 else ASSUMED_RATIO * size
+    if path.endswith(".gz") and size >= 18:
+        with open(path, "rb") as fh:
+            fh.seek(-4, os.SEEK_END)
+            (isize,) = struct.unpack("<I", fh.read(4))
+        wraps = -(-(size - isize) // (1 << 32)) if isize < size else 0  # text never shrinks when decompressed
+        return isize + wraps * (1 << 32)
+    return size
+
+
+def stream_chunks(unit: Unit, chunk_bytes: int) -> Iterator[Unit]:
+    """A `stream` unit's decompressed lines, in order, in chunks of at most `chunk_bytes`, each
+    ending at a newline (a chunk holding a longer line holds that line and what follows it up to
+    `chunk_bytes` more): units of their own, read from `data`. The cuts depend on the bytes
+    alone, never on the number of workers; and since a reader's records are per line, the
+    chunks yield the records of the whole file."""
+    with _reading(unit.path), _open_binary(unit.path) as fh:
+        offset, carry = 0, b""
+        while block := _read_full(fh, chunk_bytes - len(carry) if len(carry) < chunk_bytes else chunk_bytes):
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # no newline yet: one long line, read on
+                carry = data
+                continue
+            yield Unit(unit.path, offset, offset + cut, unit.source, data=data[:cut])
+            offset, carry = offset + cut, data[cut:]
+        if carry:
+            yield Unit(unit.path, offset, offset + len(carry), unit.source, data=carry)
 
 
 def _parquet_columns(cfg: SourceConfig) -> list[str]:
@@ -348,8 +404,20 @@ def _open_binary(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
+def _read_full(fh: IO[bytes], size: int) -> bytes:
+    """`size` bytes, fewer only at the end: a short read must not move a chunk's cut."""
+    parts, left = [], size
+    while left > 0 and (part := fh.read(left)):
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
 def _lines(unit: Unit) -> Iterator[bytes]:
-    """Raw lines of a unit. A range owns the lines that start inside it."""
+    """Raw lines of a unit. A range owns the lines that start inside it; a chunk's are in `data`."""
+    if unit.data is not None:
+        yield from io.BytesIO(unit.data)
+        return
     with _open_binary(unit.path) as fh:
         if unit.start > 0:
             fh.seek(unit.start - 1)
@@ -575,7 +643,7 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
     """Cleaned records of one unit; empty and mostly undecodable texts are dropped and counted."""
     parallel = is_parallel(cfg)
     limit = cfg.max_replaced_fraction
-    try:
+    with _reading(unit.path):
         for source, target in _READERS[cfg.format](unit, cfg, stats):
             source = clean_text(source)
             target = clean_text(target) if target is not None else None
@@ -587,8 +655,15 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
                 continue
             stats["records"] += 1
             yield source, target
-    except (OSError, EOFError, gzip.BadGzipFile, *_decompress_errors(unit.path)) as err:
-        raise UserError(f"cannot read {unit.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """A file that cannot be read or decompressed ends the run in one line naming it."""
+    try:
+        yield
+    except (OSError, EOFError, gzip.BadGzipFile, *_decompress_errors(path)) as err:
+        raise UserError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
 
 
 def _decompress_errors(path: str) -> tuple[type[BaseException], ...]:

@@ -14,8 +14,8 @@ import pytest
 
 from pipeline.config import PrepareConfig
 from pipeline.configure import UserError, load_config
-from pipeline.sources import (check_usable, chunk_text, decode_counting, describe_skipped, expand_paths, plan_units, read_mo,
-                              read_po, read_unit)
+from pipeline.sources import (ASSUMED_RATIO, Unit, check_usable, chunk_text, decode_counting, decompressed_size,
+                              describe_skipped, expand_paths, plan_units, read_mo, read_po, read_unit, stream_chunks)
 
 
 def source_cfg(**overrides):
@@ -373,12 +373,66 @@ def test_gz_and_zst_give_the_same_records_as_plain(tmp_path, fmt):
     for name in ("a.gz", "a.zst"):
         records, stats = read_all(tmp_path / name, format=fmt)
         assert records == plain and stats == plain_stats, name
-    # A compressed file is one unit even when large: it cannot be entered mid-stream.
+    # A compressed file is one unit even when large (it cannot be entered mid-stream), marked
+    # for the driver to stream in chunks when larger than a unit.
     cfg = source_cfg(paths=f"[{tmp_path / 'a.zst'}]", format=fmt)
-    assert len(plan_units(expand_paths(cfg), cfg, 100)) == 1
+    assert plan_units(expand_paths(cfg), cfg, 100) == [Unit(str(tmp_path / "a.zst"), stream=True)]
+    assert plan_units(expand_paths(cfg), cfg, 1 << 20) == [Unit(str(tmp_path / "a.zst"))]
+    paragraphs = source_cfg(paths=f"[{tmp_path / 'a.zst'}]", format="text", text_split="paragraph")
+    assert plan_units(expand_paths(paragraphs), paragraphs, 100) == [Unit(str(tmp_path / "a.zst"))]
     (tmp_path / "bad.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
     with pytest.raises(UserError, match="cannot read .*bad.zst"):
         read_all(tmp_path / "bad.zst", format=fmt)
+
+
+@pytest.mark.parametrize("fmt, suffix", [("jsonl", ".zst"), ("tsv", ".gz"), ("text", ".zst")])
+def test_stream_chunks_cut_at_newlines_and_give_the_whole_files_records(tmp_path, fmt, suffix):
+    """The driver's chunks of a compressed file: cut at newlines only, together exactly the
+    decompressed bytes, and their records and counts those of reading the file whole, bad
+    bytes, malformed lines, a line longer than a chunk and a last line without newline included."""
+    import zstandard
+
+    texts = _mono_texts(2000) + ["caf\u00e9 \u00fcber " * 600]
+    rng = random.Random(5)
+    rng.shuffle(texts)
+    if fmt == "jsonl":
+        lines = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts] + [b"{broken", b"\xff\xfe"]
+    elif fmt == "tsv":
+        lines = [f"{t}\t{t.upper()}".encode() for t in texts] + [b"one column", b"bad \xc3( byte\tx"]
+    else:
+        lines = [t.encode() for t in texts] + [b"", b"bad \xc3( byte"]
+    data = b"\n".join(lines)  # no newline after the last line
+    path = tmp_path / f"a.{fmt}{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
+    cfg = source_cfg(paths=f"[{path}]", format=fmt)
+    (unit,) = plan_units([str(path)], cfg, 4096)
+    assert unit.stream
+    chunks = list(stream_chunks(unit, 4096))
+    assert len(chunks) > 20 and b"".join(c.data for c in chunks) == data
+    assert all(c.data.endswith(b"\n") for c in chunks[:-1])
+    assert all(len(c.data) <= 4096 or max(map(len, c.data.split(b"\n"))) >= 4096 for c in chunks)
+    assert [c.start for c in chunks[1:]] == [c.end for c in chunks[:-1]] and chunks[-1].end == len(data)
+    assert any(len(c.data) > 4096 for c in chunks)  # the long line: one chunk of its own
+    whole_stats, chunk_stats = Counter(), Counter()
+    whole = list(read_unit(unit, cfg, whole_stats))
+    assert [r for c in chunks for r in read_unit(c, cfg, chunk_stats)] == whole
+    assert chunk_stats == whole_stats and whole_stats["bad_bytes_replaced"] > 0
+    assert len(whole) == len(texts) + (fmt != "jsonl")  # the line with a bad byte is kept, replaced
+
+
+def test_decompressed_size_from_zstd_header_gzip_trailer_or_assumed(tmp_path):
+    import zstandard
+
+    data = ("".join(f"line {i} of some text\n" for i in range(5000))).encode()
+    (tmp_path / "a.txt").write_bytes(data)
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "a.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(data))  # declares its size
+    streamed = zstandard.ZstdCompressor().compressobj()  # a streaming writer does not know it
+    (tmp_path / "s.txt.zst").write_bytes(streamed.compress(data) + streamed.flush())
+    assert decompressed_size(str(tmp_path / "a.txt")) == len(data)
+    assert decompressed_size(str(tmp_path / "a.txt.gz")) == len(data)
+    assert decompressed_size(str(tmp_path / "a.txt.zst")) == len(data)
+    assert decompressed_size(str(tmp_path / "s.txt.zst")) == ASSUMED_RATIO * (tmp_path / "s.txt.zst").stat().st_size
 
 
 def prepare_cfg(*overrides):
