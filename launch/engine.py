@@ -23,9 +23,11 @@ the torch.load calls inside DeepSpeed's consolidation. `Engine.load` is DeepSpee
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -155,17 +157,60 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return merged
 
 
+def cpu_key(cpuinfo: str) -> str:
+    """A name for this CPU type, from /proc/cpuinfo's first processor: its model name, readable,
+    and a hash of what `-march=native` compiles for (the instruction-set flags, vendor, family
+    and model; on ARM the features, implementer and part). Two node types may share a model name
+    but not the flags their hypervisor exposes."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if not colon:
+            if fields:
+                break  # the blank line after the first processor
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    name = re.sub(r"[^a-z0-9]+", "-", fields.get("model name", fields.get("CPU part", "unknown")).lower()).strip("-")
+    keys = ("vendor_id", "cpu family", "model", "flags", "CPU implementer", "CPU architecture", "CPU part", "Features")
+    identity = "\n".join(f"{key}={' '.join(sorted(fields.get(key, '').split()))}" for key in keys)
+    return f"{name or 'unknown'}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = None) -> str:
+    """Point TORCH_EXTENSIONS_DIR, where DeepSpeed's JIT-built ops (CPU Adam) are cached, at a
+    folder of this CPU type: they are compiled with `-march=native`, and a home directory shared
+    by a cluster's node types would otherwise hand an op built on one to another, which dies of
+    an illegal instruction. The folder is `{py}_{accelerator}_cpu-{cpu_key}` under the user's
+    TORCH_EXTENSIONS_DIR or torch's default root (whose own `{py}_{accelerator}` folder a set
+    TORCH_EXTENSIONS_DIR replaces). Idempotent; returns the folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    environ = os.environ if environ is None else environ
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = f"model name: {platform.machine()} {platform.processor()}"
+    accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    leaf = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_cpu-{cpu_key(cpuinfo)}"
+    current = environ.get("TORCH_EXTENSIONS_DIR", "")
+    if os.path.basename(os.path.normpath(current)) != leaf:
+        environ["TORCH_EXTENSIONS_DIR"] = os.path.join(current or get_default_build_root(), leaf)
+    return environ["TORCH_EXTENSIONS_DIR"]
+
+
 def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """AdamW for ZeRO-Offload, whose fp32 master weights and Adam moments live in CPU memory:
     DeepSpeed's DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, bias correction, as
     torch's AdamW), over the caller's parameter groups, each with its own weight decay.
 
-    Its C++ op is built by DeepSpeed with the host's compiler at first use and cached
-    (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions). If it cannot be built, torch's AdamW
+    Its C++ op is built by DeepSpeed with the host's compiler at first use and cached in a
+    folder of this CPU type (`use_cpu_keyed_jit_cache`). If it cannot be built, torch's AdamW
     (the same update, slower) takes its place, with a one-line warning. Under a process group
     the ranks agree first: if the op fails on any rank, every rank falls back, so that all
     partitions are stepped by the same optimizer."""
     failure = None
+    use_cpu_keyed_jit_cache()
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -197,6 +242,7 @@ class Engine:
     of its wrappers, and in which dtype the gradients are accumulated (`describe`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, config: dict):
+        use_cpu_keyed_jit_cache()  # before DeepSpeed builds any op
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -6,6 +6,8 @@ DeepSpeed builds the CPU Adam op with the host's C++ compiler at its first use, 
 2 cores, and caches it (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions): the first test here
 pays for that once per machine."""
 
+import os
+
 import pytest
 import torch
 
@@ -84,3 +86,61 @@ def test_offload_trains_with_cpu_adam_and_resumes_exactly(tiny_dataset, tmp_path
     losses = [expected[step] for step in range(1, 11)]
     assert losses[-1] < 0.9 * losses[0], losses  # it trains
     assert [got[s] for s in range(6, 11)] == pytest.approx(losses[5:], abs=RESUME_TOLERANCE, rel=0)
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: something else entirely
+"""
+
+
+def test_the_jit_cache_is_keyed_by_the_cpu_type():
+    """DeepSpeed builds CPU Adam with -march=native: the cache folder differs for CPUs that differ
+    in what that compiles for, even under one model name, and is the same for the same CPU."""
+    from launch.engine import cpu_key, use_cpu_keyed_jit_cache
+
+    key = cpu_key(CPUINFO)
+    assert key.startswith("intel-r-xeon-r-platinum-8480-") and key == cpu_key(CPUINFO.replace("sse2 avx2", "avx2 sse2"))
+    assert cpu_key(CPUINFO.replace(" avx512f avx512bw amx_tile", "")) != key  # the same model name, no AVX-512
+    assert cpu_key(CPUINFO.replace("model\t\t: 143", "model\t\t: 106")) != key
+    assert cpu_key(CPUINFO.replace("something else entirely", "other")) == key  # the first processor names it
+    arm = "processor : 0\nFeatures : fp asimd sve\nCPU implementer : 0x41\nCPU part : 0xd40\n"
+    assert cpu_key(arm) != cpu_key(arm.replace(" sve", ""))
+
+    env = {}
+    folder = use_cpu_keyed_jit_cache(env, CPUINFO)
+    assert folder == env["TORCH_EXTENSIONS_DIR"] and folder.endswith(f"_cpu-{key}")
+    assert use_cpu_keyed_jit_cache(env, CPUINFO) == folder  # idempotent: not nested twice
+    assert use_cpu_keyed_jit_cache({"TORCH_EXTENSIONS_DIR": "/shared/ext"}, CPUINFO) == f"/shared/ext/{os.path.basename(folder)}"
+    other = use_cpu_keyed_jit_cache({}, CPUINFO.replace(" amx_tile", ""))
+    assert other != folder and os.path.dirname(other) == os.path.dirname(folder)
+
+
+def test_cpu_adam_builds_into_this_cpus_folder(monkeypatch, tmp_path):
+    """cpu_adam sets the folder before DeepSpeed builds, and torch's build directory for the op
+    is inside it (the build itself is replaced by a failure here; the slow tests build for real)."""
+    from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from launch.engine import cpu_adam, cpu_key
+
+    seen = []
+
+    def record_build_dir(self, *args, **kwargs):
+        seen.append(_get_build_directory(self.name, False))
+        raise RuntimeError("simulated: no C++ compiler")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(deepspeed_cpu_adam.CPUAdamBuilder, "load", record_build_dir)
+    cpu_adam(_groups([torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    key = cpu_key(open("/proc/cpuinfo").read())
+    (build_dir,) = seen
+    assert os.path.dirname(os.path.dirname(build_dir)) == str(tmp_path)
+    assert os.path.basename(os.path.dirname(build_dir)).endswith(f"_cpu-{key}")

@@ -461,3 +461,108 @@ def test_tokenizer_sample_shares():
     assert got == sorted(got, key=lambda t: dict((text, key) for s in texts.values() for key, text in s)[t])
     # Each source's share is its bottom-k: the texts with the smallest hashes.
     assert {t for t in got if t.startswith("a")} == {f"a{i}" for i in range(26)}
+
+
+WEB_EXAMPLE = ROOT / "configs" / "prepare_web_example.yaml"
+
+
+def write_web_corpus(root, n_docs=3000, n_pairs=1500, seed=0):
+    """The layout configs/prepare_web_example.yaml reads, under `root`: web documents as one
+    jsonl.zst (with some exact duplicates and a malformed line) and pairs as one tsv.gz."""
+    import gzip
+
+    import zstandard
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghiklmnoprstuvwyz") for _ in range(rng.randint(2, 9))) for _ in range(400)]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 120))) + f" {i}." for i in range(n_docs)]
+    docs += docs[:100]
+    lines = [json.dumps({"text": d, "url": f"https://example.org/{i}"}) for i, d in enumerate(docs)] + ["{cut off"]
+    (root / "data/web/docs").mkdir(parents=True)
+    (root / "data/web/pairs").mkdir(parents=True)
+    (root / "data/web/docs/part-0.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines).encode()))
+    pairs = "".join(f"{en}\t{de}\n" for en, de in synthetic_pairs(n_pairs, seed=seed))
+    (root / "data/web/pairs/en-de.tsv.gz").write_bytes(gzip.compress(pairs.encode()))
+
+
+def run_web_example(cwd, *overrides):
+    """prepare on configs/prepare_web_example.yaml from `cwd`, whose relative paths it reads."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "pipeline.prepare", str(WEB_EXAMPLE), "progress=false", *overrides],
+                          cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_the_web_example_config_prepares_small_generated_files(tmp_path):
+    """configs/prepare_web_example.yaml as written (seq_len 1024, its tokenizer and filters), on
+    small files in its layout; only the Ray workers (this machine's 2) and the buckets (256
+    would each drop a tail of up to 1023 tokens, all of this corpus) are changed."""
+    write_web_corpus(tmp_path)
+    run = run_web_example(tmp_path, "ray.num_workers=2", "shard.buckets=4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "data/web-prepared"
+    manifest = json.loads((out / MANIFEST).read_text())
+    by_source = manifest["sources"]["by_source"]
+    assert (by_source["web"]["format"], by_source["pairs"]["format"]) == ("jsonl", "tsv")
+    assert by_source["web"]["records"] == 3100 and by_source["web"]["malformed_not_json"] == 1
+    assert by_source["pairs"]["records"] == 1500
+    packed = manifest["datasets"]["packed"]
+    assert packed["seq_len"] == 1024 and packed["stats_by_source"]["web"]["duplicates_dropped"] == 100
+    assert packed["splits"]["train"]["sources"]["web"]["samples"] > 20
+    blocks = read_dataset(out, "packed", "train")
+    assert all(b["input_ids"].shape == (1024,) for b in blocks)
+    translation = manifest["datasets"]["translation"]
+    assert translation["splits"]["train"]["sources"] == {
+        "web": {"samples": 0, "tokens": 0}, "pairs": translation["splits"]["train"]["sources"]["pairs"]}
+    assert translation["splits"]["train"]["samples"] > 1000
+    # Fewer pieces than the 32,000 asked: this corpus has 400 distinct words (and German pairs).
+    assert manifest["tokenizer"]["trained"] and 400 < manifest["tokenizer"]["vocab_size"] < 32000
+
+
+def test_a_large_compressed_file_is_scanned_in_chunks_with_the_same_shards_for_1_2_3_workers(tmp_path):
+    """A jsonl.zst and a tsv.gz each larger than `unit_bytes` are cut by the driver into chunks
+    that Ray tasks scan in parallel; the shards and the tokenizer are byte for byte those of
+    reading each file whole in one task (a `unit_bytes` above the file sizes: the code path of
+    before the split), with 1, 2 and 3 workers."""
+    write_web_corpus(tmp_path, n_docs=1500, n_pairs=1500)
+    small = ["seq_len=64", "tokenizer.vocab_size=600", "tokenizer.sample_texts=2000", "shard.buckets=3",
+             "shard.max_samples=40", "split.valid=0.05", "split.test=0.05"]
+    runs = {"whole": ("unit_bytes=1073741824", "ray.num_workers=2")}
+    runs.update({workers: ("unit_bytes=16384", f"ray.num_workers={workers}") for workers in (1, 2, 3)})
+    outs = {}
+    for name, settings in runs.items():
+        outs[name] = tmp_path / f"out-{name}"
+        run = run_web_example(tmp_path, f"output_dir={outs[name]}", *small, *settings)
+        assert run.returncode == 0, run.stderr[-3000:]
+    manifests = {name: json.loads((out / MANIFEST).read_text()) for name, out in outs.items()}
+    assert manifests["whole"]["sources"]["units"] == 2
+    for workers in (1, 2, 3):
+        assert manifests[workers]["sources"]["by_source"]["web"]["units"] > 10
+        assert manifests[workers]["sources"]["by_source"]["pairs"]["units"] > 3
+    files = sorted(p.relative_to(outs["whole"]) for p in outs["whole"].rglob("*") if p.is_file())
+    assert len([f for f in files if f.suffix == ".tar"]) > 10
+    for name in (1, 2, 3):
+        assert files == sorted(p.relative_to(outs[name]) for p in outs[name].rglob("*") if p.is_file())
+        for relative in files:
+            if relative.suffix in (".tar", ".model"):
+                assert (outs[name] / relative).read_bytes() == (outs["whole"] / relative).read_bytes(), (name, relative)
+        assert manifests[name]["datasets"] == manifests["whole"]["datasets"]
+        strip = lambda sources: {k: v for k, v in sources.items() if k not in ("units", "by_source")}
+        assert strip(manifests[name]["sources"]) == strip(manifests["whole"]["sources"])
+
+
+def test_prepare_refuses_in_one_line_when_the_scratch_space_is_short(tmp_path):
+    """A (sparse) text file larger than the free space of the file system the output goes on:
+    refused before anything is read or written, in one line that says what _work needs and
+    what is free."""
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as fh:
+        fh.truncate(free + (1 << 30))  # takes no blocks: a hole
+    out = tmp_path / "out"
+    run = run_prepare(prepare_args(big, out, **{"source.format": "text", "tasks": "[causal_lm]"}))
+    assert run.returncode == 2
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"error: {out}.partial/_work needs about ") and f"but {tmp_path} has " in line
+    assert "free" in line and not out.exists() and not (tmp_path / "out.partial").exists()
+    assert not (tmp_path / "out.lock").exists()
