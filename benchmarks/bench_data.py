@@ -2,6 +2,7 @@
 
     python benchmarks/bench_data.py [--data DIR] [--repeats N] [--prepare-repeats N] [--quick]
                                     [--scale 1,10,20] [--skip-loader]
+    python benchmarks/bench_data.py --big-file 100 [--unit-mb 16] [--prepare-repeats N]
 
 1. Loader: `pipeline.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
    `webdataset.WebDataset` read of the same shards (np.load of `input_ids.npy`, stacked into a
@@ -32,6 +33,16 @@
    can extrapolate to a corpus of their size. Generated
    in a temporary directory, deleted afterwards.
 
+4. One large compressed file (`--big-file MB`, run instead of 1-3): one jsonl.zst of about MB
+   megabytes compressed (monolingual web-like documents: words drawn from a Zipf law over
+   50,000 made-up words, a few per cent of documents repeated), generated in a temporary
+   directory, prepared (causal_lm, a tokenizer trained once beforehand on 20,000 of its
+   documents and then fixed) with `ray.num_workers=1` and `=2`, alternating, `--prepare-repeats`
+   times each. The driver streams the file and hands its chunks of `--unit-mb` decompressed
+   megabytes to the scan tasks. Printed: the scan and encode stage times, their sum, the
+   2-worker / 1-worker speed-up over scan + encode (target >= 1.7x), the number of units, and
+   whether the shards of every run are identical. Needs no prepared dataset.
+
 Data: DIR defaults to data/gettext-en-de. The script does not prepare it (a benchmark should not
 write into data/ behind your back): without DIR/manifest.json it prints how to make it and
 exits 2. `--quick` is a smoke run: two repeats, num_workers 0 and 1, 40 batches per loader run,
@@ -44,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import random
@@ -227,12 +239,12 @@ def run_prepare(cfg) -> dict:
 def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
-    from pipeline.prepare import CHUNK_BYTES
-    from pipeline.sources import expand_paths, plan_units, source_list
+    from pipeline.sources import expand_paths, plan_units, source_list, stream_chunks
     from pipeline.work import MONO, PAIRS, scan_unit, unique_records
 
-    units = [unit for index, source in enumerate(source_list(cfg))
-             for unit in plan_units(expand_paths(source), source, CHUNK_BYTES, index)]
+    units = [chunk for index, source in enumerate(source_list(cfg))
+             for unit in plan_units(expand_paths(source), source, cfg.unit_bytes, index)
+             for chunk in (stream_chunks(unit, cfg.unit_bytes) if unit.stream else [unit])]
     for index, unit in enumerate(units):
         scan_unit(index, unit, cfg, str(work_dir))
     unit_sources = [unit.source for unit in units]
@@ -325,11 +337,10 @@ RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share 
 
 def corpus_pairs(cfg) -> list[tuple[str, str]]:
     """The distinct cleaned (source, target) pairs of the dataset's source, with the pipeline's readers."""
-    from pipeline.prepare import CHUNK_BYTES
     from pipeline.sources import expand_paths, plan_units, read_unit
 
     pairs: dict[tuple[str, str], None] = {}
-    for unit in plan_units(expand_paths(cfg.source), cfg.source, CHUNK_BYTES):
+    for unit in plan_units(expand_paths(cfg.source), cfg.source, cfg.unit_bytes):
         for source, target in read_unit(unit, cfg.source, Counter()):
             pairs[(source, target or source)] = None
     return list(pairs)
@@ -386,6 +397,106 @@ def scale_table(rows: list[dict], num_workers: int) -> str:
         lines.append(f"| {row['scale']}x | {row['records']:,} | {row['tokens']:,} | {row['wall']:.1f} | {row['scan']:.1f} | "
                      f"{row['encode']:.1f} | {_rate(row['tokens'] / stages)} | {_rate(row['tokens'] / row['wall'])} | "
                      f"{row['rss'].get('scan', 0):.0f} / {row['rss'].get('encode', 0):.0f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- one large compressed file
+
+
+BIG_WORDS = 50_000  # made-up words of the big file's vocabulary
+BIG_REPEATS = 0.03  # fraction of documents that are a copy of an earlier one (de-duplicated away)
+
+
+def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
+    """One jsonl.zst of about `compressed_mb` MB, written as a stream (its header does not
+    declare the size, as with `zstd < in > out`); documents of 20-400 words from a Zipf law."""
+    import zstandard
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 10))) for _ in range(BIG_WORDS)]
+    cumulative = list(itertools.accumulate(1 / (rank + 1) for rank in range(BIG_WORDS)))
+    target = compressed_mb * 1e6
+    documents = raw = 0
+    earlier: list[str] = []
+    with open(path, "wb") as fh, zstandard.ZstdCompressor(level=3).stream_writer(fh, closefd=False) as out:
+        while fh.tell() < target:
+            batch = []
+            for _ in range(2000):
+                if earlier and rng.random() < BIG_REPEATS:
+                    line = rng.choice(earlier)
+                else:
+                    text = " ".join(rng.choices(words, cum_weights=cumulative, k=rng.randint(20, 400))).capitalize() + "."
+                    line = json.dumps({"text": text, "url": f"https://example.org/{documents}"})
+                    if len(earlier) < 5000:
+                        earlier.append(line)
+                batch.append(line)
+                documents += 1
+            data = ("\n".join(batch) + "\n").encode()
+            raw += len(data)
+            out.write(data)
+            out.flush(zstandard.FLUSH_BLOCK)  # so that fh.tell() follows the compressed size
+    return {"documents": documents, "decompressed": raw, "compressed": path.stat().st_size}
+
+
+def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path) -> dict:
+    from pipeline.config import PrepareConfig
+    from pipeline.configure import load_config
+    from pipeline.sources import Unit, read_unit, source_list
+    from pipeline.tokenizer import train_tokenizer
+
+    path = tmp / "web.jsonl.zst"
+    started = time.perf_counter()
+    corpus = big_jsonl_zst(path, compressed_mb)
+    print(f"big file: {corpus['documents']:,} documents, {corpus['decompressed'] / 1e6:.0f} MB, "
+          f"{corpus['compressed'] / 1e6:.1f} MB as jsonl.zst, generated in {time.perf_counter() - started:.0f} s", flush=True)
+
+    def config(output: Path, workers: int, model: str = ""):
+        overrides = [f"output_dir={output}", "overwrite=true", "progress=false", "tasks=[causal_lm]",
+                     "source.format=jsonl", f"source.paths=[{path}]", "seq_len=1024", f"ray.num_workers={workers}",
+                     f"unit_bytes={int(unit_mb * (1 << 20))}", "tokenizer.vocab_size=8000", "shard.buckets=8",
+                     "split.valid=0.005", "split.test=0.005"]
+        return load_config(PrepareConfig, None, overrides + ([f"tokenizer.model_path={model}"] if model else []))
+
+    sample_cfg = config(tmp / "unused", 1)
+    texts = []
+    for text, _ in read_unit(Unit(str(path)), source_list(sample_cfg)[0], Counter()):
+        texts.append(text)
+        if len(texts) >= 20_000:
+            break
+    model = tmp / "tokenizer.model"
+    model.write_bytes(train_tokenizer(texts, sample_cfg.tokenizer))
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for repeat in range(repeats):
+        for workers in (1, 2):
+            result = run_prepare(config(tmp / f"big-out-{workers}", workers, str(model)))
+            result["digests"] = shard_digests(result["manifest"])
+            runs[workers].append(result)
+            timings = result["timings"]
+            print(f"big file, ray.num_workers={workers}, repeat {repeat + 1}: scan {timings['scan']:.1f} s, "
+                  f"encode {timings['encode']:.1f} s, wall {timings['wall']:.1f} s, "
+                  f"{result['manifest']['sources']['units']} units", flush=True)
+    return {**corpus, "unit_mb": unit_mb, "runs": runs}
+
+
+def big_file_table(result: dict, repeats: int) -> str:
+    one, two = result["runs"][1], result["runs"][2]
+    stages = {workers: statistics.median(r["timings"]["scan"] + r["timings"]["encode"] for r in runs)
+              for workers, runs in result["runs"].items()}
+    tokens = one[0]["manifest"]["datasets"]["packed"]["stats"]["tokens"]
+    lines = [f"One jsonl.zst of {result['compressed'] / 1e6:.1f} MB ({result['decompressed'] / 1e6:.0f} MB decompressed, "
+             f"{result['documents']:,} documents), causal_lm, seq_len 1024, fixed tokenizer of 8,000 pieces, "
+             f"chunks of {result['unit_mb']:g} MiB decompressed ({one[0]['manifest']['sources']['units']} units); "
+             f"median of {repeats}; {tokens:,} tokens",
+             "",
+             "| Ray workers | scan s | encode s | scan + encode s | speed-up, scan + encode | wall s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for workers, runs in result["runs"].items():
+        lines.append(f"| {workers} | {_median_timing(runs, 'scan'):.1f} | {_median_timing(runs, 'encode'):.1f} | "
+                     f"{stages[workers]:.1f} | {stages[1] / stages[workers]:.2f}x | {_median_timing(runs, 'wall'):.1f} |")
+    digests = [r["digests"] for runs in result["runs"].values() for r in runs]
+    lines.append(f"(target: 2 workers >= 1.7x one over scan + encode; shards of every run identical: "
+                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'})")
     return "\n".join(lines)
 
 
@@ -501,7 +612,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--scale", default="", help="synthetic corpus sizes, e.g. 1,10,20 (x the default corpus)")
     parser.add_argument("--skip-loader", action="store_true", help="prepare figures only")
+    parser.add_argument("--big-file", type=float, default=0.0,
+                        help="instead: one generated jsonl.zst of this many MB compressed, 1 vs 2 workers")
+    parser.add_argument("--unit-mb", type=float, default=16.0,
+                        help="with --big-file: unit_bytes in MiB, the decompressed chunks (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.big_file:
+        command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]])
+        header = machine_line()
+        print(header, flush=True)
+        repeats = args.prepare_repeats or 1
+        with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
+            result = bench_big_file(args.big_file, args.unit_mb, repeats, Path(tmp))
+        print(f"\nFigures from a {header}; load average {os.getloadavg()[0]:.2f} at the end.\n")
+        print(big_file_table(result, repeats))
+        print(f"\nCommand: `{command}`")
+        return 0
     scales = [int(x) for x in args.scale.split(",") if x.strip()]
     repeats = args.repeats or (2 if args.quick else 7)
     prepare_repeats = args.prepare_repeats or (1 if args.quick else 3)

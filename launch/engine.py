@@ -180,7 +180,7 @@ def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = N
     """Point TORCH_EXTENSIONS_DIR, where DeepSpeed's JIT-built ops (CPU Adam) are cached, at a
     folder of this CPU type: they are compiled with `-march=native`, and a home directory shared
     by a cluster's node types would otherwise hand an op built on one to another, which dies of
-    an illegal instruction. The folder is `{py}_{accelerator}_cpu-{cpu_key}` under the user's
+    an illegal instruction. The folder is `{py}_{accelerator}_{cpu_key}` under the user's
     TORCH_EXTENSIONS_DIR or torch's default root (whose own `{py}_{accelerator}` folder a set
     TORCH_EXTENSIONS_DIR replaces). Idempotent; returns the folder."""
     from torch.utils.cpp_extension import get_default_build_root
@@ -192,7 +192,7 @@ def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = N
         except OSError:
             cpuinfo = f"model name: {platform.machine()} {platform.processor()}"
     accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    leaf = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_cpu-{cpu_key(cpuinfo)}"
+    leaf = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_{cpu_key(cpuinfo)}"
     current = environ.get("TORCH_EXTENSIONS_DIR", "")
     if os.path.basename(os.path.normpath(current)) != leaf:
         environ["TORCH_EXTENSIONS_DIR"] = os.path.join(current or get_default_build_root(), leaf)

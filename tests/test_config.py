@@ -83,3 +83,17 @@ def test_every_config_in_configs_validates(path):
     if cfg.model.vocab_size == 0:  # taken from the dataset at run time
         cfg.model.vocab_size = 8000
     check_config(cfg)
+
+
+def test_gpt2_small_translation_decoder_is_gpt2_smalls_stack():
+    """The worked example's fine-tuning config (docs/slurm.md) is warm-started from an exported
+    gpt2_small: its decoder stack agrees on every field the warm start checks."""
+    from launch.config import TrainConfig
+    from model.warm_start import architecture_fields
+
+    gpt = load_config(TrainConfig, ROOT / "configs" / "gpt2_small.yaml").model
+    seq2seq = load_config(TrainConfig, ROOT / "configs" / "gpt2_small_translation.yaml").model
+    gpt.vocab_size = seq2seq.vocab_size = 32000  # both taken from the dataset at run time
+    decoder = seq2seq.for_stack("decoder")
+    assert {name: getattr(decoder, name) for name in architecture_fields("decoder")} == \
+        {name: getattr(gpt, name) for name in architecture_fields("decoder")}

@@ -116,7 +116,7 @@ def test_the_jit_cache_is_keyed_by_the_cpu_type():
 
     env = {}
     folder = use_cpu_keyed_jit_cache(env, CPUINFO)
-    assert folder == env["TORCH_EXTENSIONS_DIR"] and folder.endswith(f"_cpu-{key}")
+    assert folder == env["TORCH_EXTENSIONS_DIR"] and folder.endswith(f"_{key}")
     assert use_cpu_keyed_jit_cache(env, CPUINFO) == folder  # idempotent: not nested twice
     assert use_cpu_keyed_jit_cache({"TORCH_EXTENSIONS_DIR": "/shared/ext"}, CPUINFO) == f"/shared/ext/{os.path.basename(folder)}"
     other = use_cpu_keyed_jit_cache({}, CPUINFO.replace(" amx_tile", ""))
@@ -143,4 +143,4 @@ def test_cpu_adam_builds_into_this_cpus_folder(monkeypatch, tmp_path):
     key = cpu_key(open("/proc/cpuinfo").read())
     (build_dir,) = seen
     assert os.path.dirname(os.path.dirname(build_dir)) == str(tmp_path)
-    assert os.path.basename(os.path.dirname(build_dir)).endswith(f"_cpu-{key}")
+    assert os.path.basename(os.path.dirname(build_dir)).endswith(f"_{key}")

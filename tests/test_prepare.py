@@ -494,7 +494,7 @@ def run_web_example(cwd, *overrides):
 
 def test_the_web_example_config_prepares_small_generated_files(tmp_path):
     """configs/prepare_web_example.yaml as written (seq_len 1024, its tokenizer and filters), on
-    small files in its layout; only the Ray workers (this machine's 2) and the buckets (256
+    small files in its layout; only the Ray workers (this machine's 2) and the buckets (64
     would each drop a tail of up to 1023 tokens, all of this corpus) are changed."""
     write_web_corpus(tmp_path)
     run = run_web_example(tmp_path, "ray.num_workers=2", "shard.buckets=4")
