@@ -12,7 +12,9 @@ interrupted run never leaves a directory that looks prepared, and an existing da
 replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM)
 removes its staging directory (`keep_partial=true` keeps it to debug) and stops the local
 Ray it started. `OUTPUT_DIR.lock` (`pipeline.lock`) is held for the whole run, so a second
-prepare of the same output fails at once, naming the first.
+prepare of the same output fails at once, naming the first. Before it takes the lock, prepare
+says how much scratch space the scan's bucket files need (`scratch_need`) and stops in one line
+if the output's file system has less free.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def prepare(cfg: PrepareConfig) -> dict:
     with dir_lock(output, what="prepare", lock_file=output.with_name(output.name + LOCK_SUFFIX)):
         staging = _staging_dir(output, cfg.overwrite)
         try:
-            log(f"prepare: {sum(map(len, files))} files in {len(units)} units -> {output} ({cfg.ray.num_workers} Ray workers)")
+            streamed = sum(unit.stream for unit in units)
+            log(f"prepare: {sum(map(len, files))} files in {len(units)} units"
+                + (f" ({streamed} compressed, to be cut into chunks as they are read)" if streamed else "")
+                + f" -> {output} ({cfg.ray.num_workers} Ray workers)")
             manifest = _build(cfg, files, units, given_model, staging, started, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)

@@ -566,3 +566,30 @@ def test_prepare_refuses_in_one_line_when_the_scratch_space_is_short(tmp_path):
     assert line.startswith(f"error: {out}.partial/_work needs about ") and f"but {tmp_path} has " in line
     assert "free" in line and not out.exists() and not (tmp_path / "out.partial").exists()
     assert not (tmp_path / "out.lock").exists()
+
+
+def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, monkeypatch):
+    """Monolingual web text goes to the packed buckets only; the pairs to the packed buckets (both
+    sides) and the translation buckets; a .zst counts at its declared decompressed size, a .gz
+    at its trailer's."""
+    import gzip
+
+    import zstandard
+
+    from pipeline.config import PrepareConfig
+    from pipeline.configure import load_config
+    from pipeline.prepare import _size, scratch_need
+    from pipeline.sources import expand_paths, source_list
+
+    write_web_corpus(tmp_path, n_docs=200, n_pairs=100)
+    docs, pairs = tmp_path / "data/web/docs/part-0.jsonl.zst", tmp_path / "data/web/pairs/en-de.tsv.gz"
+    web_bytes = len(zstandard.ZstdDecompressor().decompress(docs.read_bytes()))
+    pair_bytes = len(gzip.decompress(pairs.read_bytes()))
+    monkeypatch.chdir(tmp_path)  # the example's paths are relative
+    for tasks, expected, twice in (("[causal_lm, mlm, translation]", web_bytes + 2 * pair_bytes, True),
+                                   ("[causal_lm]", web_bytes + pair_bytes, False), ("[translation]", pair_bytes, False)):
+        cfg = load_config(PrepareConfig, WEB_EXAMPLE, [f"tasks={tasks}"])
+        need, why = scratch_need(cfg, [expand_paths(source) for source in source_list(cfg)])
+        assert need == expected, tasks
+        assert why == f"{_size(web_bytes + pair_bytes)} of decompressed input" + (
+            ", pairs twice: as texts and as pairs" if twice else "")
