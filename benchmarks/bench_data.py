@@ -205,6 +205,12 @@ def stage_timer(timings: dict):
         # The tasks report their worker's peak RSS (the process's maximum so far); kept aside, not a stage time.
         flat = [r for result in results for r in (result if isinstance(result, list) else [result])]
         timings.setdefault("_rss", {})[desc] = max((r.get("peak_rss_mb", 0.0) for r in flat), default=0.0)
+        # CPU seconds of the stage's tasks, per worker process: the busiest worker's is the stage's
+        # length on a machine where nothing else runs.
+        per_worker: Counter = Counter()
+        for r in flat:
+            per_worker[r.get("worker_pid", 0)] += r.get("task_cpu_s", 0.0)
+        timings.setdefault("_cpu", {})[desc] = dict(per_worker)
         return results
 
     # prepare() imports these names from the module at call time, so patching the module suffices.
@@ -497,6 +503,16 @@ def big_file_table(result: dict, repeats: int) -> str:
     digests = [r["digests"] for runs in result["runs"].values() for r in runs]
     lines.append(f"(target: 2 workers >= 1.7x one over scan + encode; shards of every run identical: "
                  f"{'yes' if all(d == digests[0] for d in digests) else 'NO'})")
+    # The same stages in CPU seconds of the tasks: what each worker did, whatever else ran on the machine.
+    lines += ["", "| Ray workers | scan: task CPU s per worker | encode: task CPU s per worker | "
+              "busiest worker, scan + encode | speed-up by busiest worker's CPU s |", "|---:|---:|---:|---:|---:|"]
+    busiest = {}
+    for workers, runs in result["runs"].items():
+        cpu = runs[0]["timings"]["_cpu"]
+        busiest[workers] = max(cpu["scan"].values()) + max(cpu["encode"].values())
+        lines.append(f"| {workers} | {', '.join(f'{v:.1f}' for v in sorted(cpu['scan'].values(), reverse=True))} | "
+                     f"{', '.join(f'{v:.1f}' for v in sorted(cpu['encode'].values(), reverse=True))} | "
+                     f"{busiest[workers]:.1f} | {busiest[1] / busiest[workers]:.2f}x |")
     return "\n".join(lines)
 
 

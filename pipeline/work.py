@@ -32,6 +32,7 @@ Nothing here imports Ray; `pipeline.ray_runner` runs these functions as tasks.
 from __future__ import annotations
 
 import hashlib
+import os
 import resource
 import time
 from collections import Counter
@@ -123,6 +124,7 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
     task costs tens of milliseconds of scheduling. Each unit keeps its own bucket files, so the
     output does not depend on how units are batched."""
     reset_peak_rss()
+    cpu = time.process_time()
     results = []
     samples: dict[int, BottomKSample] = {}
     for unit_index, unit in batch:
@@ -137,6 +139,15 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
         results[position]["sample"] = samples[source].items()
     for result in results:
         result["peak_rss_mb"] = peak_rss_mb()
+    return _cpu_noted(results, cpu)
+
+
+def _cpu_noted(results: list[dict], cpu_started: float) -> list[dict]:
+    """The task's CPU seconds on its first result, and the worker's pid on each: for benchmarks,
+    which add them up per worker (a figure that machine load does not change), not the manifest."""
+    for position, result in enumerate(results):
+        result["task_cpu_s"] = time.process_time() - cpu_started if position == 0 else 0.0
+        result["worker_pid"] = os.getpid()
     return results
 
 
@@ -338,8 +349,9 @@ def encode_splits(dataset: str, bucket: int, unit_sources: list[int], work_dir: 
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
     rather than three, since valid and test buckets are small and a task costs milliseconds."""
     reset_peak_rss()
-    return [encode_bucket(dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg)
-            for split in SPLITS]
+    cpu = time.process_time()
+    return _cpu_noted([encode_bucket(dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg)
+                       for split in SPLITS], cpu)
 
 
 class _Packer:
