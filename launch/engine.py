@@ -182,7 +182,8 @@ def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = N
     by a cluster's node types would otherwise hand an op built on one to another, which dies of
     an illegal instruction. The folder is `{py}_{accelerator}_{cpu_key}` under the user's
     TORCH_EXTENSIONS_DIR or torch's default root (whose own `{py}_{accelerator}` folder a set
-    TORCH_EXTENSIONS_DIR replaces). Idempotent; returns the folder."""
+    TORCH_EXTENSIONS_DIR replaces). Idempotent; returns the folder. Why not a portable build:
+    docs/design.md#jit-built-ops-per-cpu-type."""
     from torch.utils.cpp_extension import get_default_build_root
 
     environ = os.environ if environ is None else environ

@@ -17,7 +17,7 @@ Any file ending in `.gz` or `.zst` is read decompressed, as a stream: a compress
 be entered mid-file. One larger than a work unit (text by lines, jsonl, tsv) is marked `stream`:
 the driver decompresses it once and hands its lines out in chunks of about `unit_bytes`, cut
 at newlines (`stream_chunks`), each chunk a unit of its own, so that Ray tasks scan it in
-parallel (docs/design.md, "Large compressed files"). A parquet file is read with pyarrow one
+parallel (docs/design.md#large-compressed-files). A parquet file is read with pyarrow one
 row group at a time, only the text (and target) columns, in record batches, so a file larger
 than memory works; its work units are runs of row groups of about `chunk_bytes`.
 
