@@ -316,11 +316,14 @@ ASSUMED_RATIO = 5  # decompressed / compressed size of a .zst whose header does 
 
 
 def decompressed_size(path: str) -> int:
-    """About how many bytes `path` holds decompressed, without decompressing it: a .zst's first
-    frame header (when it declares the size, as `zstd FILE` writes it; else ASSUMED_RATIO x
-    its size), a .gz's trailer (ISIZE, the size modulo 2**32 of its last member, lifted to at
-    least the compressed size), any other file's size. For the scratch-space estimate."""
+    """About how many bytes `path` holds decompressed, without decompressing it, for the
+    scratch-space estimate: a .zst's first frame header (the whole file's size when it is one
+    frame, as `zstd FILE` writes it), a .gz's trailer (ISIZE: the size modulo 2**32 of its last
+    member), any other file's size. A size the file does not declare, or one smaller than the
+    compressed file (several frames or members, or a .gz over 4 GiB whose ISIZE wrapped), is
+    taken as ASSUMED_RATIO x the compressed size."""
     size = os.path.getsize(path)
+    declared = -1
     if path.endswith(".zst"):
         import zstandard
 
@@ -329,15 +332,14 @@ def decompressed_size(path: str) -> int:
         try:
             declared = zstandard.frame_content_size(head)
         except zstandard.ZstdError:
-            declared = -1
-        return max(declared, size) if declared >= 0 else ASSUMED_RATIO * size
-    if path.endswith(".gz") and size >= 18:
+            pass
+    elif path.endswith(".gz") and size >= 18:
         with open(path, "rb") as fh:
             fh.seek(-4, os.SEEK_END)
-            (isize,) = struct.unpack("<I", fh.read(4))
-        wraps = -(-(size - isize) // (1 << 32)) if isize < size else 0  # text never shrinks when decompressed
-        return isize + wraps * (1 << 32)
-    return size
+            (declared,) = struct.unpack("<I", fh.read(4))
+    else:
+        return size
+    return declared if declared >= size else ASSUMED_RATIO * size
 
 
 def stream_chunks(unit: Unit, chunk_bytes: int) -> Iterator[Unit]:

@@ -433,6 +433,9 @@ def test_decompressed_size_from_zstd_header_gzip_trailer_or_assumed(tmp_path):
     assert decompressed_size(str(tmp_path / "a.txt.gz")) == len(data)
     assert decompressed_size(str(tmp_path / "a.txt.zst")) == len(data)
     assert decompressed_size(str(tmp_path / "s.txt.zst")) == ASSUMED_RATIO * (tmp_path / "s.txt.zst").stat().st_size
+    # Two gzip members: the trailer gives the last one's size, less than the file's: assumed.
+    (tmp_path / "m.txt.gz").write_bytes(gzip.compress(data) + gzip.compress(b"tail\n"))
+    assert decompressed_size(str(tmp_path / "m.txt.gz")) == ASSUMED_RATIO * (tmp_path / "m.txt.gz").stat().st_size
 
 
 def prepare_cfg(*overrides):
