@@ -518,6 +518,7 @@ def test_the_web_example_config_prepares_small_generated_files(tmp_path):
     assert manifest["tokenizer"]["trained"] and 400 < manifest["tokenizer"]["vocab_size"] < 32000
 
 
+@pytest.mark.slow
 def test_a_large_compressed_file_is_scanned_in_chunks_with_the_same_shards_for_1_2_3_workers(tmp_path):
     """A jsonl.zst and a tsv.gz each larger than `unit_bytes` are cut by the driver into chunks
     that Ray tasks scan in parallel; the shards and the tokenizer are byte for byte those of
