@@ -157,7 +157,7 @@ def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: 
 def prepare_config(data_dir: Path, output_dir: Path, num_workers: int, fixed_tokenizer: bool,
                    source_paths: list[str] | None):
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     overrides = [f"output_dir={output_dir}", "overwrite=true", "progress=false", f"ray.num_workers={num_workers}"]
     if fixed_tokenizer:

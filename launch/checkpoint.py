@@ -40,8 +40,8 @@ from typing import Callable, NamedTuple, Sequence
 
 from omegaconf import OmegaConf
 
-from pipeline.configure import UserError
-from pipeline.format import file_sha256
+from common.configure import UserError
+from common.hashing import file_sha256
 
 POINTER = "latest"
 UNIVERSAL_SUFFIX = ".universal"

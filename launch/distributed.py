@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.configure import UserError, run_main
+from common.configure import UserError, run_main
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,9 @@ from launch.decoding import (
     translate_ids,
 )
 from pipeline import remote
-from pipeline.configure import UserError, parse_cli, strip_launcher_args
-from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
+from common.configure import UserError, parse_cli, strip_launcher_args
+from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
+from common.hashing import file_sha256
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline import remote
 from pipeline.collate import MLMMasking, pack, unpack
 from pipeline.config import LoaderConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import MANIFEST, SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
 from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields, sample_sizes
 

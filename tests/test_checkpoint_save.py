@@ -73,7 +73,7 @@ def parameters(data: Path) -> int:
 
     from launch.config import TrainConfig
     from model import build_model
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.format import read_manifest
     from test_train import TINY
 

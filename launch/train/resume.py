@@ -20,7 +20,7 @@ from launch.engine import Engine, checkpoint_size
 from launch.tracking import read_metrics_rows
 from launch.train.state import Data, Progress, Run, tokens_by_source
 from model.config import TRAINING_ONLY_FIELDS
-from pipeline.configure import UserError, config_to_dict, show
+from common.configure import UserError, config_to_dict, show
 
 
 def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
