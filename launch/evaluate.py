@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from launch import distributed as dist
+from launch import launcher
 from launch.config import EvaluateConfig
 from launch.preconditions import check_writable_dir
 from launch.decoding import (
@@ -235,5 +236,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    dist.die_with_parent()
+    launcher.die_with_parent()
     dist.run_rank(main)  # ends with os._exit: see run_rank

@@ -56,7 +56,7 @@ from pipeline import remote
 from common.configure import UserError, config_from_dict, load_config, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, ManifestError, read_manifest, shard_entries
 from common.hashing import file_sha256
-from pipeline.loader import DEFAULT_SOURCE
+from pipeline.epoch import DEFAULT_SOURCE
 
 USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
    or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from launch.distributed import launcher_kind, port_in_use
+from launch.distributed import port_in_use
+from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
 from common.configure import UserError
@@ -114,7 +115,7 @@ import os, signal, sys, time
 sys.path.insert(0, {root!r})
 # SIG_IGN is what nohup leaves to the program it starts; the default, whatever ran the tests.
 signal.signal(signal.SIGHUP, signal.SIG_IGN if {NOHUP} else signal.SIG_DFL)
-from launch.distributed import die_with_parent
+from launch.launcher import die_with_parent
 kind = die_with_parent(interval_s={INTERVAL})
 open(sys.argv[1] + ".partial", "w").write(f"{{os.getpid()}} {{kind}}")
 os.replace(sys.argv[1] + ".partial", sys.argv[1])

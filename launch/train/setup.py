@@ -31,7 +31,8 @@ from model import ModelConfig, Pretrained, build_model, warm_start
 from pipeline import remote
 from common.configure import UserError, config_to_dict, save_config
 from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
-from pipeline.loader import ShardLoader, describe_mixture
+from pipeline.epoch import describe_mixture
+from pipeline.loader import ShardLoader
 
 
 def setup(cfg: TrainConfig) -> Run:
