@@ -169,7 +169,7 @@ def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: 
 def prepare_config(data_dir: Path, output_dir: Path, num_workers: int, fixed_tokenizer: bool,
                    source_paths: list[str] | None):
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     overrides = [f"output_dir={output_dir}", "overwrite=true", "progress=false", f"ray.num_workers={num_workers}"]
     if fixed_tokenizer:
@@ -447,7 +447,7 @@ def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
 
 def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path) -> dict:
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.sources import Unit, read_unit, source_list
     from pipeline.tokenizer import train_tokenizer
 

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     import launch.distributed as dist
     from launch.config import TrainConfig
     from launch.metrics import measure_gemm_flops, peak_flops, set_fp32_matmul
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     cuda = torch.cuda.is_available()
     tiny = args.tiny or not cuda

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from launch.train.setup import compile_model
     from model import build_model, hf
     from model.loss import IGNORE_INDEX
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.loader import ShardLoader
 
     overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]

@@ -102,7 +102,7 @@ DIFFERENCES = (
 def resolve_config(args: argparse.Namespace):
     """CONFIG with the bench's keys and the user's overrides; the vocabulary from the dataset."""
     from launch.config import TrainConfig, check_config
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     cfg = load_config(TrainConfig, args.config, [f"data.data_dir={args.data}", f"max_steps={args.steps}", *args.overrides])
     check_config(cfg)
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
               f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
         return 2
     from launch.config import batch_plan
-    from pipeline.configure import UserError
+    from common.configure import UserError
 
     try:
         cfg = resolve_config(args)

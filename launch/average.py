@@ -12,7 +12,7 @@ warm starts read unchanged. Exports store fp32, so the mean is stored as compute
 A command of its own rather than an option of `launch.export`: export takes one checkpoint
 (a run, a checkpoints/ or a step_* directory), averaging takes a run and a count, and the
 two share every step after the weights are read. The grammar is the project's one
-(`pipeline.configure.parse_cli`: key=value, an optional YAML first), so `last=5`, not `--last 5`.
+(`common.configure.parse_cli`: key=value, an optional YAML first), so `last=5`, not `--last 5`.
 Keep `checkpoint.keep_last` >= N (and `checkpoint.every_steps` set) in the training run, or
 there are not N checkpoints to average.
 
@@ -31,7 +31,7 @@ import torch
 from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
 from launch.export import read_json, read_run_checkpoint, save_model_dir
-from pipeline.configure import UserError, parse_cli, run_main
+from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR

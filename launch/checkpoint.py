@@ -20,15 +20,11 @@ supplies the all-gather), so that all ranks skip the same ones; export refuses a
 Checkpoints written before integrity.json existed are trusted with a warning, once their torch
 files open as whole archives (`check_archives`).
 
-A save that its file system cannot hold is refused beforehand (`short_of_space`), or, when a
-rank's write fails, reported once the ranks have gathered each one's `WriteFailure`
-(`save_failed`): one line naming the file system, what the save needs and what was free.
+A save that its file system cannot hold: `launch.train.space`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import re
@@ -36,12 +32,12 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
-from pipeline.configure import UserError
-from pipeline.format import file_sha256
+from common.configure import UserError
+from common.hashing import file_sha256
 
 POINTER = "latest"
 UNIVERSAL_SUFFIX = ".universal"
@@ -180,85 +176,6 @@ def _rank_files(directory: Path) -> list[re.Match]:
     if not directory.is_dir():
         return []
     return [m for m in (_RANK_FILE.match(p.name) for p in directory.iterdir()) if m]
-
-
-# ----------------------------------------------------------------------------- a save the file system cannot hold
-
-
-class WriteFailure(NamedTuple):
-    """An OSError of one rank's step of a save, as the ranks gather it (`save_failed` says it)."""
-
-    rank: int
-    doing: str  # "writing", "hashing"
-    errno: int | None
-    strerror: str
-    filename: str | None
-
-
-def free_space(path: str | Path) -> int:
-    """Bytes free to this user on the file system that holds `path` (or would: its nearest existing ancestor)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def file_system(path: str | Path) -> str:
-    """The file system that holds `path`, for a message: "TYPE on MOUNT_POINT" (the mount point
-    alone where /proc/self/mounts does not say)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    mount = path.resolve()
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    kind = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            # The last mount on a directory is the one seen; octal escapes (\040) stand for spaces and the like.
-            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
-                kind = fields[2]
-    return f"{kind} on {mount}" if kind else str(mount)
-
-
-def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -> str | None:
-    """The line refusing to save checkpoint `root/tag` where its file system has `free` bytes and
-    the save needs about `need` (`how`: how that is counted); None where it fits."""
-    if free >= need:
-        return None
-    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
-            f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}")
-
-
-def save_failed(root: str | Path, tag: str, failure: WriteFailure, need: int, how: str, free: int | None) -> str:
-    """The line for a save of checkpoint `root/tag` that `failure` ended, once what it wrote is
-    removed: which file system, full or not, the rank and file, what the save needs and what
-    was free before it."""
-    root = Path(root)
-    said = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota"}.get(failure.errno, "failed")
-    name = failure.filename or "?"
-    for base in (root / tag, root):
-        with contextlib.suppress(ValueError):
-            name = Path(name).relative_to(base).as_posix()
-            break
-    was_free = f" and {_size(free)} was free before it" if free is not None else ""
-    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
-            f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
-            f"{was_free}; the partial {tag} is removed and {_still_latest(root)}")
-
-
-def _still_latest(root: Path) -> str:
-    latest = latest_tag(root)
-    kept = f"{Path(root) / POINTER} still names {latest}" if latest else "no checkpoint of this run is complete yet"
-    return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n / 2**10:,.0f} KiB"
 
 
 # ----------------------------------------------------------------------------- resume from an intact checkpoint

@@ -15,7 +15,7 @@ from omegaconf import MISSING
 from launch.tasks import TASKS, Task
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
@@ -226,7 +226,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
 
 # The schemas of the other launch entry points. Each takes `[CONFIG.yaml] [key.sub=value ...]`
-# (`pipeline.configure.parse_cli`) except the main job, which, like training, takes a YAML;
+# (`common.configure.parse_cli`) except the main job, which, like training, takes a YAML;
 # a field set to MISSING has no default and must be given.
 
 

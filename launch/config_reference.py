@@ -2,7 +2,7 @@
 
 One table per entry point lists every leaf key of its schema (nested dataclasses as dotted keys),
 its type, its default and its description: the comment written with the field, either `#` lines
-directly above it or a trailing `# ...` (read by `pipeline.configure.field_comments`, which every
+directly above it or a trailing `# ...` (read by `common.configure.field_comments`, which every
 entry point's `--help` uses too). docs/configuration.md keeps the generated text between two
 markers; `tests/test_config_reference.py` fails when it goes stale.
 
@@ -25,7 +25,7 @@ from omegaconf import MISSING
 
 from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
 from pipeline.config import PrepareConfig
-from pipeline.configure import leaf_rows, show
+from common.configure import leaf_rows, show
 from pipeline.validate import ValidateConfig
 
 BEGIN = "<!-- config-reference:begin -->"

@@ -22,8 +22,9 @@ import torch
 from launch.config import TrainConfig
 from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_model_config, read_run_checkpoint
 from model import ModelConfig, Seq2Seq, build_model
-from pipeline.configure import UserError, load_config
-from pipeline.format import EOS_ID, PAD_ID, file_sha256
+from common.configure import UserError, load_config
+from pipeline.format import EOS_ID, PAD_ID
+from common.hashing import file_sha256
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ import torch
 from launch.checkpoint import (INTEGRITY, UNIVERSAL_INFO, is_universal, is_zero_partitioned, require_intact,
                                universal_tag_for, verify, write_integrity)
 from launch.config import BatchPlan, TrainConfig
-from pipeline.configure import UserError
-from pipeline.format import file_sha256
+from common.configure import UserError
+from common.hashing import file_sha256
 
 
 def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool = False) -> dict:

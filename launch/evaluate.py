@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from launch import distributed as dist
+from launch import launcher
 from launch.config import EvaluateConfig
 from launch.preconditions import check_writable_dir
 from launch.decoding import (
@@ -52,8 +53,9 @@ from launch.decoding import (
     translate_ids,
 )
 from pipeline import remote
-from pipeline.configure import UserError, parse_cli, strip_launcher_args
-from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
+from common.configure import UserError, parse_cli, strip_launcher_args
+from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
+from common.hashing import file_sha256
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
@@ -234,5 +236,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    dist.die_with_parent()
+    launcher.die_with_parent()
     dist.run_rank(main)  # ends with os._exit: see run_rank

@@ -30,8 +30,8 @@ import torch
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from pipeline.configure import UserError, config_from_dict, load_config, parse_cli, run_main
-from pipeline.format import file_sha256
+from common.configure import UserError, config_from_dict, load_config, parse_cli, run_main
+from common.hashing import file_sha256
 from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR

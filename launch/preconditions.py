@@ -24,7 +24,7 @@ from launch.tasks import TASKS
 from model import ModelConfig
 from pipeline import remote
 from pipeline.collate import pack, unpack
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
 from pipeline.shards import Shard, ShardError, read_shard, stored_fields
 

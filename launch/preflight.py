@@ -15,7 +15,7 @@ listed too but do not fail the run.
 A warm-start source (`init.encoder`, `init.decoder`) is an exported directory; before it
 exists, the training config that will produce it (a YAML) stands in: its model is checked
 against the stack it would fill, with a warning that the run itself needs the export. The main
-job's `--dry-run` (`launch.main_preflight`) checks a chain whose dataset is not prepared yet
+job's `--dry-run` (`launch.main.preflight`) checks a chain whose dataset is not prepared yet
 against what its prepare config will make (`PlannedData`).
 
     python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
@@ -53,9 +53,10 @@ from model.config import GATED_ACTIVATIONS, STACKS
 from model.loss import chunk_peak_bytes
 from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
-from pipeline.configure import UserError, config_from_dict, load_config, parse_cli, run_main, strip_launcher_args
-from pipeline.format import TOKENIZER_FILE, ManifestError, file_sha256, read_manifest, shard_entries
-from pipeline.loader import DEFAULT_SOURCE
+from common.configure import UserError, config_from_dict, load_config, parse_cli, run_main, strip_launcher_args
+from pipeline.format import TOKENIZER_FILE, ManifestError, read_manifest, shard_entries
+from common.hashing import file_sha256
+from pipeline.epoch import DEFAULT_SOURCE
 
 USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
    or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]

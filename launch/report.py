@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from launch.config import ReportConfig  # noqa: E402
 from launch.tracking import read_metrics_rows  # noqa: E402
-from pipeline.configure import UserError, parse_cli, run_main  # noqa: E402
+from common.configure import UserError, parse_cli, run_main  # noqa: E402
 
 USAGE = """usage: python -m launch.report [CONFIG.yaml] out=OUT.png runs=[RUN_DIR,...]
 

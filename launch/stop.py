@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch import distributed as dist
+from launch import launcher
 
 STOP_FILE = "STOP"  # touched by slurm/*.sbatch on SLURM's warning signal
 PREEMPTED_FILE = "preempted.json"  # left for the batch script: requeue me
@@ -47,7 +47,7 @@ def install(run_dir: str | Path) -> None:
     for signum in SIGNALS:
         signal.signal(signum, _on_signal)
     threading.Thread(target=_watch_stop_file, args=(Path(run_dir),), name="stop-file", daemon=True).start()
-    dist.stop_with_launcher(signal.SIGUSR1)
+    launcher.stop_with_launcher(signal.SIGUSR1)
 
 
 def requested() -> bool:

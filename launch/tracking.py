@@ -65,7 +65,7 @@ def resolve_wandb(cfg, env=None) -> dict:
             resolved[key] = (default, "default")
     mode, source = resolved["mode"]
     if mode not in WANDB_MODES:
-        from pipeline.configure import UserError
+        from common.configure import UserError
 
         raise UserError(f"{source}={mode}: W&B's mode is one of online, offline or disabled")
     resolved["mode"] = (WANDB_MODES[mode], source)

@@ -29,7 +29,7 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
-from pipeline.configure import UserError, parse_cli, run_main
+from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 

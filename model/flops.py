@@ -24,7 +24,7 @@ def _kv_dim(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """All weights that take part in matmuls (N of 6N for GPT and BERT); see the module doc."""
+    """All weights that take part in matmuls (N of 6N for GPT and BERT); see docs/design.md#modelflopspy."""
     head = cfg.d_model * cfg.vocab_size
     if cfg.arch == "gpt":
         return cfg.n_layers * _block_params(cfg) + head
@@ -61,7 +61,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> float:
 
 def llmc_flops_per_token(cfg: ModelConfig, n_parameters: int, seq_len: int) -> float:
     """llm.c's training FLOPs per token of a T-token sequence: 6 N + 6 L d T, N all parameters
-    (see the module doc); NaN for Seq2Seq, which it does not cover."""
+    (docs/design.md#modelflopspy); NaN for Seq2Seq, which it does not cover."""
     if cfg.arch == "seq2seq":
         return float("nan")
     return 6.0 * n_parameters + 6.0 * cfg.n_layers * cfg.d_model * seq_len

@@ -87,7 +87,7 @@ def _require(cfg: ModelConfig, reference: str, **wanted) -> None:
 
 
 def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
-    """GPT-2's and BERT's conventions (module doc)."""
+    """GPT-2's and BERT's conventions (the module docstring)."""
     _require(cfg, arch, arch=arch, norm_position=norm_position, positions="learned", norm="layernorm", bias=True,
              tie_embeddings=True)
     if cfg.kv_heads != cfg.n_heads:

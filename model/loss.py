@@ -34,7 +34,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) 
 
 
 def rows_per_chunk(vocab_size: int, device: torch.device | str) -> int:
-    """Rows per chunk of `linear_cross_entropy` on `device` (see the module docstring)."""
+    """Rows per chunk of `linear_cross_entropy` on `device` (docs/design.md#modellosspy)."""
     if torch.device(device).type == "cpu":
         return max(64, CHUNK_ELEMENTS // vocab_size)
     return max(128, GPU_CHUNK_BYTES // (4 * vocab_size) // 128 * 128)

@@ -135,7 +135,7 @@ def warm_start(
     origins: Dict[str, TensorOrigin] = {}
     target = model.state_dict(keep_vars=True)
     target_aliases = _tied_aliases(model)
-    # share_embeddings: the side whose token matrix becomes the shared one (module doc).
+    # share_embeddings: the side whose token matrix becomes the shared one (docs/design.md#modelwarm_startpy).
     shared_side = (("decoder" if decoder is not None else "encoder" if encoder is not None else None)
                    if cfg.share_embeddings else None)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Configuration schema of the data pipeline: sources, tokenizer, shards, Ray and the loader.
 
 `configs/*.yaml` are instances of `PrepareConfig`; `LoaderConfig` is embedded by the
-trainer's config. See `pipeline.configure` for how YAML and overrides are merged.
+trainer's config. See `common.configure` for how YAML and overrides are merged.
 """
 
 from __future__ import annotations

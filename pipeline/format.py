@@ -55,7 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.configure import UserError
+from common.configure import UserError
+from pipeline import remote
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -110,21 +111,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
     """The manifest of a prepared dataset, in a directory or at a URL (`pipeline.remote`, fetched
     with the `fetch` settings, never cached); one clear line naming the file if it is missing,
     unreachable, unreadable, or lacks what every reader relies on (the tokenizer's identity and
     size, the datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
-    from pipeline import remote
-
     if remote.is_url(data_dir):
         path = remote.join(data_dir, MANIFEST)
         try:

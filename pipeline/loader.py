@@ -9,46 +9,29 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline import remote
-from pipeline.collate import MLMMasking, pack, unpack
+from pipeline.collate import MLMMasking, unpack
 from pipeline.config import LoaderConfig
-from pipeline.configure import UserError
-from pipeline.format import MANIFEST, SPECIAL_TOKENS, is_token_field, read_manifest, shard_entries
-from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_fields, sample_sizes
+from common.configure import UserError
+from pipeline.epoch import (_FILLER, DEFAULT_SOURCE, _EpochBatches, _epoch_batches, _rng, _shares, _sources,
+                            describe_mixture)
+from pipeline.format import MANIFEST, SPECIAL_TOKENS, read_manifest, shard_entries
+from pipeline.shards import Shard, sample_fields
 
 log = logging.getLogger(__name__)
 
 # 3: the order is cut in global batches, and the state counts samples (1 and 2 cut it by rank,
 # so their position cannot be carried over: such a run resumes with the code that wrote it).
 STATE_VERSION = 3
-
-# Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
-# must not be drawn from the same numbers even when their other key parts coincide.
-_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER, _MIXTURE, _LENGTH_GROUPS = 1, 2, 3, 4, 5, 6
-DEFAULT_SOURCE = "default"  # the source of shard records that name none (one-source datasets)
-
-
-@dataclass(frozen=True)
-class Source:
-    """One source's shards (manifest order) and what it gives each epoch of the stream."""
-
-    name: str
-    tag: int  # keeps its shard orders apart from the other sources' (a hash of the name)
-    shards: tuple[Shard, ...]
-    samples: int  # N_s, in its shards
-    per_epoch: int  # n_s: its samples in one epoch (N_s unmixed)
 
 
 class ShardLoader:
@@ -101,7 +84,7 @@ class ShardLoader:
         self.global_batch_size = micro_batch_size * grad_accum * world_size
         self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
         self.pin_memory = pin_memory
-        self._workers: DataLoader | None = None  # started at the first iteration, kept (see the module doc, 4)
+        self._workers: DataLoader | None = None  # started at the first iteration, kept (the loader design in docs/design.md, 4)
         self._cursor = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch) for the workers
         self._closing: torch.Tensor | None = None  # set by `close` for the workers: see `_worker_lifetime`
         self.vocab_size = int(tokenizer["vocab_size"])
@@ -127,7 +110,7 @@ class ShardLoader:
             # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
             "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
-        if length_grouping:  # the group size fixes which samples share a batch (module doc, 9)
+        if length_grouping:  # the group size fixes which samples share a batch (the loader design, 9)
             self._fingerprint["length_grouping"] = micro_batch_size
 
         total = sum(source.per_epoch for source in self.sources)
@@ -370,11 +353,6 @@ class ShardLoader:
         self.epoch, self._consumed = epoch, consumed
 
 
-def _epoch_batches(spec: dict, epoch: int, first_batch: int) -> _EpochBatches:
-    """A rank's batches first_batch.. of an epoch."""
-    return _EpochBatches(**spec, epoch=epoch, first_batch=first_batch)
-
-
 class _CursorBatches(IterableDataset):
     """What the persistent workers iterate: the batches of the epoch and first batch that the
     shared `cursor` holds when they (re)start."""
@@ -415,285 +393,7 @@ def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
     threading.Thread(target=leave, name="worker-lifetime", daemon=True).start()
 
 
-# A shard's place in the stream: (source, pass of that source, place in the pass's shard order).
-ShardKey = tuple[int, int, int]
-
-
-class _EpochBatches(IterableDataset):
-    """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
-    `pipeline.collate.unpack(task, packed)` in the main process makes the token batch.
-
-    Where a stream position's sample lies (see the module doc, 8): the position's source s and its
-    index i in that source's own endless stream of passes, pass q = i // N_s; pass q is the
-    source's shards in an order drawn from (seed, q[, source]), and each shard's samples in an
-    order drawn from (seed, q, shard). Unmixed, the one source is the whole dataset, i = epoch N +
-    position and q = epoch: the orders of the module doc, 1."""
-
-    def __init__(self, *, task: str, sources: tuple[Source, ...], mixed: bool, seed: int, epoch: int, rank: int,
-                 world_size: int, micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int,
-                 vocab_size: int, mlm_masking: MLMMasking | None, stored_fields: tuple[str, ...],
-                 fields: tuple[str, ...], document_mask: bool, length_grouping: bool = False):
-        self.task = task
-        self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask  # read, decoded
-        self.length_grouping = length_grouping
-        self.sources, self.mixed = sources, mixed
-        self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.num_batches, self.first_batch = num_batches, first_batch
-        self.vocab_size = vocab_size
-        self.mlm_masking = mlm_masking
-        self._passes: dict[tuple[int, int], tuple[list[Shard], np.ndarray]] = {}
-        self._layout: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = range(self.first_batch + worker, self.num_batches, workers)
-        # Remote shards: downloaded ahead, in the order this worker reads them from its first batch
-        # (computed lazily, by the prefetch thread); those before it are never fetched.
-        remote.prefetch(self.shard(key) for j in mine for key in self.locate(self.positions(j))[0])
-        reader = _Reader(self, mine)
-        for j in mine:
-            yield self.build(j, reader)
-
-    def positions(self, j: int) -> np.ndarray:
-        """The stream positions of this rank's batch j: slot a W + r of global batch j // A."""
-        step, round_ = divmod(j, self.grad_accum)
-        global_batch = self.micro_batch_size * self.grad_accum * self.world_size
-        first = step * global_batch + (round_ * self.world_size + self.rank) * self.micro_batch_size
-        return np.arange(first, first + self.micro_batch_size)
-
-    def source_pass(self, s: int, q: int) -> tuple[list[Shard], np.ndarray]:
-        """Source s's shards in the order of its pass q, and the pass index each one starts at."""
-        if (s, q) not in self._passes:
-            source = self.sources[s]
-            key = (self.seed, q, _SHARD_ORDER, source.tag) if self.mixed else (self.seed, q, _SHARD_ORDER)
-            shards = [source.shards[i] for i in _rng(*key).permutation(len(source.shards))]
-            starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
-            self._passes[(s, q)] = (shards, starts)
-        return self._passes[(s, q)]
-
-    def mixture_layout(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        """Mixed: each position's source, its index among that source's positions this epoch, and,
-        per source, its positions. The epoch holds n_s positions of source s, in an order drawn
-        from (seed, epoch): over an epoch the shares are exactly the weights' (to one sample)."""
-        if self._layout is None:
-            labels = np.repeat(np.arange(len(self.sources), dtype=np.int16), [s.per_epoch for s in self.sources])
-            labels = labels[_rng(self.seed, self.epoch, _MIXTURE).permutation(len(labels))]
-            where = [np.flatnonzero(labels == s) for s in range(len(self.sources))]
-            occurrence = np.empty(len(labels), dtype=np.int64)
-            for positions in where:
-                occurrence[positions] = np.arange(len(positions))
-            self._layout = (labels, occurrence, where)
-        return self._layout
-
-    def locate(self, positions: np.ndarray) -> tuple[list[ShardKey], list[int]]:
-        """Each position's shard, and the sample's place in that shard's (permuted) order."""
-        if self.mixed:
-            labels, occurrence, _ = self.mixture_layout()
-            sources = labels[positions].astype(np.int64)
-            per_epoch = np.array([s.per_epoch for s in self.sources], dtype=np.int64)
-            indices = self.epoch * per_epoch[sources] + occurrence[positions]
-        else:
-            sources = np.zeros(len(positions), dtype=np.int64)
-            indices = self.epoch * self.sources[0].samples + positions
-        sizes = np.array([s.samples for s in self.sources], dtype=np.int64)
-        passes, offsets = np.divmod(indices, sizes[sources])
-        orders = np.empty_like(offsets)
-        for s, q in {(int(s), int(q)) for s, q in zip(sources, passes)}:
-            chosen = (sources == s) & (passes == q)
-            starts = self.source_pass(s, q)[1]
-            orders[chosen] = np.searchsorted(starts, offsets[chosen], side="right") - 1
-            offsets[chosen] -= starts[orders[chosen]]
-        keys = list(zip(sources.tolist(), passes.tolist(), orders.tolist()))
-        return keys, offsets.tolist()
-
-    def shard(self, key: ShardKey) -> Shard:
-        return self.source_pass(key[0], key[1])[0][key[2]]
-
-    def shard_paths(self, j: int) -> set[str]:
-        """The shards batch j reads."""
-        return {self.shard(key).path for key in self.locate(self.positions(j))[0]}
-
-    def sample_keys(self, j: int) -> list[str]:
-        reader = _Reader(self, range(0))
-        return [f"{self.shard(key).path}#{int(reader.permutation(key)[offset])}"
-                for key, offset in zip(*self.locate(self.positions(j)))]
-
-    def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict[str, np.ndarray] | None, dict]:
-        reader = reader or _Reader(self, range(j, j + 1))
-        events = _new_events()
-        positions = self.positions(j)
-        keys, offsets = self.locate(positions)
-        reader.evict_before(keys)
-        samples = []
-        for key, offset in zip(keys, offsets):
-            members = reader.members(key, events)
-            if members is None:
-                return j, None, events
-            member = int(reader.permutation(key)[offset])
-            try:
-                # Each member serves one batch of this reader: let it go as soon as it is decoded.
-                samples.append(decode_sample(members.pop(member), self.fields, self.vocab_size))
-            except ValueError as err:
-                events["bad_samples"].append((self.shard(key).path, member, str(err)))
-                return j, None, events
-            events["samples_decoded"] += 1
-        tokens = events["tokens_by_source"]
-        for key, sample in zip(keys, samples):
-            name = self.sources[key[0]].name
-            tokens[name] = tokens.get(name, 0) + sum(
-                array.size for field_name, array in zip(self.fields, sample) if is_token_field(field_name))
-        return j, self._pack(positions, samples), events
-
-    def _pack(self, positions: np.ndarray, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
-        # MLM masks are drawn here, in the worker, one generator per sample seeded by its stream
-        # position: where they are drawn, and which rank or batch the sample lands in, do not matter.
-        generators = [_torch_generator(self.seed, self.epoch, p, _MLM_MASK) for p in positions.tolist()] \
-            if self.mlm_masking else None
-        return pack(self.task, samples, self.mlm_masking, generators, document_mask=self.document_mask)
-
-
-class _Reader:
-    """The raw samples one worker needs, read once per shard; shards behind the current batch are dropped."""
-
-    def __init__(self, epoch_batches: _EpochBatches, batches: range):
-        self.epoch_batches = epoch_batches
-        self.batches = batches
-        self.loaded: dict[ShardKey, dict[int, dict[str, bytes]] | None] = {}
-        self.permutations: dict[ShardKey, np.ndarray] = {}
-
-    def permutation(self, key: ShardKey) -> np.ndarray:
-        if key not in self.permutations:
-            e = self.epoch_batches
-            shard = e.shard(key)
-            order = _rng(e.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(shard.samples)
-            self.permutations[key] = self._grouped(key, order) if e.length_grouping else order
-        return self.permutations[key]
-
-    def _grouped(self, key: ShardKey, order: np.ndarray) -> np.ndarray:
-        """`order` sorted by sample size, cut into batch-aligned groups, groups shuffled (module doc, 9)."""
-        e = self.epoch_batches
-        shard = e.shard(key)
-        sizes = sample_sizes(shard, e.stored_fields)
-        if sizes is None:  # unreadable: `members` skips the shard, whatever its order
-            return order
-        b = e.micro_batch_size
-        # Unmixed, the shard's first sample is stream position `start` (its pass is the epoch).
-        head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % b
-        by_size = order[np.argsort(sizes[order], kind="stable")]
-        body = by_size[head:]
-        full = len(body) // b
-        groups = body[: full * b].reshape(full, b)[_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)]
-        return np.concatenate([by_size[:head], groups.ravel(), body[full * b:]])
-
-    def evict_before(self, keys: list[ShardKey]) -> None:
-        # Each source's samples are read forward through its passes, so nothing behind the first
-        # shard this batch reads of a source is needed again.
-        first: dict[int, tuple[int, int]] = {}
-        for source, pass_, order in keys:
-            first.setdefault(source, (pass_, order))
-        for stale in [k for k in self.loaded if k[0] in first and k[1:] < first[k[0]]]:
-            del self.loaded[stale]
-            self.permutations.pop(stale, None)
-
-    def wanted(self, key: ShardKey) -> set[int]:
-        e, batches = self.epoch_batches, self.batches
-        source_index, pass_, order = key
-        source = e.sources[source_index]
-        offsets = np.arange(e.shard(key).samples)
-        indices = pass_ * source.samples + e.source_pass(source_index, pass_)[1][order] + offsets
-        if e.mixed:  # index in the source's stream -> its position in this epoch, if it falls in it
-            within = indices - e.epoch * source.per_epoch
-            inside = (within >= 0) & (within < source.per_epoch)
-            offsets, positions = offsets[inside], e.mixture_layout()[2][source_index][within[inside]]
-        else:
-            positions = indices - e.epoch * source.samples
-        # Invert `_EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
-        step, slot = np.divmod(positions // e.micro_batch_size, e.grad_accum * e.world_size)
-        round_, rank = np.divmod(slot, e.world_size)
-        batch = step * e.grad_accum + round_
-        mine = (rank == e.rank) & (batch >= batches.start) & (batch < batches.stop)
-        mine &= (batch - batches.start) % batches.step == 0
-        return set(self.permutation(key)[offsets[mine]].tolist())
-
-    def members(self, key: ShardKey, events: dict) -> dict[int, dict[str, bytes]] | None:
-        if key not in self.loaded:
-            shard = self.epoch_batches.shard(key)
-            events["shard_opens"] += 1
-            try:
-                self.loaded[key] = read_shard(shard, self.epoch_batches.stored_fields, self.wanted(key))
-            except ShardError as err:
-                self.loaded[key] = None
-                events["skipped"].append((shard.path, str(err)))
-        return self.loaded[key]
-
-
-def _new_events() -> dict:
-    # Workers are other processes: what they notice travels to the main process with each batch.
-    return {"shard_opens": 0, "samples_decoded": 0, "skipped": [], "bad_samples": [], "tokens_by_source": {}}
-
-
-def _sources(by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str) -> tuple[Source, ...]:
-    """The sources an epoch draws from: unmixed, one holding every shard in manifest order;
-    mixed, the named ones, each with its share of the epoch (see `mixture_shares`)."""
-    if not mixture:
-        shards = tuple(sorted((shard for shards in by_source.values() for shard in shards), key=lambda s: s.index))
-        total = sum(shard.samples for shard in shards)
-        return (Source(DEFAULT_SOURCE if len(by_source) != 1 else next(iter(by_source)), 0, shards, total, total),)
-    unknown = [name for name in mixture if name not in by_source]
-    if unknown:
-        raise UserError(f"data.mixture: {where} has no source {unknown[0]!r}; its sources: {', '.join(sorted(by_source))}")
-    for name, weight in mixture.items():
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise UserError(f"data.mixture.{name}: a weight must be a positive number, got {weight!r}")
-    sizes = {name: sum(shard.samples for shard in by_source[name]) for name in mixture}
-    empty = [name for name, size in sizes.items() if size == 0]
-    if empty:
-        raise UserError(f"data.mixture: source {empty[0]!r} has no samples in {where}")
-    shares = mixture_shares(sizes, mixture)
-    return tuple(Source(name, _name_tag(name), tuple(by_source[name]), sizes[name], shares[name]) for name in mixture)
-
-
-def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
-    """Samples per epoch of each source: the epoch has as many samples as the sources together,
-    divided in proportion to the weights, rounded by largest remainder (ties to the earlier
-    name in `weights`), so the counts add up exactly."""
-    total, weight_sum = sum(sizes.values()), sum(weights.values())
-    exact = {name: total * weight / weight_sum for name, weight in weights.items()}
-    shares = {name: int(math.floor(value)) for name, value in exact.items()}
-    names = list(weights)
-    by_remainder = sorted(names, key=lambda name: (-(exact[name] - shares[name]), names.index(name)))
-    for name in by_remainder[: total - sum(shares.values())]:
-        shares[name] += 1
-    return shares
-
-
-def describe_mixture(sources: tuple[Source, ...]) -> str:
-    total = sum(source.per_epoch for source in sources)
-    return ", ".join(f"{s.name} {s.per_epoch / total:.3f} ({s.per_epoch} of {total} samples per epoch, "
-                     f"{s.per_epoch / s.samples:.2f} passes over its {s.samples})" for s in sources)
-
-
-def _shares(per_epoch: dict[str, int] | None) -> str:
-    if not per_epoch:
-        return "every source as it is (no mixture)"
-    total = sum(per_epoch.values())
-    return "{" + ", ".join(f"{name}: {count / total:.3f}" for name, count in per_epoch.items()) + "}"
-
-
-def _name_tag(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-
-
 def _as_is(item):
     return item
 
 
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([k % 2**64 for k in key])))
-
-
-def _torch_generator(*key: int) -> torch.Generator:
-    seed = int(np.random.SeedSequence([k % 2**64 for k in key]).generate_state(1, np.uint64)[0])
-    return torch.Generator().manual_seed(seed & (2**63 - 1))

@@ -1,28 +1,6 @@
 """Running text from roff man pages, for monolingual pretraining text (the `manpage` source format).
 
-A converter, not a formatter: it keeps the prose of a page written with the man(7) macros
-(groff_man(7)) as paragraphs of plain text and drops what is not prose: the title line,
-section headings, the SYNOPSIS section, no-fill blocks (`.nf`/`.fi`, `.EX`/`.EE`: code and
-examples), tables (`.TS`/`.TE`), equations and pictures, macro definitions and layout
-requests. It follows groff(7) for requests and escapes far enough for what Debian's pages
-use: comments (`.\\"`, `\\"`, `\\#`), line continuation, quoted macro arguments, the font
-macros (`.B`, `.BR`, ...: the text of their arguments), named glyphs (`\\(em`, `\\[u00E9]`,
-accented letters by composition), strings (`\\*(R`, `\\*[lq]` and those a page defines with
-`.ds`), `.tr`, and `.if`/`.ie`/`.el` with the conditions of a terminal (nroff) rendering, as
-`man` shows a page; pod2man's preamble, which defines its strings that way, renders as in a
-terminal. User macros (`.de`) are not run: a call does what the definition's `nf`/`fi` and
-paragraph requests say (so pod2man's `.Vb`/`.Ve` verbatim blocks are dropped like `.nf`).
-
-A paragraph ends at a paragraph macro (`.PP`, `.P`, `.LP`, `.TP`, `.TQ`, `.IP`, `.HP`),
-a heading, `.RS`/`.RE`, `.sp` or a blank line. The tag of `.TP` (its next line) and of `.IP`
-(its first argument) is a paragraph of its own: usually an option, too short to be kept.
-Paragraphs of fewer than `min_words` words are dropped and counted, and so are shell
-commands set as text (a paragraph that starts with the prompt `$ `). Pages written with the
-BSD mdoc macros (`.Dd`, `.Dt`, `.Sh`; about 70 of 20,000 on a Debian machine) are skipped
-and counted, as are `.so` redirect pages (a page that only includes another).
-
-Nothing here reads files or raises on bad input: unknown requests, macros and escapes are
-dropped.
+The design and its reasons: docs/design.md#pipelinemanpagepy.
 """
 
 from __future__ import annotations
@@ -100,7 +78,7 @@ def page_encoding(head: bytes) -> str:
 
 
 def man_paragraphs(text: str, min_words: int, stats: Counter) -> list[str]:
-    """The paragraphs of running text of one decoded page, each on one line; see the module docstring."""
+    """The paragraphs of running text of one decoded page, each on one line (docs/design.md#pipelinemanpagepy)."""
     page = _Page(min_words, stats)
     for line in _logical_lines(text):
         if page.mdoc:

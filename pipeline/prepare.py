@@ -11,7 +11,7 @@ Everything is built in `OUTPUT_DIR.partial` and moved into place only when compl
 interrupted run never leaves a directory that looks prepared, and an existing dataset is
 replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM)
 removes its staging directory (`keep_partial=true` keeps it to debug) and stops the local
-Ray it started. `OUTPUT_DIR.lock` (`pipeline.lock`) is held for the whole run, so a second
+Ray it started. `OUTPUT_DIR.lock` (`common.lock`) is held for the whole run, so a second
 prepare of the same output fails at once, naming the first. Before it takes the lock, prepare
 says how much scratch space the scan's bucket files need (`scratch_need`) and stops in one line
 if the output's file system has less free.
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.config import TASKS, PrepareConfig
-from pipeline.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
+from common.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
-from pipeline.lock import dir_lock
+from common.lock import dir_lock
 from pipeline.sources import (Unit, check_sources, check_usable, describe_skipped, expand_paths, is_parallel, plan_units,
                               decompressed_size, source_list, source_where, stream_chunks)
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from pipeline.configure import UserError
+from common.configure import UserError
 
 EVERY_ENV = "PROGRESS_EVERY_S"
 DEFAULT_EVERY_S = 30.0

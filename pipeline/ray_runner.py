@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sized
 
 from pipeline.config import RayConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.progress import meter
 
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.configure import UserError
+from common.configure import UserError
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _download(url: str, directory: Path, key: str, fetch: FetchConfig, size: int
             if size is not None and got != size:
                 raise FetchError(f"{got} bytes arrived, the manifest says {size}")
             if sha256 is not None:
-                from pipeline.format import file_sha256
+                from common.hashing import file_sha256
 
                 if (actual := file_sha256(partial)) != sha256:
                     raise FetchError(f"sha256 {actual[:12]}... differs from the manifest's {sha256[:12]}...")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipeline import remote
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import DATASET_FOR_TASK, FIELDS, POSITION_FIELDS, decode_array
 
 

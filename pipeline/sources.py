@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import IO, Iterator, Mapping, Optional
 
 from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
-from pipeline.configure import UserError, config_from_dict
+from common.configure import UserError, config_from_dict
 from pipeline.manpage import man_paragraphs, page_encoding
 
 Record = tuple[str, Optional[str]]

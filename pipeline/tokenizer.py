@@ -19,7 +19,7 @@ from typing import Iterable
 import sentencepiece as spm
 
 from pipeline.config import TokenizerConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import SPECIAL_TOKENS
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from pipeline.configure import UserError, parse_cli, run_main
-from pipeline.format import FIELDS, decode_array, file_sha256, is_token_field, read_manifest, shard_list_problems
+from common.configure import UserError, parse_cli, run_main
+from pipeline.format import FIELDS, decode_array, is_token_field, read_manifest, shard_list_problems
+from common.hashing import file_sha256
 from pipeline.progress import meter
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR

@@ -112,7 +112,7 @@ import os
 import sys
 
 from launch.config import TrainConfig
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 
 try:
     cfg = load_config(TrainConfig, sys.argv[1], sys.argv[2:])

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     data_dir, run_dir, *overrides = argv
     from launch.train import loop as trainer
     from launch.config import TrainConfig
-    from pipeline.configure import parse_cli
+    from common.configure import parse_cli
 
     # Steps 1-2 warm up (the loss's GEMM probe, allocations, cuBLAS handles); 3 to 2 + STEPS are
     # watched, each from the start of its train_step to the start of the next; the last step's

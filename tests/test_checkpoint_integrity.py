@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from launch import checkpoint as ckpt  # noqa: E402
-from pipeline.configure import UserError  # noqa: E402
-from pipeline.format import file_sha256  # noqa: E402
+from common.configure import UserError  # noqa: E402
+from common.hashing import file_sha256  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGS = [ckpt.tag_for(1), ckpt.tag_for(2)]  # two checkpoints per run; the pointer names the second
@@ -54,7 +54,7 @@ def make(out: Path) -> None:
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
     from pipeline.config import LoaderConfig
-    from pipeline.configure import config_to_dict, save_config
+    from common.configure import config_to_dict, save_config
 
     torch.set_num_threads(1)
     distributed.init_process_group(distributed.read_env(), timeout_s=120)

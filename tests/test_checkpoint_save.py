@@ -73,7 +73,7 @@ def parameters(data: Path) -> int:
 
     from launch.config import TrainConfig
     from model import build_model
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.format import read_manifest
     from test_train import TINY
 
@@ -301,13 +301,13 @@ def fill_at(rank: int, step: int) -> None:
 
 
 if __name__ == "__main__":
-    from launch import distributed
+    from launch import distributed, launcher
 
     if os.environ.get("FILL_AT"):  # a rank of launch.train, as `python -m launch.train` runs it
         fill_at(*map(int, os.environ["FILL_AT"].split(":")))
         from launch.train.loop import main
 
-        distributed.die_with_parent()
+        launcher.die_with_parent()
         distributed.run_rank(main)
     torch.set_num_threads(1)
 

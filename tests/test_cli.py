@@ -1,4 +1,4 @@
-"""One command-line grammar for every entry point (`pipeline.configure.parse_cli`).
+"""One command-line grammar for every entry point (`common.configure.parse_cli`).
 
 `python -m ENTRY [CONFIG.yaml] [key.sub=value ...]`: `--help` prints the usage and the schema's
 keys and exits 0 everywhere; no arguments where some are needed prints the usage and exits 2;
@@ -18,7 +18,7 @@ from omegaconf import MISSING
 from conftest import ROOT
 from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
 from pipeline.config import PrepareConfig
-from pipeline.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
+from common.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
 from pipeline.validate import ValidateConfig
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}

@@ -23,7 +23,7 @@ LOSS_TOLERANCE = 1e-5  # fp32: compiled and eager losses differ by rounding (abo
 
 def test_compile_is_a_top_level_switch_off_by_default(tmp_path):
     from launch.config import TrainConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     assert TrainConfig().compile is False
     assert load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile=true"]).compile is True
@@ -52,7 +52,7 @@ def test_compiling_keeps_the_model_and_its_state_dict_keys():
 
 def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
     from launch.train.setup import compile_model
-    from pipeline.configure import UserError
+    from common.configure import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CXX", "no-such-c++-compiler")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import PrepareConfig
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,7 @@ def test_every_config_in_configs_validates(path):
         return
     if path.name.startswith(("main", "transfer")):
         from launch.config import MainConfig
-        from launch.main import _check
+        from launch.main.plan import _check
 
         assert _check(load_config(MainConfig, path))
         return

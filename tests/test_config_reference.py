@@ -12,7 +12,7 @@ from launch.config import MainConfig, TrainConfig
 import launch.config_reference
 from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_span, main, reference
 from pipeline.config import PrepareConfig
-from pipeline.configure import config_to_dict, load_config
+from common.configure import config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "configuration.md"

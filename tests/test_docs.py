@@ -154,7 +154,7 @@ def code_doc_links() -> list[tuple[str, str]]:
     """(file, target) for every `docs/PAGE.md[#anchor]` named in the code: the module docstrings
     keep a summary and point there for the rest."""
     found = []
-    for package in ("pipeline", "model", "launch", "benchmarks", "slurm"):
+    for package in ("common", "pipeline", "model", "launch", "benchmarks", "slurm"):
         for path in sorted((ROOT / package).rglob("*")):
             if path.suffix in (".py", ".sh", ".sbatch") and path.is_file():
                 found += [(str(path.relative_to(ROOT)), target)

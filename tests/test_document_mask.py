@@ -296,7 +296,7 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tmp_path, task):
     from pipeline.loader import ShardLoader
-    from pipeline.configure import UserError
+    from common.configure import UserError
     from tests.shardtools import make_dataset
 
     old, new = tmp_path / "old", tmp_path / "new"
@@ -328,7 +328,7 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
 
 
 def test_document_mask_is_for_packed_blocks_only(tmp_path):
-    from pipeline.configure import UserError
+    from common.configure import UserError
     from pipeline.loader import ShardLoader
     from tests.shardtools import make_dataset
 

@@ -123,7 +123,7 @@ def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_co
     from launch.config import TrainConfig
     from launch.train.resume import _model_misfit
     from model import ModelConfig, StackConfig
-    from pipeline.configure import config_to_dict, save_config
+    from common.configure import config_to_dict, save_config
 
     cfg = TrainConfig(model=ModelConfig(arch="seq2seq", vocab_size=100, d_model=16, n_heads=4))
     root = tmp_path / "run" / "checkpoints"

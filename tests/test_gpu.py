@@ -33,7 +33,7 @@ from launch.config import TrainConfig
 from launch.optim import parameter_groups
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
-from pipeline.configure import load_config
+from common.configure import load_config
 from pipeline.loader import ShardLoader
 from tests.shardtools import VOCAB_SIZE, make_dataset
 

@@ -16,7 +16,7 @@ from launch.distributed import DistEnv, check_gpus_per_node
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.loss import IGNORE_INDEX
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.loader import ShardLoader
 from test_loader import UNEVEN, assert_same_batches
 from test_train import TINY, metrics, train

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import loader as loader_module
 from pipeline.config import LoaderConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
 from pipeline.loader import ShardLoader
 from tests.shardtools import (

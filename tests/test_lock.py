@@ -1,4 +1,4 @@
-"""`pipeline.lock.dir_lock`: real processes contending for one directory, stale takeover after `kill -9`."""
+"""`common.lock.dir_lock`: real processes contending for one directory, stale takeover after `kill -9`."""
 
 import os
 import signal
@@ -9,16 +9,16 @@ import time
 
 import pytest
 
-from pipeline.configure import UserError
-from pipeline.lock import LOCK_FILE, dir_lock
+from common.configure import UserError
+from common.lock import LOCK_FILE, dir_lock
 
 from conftest import ROOT
 
 # Takes the lock, says so, holds it for HOLD seconds; a UserError becomes `error: ...` and exit 2.
 HOLDER = """
 import sys, time
-from pipeline.configure import run_main
-from pipeline.lock import dir_lock
+from common.configure import run_main
+from common.lock import dir_lock
 
 def main():
     with dir_lock(sys.argv[1], what="test"):
@@ -78,7 +78,7 @@ def test_in_process_contract(tmp_path, caplog):
         assert beside.is_file() and not (tmp_path / "data").exists()
     # A stale file that names no holder (torn, or from another tool) is taken over with a warning.
     beside.write_text("garbage")
-    with caplog.at_level("WARNING", logger="pipeline.lock"):
+    with caplog.at_level("WARNING", logger="common.lock"):
         with dir_lock(tmp_path / "data", lock_file=beside) as lock:
             assert lock.took_over is None
     assert "names no holder" in caplog.text
@@ -87,7 +87,7 @@ def test_in_process_contract(tmp_path, caplog):
 # Takes the lock, forks a child that outlives it (as a DataLoader worker may), and holds.
 FORKING_HOLDER = """
 import os, sys, time
-from pipeline.lock import dir_lock
+from common.lock import dir_lock
 
 with dir_lock(sys.argv[1], what="test"):
     child = os.fork()

@@ -15,7 +15,7 @@ import webdataset as wds
 from pipeline.sources import normalize_key
 
 from pipeline.config import PrepareConfig
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 from pipeline.format import MANIFEST, decode_array
 from pipeline.manpage import man_paragraphs
 from pipeline.sources import check_usable, decode_counting, expand_paths, plan_units, read_unit

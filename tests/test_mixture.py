@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import EOS_ID, FIELDS, shard_name, sample_key, write_shard
-from pipeline.loader import ShardLoader, mixture_shares
+from pipeline.epoch import mixture_shares
+from pipeline.loader import ShardLoader
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
 
 SEQ_LEN = 8

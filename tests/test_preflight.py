@@ -22,8 +22,9 @@ from launch.engine import estimate_model_state_memory
 from launch.export import save_model_dir
 from launch.preflight import main_dry_run
 from model import build_model
-from pipeline.configure import load_config
-from pipeline.format import TOKENIZER_FILE, file_sha256
+from common.configure import load_config
+from pipeline.format import TOKENIZER_FILE
+from common.hashing import file_sha256
 from shardtools import VOCAB_SIZE, make_dataset, save_manifest
 
 TRAIN, VALID = (30, 30), (20,)  # samples per shard
@@ -435,7 +436,7 @@ def test_every_training_config_passes_a_dry_run(composed_data, tmp_path, capsys,
 
 
 def main_dry_run_of(argv: list[str], capsys) -> tuple[int, str]:
-    from launch.main import main
+    from launch.main.job import main
 
     code = main([*argv, "--dry-run"])
     return code, capsys.readouterr().out

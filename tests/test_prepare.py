@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from pipeline.format import MANIFEST, decode_array, file_sha256
+from pipeline.format import MANIFEST, decode_array
+from common.hashing import file_sha256
 from pipeline.sources import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
@@ -418,7 +419,7 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     gives the same shards whatever the chunk size: here 7 texts against 100,000 (all at once)."""
     from pipeline import work
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.sources import expand_paths, plan_units
     from pipeline.tokenizer import train_tokenizer
 
@@ -443,7 +444,7 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
 def test_tokenizer_sample_shares():
     """Slots divided by tokenizer_share; a source short of texts gives what it has and the rest go to the others."""
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.prepare import tokenizer_sample
     from pipeline.sources import Unit
 
@@ -578,7 +579,7 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
     import zstandard
 
     from pipeline.config import PrepareConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
     from pipeline.prepare import _size, scratch_need
     from pipeline.sources import expand_paths, source_list
 

@@ -120,7 +120,7 @@ def test_a_bad_interval_is_one_line_error(tiny_dataset):
 
 
 def test_stage_clock_estimates_each_kind_from_its_own_stages():
-    from launch.main import Stage, StageClock
+    from launch.main.plan import Stage, StageClock
 
     clock = StageClock([Stage("prepare", "prepare", 1), Stage("pretrain gpt", "pretrain", 100),
                         Stage("pretrain bert", "pretrain", 200), Stage("fine-tune a", "fine-tune", 50),
@@ -142,7 +142,8 @@ def test_stage_clock_estimates_each_kind_from_its_own_stages():
 
 
 def test_a_running_stage_shows_its_latest_progress_line_and_the_overall_eta(tmp_path, monkeypatch, capsys):
-    from launch.main import Stage, StageClock, _run
+    from launch.main.job import _run
+    from launch.main.plan import Stage, StageClock
 
     monkeypatch.setenv("PROGRESS_EVERY_S", "1")
     clock = StageClock([Stage("export gpt", "export", 1), Stage("fine-tune x", "fine-tune", 4)])

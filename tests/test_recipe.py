@@ -22,7 +22,7 @@ from conftest import ROOT
 from launch.average import average_state_dicts
 from launch.config import ScheduleConfig, TrainConfig, config_problems
 from launch.optim import build_scheduler, lr_multiplier
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 

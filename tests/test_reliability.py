@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from launch.distributed import launcher_kind, port_in_use
+from launch.distributed import port_in_use
+from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
 from pipeline.shards import Shard, read_shard
 from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
@@ -114,7 +115,7 @@ import os, signal, sys, time
 sys.path.insert(0, {root!r})
 # SIG_IGN is what nohup leaves to the program it starts; the default, whatever ran the tests.
 signal.signal(signal.SIGHUP, signal.SIG_IGN if {NOHUP} else signal.SIG_DFL)
-from launch.distributed import die_with_parent
+from launch.launcher import die_with_parent
 kind = die_with_parent(interval_s={INTERVAL})
 open(sys.argv[1] + ".partial", "w").write(f"{{os.getpid()}} {{kind}}")
 os.replace(sys.argv[1] + ".partial", sys.argv[1])
@@ -321,7 +322,7 @@ def assert_one_error_line(code: int, lines: list[str], *fragments: str) -> str:
 def test_the_error_line_is_written_in_one_piece(monkeypatch):
     """Every rank of a job says the same error into one stream (stderr is written through to the
     pipe at each write): in two writes, the text and then its newline, two ranks' lines splice."""
-    from pipeline.configure import run_main
+    from common.configure import run_main
 
     writes = []
 
@@ -556,7 +557,7 @@ def test_an_unwritable_output_is_one_line(tmp_path, entry, args):
 RANK_EXIT_SCRIPT = """
 import sys, threading, torch
 from launch.distributed import run_rank
-from pipeline.configure import UserError, run_main
+from common.configure import UserError, run_main
 
 a = torch.randn(400, 400)
 

@@ -26,7 +26,7 @@ import torch
 
 from conftest import ROOT
 from pipeline import remote
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.loader import ShardLoader
 from pipeline.remote import FetchConfig
 from tests.shardtools import make_dataset

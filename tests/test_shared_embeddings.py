@@ -189,7 +189,7 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     assert "copied   encoder.embed.tok.weight <- decoder:embed.tok.weight" in warm
     assert "dropped  encoder:embed.tok.weight" in warm
     from launch.config import TrainConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     model_cfg = load_config(TrainConfig, stopped / "config.yaml").model
     assert model_cfg.share_embeddings

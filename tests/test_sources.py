@@ -13,7 +13,7 @@ import polib
 import pytest
 
 from pipeline.config import PrepareConfig
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 from pipeline.sources import (ASSUMED_RATIO, Unit, check_usable, chunk_text, decode_counting, decompressed_size,
                               describe_skipped, expand_paths, plan_units, read_mo, read_po, read_unit, stream_chunks)
 

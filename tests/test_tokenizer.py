@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline.config import TokenizerConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from pipeline.format import SPECIAL_TOKENS
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import ROOT
 from launch.config import MainConfig, WandbConfig
-from launch.main import wandb_group
+from launch.main.plan import wandb_group
 from launch.tracking import resolve_wandb
-from pipeline.configure import UserError
+from common.configure import UserError
 from test_train import TINY
 
 WANDB_VARIABLES = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP")
@@ -33,7 +33,7 @@ def test_the_config_key_wins_over_the_environment_which_wins_over_the_default(ke
 
 def test_the_shipped_configs_leave_the_wandb_settings_to_the_environment():
     from launch.config import TrainConfig
-    from pipeline.configure import load_config
+    from common.configure import load_config
 
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         if "wandb" in path.read_text():

@@ -18,7 +18,8 @@ import pytest
 from conftest import ROOT, synthetic_pairs
 from launch.decoding import length_sorted_batches, source_ids
 from launch.evaluate import rank_batches, read_pairs, score
-from pipeline.format import EOS_ID, file_sha256, read_manifest
+from pipeline.format import EOS_ID, read_manifest
+from common.hashing import file_sha256
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 # A 2+2-layer d_model 64 model: 300 steps of 16 pairs (about 10 epochs of the 500 train pairs)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
-from pipeline.configure import UserError
+from common.configure import UserError
 from test_train import metrics, train
 
 

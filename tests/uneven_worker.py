@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.distributed import die_with_parent, read_env, run_rank  # noqa: E402
+from launch.distributed import read_env, run_rank  # noqa: E402
+from launch.launcher import die_with_parent  # noqa: E402
 from pipeline.loader import ShardLoader  # noqa: E402
 from tests.shardtools import batch_ids  # noqa: E402
 

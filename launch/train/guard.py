@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch import distributed as dist
-from pipeline.configure import UserError
+from common.configure import UserError
 
 if TYPE_CHECKING:
     from launch.train.state import Run

@@ -31,9 +31,9 @@ from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
 from model import attention_kernels, llmc_flops_per_token
-from pipeline.configure import UserError, parse_cli, strip_launcher_args
+from common.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.loader import ShardLoader
-from pipeline.lock import dir_lock
+from common.lock import dir_lock
 
 
 USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]

@@ -18,9 +18,10 @@ from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.engine import Engine, checkpoint_size
 from launch.tracking import read_metrics_rows
+from launch.train import space
 from launch.train.state import Data, Progress, Run, tokens_by_source
 from model.config import TRAINING_ONLY_FIELDS
-from pipeline.configure import UserError, config_to_dict, show
+from common.configure import UserError, config_to_dict, show
 
 
 def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
@@ -179,17 +180,17 @@ def save_checkpoint(run: Run) -> Path:
 
     def part(work, doing: str, *, main_only: bool = False) -> list:  # `free` as measured by then
         return _save_step(run, root, tag, work, doing, main_only,
-                          lambda failure: ckpt.save_failed(root, tag, failure, need, how, free))
+                          lambda failure: space.save_failed(root, tag, failure, need, how, free))
 
     def make_room() -> int:
         ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
-        room = ckpt.free_space(root)
+        room = space.free_space(root)
         if room >= need:
             tag_dir.mkdir(parents=True)  # here, not in DeepSpeed's save, whose failure would leave the others waiting
         return room
 
     free = part(make_room, "writing", main_only=True)[0]
-    if refusal := ckpt.short_of_space(root, tag, free, need, how):
+    if refusal := space.short_of_space(root, tag, free, need, how):
         raise UserError(refusal)  # on every rank: each has rank 0's figure
     part(lambda: run.engine.save(root, tag, client_state), "writing")
 
@@ -221,13 +222,13 @@ def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool
     """One step of a save: `work()` on every rank (or on rank 0 alone), its values gathered from
     every rank. An OSError of any rank's work fails the save on every rank alike, none left
     waiting in a collective: rank 0 removes what was written of checkpoint `tag` (unless the
-    pointer names it), then every rank raises the UserError `failed(ckpt.WriteFailure)` words."""
+    pointer names it), then every rank raises the UserError `failed(space.WriteFailure)` words."""
     value = failure = None
     if run.denv.is_main or not main_only:
         try:
             value = work()
         except OSError as err:
-            failure = ckpt.WriteFailure(run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename)
+            failure = space.WriteFailure(run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename)
     gathered = dist.all_gather_object((value, failure))
     failures = [failure for _, failure in gathered if failure is not None]
     if failures:

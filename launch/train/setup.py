@@ -29,9 +29,10 @@ from launch.train.resume import find_resume, fresh_start, restore, truncate_metr
 from launch.train.state import Data, Run
 from model import ModelConfig, Pretrained, build_model, warm_start
 from pipeline import remote
-from pipeline.configure import UserError, config_to_dict, save_config
+from common.configure import UserError, config_to_dict, save_config
 from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
-from pipeline.loader import ShardLoader, describe_mixture
+from pipeline.epoch import describe_mixture
+from pipeline.loader import ShardLoader
 
 
 def setup(cfg: TrainConfig) -> Run:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from launch import main as job
+from launch.main import plan as job
 from launch.config import MainConfig, TrainConfig
 from launch.preflight import PlannedData, Report, check_source_fits, preflight, render
 from model.config import STACKS
 from pipeline.config import PrepareConfig
-from pipeline.configure import UserError, load_config
+from common.configure import UserError, load_config
 from pipeline.format import MANIFEST
 from pipeline.prepare import check_config as check_prepare_config
 from pipeline.sources import expand_paths, source_list, source_where

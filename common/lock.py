@@ -1,7 +1,7 @@
 """An exclusive lock on a directory for the life of a job, so that two jobs never write one
 output (two prepares of one dataset, two trainers in one run directory).
 
-The design and its reasons: docs/design.md#pipelinelockpy.
+The design and its reasons: docs/design.md#commonlockpy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterator, Optional
 
-from pipeline.configure import UserError
+from common.configure import UserError
 
 LOCK_FILE = ".lock"  # inside the locked directory, unless the caller names another file
 _ATTEMPTS = 20  # re-opens when a releasing holder deletes the file under us

@@ -1,0 +1,229 @@
+"""The main job's run: `main` -> `main_job` -> each stage as a subprocess of the project's own
+entry points, skipped when its output is complete; a signal to the job stops the stage it runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from launch.config import MainConfig
+from launch.main.plan import (StageClock, _check, _finished, _pretrain_steps, _say, _train_command,
+                              finetune_overrides, plan_stages, prepare_overrides, pretrain_overrides, pretrained_needed,
+                              wandb_group)
+from launch.main.summary import write_report
+from common.configure import parse_cli, save_config
+from pipeline.progress import every_s, interval, is_progress_line
+
+
+USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
+
+The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report.
+--dry-run: check every stage's config, the training runs' preflights and the warm starts' shapes; start nothing."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:  # check the whole chain; start nothing, write nothing
+        from launch.main.preflight import dry_run  # it reads this module's stage commands
+
+        rest = [arg for arg in argv if arg != "--dry-run"]
+        return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
+    cfg = parse_cli(MainConfig, argv, usage=USAGE)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_signal)
+    try:
+        print(main_job(cfg))
+    except StageFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Stopped as stop:
+        _say(f"stopped by {stop}" + (f": {stop.ended}" if stop.ended else "") + "; a re-run continues from there")
+        return 128 + stop.signum
+    return 0
+
+
+def main_job(cfg: MainConfig) -> str:
+    starts = _check(cfg)
+    out = Path(cfg.out_dir)
+    logs = out / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, wandb_group=wandb_group(cfg, out))
+    save_config(cfg, out / "config.yaml")
+    _say(f"W&B group of this job's runs: {cfg.wandb_group}")
+    clock = StageClock(plan_stages(cfg, starts))
+    _say(f"{len(clock.stages)} stages: {', '.join(stage.label for stage in clock.stages)}")
+    started = time.time()
+    stage_prepare(cfg, logs, clock)
+    _say_pretraining_text(cfg)
+    exports, pretrained = {}, {}
+    for name in pretrained_needed(starts):
+        exports[name] = stage_pretrain(cfg, name, getattr(cfg, f"{name}_config"), out, logs, clock)
+        pretrained[name] = out / f"pretrain-{name}"
+    finetuned = {}
+    for encoder, decoder in starts:
+        run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs, clock)
+        finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs, clock)
+                                                       for split in cfg.eval_splits})
+    table, report = write_report(cfg, pretrained, finetuned, time.time() - started)
+    _say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
+    return table
+
+
+def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
+    data = Path(cfg.data_dir)
+    if (data / "manifest.json").is_file():
+        check = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], capture_output=True, text=True)
+        if check.returncode == 0:
+            _say(f"prepare: skipped, {data} exists and validates")
+            return
+        # The summary line, or the one-line error of a dataset it cannot read (an older format).
+        said = check.stdout.strip().splitlines() or check.stderr.strip().splitlines() or [f"exit {check.returncode}"]
+        _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
+    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
+         logs / "prepare.log", clock)
+
+
+def _say_pretraining_text(cfg: MainConfig) -> None:
+    """Which monolingual text the pretraining reads, per source; extra text (man pages) is optional."""
+    manifest = json.loads((Path(cfg.data_dir) / "manifest.json").read_text())
+    train = manifest.get("datasets", {}).get("packed", {}).get("splits", {}).get("train", {})
+    sources = train.get("sources") or {"default": {"tokens": train.get("tokens", 0)}}
+    counts = ", ".join(f"{name} {record.get('tokens', 0):,}" for name, record in sources.items())
+    extra = "" if len(sources) > 1 else (
+        "; no extra monolingual text (optional: make manpages, then a dataset from "
+        "configs/prepare_gettext_manpages.yaml as data_dir)")
+    _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
+
+
+def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path, clock: StageClock) -> Path:
+    run_dir = out / f"pretrain-{name}"
+    steps = _pretrain_steps(cfg, name)
+    if _finished(run_dir, steps):
+        _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
+    else:
+        _run(f"pretrain {name}", _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
+             logs / f"pretrain-{name}.log", clock)
+    export = out / f"export-{name}"
+    exported = export / "config.json"
+    if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
+        _say(f"export {name}: skipped, {export} holds step {steps}")
+    else:
+        _run(f"export {name}", [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
+             logs / f"export-{name}.log", clock)
+    return export
+
+
+def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, out: Path, logs: Path,
+                   clock: StageClock) -> Path:
+    name = f"{encoder}-{decoder}"
+    run_dir = out / f"finetune-{name}"
+    if _finished(run_dir, cfg.finetune_steps):
+        _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
+        return run_dir
+    init = {stack: str(exports[side]) for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"}
+    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
+         logs / f"finetune-{name}.log", clock)
+    return run_dir
+
+
+def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path, clock: StageClock) -> dict:
+    out = run_dir / f"eval-{split}"
+    scores = out / "scores.json"
+    if not scores.is_file():
+        _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}",
+                                                  f"data_dir={cfg.data_dir}", f"split={split}", f"beam={cfg.beam}", f"out={out}"],
+             logs / f"evaluate-{run_dir.name}-{split}.log", clock)
+    else:
+        _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
+    return json.loads(scores.read_text())
+
+
+class StageFailed(Exception):
+    pass
+
+
+class Stopped(Exception):
+    """SIGTERM, SIGINT or SIGHUP to the main job; `ended` says what became of the stage it ran."""
+
+    def __init__(self, signum: int, ended: str = ""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.ended = signum, ended
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STAGE_STOP_S = 60  # how long a stage may take to stop (torchrun gives its ranks 30 s) before it is killed
+
+
+def _on_signal(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
+    """Run one stage's command, its output to `log`; a failure names the stage and the log. While
+    it runs, every PROGRESS_EVERY_S seconds (at least 1), a line with its latest progress line
+    and the job's overall ETA (`StageClock`)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    every = max(every_s(), 1.0)
+    started = time.time()
+    clock.start(stage)
+    _say(f"{stage}: {' '.join(command)}")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # In a process group of its own, so that a Ctrl-C in the terminal reaches the main job alone,
+    # which passes it on to the stage once (a rank takes a second SIGINT for "now").
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    with open(log, "w") as fh:
+        process = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, **group)
+        try:
+            while (code := _wait(process, every)) is None:
+                running = time.time() - started
+                _say(f"{stage} ({interval(running)}): {_last_progress_line(log) or 'no progress line yet'}; "
+                     f"{clock.eta(running)}")
+        except Stopped as stop:
+            raise Stopped(stop.signum, _stop_stage(stage, process, stop.signum, log)) from None
+    if code != 0:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        # The entry points' own one-line errors say most; else the log's last line.
+        errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
+        raise StageFailed(f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})")
+    clock.finish(stage, time.time() - started)
+    _say(f"{stage}: done in {time.time() - started:.0f} s; {clock.eta()}")
+
+
+def _wait(process: subprocess.Popen, seconds: float) -> int | None:
+    """The process's exit status, or None if it still runs after `seconds`."""
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
+    """The last progress line (`pipeline.progress.is_progress_line`) in the last `tail` bytes of `log`."""
+    with open(log, "rb") as fh:
+        fh.seek(max(fh.seek(0, os.SEEK_END) - tail, 0))
+        text = fh.read().decode("utf-8", errors="replace")
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines()]
+    return next((line for line in reversed(lines) if is_progress_line(line)), "")
+
+
+def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
+    """Pass the main job's signal on to the stage and wait for it to end (torchrun passes SIGTERM
+    on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
+    train on unseen); its process group is killed after STAGE_STOP_S, or at a second signal.
+    Returns what became of it, in words."""
+    started = time.time()
+    process.send_signal(signum)
+    try:
+        code = process.wait(timeout=STAGE_STOP_S)
+        how = f"ended with it (exit {code})"
+    except (subprocess.TimeoutExpired, Stopped):
+        os.killpg(process.pid, signal.SIGKILL)
+        code = process.wait()
+        how = "killed, having not ended"
+    return f"stage {stage} {how} {time.time() - started:.0f} s later (log: {log})"

@@ -1,0 +1,129 @@
+"""The import graph: no cycle, and no import from a higher layer into a lower one.
+
+Layers, bottom up: `common/` (what every layer uses: the config loader and its one-line errors,
+file hashing, the directory lock) -> `pipeline/` (data) and `model/` (plain PyTorch), which
+never import each other -> `launch/`. Every import counts, at module level or inside a
+function (a cycle hidden in a function still runs), except those under `if TYPE_CHECKING:`,
+which never run.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "pipeline", "model", "launch")
+# What each package may import of the others.
+ALLOWED = {"common": set(), "pipeline": {"common"}, "model": {"common"}, "launch": {"common", "pipeline", "model"}}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the project modules it imports}, for every module of PACKAGES under `root`."""
+    files = {module_name(path, root): path for package in PACKAGES for path in (root / package).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    parents = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parents + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = {target for target in targets if target in files and target != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{name} imports {target}" for name, targets in sorted(graph.items()) for target in sorted(targets)
+            if target.split(".")[0] != name.split(".")[0] and target.split(".")[0] not in ALLOWED[name.split(".")[0]]]
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_no_layer_imports_a_higher_one():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_hidden_in_a_function_and_an_upward_import(tmp_path):
+    """The checker itself can fail: a cycle through a function-level import, and model/ importing
+    launch/; an import under TYPE_CHECKING is neither."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "pipeline" / "a.py").write_text("from pipeline.b import x\n")
+    (tmp_path / "pipeline" / "b.py").write_text("def x():\n    from pipeline import a\n")
+    (tmp_path / "model" / "m.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                             "    from model import n\nimport launch.l\n")
+    (tmp_path / "model" / "n.py").write_text("from model import m\n")
+    (tmp_path / "launch" / "l.py").write_text("")
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["pipeline.a", "pipeline.b"]]
+    assert upward_imports(graph) == ["model.m imports launch.l"]
+
+
+def test_only_the_data_layer_imports_ray():
+    """Ray is the data stage's (pipeline/ray_runner.py runs the tasks); training and the model never load it."""
+    importers = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                if any(name.split(".")[0] == "ray" for name in names):
+                    importers.add(str(path.relative_to(ROOT)))
+    assert importers and all(path.startswith("pipeline/") for path in importers), sorted(importers)
