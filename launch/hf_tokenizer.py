@@ -1,0 +1,79 @@
+"""Our SentencePiece model as a Hugging Face fast tokenizer that gives exactly its ids.
+
+`AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does (no
+<s> or </s> added: the pipeline adds </s> itself), decodes as `decode` does, and names our
+reserved ids (`pipeline.format.SPECIAL_TOKENS`) as its pad/unk/bos/eos/mask/sep tokens.
+
+The conversion rebuilds, with the `tokenizers` library, each step SentencePiece takes, and avoids
+the traps of the generic conversions (transformers #25316, #28370):
+- Normalisation: the model's own precompiled character map (nmt_nfkc), then SentencePiece's
+  `remove_extra_whitespaces` (leading and trailing spaces dropped, runs of spaces made one),
+  then the dummy prefix and spaces as "▁" (the leading-space rule), one lattice per text as
+  SentencePiece has (no split into words).
+- Pieces that SentencePiece never matches in text (control symbols such as <s> and <mask>, <unk>,
+  and the byte pieces <0x41>) keep their ids but get a score no segmentation would choose: the
+  Unigram lattice of `tokenizers` would otherwise match "<s>" written in a text as one piece.
+  For the same reason the special tokens are not split out of the text (`split_special_tokens`):
+  "<mask>" in a text is text to SentencePiece, and so it is here.
+- Byte fallback: characters outside the vocabulary become their UTF-8 byte pieces, each byte
+  its own piece (unknowns not fused), and decode back through `ByteFallback` and `Fuse`.
+Checked on real texts in tests/test_hf_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.format import SPECIAL_TOKENS
+from pipeline.tokenizer import processor_from_bytes
+
+# Score of the pieces text never produces: below any path of real pieces (each scores above -100
+# per character in a model of a few million pieces at most), above -inf so the lattice stays finite.
+NEVER = -1e9
+# SentencePiece's piece types (sentencepiece_model.proto, ModelProto.SentencePiece.Type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Hugging Face's names of our reserved pieces (pipeline.format.SPECIAL_TOKENS, ids 0-5).
+SPECIAL_NAMES = dict(zip(("pad_token", "unk_token", "bos_token", "eos_token", "mask_token", "sep_token"),
+                         SPECIAL_TOKENS))
+
+
+def hf_tokenizer(model_path: str | Path):
+    """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model_bytes = Path(model_path).read_bytes()
+    processor_from_bytes(model_bytes, source=str(model_path))  # our reserved ids, or one line
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_bytes)
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        raise ValueError(f"{model_path}: only unigram SentencePiece models convert (pipeline.prepare's default)")
+    if trainer.treat_whitespace_as_suffix or not spec.escape_whitespaces or spec.normalization_rule_tsv:
+        raise ValueError(f"{model_path}: a whitespace or normalisation option that the conversion does not rebuild")
+    if any(piece.type == USER_DEFINED for piece in proto.pieces):
+        raise ValueError(f"{model_path}: user-defined pieces are not converted")
+
+    vocab = [(piece.piece, piece.score if piece.type == NORMAL else NEVER) for piece in proto.pieces]
+    unk_id = next(i for i, piece in enumerate(proto.pieces) if piece.type == UNKNOWN)
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=unk_id, byte_fallback=trainer.byte_fallback))
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if steps:
+        tokenizer.normalizer = normalizers.Sequence(steps)
+    prepend = "always" if spec.add_dummy_prefix else "never"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []))
+    control = [piece.piece for piece in proto.pieces if piece.type == CONTROL and piece.piece not in SPECIAL_TOKENS]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, **SPECIAL_NAMES, additional_special_tokens=control,
+        split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=int(1e30))
+
+
+def save_hf_tokenizer(model_path: str | Path, out: str | Path) -> None:
+    """The fast tokenizer of `model_path` in `out` (tokenizer.json, tokenizer_config.json, ...)."""
+    hf_tokenizer(model_path).save_pretrained(str(out))
