@@ -261,7 +261,10 @@ class ExportConfig:
     """A run's checkpoint to plain weights (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
 
     checkpoint: str = MISSING  # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
-    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model
+    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model, provenance.json
+    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, BERT or a BERT + GPT-2 encoder-decoder),
+    # its fast tokenizer beside the weights
+    format: str = "ours"
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Data:
     valid: ShardLoader | None  # None when the valid split is smaller than one global batch
     vocab_size: int
     tokenizer_sha256: str
+    manifest_sha256: str = ""  # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
 
 
 @dataclass
@@ -214,7 +215,8 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         valid = None
         if denv.is_main:
             print(f"warning: no evaluation: {err}", file=sys.stderr)
-    return Data(train, valid, int(tokenizer["vocab_size"]), sha256)
+    manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), remote.FetchConfig.from_loader_config(cfg.data))
+    return Data(train, valid, int(tokenizer["vocab_size"]), sha256, hashlib.sha256(manifest_bytes).hexdigest())
 
 
 def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str) -> ModelConfig:
@@ -423,7 +425,7 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
     the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
     run_dir = Path(cfg.run_dir)
 
-    def write_run_dir() -> str:  # rank 0; returns the manifest's sha256, for the W&B run
+    def write_run_dir() -> None:  # rank 0
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir, step)
         if dropped:
@@ -431,15 +433,14 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
         save_config(cfg, run_dir / "config.yaml")
         fetch = remote.FetchConfig.from_loader_config(cfg.data)
         # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked
-        # against the manifest's sha256; then the manifest's own.
+        # against the manifest's sha256.
         with stoppable():
             shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
                                               sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
-            return hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)).hexdigest()
 
-    manifest_sha256 = _on_main(denv, write_run_dir)
+    _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
-    summary = {"git_commit": git_commit(), "data_manifest_sha256": manifest_sha256,
+    summary = {"git_commit": git_commit(), "data_manifest_sha256": data.manifest_sha256,
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}
@@ -738,6 +739,7 @@ def save_checkpoint(run: Run) -> Path:
         "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
+        "dataset": dataset_record(run),
     }
     need, how = checkpoint_size(run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision)
     free = None
@@ -760,7 +762,7 @@ def save_checkpoint(run: Run) -> Path:
 
     def listed() -> dict[str, int]:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
-                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
+                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source", "dataset")}
         info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
         (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         return ckpt.files_on_disk(tag_dir)
@@ -920,6 +922,14 @@ def data_counters(run: Run) -> dict:
     counters = {f"data/{name}": int(total) for name, total in zip(names, totals)}
     counters.update({f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()})
     return counters
+
+
+def dataset_record(run: Run) -> dict:
+    """What an export's provenance names the data by (`launch.export.provenance`): the manifest's
+    fingerprint, the train loader's (its shard listing with their sha256s) and its mixture."""
+    loader = run.data.train.state_dict()["fingerprint"]
+    return {"manifest_sha256": run.data.manifest_sha256, "train_shards_sha256": loader.get("shards_sha256"),
+            "mixture": loader.get("mixture")}
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:
