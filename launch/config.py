@@ -90,10 +90,14 @@ class GuardConfig:
 
 @dataclass
 class InitConfig:
-    """Warm start of a translation model from exported pretraining checkpoints (launch.export)."""
+    """Starting weights: a causal_lm or mlm run's from one exported model (`launch.init_model`), a
+    translation model's stacks from exported pretraining checkpoints (`model.warm_start`)."""
 
-    encoder: str = ""  # exported BERT (or GPT) directory; "" = random
-    decoder: str = ""  # exported GPT (or BERT) directory; "" = random
+    encoder: str = ""  # translation: exported BERT (or GPT) directory; "" = random
+    decoder: str = ""  # translation: exported GPT (or BERT) directory; "" = random
+    # causal_lm / mlm: an export of ours or a GPT-2/Llama/BERT directory in Hugging Face's format; the
+    # model config is the directory's; step 0, fresh optimizer. "" = random
+    model: str = ""
 
 
 @dataclass

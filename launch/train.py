@@ -313,11 +313,20 @@ def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
 
 def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str, denv: dist.DistEnv, *,
                  load_universal: bool = False) -> tuple[Engine, int]:
-    """The model (random or warm-started), its optimizer and schedule under DeepSpeed; and its
-    parameter count, taken before ZeRO-3 partitions the parameters away."""
+    """The model (random, warm-started, or init.model's weights), its optimizer and schedule under
+    DeepSpeed; and its parameter count, taken before ZeRO-3 partitions the parameters away."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     try:
-        model = _warm_start(cfg, tokenizer_sha256, denv.is_main) if _warm_starts(cfg, task) else build_model(cfg.model)
+        if _warm_starts(cfg, task):
+            model = _warm_start(cfg, tokenizer_sha256, denv.is_main)
+        elif cfg.init.model:
+            from launch import init_model
+
+            dataset_tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE),
+                                                  remote.FetchConfig.from_loader_config(cfg.data), sha256=tokenizer_sha256)
+            model = init_model.load(cfg, dataset_tokenizer)
+        else:
+            model = build_model(cfg.model)
     except ValueError as err:  # the model config's own check (ModelConfig.validate)
         raise UserError(str(err)) from err
     n_parameters = sum(p.numel() for p in model.parameters())
@@ -992,7 +1001,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:  # report the run and every problem; start nothing
         return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
-    cfg = parse_cli(TrainConfig, argv, usage=USAGE)
+    from launch import init_model
+
+    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked against it).
+    cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
     train(cfg)
     return 0
 
