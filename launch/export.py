@@ -108,7 +108,7 @@ def save_hf_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, token
     hf_model = to_hf(model_with(state_dict, model_cfg))
     with writing(out) as partial:
         hf_model.save_pretrained(str(partial))
-        save_hf_tokenizer(tokenizer, partial)
+        save_hf_tokenizer(tokenizer, partial, model_cfg.max_seq_len)
         shutil.copyfile(tokenizer, partial / TOKENIZER)
         (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
 

@@ -22,6 +22,7 @@ Checked on real texts in tests/test_hf_tokenizer.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.format import SPECIAL_TOKENS
@@ -37,8 +38,9 @@ SPECIAL_NAMES = dict(zip(("pad_token", "unk_token", "bos_token", "eos_token", "m
                          SPECIAL_TOKENS))
 
 
-def hf_tokenizer(model_path: str | Path):
-    """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`."""
+def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
+    """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`; it truncates
+    (when asked to) at `model_max_length`, the positions of the model it is saved with."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -71,9 +73,20 @@ def hf_tokenizer(model_path: str | Path):
     control = [piece.piece for piece in proto.pieces if piece.type == CONTROL and piece.piece not in SPECIAL_TOKENS]
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, **SPECIAL_NAMES, additional_special_tokens=control,
-        split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=int(1e30))
+        split_special_tokens=True, clean_up_tokenization_spaces=False,
+        **({"model_max_length": model_max_length} if model_max_length else {}))
 
 
-def save_hf_tokenizer(model_path: str | Path, out: str | Path) -> None:
-    """The fast tokenizer of `model_path` in `out` (tokenizer.json, tokenizer_config.json, ...)."""
-    hf_tokenizer(model_path).save_pretrained(str(out))
+def save_hf_tokenizer(model_path: str | Path, out: str | Path, model_max_length: int | None = None) -> None:
+    """The fast tokenizer of `model_path` in `out` (tokenizer.json, tokenizer_config.json, ...).
+
+    Its class is recorded as `PreTrainedTokenizerFast`, which transformers 5 loads as it loads
+    its own name for it (`TokenizersBackend`) and transformers 4 knows; an empty list of extra
+    special tokens is left out, where transformers 4 expects a mapping."""
+    hf_tokenizer(model_path, model_max_length).save_pretrained(str(out))
+    path = Path(out) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if not config.get("extra_special_tokens", True):
+        del config["extra_special_tokens"]
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -150,8 +150,6 @@ def config_from_hf_encoder_decoder(hf_config, **overrides) -> ModelConfig:
            if getattr(hf_config, theirs, None) is not None}
     encoder = config_from_hf_bert(hf_config.encoder, **ids)
     decoder = config_from_hf_gpt2(decoder_config, **ids)
-    mask = {"mask_id": overrides["mask_id"]} if "mask_id" in overrides else {}
-    encoder, decoder = (dataclasses.replace(c, **mask) for c in (encoder, decoder))
     return seq2seq_config(encoder, decoder, **overrides)
 
 

@@ -85,6 +85,7 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     hf = getattr(transformers, AUTO[kind]).from_pretrained(out).eval()
     assert type(hf).__name__ == HF_CLASS[kind]
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.model_max_length == ours.cfg.max_seq_len
     texts = ["the red cat opens a new door 12", "die alte Katze"]
     batch = hf_tokenizer(texts, padding=True, return_tensors="pt")
     sp = load_tokenizer(tokenizer)
