@@ -90,13 +90,13 @@ class GuardConfig:
 
 @dataclass
 class InitConfig:
-    """Starting weights: a causal_lm or mlm run's from one exported model (`launch.init_model`), a
-    translation model's stacks from exported pretraining checkpoints (`model.warm_start`)."""
+    """Starting weights: a run's from one exported model (`launch.init_model`), or a translation
+    model's stacks apart from exported pretraining checkpoints (`model.warm_start`)."""
 
     encoder: str = ""  # translation: exported BERT (or GPT) directory; "" = random
     decoder: str = ""  # translation: exported GPT (or BERT) directory; "" = random
-    # causal_lm / mlm: an export of ours or a GPT-2/Llama/BERT directory in Hugging Face's format; the
-    # model config is the directory's; step 0, fresh optimizer. "" = random
+    # an export of ours, or a Hugging Face directory (GPT-2/Llama, BERT, BERT + GPT-2 encoder-decoder), of the
+    # task's model; the model config is the directory's; step 0, fresh optimizer. "" = random (or encoder/decoder)
     model: str = ""
 
 

@@ -1,4 +1,5 @@
-"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=hf]`: a DeepSpeed checkpoint to a self-contained model directory.
+"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=hf]`: a DeepSpeed checkpoint to a
+self-contained model directory.
 
 The checkpoint is a run directory, its `checkpoints/` directory (the latest complete
 checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receives, in our
@@ -79,7 +80,8 @@ def model_with(state_dict: dict, model_cfg: ModelConfig) -> torch.nn.Module:
     model = build_model(model_cfg)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if missing or unexpected:
-        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
     return model
 
 

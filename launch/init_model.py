@@ -1,17 +1,19 @@
-"""`init.model=DIR`: a causal_lm or mlm run that starts from exported weights instead of random ones.
+"""`init.model=DIR`: a run that starts from exported weights instead of random ones.
 
-DIR is one of our exports (`launch.export`) or a GPT-2, Llama or BERT directory in Hugging
-Face's format (ours, `format=hf`, or any `save_pretrained` one on disk). The run starts at step 0
-with a fresh optimizer and schedule; its model config is the directory's (`resolve`), except the
-fields that only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`: dropout, ...),
-which stay the job's. A `model.*=` override on the command line that contradicts the directory is
-refused in one line; the YAML's model section is a template the directory replaces.
+DIR is one of our exports (`launch.export`) or a directory in Hugging Face's format (ours,
+`format=hf`, or any `save_pretrained` one on disk): a GPT-2 or Llama for causal_lm, a BERT for
+mlm, a BERT + GPT-2 EncoderDecoderModel for translation. The run starts at step 0 with a fresh
+optimizer and schedule; its model config is the directory's (`resolve`), except the fields that
+only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`: dropout, ...), which stay
+the job's. A `model.*=` override on the command line that contradicts the directory is refused in
+one line; the YAML's model section is a template the directory replaces.
 
 The weights must have been trained with the dataset's tokenizer (`load`): for our exports and
 our HF exports, the same tokenizer.model (sha256); for any other HF directory, its tokenizer must
 give the dataset's SentencePiece ids on a sample (every piece of the vocabulary as text, sentences
-made of them, runs of rare characters for the byte pieces). Otherwise one line names both. Translation warm-starts its two stacks
-with `init.encoder` / `init.decoder` instead (`model.warm_start`).
+made of them, runs of rare characters for the byte pieces). Otherwise one line names both. A
+translation model's stacks can instead be warm-started apart, from a BERT and a GPT, with
+`init.encoder` / `init.decoder` (`model.warm_start`), which `init.model` excludes.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
     if not cfg.init.model:
         return cfg
     task = TASKS.get(cfg.task)
-    if task is None or task.warm_startable:
-        raise UserError(f"init.model: starts a causal_lm or mlm run; task {cfg.task} warm-starts with init.encoder "
-                        "and init.decoder")
+    if task is None:
+        return cfg  # check_config names the unknown task
+    if cfg.init.encoder or cfg.init.decoder:
+        raise UserError("init.model: starts the whole model, init.encoder / init.decoder warm-start a translation "
+                        "model's stacks apart: give one or the other")
     directory = cfg.init.model
     found = model_config(directory)
     if found.arch != task.arch:
@@ -50,10 +54,10 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
     given = {arg.split("=", 1)[0].lstrip("+") for arg in argv if "=" in arg and arg.startswith(("model.", "+model."))}
     training_only = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
     contradicting = [key for key in sorted(given - training_only)
-                     if _value(cfg.model, key) != _value(found, key) and not (key == "model.vocab_size"
-                                                                               and cfg.model.vocab_size == 0)]
+                     if _value(cfg.model, key) != _value(found, key, resolved=True)
+                     and not (key == "model.vocab_size" and cfg.model.vocab_size == 0)]
     if contradicting:
-        there = ", ".join(f"{key}={show(_value(found, key))}" for key in contradicting)
+        there = ", ".join(f"{key}={show(_value(found, key, resolved=True))}" for key in contradicting)
         here = ", ".join(f"{key}={show(_value(cfg.model, key))}" for key in contradicting)
         raise UserError(f"init.model: {directory} has {there}; the override {here} contradicts it (the model config "
                         "is the directory's: drop the override)")
@@ -61,9 +65,14 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(found, **kept))
 
 
-def _value(cfg: ModelConfig, key: str):
+def _value(cfg: ModelConfig, key: str, resolved: bool = False):
+    """The value of "model.field" or "model.encoder.field"; `resolved`: a stack's field as the
+    stack is built (its override, else the shared value), where a directory may leave it None."""
+    parts = key.split(".")[1:]
+    if resolved and len(parts) == 2 and parts[0] in ("encoder", "decoder") and cfg.arch == "seq2seq":
+        return getattr(cfg.for_stack(parts[0]), parts[1], None)
     value = cfg
-    for part in key.split(".")[1:]:
+    for part in parts:
         value = getattr(value, part, None)
     return value
 
@@ -83,12 +92,14 @@ def model_config(directory: str) -> ModelConfig:
     import transformers
 
     from model.hf import config_from_hf_bert, config_from_hf_gpt2, config_from_hf_llama
+    from model.hf_seq2seq import config_from_hf_encoder_decoder
 
-    readers = {"gpt2": config_from_hf_gpt2, "llama": config_from_hf_llama, "bert": config_from_hf_bert}
+    readers = {"gpt2": config_from_hf_gpt2, "llama": config_from_hf_llama, "bert": config_from_hf_bert,
+               "encoder-decoder": config_from_hf_encoder_decoder}
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     if hf_config.model_type not in readers:
-        raise UserError(f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, Llama "
-                        "and BERT directories start a run")
+        raise UserError(f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, Llama, "
+                        "BERT and BERT + GPT-2 encoder-decoder directories start a run")
     try:
         return readers[hf_config.model_type](hf_config, **OUR_IDS)
     except ValueError as err:

@@ -215,7 +215,8 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         valid = None
         if denv.is_main:
             print(f"warning: no evaluation: {err}", file=sys.stderr)
-    manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), remote.FetchConfig.from_loader_config(cfg.data))
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
+    manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)
     return Data(train, valid, int(tokenizer["vocab_size"]), sha256, hashlib.sha256(manifest_bytes).hexdigest())
 
 
@@ -322,8 +323,9 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
         elif cfg.init.model:
             from launch import init_model
 
-            dataset_tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE),
-                                                  remote.FetchConfig.from_loader_config(cfg.data), sha256=tokenizer_sha256)
+            fetch = remote.FetchConfig.from_loader_config(cfg.data)
+            dataset_tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
+                                                  sha256=tokenizer_sha256)
             model = init_model.load(cfg, dataset_tokenizer)
         else:
             model = build_model(cfg.model)
@@ -771,7 +773,8 @@ def save_checkpoint(run: Run) -> Path:
 
     def listed() -> dict[str, int]:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
-                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source", "dataset")}
+                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source",
+                                             "dataset")}
         info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
         (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         return ckpt.files_on_disk(tag_dir)

@@ -4,6 +4,7 @@ with the tokenizer beside them, and give our logits; GPT and the translation mod
 greedily the same tokens as ours; read back, they are our models again. A model no Hugging Face
 class computes is refused in one line naming the option, by the command, before anything is written."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,7 +31,8 @@ CONFIGS = {
     "llama": dict(arch="gpt", positions="rope", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
                   tie_embeddings=False),
     "bert": dict(arch="bert", norm_position="post"),
-    "translation": dict(arch="seq2seq", n_decoder_layers=3, encoder=StackConfig(norm_position="post", activation="gelu"),
+    "translation": dict(arch="seq2seq", n_decoder_layers=3,
+                        encoder=StackConfig(norm_position="post", activation="gelu"),
                         decoder=StackConfig(norm_position="pre", activation="gelu_tanh")),
 }
 AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM",
@@ -77,7 +79,8 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     out = tmp_path / "hf"
     ours = export(kind, tokenizer, out)
     names = {path.name for path in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", TOKENIZER, PROVENANCE} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", TOKENIZER,
+            PROVENANCE} <= names
     assert ("generation_config.json" in names) == (kind != "bert")
     assert json.loads((out / PROVENANCE).read_text()) == {"step": 7, "task": kind}
     assert not (tmp_path / "hf.partial").exists()
@@ -89,7 +92,8 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     texts = ["the red cat opens a new door 12", "die alte Katze"]
     batch = hf_tokenizer(texts, padding=True, return_tensors="pt")
     sp = load_tokenizer(tokenizer)
-    assert [row[: len(sp.encode(t))] for row, t in zip(batch["input_ids"].tolist(), texts)] == [sp.encode(t) for t in texts]
+    expected_ids = [sp.encode(t) for t in texts]
+    assert [row[: len(ids)] for row, ids in zip(batch["input_ids"].tolist(), expected_ids)] == expected_ids
     ids, mask = batch["input_ids"], batch["attention_mask"]  # right-padded: our positions are HF's
     decoder_ids = torch.tensor([([2] + sp.encode(t) + [0] * 8)[:8] for t in ("die rote Katze", "das Haus 12")])
     with torch.no_grad():
@@ -120,7 +124,8 @@ def test_gpt_greedy_generate_equals_ours_token_for_token(tokenizer, tmp_path):
     mine = ours.generate(prompt["input_ids"], max_new_tokens=20, eos_id=ours.cfg.eos_id)
     assert theirs.tolist() == mine[:, : theirs.shape[1]].tolist()
     assert len(set(theirs[0, 3:].tolist())) > 3  # the weights are far enough from init to say something
-    assert hf_tokenizer.decode(theirs[0], skip_special_tokens=True) == load_tokenizer(tokenizer).decode(mine[0].tolist())
+    decoded = load_tokenizer(tokenizer).decode(mine[0].tolist())
+    assert hf_tokenizer.decode(theirs[0], skip_special_tokens=True) == decoded
 
 
 def test_translation_greedy_generate_equals_ours_token_for_token(tokenizer, tmp_path):
@@ -193,3 +198,39 @@ def test_export_command_refuses_an_unrepresentable_model_in_one_line(tokenizer, 
     assert run.stderr.startswith("error: format=hf: ") and "positions='learned'" in run.stderr
     assert "sinusoidal" in run.stderr
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("fmt", ["ours", "hf"])
+def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
+    """`init.model` for translation: the model config comes from the directory (YAML's replaced,
+    training-only fields kept), the weights load strictly, a contradicting override is refused."""
+    from launch import init_model
+    from launch.config import InitConfig
+    from launch.export import save_model_dir
+    from pipeline.configure import UserError
+
+    out = tmp_path / fmt
+    ours = made("translation", load_tokenizer(tokenizer).get_piece_size())
+    if fmt == "hf":
+        save_hf_dir(out, ours.state_dict(), ours.cfg, tokenizer, {})
+    else:
+        save_model_dir(out, ours.state_dict(), ours.cfg, tokenizer, {"task": "translation"})
+    # As the command line would leave it: YAML values (d_model 64), then the overrides given to resolve.
+    job = TrainConfig(task="translation", model=ModelConfig(arch="seq2seq", d_model=64, label_smoothing=0.2,
+                                                            encoder=StackConfig(norm_position="post")),
+                      init=InitConfig(model=str(out)))
+    cfg = init_model.resolve(job, ["model.label_smoothing=0.2", "model.encoder.norm_position=post"])
+    assert cfg.model.d_model == 32 and cfg.model.label_smoothing == 0.2
+    for stack in ("encoder", "decoder"):
+        assert cfg.model.for_stack(stack) == dataclasses.replace(ours.cfg.for_stack(stack), label_smoothing=0.2,
+                                                                 dropout=job.model.dropout)
+    started = init_model.load(cfg, tokenizer)
+    src = torch.randint(6, 60, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(started.eval()(src, None, src).logits, ours(src, None, src).logits)
+    contradiction = r"has model.decoder.norm_position=pre; the override model.decoder.norm_position=post contradicts"
+    with pytest.raises(UserError, match=contradiction):
+        init_model.resolve(dataclasses.replace(job, model=dataclasses.replace(
+            job.model, decoder=StackConfig(norm_position="post"))), ["model.decoder.norm_position=post"])
+    with pytest.raises(UserError, match="give one or the other"):
+        init_model.resolve(dataclasses.replace(job, init=InitConfig(model=str(out), encoder=str(out))), [])

@@ -100,4 +100,5 @@ def test_special_ids_are_ours(tokenizers):
         [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     # Padding a batch pads with our <pad>.
     batch = hf(["Datei", "Datei \u00f6ffnen und schlie\u00dfen"], padding=True)
-    assert batch["input_ids"][0][len(sp.encode("Datei")):] == [0] * (len(batch["input_ids"][0]) - len(sp.encode("Datei")))
+    short = len(sp.encode("Datei"))
+    assert batch["input_ids"][0][short:] == [0] * (len(batch["input_ids"][0]) - short)
