@@ -2,22 +2,11 @@
 
 `AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does (no
 <s> or </s> added: the pipeline adds </s> itself), decodes as `decode` does, and names our
-reserved ids (`pipeline.format.SPECIAL_TOKENS`) as its pad/unk/bos/eos/mask/sep tokens.
-
-The conversion rebuilds, with the `tokenizers` library, each step SentencePiece takes, and avoids
-the traps of the generic conversions (transformers #25316, #28370):
-- Normalisation: the model's own precompiled character map (nmt_nfkc), then SentencePiece's
-  `remove_extra_whitespaces` (leading and trailing spaces dropped, runs of spaces made one),
-  then the dummy prefix and spaces as "▁" (the leading-space rule), one lattice per text as
-  SentencePiece has (no split into words).
-- Pieces that SentencePiece never matches in text (control symbols such as <s> and <mask>, <unk>,
-  and the byte pieces <0x41>) keep their ids but get a score no segmentation would choose: the
-  Unigram lattice of `tokenizers` would otherwise match "<s>" written in a text as one piece.
-  For the same reason the special tokens are not split out of the text (`split_special_tokens`):
-  "<mask>" in a text is text to SentencePiece, and so it is here.
-- Byte fallback: characters outside the vocabulary become their UTF-8 byte pieces, each byte
-  its own piece (unknowns not fused), and decode back through `ByteFallback` and `Fuse`.
-Checked on real texts in tests/test_hf_tokenizer.py.
+reserved ids (`pipeline.format.SPECIAL_TOKENS`) as its pad/unk/bos/eos/mask/sep tokens. Each step
+SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
+whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
+fallback), which is what the generic conversions get wrong (transformers #25316, #28370): see
+docs/design.md#the-hugging-face-tokenizer. Checked on real texts in tests/test_hf_tokenizer.py.
 """
 
 from __future__ import annotations
