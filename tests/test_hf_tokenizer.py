@@ -48,7 +48,7 @@ def corpus() -> tuple[list[str], list[str]]:
     """(training texts, test texts): 8,000 German/English texts to train on, 2,000 others of the
     same catalogs and 300 of each other script to test on."""
     german = catalog_texts(CORPUS_LANGS, 10_000)
-    if len(german) < 3_000:
+    if len(german) < 9_000:  # 8,000 to train on, at least 1,000 held out to test on
         pytest.skip("the default corpus (gettext catalogs under /usr/share/locale/de) is not on this machine")
     return german[:8_000], german[8_000:] + catalog_texts(OTHER_SCRIPTS, 300)
 
@@ -66,7 +66,6 @@ def tokenizers(request, corpus, tmp_path_factory):
 def test_ids_equal_on_real_texts_and_edge_cases(corpus, tokenizers):
     sp, hf = tokenizers
     texts = corpus[1] + EDGES
-    assert len(corpus[1]) >= 1000
     ours = [sp.encode(text) for text in texts]
     theirs = hf(texts)["input_ids"]
     differ = [(text, a, b) for text, a, b in zip(texts, ours, theirs) if a != b]
