@@ -3,9 +3,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch first and pinned: left to resolve as a dependency it pulls several GB of CUDA
-# packages; 2.13.0 resolves to the CPU wheel on our machines.
+# torch first and pinned, so that the project's dependencies do not pick another. Which build
+# the pin gets is the index's choice: PyPI's Linux wheel is the CUDA one (several GB of nvidia-*
+# packages); our machines' pip configuration (find-links /opt/wheels) holds the CPU one,
+# 2.13.0+cpu. For the CPU build from PyTorch's own index: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
@@ -13,7 +16,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

@@ -7,13 +7,13 @@ What runs. configs/gpt2_small.yaml's model (d_model 768, 12 layers, 12 heads, d_
 sequence 1024, dropout 0), micro batch 16 x 1024 tokens and grad_accum 4, with the vocabulary
 set to each of `--vocabs` (50,257: GPT-2's, 124M parameters; 8,000: this project's default
 tokenizer) and ZeRO set to each of `--stages`. For each, the model is built as the trainer's
-`launch.train.build_engine` builds it (`model.build_model`, `launch.optim.build_optimizer` and
+`launch.train.setup.build_engine` builds it (`model.build_model`, `launch.optim.build_optimizer` and
 `build_scheduler`, `launch.engine.Engine` over `launch.engine.deepspeed_config` of the run
 config) under a one-rank process group (NCCL on a GPU, gloo on the CPU), and trained on
 random token ids made into model inputs by the trainer's own `launch.tasks` code (packed
 blocks: no padding, so the attention mask is dropped on the host and SDPA takes its fused
 causal path). Every micro batch is forward, backward and `engine.step()`, as in
-`launch.train.train_step`; `--warmup` optimizer steps are run first and not timed, then
+`launch.train.loop.train_step`; `--warmup` optimizer steps are run first and not timed, then
 `--steps` optimizer steps (x grad_accum micro batches) between two device synchronisations.
 
 Figures, one row per (vocabulary, stage):
@@ -42,7 +42,7 @@ GPU, and on a shared CPU not much about the CPU either.
 
 Target (one H100, full shapes, bf16, vocabulary 50,257): at least 45% MFU by llm.c's count
 (llm.c itself reports about 41% for this model); the verdict is printed when those are what was
-measured. `--compile` compiles with the trainer's own `launch.train.compile_model` (what
+measured. `--compile` compiles with the trainer's own `launch.train.setup.compile_model` (what
 `compile: true` does), so that the benchmark measures the program the trainer runs.
 """
 
@@ -165,7 +165,7 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
 
 
 def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -> dict:
-    """The engine as launch.train.build_engine builds it, and the timed micro batches."""
+    """The engine as launch.train.setup.build_engine builds it, and the timed micro batches."""
     import torch
 
     from launch.engine import Engine, deepspeed_config
@@ -178,7 +178,7 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
     if args.compile:
-        from launch.train import compile_model
+        from launch.train.setup import compile_model
 
         compile_model(model)  # the trainer's own: the blocks compiled, the loss and embeddings eager
     engine = Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan))
@@ -186,7 +186,7 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
         raise RuntimeError(f"DeepSpeed put the model on {engine.device}, the benchmark measures {device}")
 
     def micro_batches(count: int) -> torch.Tensor:
-        for index in range(count):  # as launch.train.train_step: forward, backward, step per micro batch
+        for index in range(count):  # as launch.train.loop.train_step: forward, backward, step per micro batch
             loss = engine(**on_device[index % len(on_device)]).loss
             engine.backward(loss)
             engine.step()
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_config(cfg, stage, args, device, batches)
             r["loss"] = loss
             if args.compile:
-                print(f"compiled by launch.train.compile_model: the forward of {', '.join(r['compiled'])}", flush=True)
+                print(f"compiled by launch.train.setup.compile_model: the forward of {', '.join(r['compiled'])}", flush=True)
             s = row_figures(r, loss, peak)
             leftover = f", {gib(r['memory_before_bytes'])} left before it" if r["memory_before_bytes"] > 2**27 else ""
             print(f"V={vocab:,} ZeRO-{stage}: {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% (ours) "

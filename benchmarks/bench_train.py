@@ -16,7 +16,7 @@
    counts every input token of every rank; the table gives the median round and the ratio.
    With `--compile off,on` (the default) the same job also trains a compiled copy of each, from
    the same weights, in the same alternation (ours, theirs, ours compiled, theirs compiled, ...):
-   ours as `compile: true` compiles it (`launch.train.compile_model`: each block's forward),
+   ours as `compile: true` compiles it (`launch.train.setup.compile_model`: each block's forward),
    theirs as their users would (`model.compile()`, the whole model, in place). Each compiled
    pair gives its own row and ratio; the untimed warm-up round is where they compile.
 2. MFU: in the same job, before training, every rank measures a square (1024) GEMM in fp32 and
@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     from launch.metrics import measure_gemm_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.tasks import TASKS
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
     from model import build_model, hf
     from model.loss import IGNORE_INDEX
     from pipeline.configure import load_config

@@ -32,6 +32,7 @@ from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
 from launch.export import provenance, read_json, read_run_checkpoint, save_model_dir
 from pipeline.configure import UserError, parse_cli, run_main
+from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR
 
@@ -90,7 +91,11 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
     tokenizers = {client.get("tokenizer_sha256") for client in clients}
     if len(tokenizers) > 1:
         raise UserError(f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers")
-    states = [consolidated_state_dict(root, tag) for tag in tags]
+    states = []
+    with meter(len(tags), "average", "checkpoint") as shown:
+        for tag in tags:
+            states.append(consolidated_state_dict(root, tag))
+            shown.update()
     mean = average_state_dicts(states, [str(root / tag) for tag in tags])
     meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
             "source": str((root / tags[-1]).resolve()),

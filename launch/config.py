@@ -240,12 +240,20 @@ class MainConfig:
 
     out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
     prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
+    # key.sub=value overrides of the prepare config, before the job's own (output_dir: data_dir), e.g. [seq_len=1024]
+    prepare_overrides: List[str] = field(default_factory=list)
     data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
     zero_stage: int = 2  # deepspeed.zero_stage of every training run
     gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
     translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
+    # key.sub=value overrides of one stage's training config, after the job's own (data_dir,
+    # run_dir, steps, ZeRO stage): e.g. [model.max_seq_len=1024] for a BERT whose YAML has fewer
+    # positions than the data's blocks
+    gpt_overrides: List[str] = field(default_factory=list)
+    bert_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for the BERT pretraining
+    translation_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for every fine-tuning run
     pretrain_steps: int = 500  # max_steps of each pretraining run
     # max_steps of the BERT pretraining if not pretrain_steps (0): a BERT step predicts only the
     # masked tokens and costs less than a GPT step, so equal steps are not an equal budget

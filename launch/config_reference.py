@@ -10,6 +10,8 @@ markers; `tests/test_config_reference.py` fails when it goes stale.
     python -m launch.config_reference --write          # replace docs/configuration.md's block
     python -m launch.config_reference --check          # exit 1 naming the first stale key
     python -m launch.config_reference --check FILE.md  # the same for another file with the markers
+
+Exit status: 1 for a stale reference (`--check`), 2 for a FILE that cannot be read or has no markers.
 """
 
 from __future__ import annotations
@@ -123,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, encoding="utf-8", newline="") as fh:
             text = fh.read()
         start, end = block_span(text)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # the user's FILE, not a stale reference
         print(f"error: {path}: {err}", file=sys.stderr)
-        return 1
+        return 2
     difference = first_difference(text[start:end], generated)
     if args.check:
         if difference:

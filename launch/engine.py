@@ -104,7 +104,7 @@ def _bf16_accumulation(config: dict) -> dict:
     bf16, whose 8-bit mantissa drops the small contributions of later micro batches and ranks.
     DeepSpeed's default for both is the model's dtype. Both, so that a step is the same sum
     whatever its split into ranks x micro batches: a run resumed on another world size keeps its
-    global batch (`launch.train.find_resume`), and with fp32 accumulation but a bf16 reduction the
+    global batch (`launch.train.resume.find_resume`), and with fp32 accumulation but a bf16 reduction the
     next step would differ in the bf16 rounding (tests/test_universal.py). The reduction then
     moves twice the bytes of a bf16 one.
 
@@ -718,7 +718,7 @@ def deepspeed_accelerator() -> tuple[str, str]:
 def zero3_leaf_modules(modules: list[torch.nn.Module]) -> None:
     """Make each of `modules` a ZeRO-3 leaf (DeepSpeed's `set_z3_leaf_module`), before the
     engine is built: ZeRO-3 then gathers all of its parameters around its own forward and puts
-    no hooks on its submodules. A compiled forward of each leaf (`launch.train.compile_model`)
+    no hooks on its submodules. A compiled forward of each leaf (`launch.train.setup.compile_model`)
     is then one graph; with hooks inside, each parameter gather is a graph break."""
     from deepspeed.utils import set_z3_leaf_module
 

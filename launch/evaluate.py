@@ -54,6 +54,7 @@ from launch.decoding import (
 from pipeline import remote
 from pipeline.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, file_sha256, read_manifest, shard_entries
+from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.sub=value ...]
@@ -184,12 +185,16 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     synced = zero3 and denv.world_size > 1
     start = time.perf_counter()
     hypotheses: dict[int, list[int]] = {}
-    for round_index in range(rounds if synced else len(mine)):
-        indices = mine[round_index] if round_index < len(mine) else []
-        batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
-        outputs = translate_ids(model, batch, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                synced=synced, device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
-        hypotheses.update(zip(indices, outputs))
+    # Rank 0's share of the sentences: the ranks' batches are dealt alike, so its ETA is the job's.
+    desc = f"evaluate {cfg.split}" + (f" (rank 0 of {denv.world_size})" if denv.world_size > 1 else "")
+    with meter(sum(map(len, mine)), desc, "sentence", enabled=denv.is_main) as shown:
+        for round_index in range(rounds if synced else len(mine)):
+            indices = mine[round_index] if round_index < len(mine) else []
+            batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
+            outputs = translate_ids(model, batch, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
+                                    synced=synced, device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+            hypotheses.update(zip(indices, outputs))
+            shown.update(len(indices))
     gathered = dist.all_gather_object(hypotheses)
     elapsed = time.perf_counter() - start
     if not denv.is_main:

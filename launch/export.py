@@ -41,6 +41,7 @@ from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
 from pipeline.configure import UserError, config_from_dict, config_to_dict, load_config, parse_cli, run_main
 from pipeline.format import file_sha256
+from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 
@@ -203,13 +204,16 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
         raise UserError(f"{run.tokenizer} not found")
     if format == "hf":
         check_hf_exportable(run.config.model)
-    state = consolidated_state_dict(run.root, run.tag)
     record = provenance(run)
-    if format == "hf":
-        save_hf_dir(out, state, run.config.model, run.tokenizer, record)
-    else:
-        meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {"source": record["checkpoint"]}
-        save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
+    with meter(2, f"export {run.tag}", "phase") as shown:  # verify and consolidate; write
+        state = consolidated_state_dict(run.root, run.tag)
+        shown.update()
+        if format == "hf":
+            save_hf_dir(out, state, run.config.model, run.tokenizer, record)
+        else:
+            meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {"source": record["checkpoint"]}
+            save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
+        shown.update()
     return record
 
 

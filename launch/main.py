@@ -7,11 +7,19 @@ same number of steps -> evaluate BLEU and chrF on valid and test -> a report dir
 
 Each stage runs the project's own entry points as subprocesses, writes into its own
 directory under `out_dir`, and is skipped when its output already exists and is complete
-(the dataset must also pass `pipeline.validate`); a re-run says what it skipped. A failed
-stage stops the run with its error and leaves earlier stages' outputs as they were. SIGTERM,
-SIGINT or SIGHUP to the main job stops the stage it runs too (a training stage checkpoints),
-and a re-run continues from there.
-`configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020).
+(the dataset must also pass `pipeline.validate`); a re-run says what it skipped. While a stage
+runs, its latest progress line and the job's overall ETA (`StageClock`) are printed every
+PROGRESS_EVERY_S seconds. A failed stage stops the run with its error and leaves earlier
+stages' outputs as they were. SIGTERM, SIGINT or SIGHUP to the main job stops the stage it runs
+too (a training stage checkpoints), and a re-run continues from there.
+`configs/transfer.yaml` is the transfer experiment (all four starts; Rothe et al. 2020);
+`configs/transfer_gpu.yaml` the same at GPT-2 small / BERT-base size on 8 GPUs.
+
+`--dry-run` checks the whole chain and starts nothing (`launch.main_preflight`): every stage's
+config resolved as the stage would resolve it, each training run's preflight, and the
+pretrained models' shapes against the translation model they will warm-start; exit 2 if any
+problem. Exit status otherwise: 2 for a bad input found before a stage ran (a config, a key),
+1 for a stage that failed, 128 + N for signal N.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,10 +38,12 @@ import torch
 from launch.config import MainConfig, TrainConfig
 from launch.report import plot_losses, read_metrics
 from pipeline.configure import UserError, parse_cli, run_main, save_config
+from pipeline.progress import every_s, interval, is_progress_line
 
-USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...]
+USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
-The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report."""
+The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report.
+--dry-run: check every stage's config, the training runs' preflights and the warm starts' shapes; start nothing."""
 SIDES = ("random", "bert", "gpt")
 
 
@@ -61,10 +71,14 @@ def _on_signal(signum, frame) -> None:
     raise Stopped(signum)
 
 
-def _run(stage: str, command: list[str], log: Path) -> None:
-    """Run one stage's command, its output to `log`; a failure names the stage and the log."""
+def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
+    """Run one stage's command, its output to `log`; a failure names the stage and the log. While
+    it runs, every PROGRESS_EVERY_S seconds (at least 1), a line with its latest progress line
+    and the job's overall ETA (`StageClock`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    every = max(every_s(), 1.0)
     started = time.time()
+    clock.start(stage)
     _say(f"{stage}: {' '.join(command)}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # In a process group of its own, so that a Ctrl-C in the terminal reaches the main job alone,
@@ -73,7 +87,10 @@ def _run(stage: str, command: list[str], log: Path) -> None:
     with open(log, "w") as fh:
         process = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, **group)
         try:
-            code = process.wait()
+            while (code := _wait(process, every)) is None:
+                running = time.time() - started
+                _say(f"{stage} ({interval(running)}): {_last_progress_line(log) or 'no progress line yet'}; "
+                     f"{clock.eta(running)}")
         except Stopped as stop:
             raise Stopped(stop.signum, _stop_stage(stage, process, stop.signum, log)) from None
     if code != 0:
@@ -81,7 +98,73 @@ def _run(stage: str, command: list[str], log: Path) -> None:
         # The entry points' own one-line errors say most; else the log's last line.
         errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
         raise StageFailed(f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})")
-    _say(f"{stage}: done in {time.time() - started:.0f} s")
+    clock.finish(stage, time.time() - started)
+    _say(f"{stage}: done in {time.time() - started:.0f} s; {clock.eta()}")
+
+
+def _wait(process: subprocess.Popen, seconds: float) -> int | None:
+    """The process's exit status, or None if it still runs after `seconds`."""
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
+    """The last progress line (`pipeline.progress.is_progress_line`) in the last `tail` bytes of `log`."""
+    with open(log, "rb") as fh:
+        fh.seek(max(fh.seek(0, os.SEEK_END) - tail, 0))
+        text = fh.read().decode("utf-8", errors="replace")
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines()]
+    return next((line for line in reversed(lines) if is_progress_line(line)), "")
+
+
+@dataclass(frozen=True)
+class Stage:
+    label: str  # as the stage's lines name it: "pretrain gpt", "evaluate finetune-bert-gpt valid"
+    kind: str  # stages of a kind take alike per unit of work
+    work: float  # optimizer steps for a training stage, else 1
+
+
+class StageClock:
+    """The main job's overall ETA from the stages it has run so far: each stage still to come is
+    given the seconds per unit of work (steps, for training) of the stages of its kind run this
+    time. A kind none of whose stages has run yet is left out of the figure, and named; stages
+    skipped (their output complete) count as done and take nothing."""
+
+    def __init__(self, stages: list[Stage]):
+        self.stages = stages
+        self.position = 0  # the stages before it are done, run or skipped
+        self.timed: dict[str, tuple[float, float]] = {}  # kind: (seconds, work) of its stages run
+
+    def _index(self, label: str) -> int:
+        return [stage.label for stage in self.stages].index(label)
+
+    def start(self, label: str) -> None:
+        self.position = self._index(label)
+
+    def finish(self, label: str, seconds: float) -> None:
+        index = self._index(label)
+        kind, work = self.stages[index].kind, self.stages[index].work
+        before = self.timed.get(kind, (0.0, 0.0))
+        self.timed[kind] = (before[0] + seconds, before[1] + work)
+        self.position = index + 1
+
+    def eta(self, running_s: float | None = None) -> str:
+        """'N/M stages done, overall ETA T': `running_s` is how long the stage at the current
+        position has run (None: none runs)."""
+        left, untimed = 0.0, []
+        for offset, stage in enumerate(self.stages[self.position:]):
+            if stage.kind not in self.timed:
+                untimed += [stage.kind] if stage.kind not in untimed else []
+                continue
+            seconds, work = self.timed[stage.kind]
+            estimate = seconds / work * stage.work
+            left += max(estimate - running_s, 0.0) if offset == 0 and running_s is not None else estimate
+        done = f"{self.position}/{len(self.stages)} stages done"
+        if not untimed:
+            return f"{done}, overall ETA {interval(left)}"
+        return f"{done}, overall ETA >= {interval(left)} ({', '.join(untimed)} not yet timed)"
 
 
 def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
@@ -125,26 +208,64 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return final.is_file() and json.loads(final.read_text()).get("step") == steps
 
 
-def _check(cfg: MainConfig) -> list[tuple[str, str]]:
-    starts = []
-    for start in cfg.starts:
-        encoder, _, decoder = start.partition("/")
-        if encoder not in SIDES or decoder not in SIDES:
-            raise UserError(f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}")
-        starts.append((encoder, decoder))
-    for split in cfg.eval_splits:
-        if split not in ("train", "valid", "test"):
-            raise UserError(f"eval_splits: {split!r} is not train, valid or test")
+def parse_starts(cfg: MainConfig) -> list[tuple[str, str]]:
+    """(encoder, decoder) of each well-formed start of `starts`."""
+    pairs = [start.partition("/")[::2] for start in cfg.starts]
+    return [(encoder, decoder) for encoder, decoder in pairs if encoder in SIDES and decoder in SIDES]
+
+
+def main_problems(cfg: MainConfig) -> list[str]:
+    """Every problem of the main job's own keys, each line starting with its key; empty if none."""
+    problems = [f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}" for start in cfg.starts
+                if len(start.split("/")) != 2 or not set(start.split("/")) <= set(SIDES)]
+    problems += [f"eval_splits: {split!r} is not train, valid or test" for split in cfg.eval_splits
+                 if split not in ("train", "valid", "test")]
     if cfg.pretrain_steps <= 0 or cfg.bert_pretrain_steps < 0 or cfg.finetune_steps <= 0:
-        raise UserError(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
+        problems.append(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
                         f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)")
-    for path in (cfg.prepare_config, cfg.gpt_config, cfg.bert_config, cfg.translation_config):
-        if not Path(path).is_file():
-            raise UserError(f"config file not found: {path}")
-    return starts
+    if cfg.nproc < 1:
+        problems.append(f"nproc: {cfg.nproc}: must be at least 1")
+    if cfg.beam < 1:
+        problems.append(f"beam: {cfg.beam}: must be at least 1")
+    for key in ("prepare_config", "gpt_config", "bert_config", "translation_config"):
+        if not Path(getattr(cfg, key)).is_file():
+            problems.append(f"{key}: config file not found: {getattr(cfg, key)}")
+    return problems
 
 
-def stage_prepare(cfg: MainConfig, logs: Path) -> None:
+def _check(cfg: MainConfig) -> list[tuple[str, str]]:
+    """The starts, or a UserError with the first of `main_problems`."""
+    problems = main_problems(cfg)
+    if problems:
+        raise UserError(problems[0])
+    return parse_starts(cfg)
+
+
+def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
+    """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the stage's overrides."""
+    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={_pretrain_steps(cfg, name)}",
+            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *getattr(cfg, f"{name}_overrides")]
+
+
+def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> list[str]:
+    """What the job passes to a fine-tuning run; `init`: stack -> exported directory of each warm side.
+    Random sides are left to the config's default (""): an empty override would read as null."""
+    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
+            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *cfg.translation_overrides,
+            *(f"init.{stack}={directory}" for stack, directory in init.items())]
+
+
+def pretrained_needed(starts: list[tuple[str, str]]) -> list[str]:
+    """The pretraining runs the starts need, in the order they run (both when there are no starts)."""
+    needed = {side for start in starts for side in start} - {"random"}
+    return [name for name in ("gpt", "bert") if name in needed or not starts]
+
+
+def prepare_overrides(cfg: MainConfig) -> list[str]:
+    return [*cfg.prepare_overrides, f"output_dir={cfg.data_dir}", "overwrite=true"]
+
+
+def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
     data = Path(cfg.data_dir)
     if (data / "manifest.json").is_file():
         check = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], capture_output=True, text=True)
@@ -154,8 +275,8 @@ def stage_prepare(cfg: MainConfig, logs: Path) -> None:
         # The summary line, or the one-line error of a dataset it cannot read (an older format).
         said = check.stdout.strip().splitlines() or check.stderr.strip().splitlines() or [f"exit {check.returncode}"]
         _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
-    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, f"output_dir={data}", "overwrite=true",
-                     "progress=false"], logs / "prepare.log")
+    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
+         logs / "prepare.log", clock)
 
 
 def _say_pretraining_text(cfg: MainConfig) -> None:
@@ -192,46 +313,44 @@ def _pretrain_steps(cfg: MainConfig, name: str) -> int:
     return cfg.bert_pretrain_steps if name == "bert" and cfg.bert_pretrain_steps else cfg.pretrain_steps
 
 
-def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path) -> Path:
+def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path, clock: StageClock) -> Path:
     run_dir = out / f"pretrain-{name}"
     steps = _pretrain_steps(cfg, name)
     if _finished(run_dir, steps):
         _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:
-        _run(f"pretrain {name}", _train_command(cfg.nproc, config, [
-            f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={steps}",
-            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg)]), logs / f"pretrain-{name}.log")
+        _run(f"pretrain {name}", _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
+             logs / f"pretrain-{name}.log", clock)
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
         _say(f"export {name}: skipped, {export} holds step {steps}")
     else:
         _run(f"export {name}", [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
-             logs / f"export-{name}.log")
+             logs / f"export-{name}.log", clock)
     return export
 
 
-def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, out: Path, logs: Path) -> Path:
+def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, out: Path, logs: Path,
+                   clock: StageClock) -> Path:
     name = f"{encoder}-{decoder}"
     run_dir = out / f"finetune-{name}"
     if _finished(run_dir, cfg.finetune_steps):
         _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
         return run_dir
-    # Random sides are left to the config's default (""): an empty override would read as null.
-    init = [f"init.{stack}={exports[side]}" for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"]
-    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, [
-        f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-        f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *init]), logs / f"finetune-{name}.log")
+    init = {stack: str(exports[side]) for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"}
+    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
+         logs / f"finetune-{name}.log", clock)
     return run_dir
 
 
-def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path) -> dict:
+def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path, clock: StageClock) -> dict:
     out = run_dir / f"eval-{split}"
     scores = out / "scores.json"
     if not scores.is_file():
         _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}",
                                                   f"data_dir={cfg.data_dir}", f"split={split}", f"beam={cfg.beam}", f"out={out}"],
-             logs / f"evaluate-{run_dir.name}-{split}.log")
+             logs / f"evaluate-{run_dir.name}-{split}.log", clock)
     else:
         _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
     return json.loads(scores.read_text())
@@ -293,6 +412,17 @@ def write_report(cfg: MainConfig, pretrained: dict, finetuned: dict, seconds: fl
     return table, report
 
 
+def plan_stages(cfg: MainConfig, starts: list[tuple[str, str]]) -> list[Stage]:
+    """Every stage of the job in order, labelled as `_run` names it, for the overall ETA."""
+    stages = [Stage("prepare", "prepare", 1)]
+    for name in pretrained_needed(starts):
+        stages += [Stage(f"pretrain {name}", "pretrain", _pretrain_steps(cfg, name)), Stage(f"export {name}", "export", 1)]
+    for encoder, decoder in starts:
+        stages.append(Stage(f"fine-tune {encoder}-{decoder}", "fine-tune", cfg.finetune_steps))
+        stages += [Stage(f"evaluate finetune-{encoder}-{decoder} {split}", "evaluate", 1) for split in cfg.eval_splits]
+    return stages
+
+
 def main_job(cfg: MainConfig) -> str:
     starts = _check(cfg)
     out = Path(cfg.out_dir)
@@ -301,25 +431,32 @@ def main_job(cfg: MainConfig) -> str:
     cfg = replace(cfg, wandb_group=wandb_group(cfg, out))
     save_config(cfg, out / "config.yaml")
     _say(f"W&B group of this job's runs: {cfg.wandb_group}")
+    clock = StageClock(plan_stages(cfg, starts))
+    _say(f"{len(clock.stages)} stages: {', '.join(stage.label for stage in clock.stages)}")
     started = time.time()
-    stage_prepare(cfg, logs)
+    stage_prepare(cfg, logs, clock)
     _say_pretraining_text(cfg)
-    needed = {side for start in starts for side in start} - {"random"}
     exports, pretrained = {}, {}
-    for name, config in (("gpt", cfg.gpt_config), ("bert", cfg.bert_config)):
-        if name in needed or not starts:
-            exports[name] = stage_pretrain(cfg, name, config, out, logs)
-            pretrained[name] = out / f"pretrain-{name}"
+    for name in pretrained_needed(starts):
+        exports[name] = stage_pretrain(cfg, name, getattr(cfg, f"{name}_config"), out, logs, clock)
+        pretrained[name] = out / f"pretrain-{name}"
     finetuned = {}
     for encoder, decoder in starts:
-        run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs)
-        finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs) for split in cfg.eval_splits})
+        run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs, clock)
+        finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs, clock)
+                                                       for split in cfg.eval_splits})
     table, report = write_report(cfg, pretrained, finetuned, time.time() - started)
     _say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:  # check the whole chain; start nothing, write nothing
+        from launch.main_preflight import dry_run  # it reads this module's stage commands
+
+        rest = [arg for arg in argv if arg != "--dry-run"]
+        return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)

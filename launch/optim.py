@@ -33,7 +33,7 @@ class AdamW(torch.optim.AdamW):
 
     DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers drop such steps themselves; under ZeRO-0 in
     fp32 the engine calls this optimizer directly, with gradients already averaged over the
-    ranks, so every rank takes the same decision (`launch.train.train_step`'s guard relies on it)."""
+    ranks, so every rank takes the same decision (`launch.train.loop.train_step`'s guard relies on it)."""
 
     overflow = False
 

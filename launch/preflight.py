@@ -12,6 +12,12 @@ warm-start source. Every problem found is listed at once, each naming its key; t
 status is 2 if there is any, else 0. Warnings (no evaluation, fp16 needing a GPU, ...) are
 listed too but do not fail the run.
 
+A warm-start source (`init.encoder`, `init.decoder`) is an exported directory; before it
+exists, the training config that will produce it (a YAML) stands in: its model is checked
+against the stack it would fill, with a warning that the run itself needs the export. The main
+job's `--dry-run` (`launch.main_preflight`) checks a chain whose dataset is not prepared yet
+against what its prepare config will make (`PlannedData`).
+
     python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
 
 is the same report (`--dry-run` is not needed there). The world size is read from the
@@ -47,8 +53,9 @@ from model.config import GATED_ACTIVATIONS, STACKS
 from model.loss import chunk_peak_bytes
 from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
-from pipeline.configure import UserError, config_from_dict, parse_cli, run_main, strip_launcher_args
+from pipeline.configure import UserError, config_from_dict, load_config, parse_cli, run_main, strip_launcher_args
 from pipeline.format import TOKENIZER_FILE, ManifestError, file_sha256, read_manifest, shard_entries
+from pipeline.loader import DEFAULT_SOURCE
 
 USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
    or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]
@@ -74,6 +81,7 @@ class Report:
     figures: dict[str, Any] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
+    model_config: ModelConfig | None = None  # the model as resolved (vocabulary from the data); None if it cannot be
 
     def problem(self, key: str, message: str) -> None:
         self.problems.append(Problem(key, message))
@@ -110,6 +118,18 @@ class DataInfo:
     samples: dict[str, int] = field(default_factory=dict)  # split -> samples of the task's shard set
     tokens: dict[str, int] = field(default_factory=dict)  # split -> tokens stored (translation: source + target)
     block_length: int | None = None  # the longest input the model will be given (for the token figures)
+
+
+@dataclass(frozen=True)
+class PlannedData:
+    """A dataset that a prepare config will make (the main job's dry run, before its prepare stage):
+    what it fixes in advance. Sample counts are unknown until the shards exist."""
+
+    source: str  # the prepare config, for the messages
+    vocab_size: int  # tokenizer.vocab_size
+    tasks: tuple[str, ...]
+    seq_len: int  # packed blocks
+    max_tokens: int  # translation pairs: the most tokens a side
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -161,12 +181,17 @@ def _split_flags(argv: list[str]) -> tuple[dict, list[str]]:
 # ----------------------------------------------------------------------------- the checks, in the order a run meets them
 
 
-def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: int | None = None) -> Report:
-    """Resolve `cfg` as `launch.train.setup` would, without a process group or an engine, and
-    collect every problem instead of stopping at the first."""
+def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: int | None = None,
+              planned: PlannedData | None = None) -> Report:
+    """Resolve `cfg` as `launch.train.setup.setup` would, without a process group or an engine, and
+    collect every problem instead of stopping at the first. `planned`: the dataset a prepare
+    stage will make, taken for `data.data_dir` while that does not exist."""
     report = Report()
     for line in config_problems(cfg):
         report.problem_line(line)
+    if 0 < cfg.max_steps <= cfg.schedule.warmup_steps:
+        report.warn("schedule.warmup_steps", f"{cfg.schedule.warmup_steps:,} but max_steps is {cfg.max_steps:,}: the "
+                                             "learning rate never reaches optim.lr")
     task = TASKS.get(cfg.task)
     world = resolve_world(world_size, ranks_per_node)
     if task is not None:
@@ -175,10 +200,13 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: i
                                   f"{world.ranks_per_node} rank{'s' * (world.ranks_per_node > 1)}")
     report.figures.update(world_size=world.size, ranks_per_node=world.ranks_per_node, nodes=world.nodes)
 
-    data = check_data(cfg, task, report)
-    model_cfg = resolve_model_config(cfg, data, report)
-    if task is not None and data is not None:
-        check_block_length(cfg, task, report)
+    if planned is not None and not remote.is_url(cfg.data.data_dir) and not Path(cfg.data.data_dir).exists():
+        data = planned_data(cfg, task, planned, report)
+    else:
+        data = check_data(cfg, task, report)
+        if task is not None and data is not None:
+            check_block_length(cfg, task, report)
+    model_cfg = report.model_config = resolve_model_config(cfg, data, report)
     plan = None
     if cfg.data.micro_batch_size > 0 and cfg.grad_accum > 0:
         try:
@@ -257,6 +285,8 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
             continue
         info.samples[split] = sum(int(entry["samples"]) for entry in entries)
         info.tokens[split] = sum(int(entry.get("tokens", 0)) for entry in entries)
+        if split == "train" and cfg.data.mixture:
+            check_mixture(cfg, task, entries, report)
         if url:
             checked.append(f"{split} {len(entries)} shards listed (remote: checked when fetched)")
             continue
@@ -271,6 +301,47 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         # The longest pair side plus one special token: the source's </s>, the decoder input's <s>.
         info.block_length = int(manifest["config"]["translation"]["max_tokens"]) + 1
     return info
+
+
+def planned_data(cfg: TrainConfig, task: Task | None, planned: PlannedData, report: Report) -> DataInfo:
+    """What the run will read from a dataset not made yet: its vocabulary, and its inputs'
+    lengths against `model.max_seq_len` (packed blocks exactly; translation pairs by their bound,
+    which only a warning can hold against the model, since the pairs themselves may be shorter)."""
+    report.facts["dataset"] = (f"{cfg.data.data_dir}: not there yet; {planned.source} will make it: vocabulary "
+                               f"{planned.vocab_size}, blocks of {planned.seq_len}, pairs of at most {planned.max_tokens} "
+                               "tokens a side (sample counts unknown until then)")
+    info = DataInfo(vocab_size=planned.vocab_size)
+    if task is None:
+        return info
+    if task.name not in planned.tasks:
+        report.problem("data.data_dir", f"{planned.source} makes no {task.name} data (its tasks: {', '.join(planned.tasks)})")
+    if task.dataset == "packed":
+        info.block_length = planned.seq_len
+        if planned.seq_len > cfg.model.max_seq_len:
+            report.problem("model.max_seq_len", f"model.max_seq_len={cfg.model.max_seq_len} is shorter than the packed "
+                                                f"blocks of seq_len {planned.seq_len} that {planned.source} will make; set "
+                                                f"model.max_seq_len={planned.seq_len} or more")
+    else:
+        info.block_length = planned.max_tokens + 1  # a side plus </s> (source) or <s> (decoder input)
+        if info.block_length > cfg.model.max_seq_len:
+            report.warn("model.max_seq_len", f"model.max_seq_len={cfg.model.max_seq_len} is shorter than the bound "
+                                             f"of the pairs {planned.source} will make ({planned.max_tokens} tokens a "
+                                             "side, + 1): the training run checks the pairs themselves")
+    return info
+
+
+def check_mixture(cfg: TrainConfig, task: Task, entries: list[dict], report: Report) -> None:
+    """`data.mixture`'s sources against the train split's, as the loader checks them (`pipeline.loader`)."""
+    samples: dict[str, int] = {}
+    for entry in entries:
+        name = str(entry.get("source", DEFAULT_SOURCE))
+        samples[name] = samples.get(name, 0) + int(entry["samples"])
+    for name, weight in cfg.data.mixture.items():
+        if name not in samples:
+            report.problem("data.mixture", f"{cfg.data.data_dir} {task.name}/train has no source {name!r}; its sources: "
+                                           f"{', '.join(sorted(samples))}")
+        elif not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            report.problem(f"data.mixture.{name}", f"a weight must be a positive number, got {weight!r}")
 
 
 def _check_shards(data_dir: Path, dataset: str, split: str, entries: list[dict], report: Report) -> int:
@@ -482,39 +553,73 @@ def check_warm_start(cfg: TrainConfig, task: Task | None, model_cfg: ModelConfig
                      report: Report) -> None:
     """Each `init.encoder` / `init.decoder`: an exported directory (launch.export) made with the
     dataset's tokenizer, whose architecture fits its stack (what `model.warm_start` checks
-    before loading; the weights are not read here)."""
+    before loading; the weights are not read here), or the training config that will make it."""
     if task is None or not task.warm_startable:
         return  # config_problems has said that init is for another task
     for side in STACKS:
-        directory = getattr(cfg.init, side)
-        if not directory:
+        given = getattr(cfg.init, side)
+        if not given:
             continue
-        key, path = f"init.{side}", Path(directory)
-        if not (path / EXPORT_CONFIG).is_file() or not (path / EXPORT_WEIGHTS).is_file():
-            report.problem(key, f"{path}: not an exported model directory (no {EXPORT_CONFIG} and "
-                                f"{EXPORT_WEIGHTS}; write one with launch.export)")
-            continue
-        try:
-            meta = json.loads((path / EXPORT_CONFIG).read_text())
-            source = config_from_dict(ModelConfig, meta["model"], source=str(path / EXPORT_CONFIG))
-        except (json.JSONDecodeError, KeyError, TypeError, UserError) as err:
-            report.problem(key, f"{path / EXPORT_CONFIG}: unreadable: {err}")
-            continue
-        sha256 = meta.get("tokenizer_sha256")
-        if data is not None and data.tokenizer_sha256 and sha256 != data.tokenizer_sha256:
-            report.problem(key, f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
-                                f"{cfg.data.data_dir} ({data.tokenizer_sha256[:12]}...): its embeddings would not "
-                                "mean the same tokens")
-        if source.arch not in SOURCE_CLASSES:
-            report.problem(key, f"{path} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}")
-        elif model_cfg is not None:
-            stack = model_cfg.for_stack(side)
-            differ = [name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)]
-            if differ:
-                report.problem(key, f"{path} ({source.arch}) has " + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
-                               + f" but the Seq2Seq {side} has " + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ))
-            else:
-                report.facts[key] = f"{path}: {source.arch}, fits the {side}"
+        key, path = f"init.{side}", Path(given)
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            source = _source_from_config(key, path, data, report)
+            what = f"{path} (the model its run will export)"
+        else:
+            source = _source_from_export(key, path, cfg, data, report)
+            what = str(path)
+        if source is not None and model_cfg is not None:
+            check_source_fits(report, key, what, source, side, model_cfg)
+
+
+def _source_from_export(key: str, path: Path, cfg: TrainConfig, data: DataInfo | None, report: Report) -> ModelConfig | None:
+    if not (path / EXPORT_CONFIG).is_file() or not (path / EXPORT_WEIGHTS).is_file():
+        report.problem(key, f"{path}: not an exported model directory (no {EXPORT_CONFIG} and "
+                            f"{EXPORT_WEIGHTS}; write one with launch.export)")
+        return None
+    try:
+        meta = json.loads((path / EXPORT_CONFIG).read_text())
+        source = config_from_dict(ModelConfig, meta["model"], source=str(path / EXPORT_CONFIG))
+    except (json.JSONDecodeError, KeyError, TypeError, UserError) as err:
+        report.problem(key, f"{path / EXPORT_CONFIG}: unreadable: {err}")
+        return None
+    sha256 = meta.get("tokenizer_sha256")
+    if data is not None and data.tokenizer_sha256 and sha256 != data.tokenizer_sha256:
+        report.problem(key, f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
+                            f"{cfg.data.data_dir} ({data.tokenizer_sha256[:12]}...): its embeddings would not "
+                            "mean the same tokens")
+    return source
+
+
+def _source_from_config(key: str, path: Path, data: DataInfo | None, report: Report) -> ModelConfig | None:
+    """The model a training config will export, its vocabulary (0) the dataset's: a plan, which
+    the run itself cannot load (a warning says so)."""
+    try:
+        source = load_config(TrainConfig, path).model
+    except UserError as err:
+        report.problem(key, str(err))
+        return None
+    report.warn(key, f"{path} is a training config: its model is checked here; the run needs the directory "
+                     "launch.export writes from its checkpoint")
+    if source.vocab_size == 0:
+        if data is None or data.vocab_size is None:
+            return None
+        source = replace(source, vocab_size=int(data.vocab_size))
+    return source
+
+
+def check_source_fits(report: Report, key: str, what: str, source: ModelConfig, side: str, model_cfg: ModelConfig) -> None:
+    """A warm-start source (`what`: where it comes from) against the Seq2Seq stack `side` it
+    would fill: the fields `model.warm_start` requires equal; the problem names every one that differs."""
+    if source.arch not in SOURCE_CLASSES:
+        report.problem(key, f"{what} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}")
+        return
+    stack = model_cfg.for_stack(side)
+    differ = [name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)]
+    if differ:
+        report.problem(key, f"{what} ({source.arch}) has " + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
+                       + f" but the Seq2Seq {side} has " + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ))
+    else:
+        report.facts[key] = f"{what}: {source.arch}, fits the {side}"
 
 
 def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:

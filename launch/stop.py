@@ -1,7 +1,7 @@
 """Stop requests to a training rank: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning), RUN_DIR/STOP (what
 the batch scripts touch on the warning) and the death of the rank's launcher.
 
-A request is honoured at a step boundary (`launch.train.fit`: the step reached checkpointed,
+A request is honoured at a step boundary (`launch.train.loop.fit`: the step reached checkpointed,
 RUN_DIR/preempted.json for the batch script, one line, exit 0). A rank waiting for data may not
 reach one for minutes: a data server that accepts and never answers holds a fetch for its
 timeout, its retries and their back-off. So a wait for data is `stoppable`: a request that comes
@@ -95,7 +95,7 @@ def _watch_stop_file(run_dir: Path) -> None:
     """While the main thread has waited for data over a second, look for RUN_DIR/STOP every
     second, and deliver it as SIGUSR1 to the main thread, whose wait that cuts short. Every rank
     looks, since the one waiting may not be rank 0; between such waits rank 0 alone looks, once a
-    step (`launch.train.train_step`), and the ranks agree on it there."""
+    step (`launch.train.loop.train_step`), and the ranks agree on it there."""
     while True:
         time.sleep(WATCH_INTERVAL_S)
         since = _waiting_since

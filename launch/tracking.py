@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.progress import interval, remaining
+
 
 def read_metrics_rows(run_dir: Path) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl in file order; a line that does not parse (a job
@@ -79,11 +81,15 @@ def new_run_id() -> str:
 class Tracker:
     """Logs metrics to W&B (when enabled) and a compact progress line, on rank 0 only."""
 
-    def __init__(self, *, enabled: bool, settings, run_dir: str | Path, run_id: str, config: dict, summary: dict):
-        """`settings`: the config's WandbConfig, resolved against the environment here."""
+    def __init__(self, *, enabled: bool, settings, run_dir: str | Path, run_id: str, config: dict, summary: dict,
+                 start_step: int = 0):
+        """`settings`: the config's WandbConfig, resolved against the environment here;
+        `start_step`: the step this process starts from (a resume's), which its ETA counts from."""
         self.enabled = enabled
         self.run = None
         self.started = time.time()
+        self.start_step = start_step
+        self.saved: tuple[int, float] | None = None  # the last checkpoint's step and time
         if not enabled:
             return
         resolved = resolve_wandb(settings)
@@ -116,7 +122,13 @@ class Tracker:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
+    def checkpointed(self, step: int, at: float | None = None) -> None:
+        """A checkpoint of `step` was completed (at `at`, default now), for the progress line."""
+        self.saved = (step, time.time() if at is None else at)
+
     def progress(self, step: int, max_steps: int, metrics: dict) -> None:
+        """One line on stderr: step, loss, rate, tokens/s, ..., the ETA to `max_steps` at this
+        process's mean time per step so far (evaluation and checkpoints included), the last checkpoint."""
         if not self.enabled:
             return
         parts = [f"step {step}/{max_steps}"]
@@ -126,7 +138,13 @@ class Tracker:
             value = metrics.get(key)
             if value is not None and not (isinstance(value, float) and math.isnan(value)):
                 parts.append(fmt.format(value))
-        parts.append(f"{time.time() - self.started:.0f}s")
+        elapsed = time.time() - self.started
+        parts.append(f"{elapsed:.0f}s")
+        parts.append(f"ETA {interval(remaining(step - self.start_step, max_steps - self.start_step, elapsed))}")
+        if self.saved:
+            parts.append(f"last ckpt step {self.saved[0]} at {time.strftime('%H:%M:%S', time.localtime(self.saved[1]))}")
+        else:
+            parts.append("last ckpt none yet")
         print(" | ".join(parts), file=sys.stderr, flush=True)
 
     def finish(self, summary: dict | None = None) -> None:

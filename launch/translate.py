@@ -30,6 +30,7 @@ from launch.decoding import (
     translate_ids,
 )
 from pipeline.configure import UserError, parse_cli, run_main
+from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input=FILE] [key.sub=value ...]
@@ -37,8 +38,9 @@ USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input
 Translate UTF-8 text, one sentence per line, from standard input (or input=FILE) to standard output."""
 
 
-def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO) -> dict:
-    """Translate `lines` (without their newlines) to `out`; returns counts."""
+def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO, total: int | None = None) -> dict:
+    """Translate `lines` (without their newlines) to `out`; returns counts. With their number
+    `total` (an input file's), progress is shown on `err`."""
     ckpt = inspect_checkpoint(cfg.checkpoint)
     max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
     tokenizer = load_tokenizer(ckpt.tokenizer_path)
@@ -46,24 +48,26 @@ def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err
     model = load_model(ckpt).to(device)
     counts = {"lines": 0, "empty": 0, "truncated": 0}
     lines = iter(lines)
-    while chunk := list(itertools.islice(lines, cfg.micro_batch_size)):
-        encoded = [tokenizer.encode(line) for line in chunk]
-        sources = []
-        for offset, ids in enumerate(encoded):
-            if ids:
-                src, cut = source_ids(ids, ckpt.max_source_tokens)
-                sources.append(src)
-                if cut:
-                    counts["truncated"] += 1
-                    print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
-                          f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
-        outputs = iter(translate_ids(model, sources, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                     device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
-                       if sources else [])
-        out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
-        out.flush()
-        counts["lines"] += len(chunk)
-        counts["empty"] += len(chunk) - len(sources)
+    with meter(total, "translate", "line", enabled=total is not None, stream=err) as shown:
+        while chunk := list(itertools.islice(lines, cfg.micro_batch_size)):
+            encoded = [tokenizer.encode(line) for line in chunk]
+            sources = []
+            for offset, ids in enumerate(encoded):
+                if ids:
+                    src, cut = source_ids(ids, ckpt.max_source_tokens)
+                    sources.append(src)
+                    if cut:
+                        counts["truncated"] += 1
+                        print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
+                              f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
+            outputs = iter(translate_ids(model, sources, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
+                                         device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+                           if sources else [])
+            out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
+            out.flush()
+            counts["lines"] += len(chunk)
+            counts["empty"] += len(chunk) - len(sources)
+            shown.update(len(chunk))
     return counts
 
 
@@ -76,21 +80,36 @@ def _read_lines(stream: BinaryIO) -> Iterable[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
+def _count_lines(stream: BinaryIO) -> int | None:
+    """The number of lines `_read_lines` will give (a last line without \\n counts), the stream
+    rewound; None for one that cannot be read twice (a named pipe)."""
+    if not stream.seekable():
+        return None
+    count, last = 0, b"\n"
+    while block := stream.read(1 << 20):
+        count += block.count(b"\n")
+        last = block[-1:]
+    stream.seek(0)
+    return count + (last != b"\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TranslateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    total = None  # standard input: no progress (its length is unknown; it may be a terminal)
     if cfg.input == "-":
         source = sys.stdin.buffer
     else:
         try:
             source = open(cfg.input, "rb")
+            total = _count_lines(source)
         except OSError as err:
             raise UserError(f"input: {err}") from err
     with source, results_only_on_stdout() as stdout:
         out = io.TextIOWrapper(stdout.buffer, encoding="utf-8", newline="\n", write_through=True)
         try:
-            counts = translate_lines(cfg, _read_lines(source), out, sys.stderr)
+            counts = translate_lines(cfg, _read_lines(source), out, sys.stderr, total)
         finally:
             out.detach()  # sys.stdout keeps its buffer
     print(f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",

@@ -41,7 +41,7 @@ def write_parquet(out: str | Path, max_rows: int, row_group_rows: int) -> int:
         if len(rows) >= max_rows:
             break
     if not rows:
-        raise SystemExit(f"make_parquet: no text found in {', '.join(PATTERNS)}")
+        raise SystemExit(f"error: make_parquet: no text found in {', '.join(PATTERNS)}")  # exit 1: nothing to make
     table = pa.table({"text": [t for _, t in rows], "path": [p for p, _ in rows]})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, str(out), row_group_size=row_group_rows)
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=20000, help="paragraphs at most (default %(default)s)")
     parser.add_argument("--row-group-rows", type=int, default=2000, help="rows per row group (default %(default)s)")
     args = parser.parse_args(argv)
+    for name in ("max_rows", "row_group_rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
     n = write_parquet(args.out, args.max_rows, args.row_group_rows)
     print(f"wrote {args.out}: {n} paragraphs")
     return 0

@@ -15,10 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from tqdm import tqdm
-
 from pipeline.config import RayConfig
 from pipeline.configure import UserError
+from pipeline.progress import meter
 
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -126,7 +125,7 @@ def run_tasks(
     results: list[Any] = [None] * len(arguments)
     pending: dict[Any, int] = {}
     next_index = 0
-    with tqdm(total=len(arguments), desc=desc, disable=not progress, unit="task", dynamic_ncols=True) as bar:
+    with meter(len(arguments), desc, "task", enabled=progress) as bar:
         while next_index < len(arguments) or pending:
             if INTERRUPTED.is_set():
                 raise KeyboardInterrupt("interrupted")

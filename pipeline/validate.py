@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from pipeline.configure import UserError, parse_cli, run_main
 from pipeline.format import FIELDS, decode_array, file_sha256, is_token_field, read_manifest, shard_list_problems
+from pipeline.progress import meter
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
 
@@ -55,33 +56,46 @@ def validate(data_dir: str | Path) -> list[str]:
         problems.append(f"{tokenizer}: missing")
     elif file_sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
         problems.append(f"{tokenizer}: sha256 differs from the manifest")
-    for name, dataset in manifest["datasets"].items():
-        for split, entry in dataset["splits"].items():
-            listing = shard_list_problems(entry["shards"], f"{name}/{split}")
-            problems += listing
-            # A repeat or a bad count also breaks the total: the cause is the line to read.
-            if not listing and entry["samples"] != sum(s["samples"] for s in entry["shards"]):
-                problems.append(f"{name}/{split}: split total differs from the sum over its shards")
-            checked = set()
-            for shard in entry["shards"]:
-                if not isinstance(shard, dict) or not isinstance(shard.get("path"), str) or shard["path"] in checked:
-                    continue  # reported above; a shard listed twice is checked once
-                checked.add(shard["path"])
-                path = data_dir / shard["path"]
-                if not path.is_file():
-                    problems.append(f"{shard['path']}: missing")
-                    continue
-                if path.stat().st_size != shard["bytes"]:
-                    problems.append(f"{shard['path']}: {path.stat().st_size} bytes, manifest says {shard['bytes']}")
-                if file_sha256(path) != shard["sha256"]:
-                    problems.append(f"{shard['path']}: sha256 differs from the manifest")
-                try:
-                    samples, tokens = _count_samples(path, tuple(dataset.get("fields", FIELDS[name])))
-                except Exception as err:  # any decoding failure is a finding, not a crash
-                    problems.append(f"{shard['path']}: unreadable: {str(err).splitlines()[0]}")
-                    continue
-                if (samples, tokens) != (shard["samples"], shard["tokens"]):
-                    problems.append(f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}")
+    listed = sum(len(entry["shards"]) for dataset in manifest["datasets"].values()
+                 for entry in dataset["splits"].values() if isinstance(entry.get("shards"), list))
+    with meter(listed, "validate", "shard") as shown:
+        for name, dataset in manifest["datasets"].items():
+            for split, entry in dataset["splits"].items():
+                problems += _check_split(data_dir, name, split, dataset, entry, shown)
+    return problems
+
+
+def _check_split(data_dir: Path, name: str, split: str, dataset: dict, entry: dict, shown) -> list[str]:
+    """The problems of one split's listing and shards; `shown` advances by each listed shard."""
+    listing = shard_list_problems(entry["shards"], f"{name}/{split}")
+    problems = list(listing)
+    # A repeat or a bad count also breaks the total: the cause is the line to read.
+    if not listing and entry["samples"] != sum(s["samples"] for s in entry["shards"]):
+        problems.append(f"{name}/{split}: split total differs from the sum over its shards")
+    checked = set()
+    for shard in entry["shards"]:
+        if isinstance(shard, dict) and isinstance(shard.get("path"), str) and shard["path"] not in checked:
+            checked.add(shard["path"])  # else reported above; a shard listed twice is checked once
+            problems += _check_shard(data_dir / shard["path"], shard, tuple(dataset.get("fields", FIELDS[name])))
+        shown.update()
+    return problems
+
+
+def _check_shard(path: Path, shard: dict, fields: tuple[str, ...]) -> list[str]:
+    """The problems of one shard against its manifest entry."""
+    if not path.is_file():
+        return [f"{shard['path']}: missing"]
+    problems = []
+    if path.stat().st_size != shard["bytes"]:
+        problems.append(f"{shard['path']}: {path.stat().st_size} bytes, manifest says {shard['bytes']}")
+    if file_sha256(path) != shard["sha256"]:
+        problems.append(f"{shard['path']}: sha256 differs from the manifest")
+    try:
+        samples, tokens = _count_samples(path, fields)
+    except Exception as err:  # any decoding failure is a finding, not a crash
+        return problems + [f"{shard['path']}: unreadable: {str(err).splitlines()[0]}"]
+    if (samples, tokens) != (shard["samples"], shard["tokens"]):
+        problems.append(f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}")
     return problems
 
 

@@ -13,7 +13,7 @@ cd "$PROJECT_DIR" || exit 2
 log() { echo "[$(date '+%F %T')] $*" >&2; }
 die() { log "error: $*"; exit 2; }
 
-[[ -f launch/train.py && -f pipeline/prepare.py ]] ||
+[[ -f launch/train/loop.py && -f pipeline/prepare.py ]] ||
     die "PROJECT_DIR=$PROJECT_DIR is not the project (submit from its root or set PROJECT_DIR)"
 
 # The interpreter of the project's environment: $PYTHON, else .venv/bin/python, else python3.
@@ -26,12 +26,17 @@ export PYTHONPATH=$PROJECT_DIR${PYTHONPATH:+:$PYTHONPATH}
 # sbatch's --cpus-per-task is not inherited by srun since Slurm 22.05.
 [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 
-# The address of the allocation's first node: its NodeAddr, which is its name on most
-# clusters (and 127.0.0.1 on slurm/local-cluster.sh's emulated nodes). awk reads the whole
-# list: `head -n 1` may exit before scontrol has written its last name, and the SIGPIPE that
-# scontrol then gets ends the script (exit 141) under pipefail.
+# The allocation's first node, and a node's address: its NodeAddr, which is its name on most
+# clusters (and 127.0.0.1 on slurm/local-cluster.sh's emulated nodes), else, where SLURM reports
+# none, the node's name (check_addr then makes sure it resolves). awk reads the whole list:
+# `head -n 1` may exit before scontrol has written its last name, and the SIGPIPE that scontrol
+# then gets ends the script (exit 141) under pipefail; grep finding nothing must not end it either.
 head_node() { scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1'; }
-node_addr() { scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; }
+node_addr() {
+    local addr
+    addr=$(scontrol show node "$1" | { grep -o 'NodeAddr=[^ ]*' || true; } | awk -F= 'NR == 1 {print $2}')
+    echo "${addr:-$1}"
+}
 
 # A port every node derives from the job id alone (a requeued job keeps its id).
 job_port() { echo $((${1:-20000} + SLURM_JOB_ID % 10000)); }
@@ -163,7 +168,6 @@ train_job() {
     ((WARNED)) && touch "$run_dir/STOP"
     head=$(head_node)
     head_addr=$(node_addr "$head")
-    head_addr=${head_addr:-$head}
     check_addr "$head_addr" "$head"
     nccl_env
     wandb_env
@@ -245,6 +249,7 @@ prepare_job() {
     local head head_addr port nodes cpus status
     head=$(head_node)
     head_addr=$(node_addr "$head")
+    check_addr "$head_addr" "$head"
     port=$(job_port "${RAY_PORT_BASE:-30000}")
     nodes=$SLURM_JOB_NUM_NODES
     cpus=$(job_cpus)

@@ -79,7 +79,7 @@ def watch_syncs(data_dir: Path, run_dir: Path, *overrides: str, env: dict | None
 
 def main(argv: list[str]) -> int:
     data_dir, run_dir, *overrides = argv
-    from launch import train as trainer
+    from launch.train import loop as trainer
     from launch.config import TrainConfig
     from pipeline.configure import parse_cli
 

@@ -159,3 +159,51 @@ def test_launcher_arguments_are_dropped():
     # The deepspeed launcher's --local_rank=N reaches evaluate's checks, not the grammar's.
     with pytest.raises(UserError, match="checkpoint not found"):
         main(["--local_rank=0", "checkpoint=/nonexistent/run"])
+
+
+# ----------------------------------------------------------------------------- one exit-code convention
+
+# 2: the user's input (a config, a key, a path given), one line naming it, nothing started or
+# written; 1: a run that failed (a stage of the main job, tests/test_main.py; a dataset that does
+# not validate, tests/test_prepare.py; a stale reference, tests/test_config_reference.py).
+BAD_INPUT = {
+    "pipeline.prepare": ([str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "source.paths=[{tmp}/nowhere.mo]",
+                          "output_dir={tmp}/out"], "source.paths: file not found"),
+    "pipeline.validate": (["data_dir={tmp}/nowhere"], "data_dir: not a directory"),
+    "pipeline.make_parquet": (["{tmp}/out", "--max-rows", "0"], "--max-rows: must be at least 1"),
+    "launch.train": ([str(ROOT / "configs" / "tiny_gpt.yaml"), "data.data_dir={tmp}/nowhere", "run_dir={tmp}/out"],
+                     "no manifest.json in"),
+    "launch.preflight": (["--world-size", "none", str(ROOT / "configs" / "tiny_gpt.yaml")], "--world-size: expects"),
+    "launch.export": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
+    "launch.average": (["run_dir={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
+    "launch.evaluate": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "checkpoint not found"),
+    "launch.translate": (["checkpoint={tmp}/nowhere"], "checkpoint not found"),
+    "launch.report": (["out={tmp}/out", "runs=[{tmp}/nowhere]"], "no metrics.jsonl in"),
+    "launch.main": ([str(ROOT / "configs" / "main.yaml"), "starts=[bert/t5]", "out_dir={tmp}/out"], "starts: 'bert/t5'"),
+    "launch.config_reference": (["--check", "{tmp}/nowhere.md"], "{tmp}/nowhere.md: "),
+}
+
+
+def test_every_entry_point_has_a_bad_input_case():
+    assert set(BAD_INPUT) == set(ENTRY_POINTS) | {"pipeline.make_parquet", "launch.preflight"}
+
+
+@pytest.mark.parametrize("module", BAD_INPUT)
+def test_a_bad_input_is_one_error_line_and_exit_2_and_writes_no_file(module, tmp_path):
+    argv, text = BAD_INPUT[module]
+    run = python_m(module, *(arg.format(tmp=tmp_path) for arg in argv))
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1 and f"error: {text.format(tmp=tmp_path)}" in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    # No file; launch.train makes (and locks) run_dir before it reads the data, and leaves it empty.
+    assert [path for path in tmp_path.rglob("*") if not path.is_dir()] == []
+
+
+@pytest.mark.parametrize("module, config", [("launch.train", "tiny_gpt.yaml"), ("launch.main", "main.yaml")])
+def test_dry_run_is_in_the_help(module, config):
+    """--dry-run is a flag beside the key=value grammar, so --help says so in the usage."""
+    run = python_m(module, "--help")
+    assert run.returncode == 0 and "--dry-run" in run.stdout.split("Keys (")[0], run.stdout[:1500]
+    run = python_m(module, str(ROOT / "configs" / config), "--dry-run", "--help")
+    assert run.returncode == 0 and run.stdout.startswith("usage: "), run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`compile: true`: the transformer blocks compiled with inductor for training (`launch.train.compile_model`).
+"""`compile: true`: the transformer blocks compiled with inductor for training (`launch.train.setup.compile_model`).
 
 The first slow test trains a tiny GPT on 2 ranks (torchrun, CPU) three ways: eagerly under ZeRO-2; compiled
 under ZeRO-3 with activation checkpointing, stopped at step 3; and that checkpoint resumed eagerly
@@ -36,7 +36,7 @@ def _tiny_gpt():
 
 
 def test_compiling_keeps_the_model_and_its_state_dict_keys():
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
     from model.blocks import Block
 
     model = _tiny_gpt()
@@ -51,7 +51,7 @@ def test_compiling_keeps_the_model_and_its_state_dict_keys():
 
 
 def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
     from pipeline.configure import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -123,7 +123,7 @@ def test_compiled_llama_shaped_blocks_are_one_graph_and_match_eager():
     the loss and gradients are eager's (fp32)."""
     from torch._dynamo.utils import counters
 
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
     from model import ModelConfig, build_model
 
     torch._dynamo.reset()

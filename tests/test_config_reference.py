@@ -86,17 +86,22 @@ def test_write_replaces_only_the_block(tmp_path):
     assert main(["--check", str(path)]) == 0
 
 
-def test_check_without_markers_fails(tmp_path, capsys):
+def test_a_file_without_markers_or_no_file_is_a_bad_input(tmp_path, capsys):
+    """Exit 2 (the user's input: FILE), not 1 (a stale reference)."""
     path = tmp_path / "reference.md"
     path.write_text("# no reference here\n")
-    assert main(["--check", str(path)]) == 1
-    assert "config-reference:begin" in capsys.readouterr().err
+    for mode in ("--check", "--write"):
+        assert main([mode, str(path)]) == 2
+        assert "config-reference:begin" in capsys.readouterr().err
+    assert path.read_text() == "# no reference here\n"
+    assert main(["--check", str(tmp_path / "nowhere.md")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nowhere.md'}: ")
 
 
 def _schema(path: Path) -> tuple[str, type]:
     if path.name.startswith("prepare_"):
         return "pipeline.prepare", PrepareConfig
-    if path.name in ("main.yaml", "transfer.yaml"):
+    if path.name.startswith(("main", "transfer")):  # main.yaml, transfer.yaml, transfer_gpu.yaml
         return "launch.main", MainConfig
     return "launch.train", TrainConfig
 

@@ -224,7 +224,7 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
     After it: compiled FlexAttention (the document mask's kernel) and compiled blocks
     (`compile: true`) run forward and backward, in bf16 as the GPU configs train."""
     from launch.metrics import set_fp32_matmul
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
 
     before = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -121,7 +121,7 @@ def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_co
 
     from launch import checkpoint as ckpt
     from launch.config import TrainConfig
-    from launch.train import _model_misfit
+    from launch.train.resume import _model_misfit
     from model import ModelConfig, StackConfig
     from pipeline.configure import config_to_dict, save_config
 
@@ -217,7 +217,7 @@ def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dat
 
 
 def test_the_spike_guard_waits_for_its_warmup_then_flags_outliers():
-    from launch.train import Guard
+    from launch.train.guard import Guard
 
     guard = Guard(max_consecutive_skips=5, spike_factor=3.0, spike_warmup_steps=4, spike_window=4)
     for loss in (5.0, 5.2, 4.8):

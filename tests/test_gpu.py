@@ -358,7 +358,7 @@ def test_loader_pins_its_batches(task, num_workers, tmp_path):
 @gpu
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
-    """What launch.train.train_step copies with non_blocking=True (`Task.to_device` of
+    """What launch.train.loop.train_step copies with non_blocking=True (`Task.to_device` of
     `Task.model_inputs` of a pinned loader batch) is page-locked, so no copy waits: the labels
     (and BERT's scored_index), made on the host after the loader pinned the batch, are pinned
     by to_device. Every host-to-device `Tensor.to` is watched through a TorchFunctionMode."""
@@ -528,11 +528,11 @@ def test_gpu_benchmark_smoke_run_on_cpu():
 
 @pytest.mark.slow
 def test_gpu_benchmark_compiles_what_the_trainer_compiles():
-    """`bench_gpu.py --compile` compiles through `launch.train.compile_model`, as `compile: true`
+    """`bench_gpu.py --compile` compiles through `launch.train.setup.compile_model`, as `compile: true`
     does (each block's forward; the loss, embeddings and the model's own forward stay eager),
     not the whole model with its loss loop: it measures the trainer's program."""
     run = run_bench("--tiny", "--compile", "--stages", "1", "--vocabs", "256", env=dict(os.environ))
-    (line,) = [line for line in run.stdout.splitlines() if line.startswith("compiled by launch.train.compile_model")]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("compiled by launch.train.setup.compile_model")]
     assert line.endswith("the forward of blocks.0, blocks.1"), line
     assert set(bench_rows(run.stdout)) == {(256, 1)}, run.stdout
 

@@ -142,13 +142,13 @@ def test_persistent_workers_keep_the_order_across_epochs_and_abandoned_passes(tm
 def test_pinned_batches_are_asked_for_only_with_cuda():
     """pin_memory is what the trainer passes on CUDA; pinning needs a CUDA device, so the CPU
     check is that the trainer asks for it exactly then (the pinned copy is a `gpu` test)."""
-    source = (ROOT / "launch" / "train.py").read_text()
+    source = (ROOT / "launch" / "train" / "setup.py").read_text()
     assert source.count("pin_memory=torch.cuda.is_available()") == 2
 
 
 MFU_DRIVER = """
 import sys, time
-import launch.train as train
+import launch.train.loop as train
 
 real = train.evaluate
 def slow_evaluate(run):
@@ -220,7 +220,7 @@ def test_after_the_tf32_setting_every_reader_answers_and_compile_runs(tf32):
     setting as the trainer makes it must leave every getter answering, and a compiled model
     running. The CUDA flag is set on a CPU too (it governs cuBLAS only): this is the trainer's path."""
     from launch.metrics import set_fp32_matmul
-    from launch.train import compile_model
+    from launch.train.setup import compile_model
 
     before = torch.backends.cuda.matmul.allow_tf32
     try:

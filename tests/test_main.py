@@ -3,6 +3,7 @@ and a signal to it ending the stage it runs."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 def main_job(config, *overrides):
     return subprocess.run([sys.executable, "-m", "launch.main", str(config), *overrides], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "WANDB_MODE": "offline", "PROGRESS_EVERY_S": "1"})
 
 
 def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
@@ -34,6 +36,14 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     # It says what the pretraining reads, and that extra monolingual text is optional and absent.
     assert f"pretraining text: {tiny_dataset}'s packed training tokens by source: default " in first.stderr
     assert "no extra monolingual text (optional: make manpages" in first.stderr
+    # Each running stage's line every PROGRESS_EVERY_S seconds, and an overall ETA from the stages run.
+    assert ("[main] 9 stages: prepare, pretrain gpt, export gpt, pretrain bert, export bert, fine-tune random-random, "
+            "evaluate finetune-random-random valid, fine-tune bert-gpt, evaluate finetune-bert-gpt valid") in first.stderr
+    running = [line for line in first.stderr.splitlines() if line.startswith("[main] pretrain bert (")]
+    assert running and all(re.search(r"; 3/9 stages done, overall ETA >= \d\d:\d\d \(fine-tune, evaluate "
+                                      r"not yet timed\)$", line) for line in running), running
+    assert re.search(r"^\[main\] evaluate finetune-bert-gpt valid: done in \d+ s; 9/9 stages done, overall ETA 00:00$",
+                     first.stderr, re.MULTILINE)
     report = tmp_path / "out" / "report"
     summary = (report / "summary.md").read_text()
     assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary

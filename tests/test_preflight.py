@@ -4,8 +4,10 @@ run it before any rank. Datasets are tiny shard sets made in the test (`shardtoo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from launch.config import TrainConfig
+from launch.config import MainConfig, TrainConfig
 from launch.engine import estimate_model_state_memory
 from launch.export import save_model_dir
 from launch.preflight import main_dry_run
@@ -70,7 +72,7 @@ def dry_run(argv: list[str], capsys) -> tuple[int, str, list[str]]:
     problems = []
     if any(line.startswith("problems (") for line in lines):
         start = next(i for i, line in enumerate(lines) if line.startswith("problems ("))
-        problems = [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
+        problems = [line.strip() for line in itertools.takewhile(lambda line: line.startswith("  "), lines[start + 1:])]
     return code, out, problems
 
 
@@ -232,6 +234,7 @@ BAD = [
     ("run_dir under a file", ["run_dir={tmp}/a-file/run"], None, "run_dir", "is not a directory"),
     ("resume from nothing", ["resume={tmp}/no-checkpoint"], None, "resume", "is not auto, none"),
     ("deepspeed config file", ["deepspeed.config_file={tmp}/ds.json"], None, "deepspeed.config_file", "file not found"),
+    ("mixture of a source the data lacks", ["data.mixture.docs=1.0"], None, "data.mixture", "has no source 'docs'"),
 ]
 
 
@@ -394,3 +397,194 @@ def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path):
     assert "model.n_heads: " in run.stdout and "checkpoint.keep_last: " in run.stdout
     assert "preflight failed (above): no rank started" in run.stderr
     assert not calls.exists()  # srun was never called
+
+
+# ----------------------------------------------------------------------------- the configs in configs/ compose
+
+
+def config_kind(path: Path) -> str:
+    """What a YAML of configs/ is for, by its name (as tests/test_config.py tells them apart):
+    prepare_* are pipeline.prepare configs, main*/transfer* launch.main configs, the rest training."""
+    if path.name.startswith("prepare"):
+        return "prepare"
+    return "main" if path.name.startswith(("main", "transfer")) else "train"
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.fixture
+def composed_data(tmp_path) -> Path:
+    """A dataset every shipped config can plan against: more train samples than the largest
+    global batch of any of them (BERT-base's 128 on one rank, transfer_gpu's on 8), and packed
+    train shards of the two sources configs/tiny_gpt_mixture.yaml mixes."""
+    data = make_data(tmp_path / "data", train=(700, 700), valid=(70,))
+    manifest = json.loads((data / "manifest.json").read_text())
+    for record, source in zip(manifest["datasets"]["packed"]["splits"]["train"]["shards"], ("gettext", "docs")):
+        record["source"] = source
+    save_manifest(data, manifest)
+    return data
+
+
+@pytest.mark.parametrize("config", [p for p in CONFIGS if config_kind(p) == "train"], ids=lambda p: p.name)
+def test_every_training_config_passes_a_dry_run(composed_data, tmp_path, capsys, config):
+    code, out, problems = dry_run([str(config), f"data.data_dir={composed_data}", f"run_dir={tmp_path / 'run'}",
+                                   "wandb.mode=disabled"], capsys)
+    assert code == 0 and problems == [], out
+    assert "parameters:" in out and "global batch:" in out  # resolved, not skipped
+
+
+def main_dry_run_of(argv: list[str], capsys) -> tuple[int, str]:
+    from launch.main import main
+
+    code = main([*argv, "--dry-run"])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", [p for p in CONFIGS if config_kind(p) == "main"], ids=lambda p: p.name)
+def test_every_main_config_passes_the_chain_dry_run(composed_data, tmp_path, capsys, config):
+    """Each stage's config resolves with the job's overrides, each training run's preflight passes
+    on the job's ranks, and every pretrained model fits the stack it warm-starts."""
+    code, out = main_dry_run_of([str(config), f"data_dir={composed_data}", f"out_dir={tmp_path / 'out'}",
+                                 "wandb_mode=disabled"], capsys)
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1].startswith("verdict: ready")
+    assert "== prepare: skipped if" in out  # the dataset exists: the job would validate it, not prepare
+    assert not (tmp_path / "out").exists()  # nothing written
+    starts = [tuple(start.split("/")) for start in load_config(MainConfig, config).starts]
+    for side, index in (("encoder", 0), ("decoder", 1)):
+        for name in {start[index] for start in starts} - {"random"}:
+            assert f"init.{side} <- {name}:" in out and f"fits the {side}" in out, out
+
+
+def test_a_mismatched_warm_start_pair_is_reported_with_its_key_and_every_other_problem(composed_data, tmp_path, capsys):
+    """transfer_gpu.yaml's translation encoder made narrower than BERT-base and its decoder given
+    fewer heads than GPT-2 small, and a GPT stage with an unknown key: one dry run names the key of
+    each problem it can see, with its stage, and starts nothing. (A GPT that does not resolve
+    has no model to check the decoder against: its own problem says why.)"""
+    code, out = main_dry_run_of([str(ROOT / "configs" / "transfer_gpu.yaml"), f"data_dir={composed_data}",
+                                 f"out_dir={tmp_path / 'out'}", "wandb_mode=disabled",
+                                 "translation_overrides=[model.encoder.d_ff=2048,model.decoder.n_heads=8]",
+                                 "gpt_overrides=[model.no_such_key=1]"], capsys)
+    assert code == 2, out
+    chain = out[out.index("chain: "):].splitlines()
+    fine_tune = "  fine-tune (random/random, bert/random, random/gpt, bert/gpt): "
+    assert chain[:3] == [
+        "chain: 2 problems:",
+        "  pretrain gpt: command line 'model.no_such_key=1': model.no_such_key: unknown key",
+        f"{fine_tune}init.encoder: configs/bert_base.yaml (pretrain bert) (bert) has d_ff=3072 but the Seq2Seq "
+        "encoder has d_ff=2048"], out
+    assert chain[-1] == "verdict: this job would fail (exit 2)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_chain_dry_run_checks_a_warm_start_pair_whose_source_resolves(composed_data, tmp_path, capsys):
+    code, out = main_dry_run_of([str(ROOT / "configs" / "transfer.yaml"), f"data_dir={composed_data}",
+                                 f"out_dir={tmp_path / 'out'}", "wandb_mode=disabled",
+                                 "translation_overrides=[model.decoder.n_heads=8]"], capsys)
+    assert code == 2, out
+    assert ("  fine-tune (random/random, bert/random, random/gpt, bert/gpt): init.decoder: configs/small_gpt.yaml "
+            "(pretrain gpt) (gpt) has n_heads=4 but the Seq2Seq decoder has n_heads=8") in out.splitlines(), out
+    assert "init.encoder <- bert:" in out  # the other side still fits
+
+
+def test_a_chain_whose_dataset_is_not_made_yet_is_checked_against_its_prepare_config(tmp_path, capsys):
+    """No dataset yet: the prepare config (and its sources' files) stands for it: its vocabulary,
+    its block length against each pretraining model, the tasks it writes."""
+    from conftest import synthetic_pairs, write_tsv
+
+    corpus = write_tsv(tmp_path / "pairs.tsv", synthetic_pairs(20))
+    prepare = tmp_path / "prepare.yaml"
+    prepare.write_text((ROOT / "configs" / "prepare_gettext_en_de.yaml").read_text()
+                       .replace("format: gettext", "format: tsv")
+                       .replace('["/usr/share/locale/${source.target_lang}/LC_MESSAGES/*.mo"]', f"[{corpus}]"))
+    argv = [str(ROOT / "configs" / "transfer.yaml"), f"prepare_config={prepare}", f"data_dir={tmp_path / 'data'}",
+            f"out_dir={tmp_path / 'out'}", "wandb_mode=disabled"]
+    code, out = main_dry_run_of(argv, capsys)
+    assert code == 0, out
+    assert "1 source files; tasks causal_lm, mlm, translation; seq_len 128; vocabulary 8000" in out
+    assert f"{tmp_path / 'data'}: not there yet; {prepare} will make it: vocabulary 8000" in out
+    assert "init.encoder <- bert:" in out and "init.decoder <- gpt:" in out
+
+    code, out = main_dry_run_of([*argv, "bert_overrides=[model.max_seq_len=64]"], capsys)
+    assert code == 2
+    assert ("  pretrain bert: model.max_seq_len: model.max_seq_len=64 is shorter than the packed blocks of seq_len "
+            f"128 that {prepare} will make; set model.max_seq_len=128 or more") in out.splitlines(), out
+
+    corpus.unlink()
+    code, out = main_dry_run_of(argv, capsys)
+    assert code == 2
+    assert f"  prepare: prepare_config: source.paths: file not found: {corpus}" in out.splitlines(), out
+
+
+def test_a_training_config_stands_for_the_export_it_will_make(data, tmp_path, capsys):
+    """launch.train --dry-run with init.* naming the pretraining YAML instead of its export: its
+    model is checked against the stack (a warning says the run needs the export)."""
+    tiny = args(data, tmp_path, f"init.encoder={ROOT / 'configs' / 'tiny_bert.yaml'}",
+                f"init.decoder={ROOT / 'configs' / 'tiny_gpt.yaml'}", config="tiny_translation.yaml")
+    code, out, problems = dry_run(tiny, capsys)
+    assert code == 0 and problems == [], out
+    assert "fits the encoder" in out and "fits the decoder" in out
+    assert "init.encoder: " in out and "is a training config: its model is checked here" in out
+    code, out, problems = dry_run(args(data, tmp_path, f"init.encoder={ROOT / 'configs' / 'small_bert.yaml'}",
+                                       config="tiny_translation.yaml"), capsys)
+    assert code == 2
+    assert problems == [f"init.encoder: {ROOT / 'configs' / 'small_bert.yaml'} (the model its run will export) (bert) has "
+                        "d_model=256, n_layers=3, d_ff=1024 but the Seq2Seq encoder has d_model=64, n_layers=2, d_ff=256"], out
+
+
+@pytest.mark.parametrize("shown, expected", [("NodeName=node1 NodeAddr=10.1.2.3 State=IDLE", "10.1.2.3"),
+                                             ("NodeName=node1 State=IDLE", "node1")], ids=["NodeAddr", "none"])
+def test_the_batch_scripts_take_a_nodes_name_where_slurm_reports_no_node_addr(tmp_path, shown, expected):
+    """slurm/common.sh's node_addr, under the scripts' `set -euo pipefail`: a grep that finds no
+    NodeAddr ended the script with status 1 and no word; the first node's name stands in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho '{shown}'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    run = subprocess.run(["bash", "-c", 'set -euo pipefail; source slurm/common.sh; addr=$(node_addr node1); echo "[$addr]"'],
+                         cwd=ROOT, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROJECT_DIR": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == f"[{expected}]\n", run.stderr
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning(data, tmp_path, capsys):
+    code, out, problems = dry_run(args(data, tmp_path, "max_steps=20", "schedule.warmup_steps=20"), capsys)
+    assert code == 0 and problems == [], out
+    assert "  schedule.warmup_steps: 20 but max_steps is 20: the learning rate never reaches optim.lr" in out.splitlines()
+    code, out, _ = dry_run(args(data, tmp_path, "max_steps=21", "schedule.warmup_steps=20"), capsys)
+    assert "schedule.warmup_steps" not in out
+
+
+@pytest.mark.slow
+def test_the_gpu_scale_pair_the_dry_run_passes_loads_into_the_translation_model():
+    """What the chain dry run says fits, model.warm_start loads: BERT-base (with transfer_gpu's
+    overrides) and GPT-2 small into translation_gpu's Seq2Seq, every tensor accounted for, only
+    the position tables resized (truncated to 128 rows). Source weights are zeros: the shapes
+    and keys are what is checked here, the copying is tests/test_warm_start.py's."""
+    from model.warm_start import Pretrained, warm_start
+
+    main = load_config(MainConfig, ROOT / "configs" / "transfer_gpu.yaml")
+
+    def model_config(path: str, overrides: list[str]):
+        return replace(load_config(TrainConfig, ROOT / path, [o for o in overrides if o.startswith("model.")]).model,
+                       vocab_size=8000)
+
+    def zeros(cfg) -> dict:
+        with torch.device("meta"):
+            keys = build_model(cfg).state_dict(keep_vars=True)
+        made = {}  # tied keys share one tensor, as in the model
+        return {key: made.setdefault(id(value), torch.zeros(value.shape)) for key, value in keys.items()}
+
+    bert = model_config(main.bert_config, main.bert_overrides)
+    gpt = model_config(main.gpt_config, main.gpt_overrides)
+    translation = model_config(main.translation_config, main.translation_overrides)
+    model, report = warm_start(translation, "sha", encoder=Pretrained(zeros(bert), bert, "sha"),
+                               decoder=Pretrained(zeros(gpt), gpt, "sha"))
+    assert sorted(report.keys("resized")) == ["decoder.embed.pos.weight", "encoder.embed.pos.weight"]
+    # New: the decoder's cross-attention and its norm, 10 tensors in each of its 12 blocks; the rest copied.
+    assert {re.sub(r"^decoder\.blocks\.\d+\.", "", key) for key in report.keys("new")} == {
+        f"cross_attn.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "out_proj") for kind in ("weight", "bias")
+    } | {"cross_attn_norm.weight", "cross_attn_norm.bias"}
+    assert len(report.keys("new")) == 10 * 12
+    assert len(report.tensors) == len(model.state_dict()) == len(report.keys("copied")) + 2 + 120

@@ -112,7 +112,7 @@ def _wandb_records(run_dir: Path):
 
 def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
     # A job that died at step 30 with its last checkpoint at step 20 had logged 10..30.
-    from launch.train import truncate_metrics
+    from launch.train.resume import truncate_metrics
 
     rows = [{"step": step, "train/loss": 9.0 - step / 10} for step in (10, 20, 30)] + [{"step": 30, "eval/loss": 7.5}]
     # ... and was killed while writing a row: a torn last line.

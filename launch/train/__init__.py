@@ -1,0 +1,13 @@
+"""The training loop, one room: `python -m launch.train CONFIG [key=value ...]` for causal_lm, mlm and translation.
+
+The same command runs alone, under `torchrun`, under the `deepspeed` launcher and under `srun`
+(see `launch.distributed`). Read it top-down, in the order a batch meets it:
+
+    loop.py     main -> train -> fit -> train_step, evaluate: the loop
+    setup.py    config, data, model config, process group, engine, run directory and tracker
+    resume.py   which checkpoint to resume, restoring it, saving one; RNG state, metrics truncation
+    guard.py    guarded steps: which step is skipped and why; it returns a verdict, the loop saves
+    state.py    what the loop carries: Run (the resolved config, engine, data), Progress, Data
+
+DeepSpeed is reached only through `launch.engine.Engine`.
+"""

@@ -1,0 +1,382 @@
+"""The training loop: `main` -> `train` -> `fit` -> `train_step` and `evaluate`, read top-down.
+
+`fit` runs steps until `max_steps` (or a stop request), logging, evaluating and checkpointing
+between them; `train_step` is one optimizer step over grad_accum micro batches, guarded
+(`launch.train.guard`); the end of the run is a checkpoint and final.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from launch import checkpoint as ckpt
+from launch import distributed as dist
+from launch import preflight
+from launch import stop
+from launch.config import TrainConfig
+from launch.metrics import memory_mb
+from launch.preconditions import check_writable_dir
+from launch.stop import StopRequested, stoppable
+from launch.tasks import host_value
+from launch.train.guard import _INJECTED_LOSS, FP16_OVERFLOW, NON_FINITE_KINDS, guard_step, step_sample_keys
+from launch.train.resume import save_checkpoint
+from launch.train.setup import setup
+from launch.train.state import Run, data_counters
+from model import attention_kernels, llmc_flops_per_token
+from pipeline.configure import UserError, parse_cli, strip_launcher_args
+from pipeline.loader import ShardLoader
+from pipeline.lock import dir_lock
+
+
+USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]
+
+--dry-run: what the run would be (batch, parameters, FLOPs, memory per GPU) and every reason it
+would fail, each naming its key, in seconds; starts nothing, writes nothing; exit 2 if any
+(launch.preflight). Exit status: 2 for a bad input (one `error:` line), 1 for a run that failed."""
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:  # report the run and every problem; start nothing
+        return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
+    from launch import init_model
+
+    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked against it).
+    cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
+    train(cfg)
+    return 0
+
+
+
+def train(cfg: TrainConfig) -> dict:
+    stop.install(cfg.run_dir)  # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
+    # so the log says where the rank was, not only that it died.
+    faulthandler.enable(all_threads=True)
+    check_writable_dir(cfg.run_dir, "run_dir")  # every rank writes its checkpoint partition there
+    # One job per run directory: a second one started on it (the same command twice, a requeue
+    # racing a job that has not died) would interleave checkpoints and metrics with the first.
+    # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
+    with dir_lock(cfg.run_dir, what="train") if dist.read_env().is_main else contextlib.nullcontext():
+        return _train(cfg)
+
+
+
+def _train(cfg: TrainConfig) -> dict:
+    try:
+        run = setup(cfg)
+    except StopRequested:  # while it waited for the dataset: nothing trained
+        return _stopped_in_setup(cfg)
+    if run.denv.is_main:
+        (Path(cfg.run_dir) / stop.PREEMPTED_FILE).unlink(missing_ok=True)
+    try:
+        final = fit(run)
+        if final.get("preempted"):
+            return final  # the W&B run stays open for the requeued job (finished below, not marked done)
+        run.tracker.finish({f"final/{k}": v for k, v in final.items()})
+        if run.denv.is_main:
+            (Path(cfg.run_dir) / "final.json").write_text(json.dumps(final, indent=1) + "\n")
+        return final
+    finally:
+        for loader in (run.data.train, run.data.valid):
+            if loader is not None:
+                loader.close()  # its workers, before the rank ends (they would outlive it a while)
+        run.tracker.finish()
+        dist.destroy()
+
+
+
+def _stopped_in_setup(cfg: TrainConfig) -> dict:
+    """End a job whose wait for the dataset (its manifest, its tokenizer) a stop request cut short:
+    nothing to checkpoint; a requeue continues from the latest checkpoint, if any."""
+    dist.destroy()
+    tag = ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir))
+    step = int(tag.rpartition("_")[2]) if tag else 0
+    if dist.read_env().is_main:
+        stop.leave_for_requeue(cfg.run_dir, step)
+        print("stop requested before training began: nothing to checkpoint; exiting for a requeue", file=sys.stderr)
+    return {"step": step, "preempted": True}
+
+
+
+def fit(run: Run) -> dict:
+    cfg = run.cfg
+    batches = _batches(run.data.train)
+    # The throughput window times training steps only: evaluation and checkpoints between
+    # two logged steps would otherwise count as slow training.
+    window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
+    window_clipped = window_steps = 0
+    last_eval: dict = {}
+    last_saved = run.step
+    stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+    told_kernel = not (cfg.data.document_mask and run.denv.is_main)
+    while run.step < stop_at:
+        step_start = time.perf_counter()
+        result = train_step(run, batches)
+        if result is None:  # a stop request cut some rank's wait for its batches short: no step taken
+            return stop_for_requeue(run, last_saved, last_eval)
+        if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
+            print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
+            told_kernel = True
+        window_time += time.perf_counter() - step_start
+        run.step += 1
+        run.tokens_seen += int(result["tokens"])
+        window_tokens += result["tokens"]
+        window_flops += result["flops"]
+        window_flops_llmc += result["flops_llmc"]
+        window_samples += result["samples"]
+        # Kept on the device and read at the next log line: a read here would wait for the update.
+        grad_norm = run.engine.grad_norm()
+        window_steps += 1
+        if cfg.optim.grad_clip:
+            window_clipped = window_clipped + (grad_norm.isfinite() & (grad_norm > cfg.optim.grad_clip))
+        metrics, verdict = guard_step(run, result)
+        if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
+            save_checkpoint(run)
+            raise UserError(verdict)
+        if cfg.data.log_sample_keys:  # which samples each step saw, per rank
+            with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n")
+        if run.step % cfg.log_every == 0 or run.step == stop_at:
+            elapsed = max(window_time, 1e-9)
+            achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
+            achieved_llmc = window_flops_llmc / elapsed / run.denv.world_size
+            metrics.update({
+                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": float(grad_norm),
+                "train/clipped_fraction": float(window_clipped) / window_steps,
+                "train/tokens_seen": run.tokens_seen, "train/epoch": run.data.train.epoch,
+                "perf/tokens_per_s": window_tokens / elapsed,
+                "perf/samples_per_s": window_samples / elapsed,
+                "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
+                **data_counters(run), **memory_mb(),
+            })
+            if run.denv.is_main and math.isfinite(achieved_llmc):  # llm.c's count has no Seq2Seq form
+                metrics["perf/mfu_llmc"] = achieved_llmc / run.peak[0]
+            if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
+                metrics.update({"train/loss_scale": run.engine.loss_scale})
+            window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
+            window_clipped = window_steps = 0
+        stopped = False
+        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
+            evaluated = evaluate(run)  # None: a stop request cut some rank's wait for validation data short
+            stopped = evaluated is None
+            last_eval = evaluated or last_eval
+            metrics.update(evaluated or {})
+        if metrics:
+            _log(run, metrics)
+        if stopped or (result["stop"] and run.step < stop_at):  # on the last step a normal end is as good
+            return stop_for_requeue(run, last_saved, last_eval)
+        if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
+            save_checkpoint(run)
+            last_saved = run.step
+    if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
+        save_checkpoint(run)
+    return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
+            **data_counters(run), **last_eval}
+
+
+
+def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
+    """End a job asked to stop, on every rank: the step reached checkpointed (unless it is already,
+    or none was trained), RUN_DIR/preempted.json left for the batch script, one line."""
+    if run.step != last_saved:
+        save_checkpoint(run)
+        done = f"checkpoint at step {run.step} saved"
+    else:
+        done = f"step {run.step} is checkpointed already" if run.step else "nothing trained, nothing to checkpoint"
+    if run.denv.is_main:
+        stop.leave_for_requeue(run.cfg.run_dir, run.step)
+        print(f"stop requested: {done}; exiting for a requeue", file=sys.stderr)
+    return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
+
+
+
+def train_step(run: Run, batches) -> dict | None:
+    """One optimizer step: grad_accum micro batches, forward and backward through the engine;
+    None, with no step taken, when a stop request cut some rank's wait for its batches short.
+
+    The loss is the mean over every scored token of the step, all ranks and micro batches
+    together (fairseq's normalisation; Hugging Face's average_tokens_across_devices): the step's
+    micro batches are taken first, their scored tokens counted and summed over the ranks in one
+    reduction, and each micro batch's mean loss is weighted by its share, n W A / N, before
+    DeepSpeed's backward divides by A and its reduction averages over the W ranks. A mean per
+    micro batch instead would weigh a token of a 32-pair batch of short sentences ten times one
+    of a batch of long ones, which length-grouped batches (`data.length_grouping`) make common.
+    Packed blocks score the same number of tokens in every batch: there the two agree.
+
+    Guarded: before the last backward of the step, one reduction over the ranks carries the
+    step's figures, whether any rank's loss is not finite, and whether any rank was asked to
+    stop; so every rank takes the same decision, on the device (the host reads the figures once,
+    after the optimizer step, in the same copy as this rank's own count of NaN, +inf and -inf
+    losses, which `guard_step` gathers only for a skipped step's record). A step to skip (a
+    non-finite loss anywhere, or a loss spike) gets a NaN loss on every rank for that backward:
+    DeepSpeed then finds a non-finite gradient norm, which it all-reduces, and drops the update,
+    the gradients and the schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own
+    check; ZeRO-0 fp32 through `launch.optim.AdamW`). The weights after a skipped step are
+    those before it."""
+    tokens, flops, flops_llmc, samples = 0, 0.0, 0.0, 0
+    # The losses stay on the device until the one reduction of the step: reading each micro
+    # batch's loss on the host would wait for the device at every micro batch.
+    loss_sum = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
+    non_finite_here = torch.zeros(len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device)  # micro batches
+    served = []  # handles on this step's batches; their sample keys are worked out only when needed
+    micro = []
+    try:
+        with stoppable():
+            for _ in range(run.plan.grad_accum):
+                micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
+                served.append(run.data.train.served_batch())
+        stopped = False
+    except StopRequested:
+        stopped = True
+    # A rank stopped while it waited for its batches has none to train on: every rank learns of
+    # it here, before the step's first collective, and gives the step up.
+    if dist.any_rank(stopped):
+        run.data.train.rewind()
+        return None
+    scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
+    # Summed over the ranks and left on the device, as is every weight made from it below: the
+    # host issues this step's forwards without waiting for the previous step to finish.
+    step_scored = dist.all_reduce_sum_tensor([sum(scored)])[0].to(run.engine.device)
+    share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
+    for index, inputs in enumerate(micro):
+        output = run.engine(**run.task.to_device(inputs, run.engine.device))
+        if (run.denv.rank, run.step + 1) in _INJECTED_LOSS:
+            output = output._replace(loss=output.loss * _INJECTED_LOSS[run.denv.rank, run.step + 1])
+        loss = output.loss.detach().float()
+        finite = torch.isfinite(loss)
+        non_finite_here = non_finite_here + torch.stack([loss.isnan(), loss.isposinf(), loss.isneginf()]).float()
+        loss_sum = loss_sum + torch.where(finite, loss * scored[index], torch.zeros_like(loss))
+        finite_scored = finite_scored + finite.float() * scored[index]
+        tokens += run.task.tokens(inputs)
+        flops += run.task.flops(run.cfg.model, inputs)
+        flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(run.cfg.model, run.n_parameters,
+                                                                     inputs["labels"].shape[1])
+        samples += inputs["labels"].shape[0]
+        weighted = output.loss * (scored[index] * share).to(output.loss.dtype)
+        if index < run.plan.grad_accum - 1:
+            run.engine.backward(weighted)
+            run.engine.step()
+    fillers = run.data.train.stats["epoch_filler_batches"]
+    # The step's figures in one reduction, and the guard's decision taken on the device from
+    # them: the last backward is issued without a wait, the figures read once, after the step.
+    figures = dist.all_reduce_sum_tensor([loss_sum, finite_scored, non_finite_here.sum(), tokens, flops, flops_llmc,
+                                          samples, fillers, float(_stop_requested(run))]).to(run.engine.device)
+    spike_limit = run.guard.spike_limit()
+    skip = (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)  # 0 / 0 is NaN: not a spike
+    weighted = weighted * torch.where(skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted))
+    # Queued before the backward; read after the step, which has waited past it.
+    on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
+    run.engine.backward(weighted)
+    skipped_before = run.engine.skipped_steps
+    run.engine.step()
+    skipped = run.engine.skipped_steps > skipped_before
+    *summed, nan, pos_inf, neg_inf = on_host.values()
+    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed
+    loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
+    reason = "non-finite loss" if non_finite else ("loss spike" if loss > spike_limit else "")
+    if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
+        raise RuntimeError(f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})")
+    if skipped and not reason:
+        # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
+        # finds its scale (several in a row at the start are normal): counted, not guarded.
+        reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
+    return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
+            "stop": stop > 0, "skipped": reason, "spike_limit": spike_limit,
+            "non_finite_here": dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
+            "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
+
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued now (into page-locked memory) and read later:
+    reading waits for the copy alone, where a `.tolist()` after the optimizer step would wait
+    for the step's update kernels too. On the host it is the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.tensor.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensor = tensor
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.tolist()
+
+
+
+@torch.compiler.set_stance("force_eager")  # see compile_model: no eval graphs or their recompiles
+@torch.no_grad()
+def evaluate(run: Run) -> dict | None:
+    """Token-weighted loss (and perplexity; masked-token accuracy for mlm) on the valid split.
+    Every rank runs the same number of forwards, which ZeRO-3 needs, so the ranks agree after
+    each batch read whether a stop request cut a rank's wait for it short: then None."""
+    loader = run.data.valid
+    if loader is None:
+        return {}
+    run.engine.train(False)
+    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "samples_consumed": 0})
+    sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+    batches = iter(loader)
+    for _ in range(run.cfg.eval_batches or len(loader)):
+        try:
+            with stoppable():
+                batch = next(batches, None)
+            stopped = False
+        except StopRequested:
+            batch, stopped = None, True
+        if dist.any_rank(stopped):
+            run.engine.train(True)
+            return None
+        if batch is None:
+            break
+        inputs = run.task.model_inputs(batch, run.engine.device)
+        output = run.engine(**inputs)
+        n = int(run.task.target_mask(inputs).sum())
+        sums["loss"] += float(output.loss) * n
+        sums["count"] += n
+        for key, value in (run.task.eval_sums(output, inputs) if run.task.eval_sums else {}).items():
+            sums[key] = sums.get(key, 0.0) + value
+    run.engine.train(True)
+    # Every rank runs the same number of batches, so every rank has the same keys in the same order.
+    sums = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))
+    loss = sums["loss"] / max(sums["count"], 1)
+    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/tokens": sums["count"]}
+    if run.task.eval_metrics:
+        metrics.update(run.task.eval_metrics(sums))
+    return metrics
+
+
+
+def _log(run: Run, metrics: dict) -> None:
+    if run.denv.is_main:
+        run.tracker.log(metrics, step=run.step)
+        run.tracker.progress(run.step, run.cfg.max_steps, metrics)
+        with open(Path(run.cfg.run_dir) / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": run.step, **metrics}) + "\n")
+
+
+
+def _batches(loader: ShardLoader):
+    """Batches forever, epoch after epoch (the loader advances its epoch at the end of each)."""
+    while True:
+        yield from loader
+
+
+
+def _stop_requested(run: Run) -> bool:
+    return stop.requested() or (run.denv.is_main and stop.stop_file(run.cfg.run_dir))

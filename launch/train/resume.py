@@ -1,0 +1,257 @@
+"""Checkpoints of a training run: which one a job resumes from (refused in one line when it
+does not fit the job), restoring it, and saving one on every rank; the RNG state, and the
+metrics rows a resumed job logs again."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launch import checkpoint as ckpt
+from launch import distributed as dist
+from launch.config import BatchPlan, TrainConfig
+from launch.engine import Engine, checkpoint_size
+from launch.tracking import read_metrics_rows
+from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
+from model.config import TRAINING_ONLY_FIELDS
+from pipeline.configure import UserError, config_to_dict, show
+
+
+def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
+                tokenizer_sha256: str) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (rank 0 only), given the newest intact one; refused, from
+    its records and before anything loads it, if it was trained with another tokenizer, another
+    network (`_model_misfit`) or another global batch. One written by another number of ranks is
+    converted to a universal checkpoint beside it: a run resumes on another world size only with
+    the same global batch, so that each optimizer step sees the samples it would have seen."""
+    if found is None:
+        return None
+    root, tag = found
+    if ckpt.client_info(root, tag).get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise UserError(_another_tokenizer(root / tag))
+    if problem := _model_misfit(root / tag, ckpt.saved_model_config(root, tag), cfg):
+        raise UserError(problem)
+    saved = ckpt.saved_shape(root, tag)
+    world = saved.get("world_size")
+    if saved.get("global_batch_size") not in (None, plan.global_batch_size):
+        raise UserError(_global_batch_misfit(root / tag, saved, plan))
+    if world is None or world == plan.world_size or ckpt.is_universal(root, tag):
+        return found
+    print(f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
+          f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
+          f"{plan.world_size}); converting it to a universal checkpoint", file=sys.stderr)
+    from launch.engine import to_universal
+
+    return to_universal(root, tag)
+
+
+
+def _another_tokenizer(checkpoint: Path) -> str:
+    return f"checkpoint {checkpoint} was trained with another tokenizer than this dataset's"
+
+
+
+def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str | None:
+    """One line naming each model key whose value differs between the checkpoint (`saved`, its
+    model config as a plain dict; None: unrecorded, not checked) and this job, with both values,
+    and how to go on; None if none differs. Every key that defines the network counts: its
+    parameters' names and shapes (arch, d_model, n_layers, d_ff, vocab_size, max_seq_len,
+    positions, norm_position, share_embeddings...), on which DeepSpeed's load fails with a
+    traceback from every rank, and what they compute (n_heads, activation, layer_norm_eps, the
+    reserved ids), with which it would load without a word into another network. Only
+    `model.config.TRAINING_ONLY_FIELDS` (dropout, label smoothing, activation checkpointing, the
+    init std) may change on a resume: they leave the network its weights define as it was."""
+    if saved is None:
+        return None
+    there, here = _dotted(saved, "model."), _dotted(config_to_dict(cfg.model), "model.")
+    ignored = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
+    differ = [key for key in here if key in there and key not in ignored and there[key] != here[key]]
+    if not differ:
+        return None
+    values = "; ".join(f"{key} {show(there[key])} there, {show(here[key])} here" for key in differ)
+    as_saved = " ".join(f"{key}={show(there[key])}" for key in differ)
+    fresh = "in a new run_dir" if cfg.resume == "auto" else "in a new run_dir with resume=none"
+    return (f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
+            f"{as_saved}, or train the new model from scratch {fresh}")
+
+
+
+def _dotted(values: dict, prefix: str) -> dict:
+    """A nested dict as {"model.encoder.n_heads": 4, ...}, the keys as an override names them."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+
+def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
+    """One line: the sizes, and overrides that would keep the saved global batch on this world size."""
+    target, world = saved["global_batch_size"], plan.world_size
+    was = (f"{saved['micro_batch_size']} x {saved['grad_accum']} x {saved['world_size']} ranks"
+           if saved.get("micro_batch_size") else f"{saved.get('world_size')} ranks")
+    now = f"{plan.micro_batch_size} x {plan.grad_accum} x {world} ranks = {plan.global_batch_size}"
+    fits = [(micro, target // (micro * world)) for micro in range(1, target + 1)
+            if target % (micro * world) == 0]
+    fits = sorted(fits, key=lambda f: (abs(f[0] - plan.micro_batch_size), f[1]))[:3]
+    hint = ("; set " + " or ".join(f"data.micro_batch_size={m} grad_accum={a}" for m, a in fits)) if fits \
+        else f"; no micro batch x grad_accum makes {target} on {world} ranks: use a world size that divides it"
+    return (f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); this job would use "
+            f"{now}{hint}")
+
+
+
+def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv) -> Progress:
+    """Engine, loader and RNG state from a checkpoint; where the run stands."""
+    root, tag = resume_from
+    client = engine.load(root, tag)
+    if client.get("tokenizer_sha256") != data.tokenizer_sha256:
+        raise UserError(_another_tokenizer(root / tag))
+    data.train.load_state_dict(client["loader"])
+    saved_world = len(client["rng"])
+    if saved_world == denv.world_size:
+        _set_rng_state(client["rng"][denv.rank])
+    else:  # no rank's random streams carry over to another world size: new ones, from the step
+        fresh_start(int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv)
+    if denv.is_main:
+        change = f" (written by {saved_world} ranks, resumed on {denv.world_size})" if saved_world != denv.world_size else ""
+        print(f"resumed from {root / tag} at step {client['step']}{change}", file=sys.stderr)
+    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"), client.get("guard", {}),
+                    client.get("tokens_by_source", {}))
+
+
+
+def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
+    torch.manual_seed(seed + denv.rank)  # dropout differs across ranks
+    np.random.seed(seed + denv.rank)
+    random.seed(seed + denv.rank)
+    return Progress()
+
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+
+def save_checkpoint(run: Run) -> Path:
+    """Every rank writes its part and hashes its share of the files (`ckpt.hashing_shares`: the
+    ones it wrote, and the shared ones balanced by size); rank 0 records them all in
+    integrity.json, and the `latest` pointer moves once all have finished.
+
+    A save that its file system cannot hold ends the job on every rank in one line naming it and
+    what the save needs (`launch.engine.checkpoint_size`): refused before anything is written
+    where the file system has less free space, else failed by any rank's OSError (ENOSPC) in
+    any step (`_save_step`). The previous checkpoint stays the latest, and this one is removed."""
+    root = ckpt.checkpoint_root(run.cfg.run_dir)
+    tag = ckpt.tag_for(run.step)
+    tag_dir = root / tag
+    client_state = {
+        "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.data.train.state_dict(),
+        "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
+        "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
+        "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
+        "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
+        "dataset": dataset_record(run),
+    }
+    need, how = checkpoint_size(run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision)
+    free = None
+
+    def part(work, doing: str, *, main_only: bool = False) -> list:  # `free` as measured by then
+        return _save_step(run, root, tag, work, doing, main_only,
+                          lambda failure: ckpt.save_failed(root, tag, failure, need, how, free))
+
+    def make_room() -> int:
+        ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
+        room = ckpt.free_space(root)
+        if room >= need:
+            tag_dir.mkdir(parents=True)  # here, not in DeepSpeed's save, whose failure would leave the others waiting
+        return room
+
+    free = part(make_room, "writing", main_only=True)[0]
+    if refusal := ckpt.short_of_space(root, tag, free, need, how):
+        raise UserError(refusal)  # on every rank: each has rank 0's figure
+    part(lambda: run.engine.save(root, tag, client_state), "writing")
+
+    def listed() -> dict[str, int]:
+        info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
+                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source",
+                                             "dataset")}
+        info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
+        (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
+        return ckpt.files_on_disk(tag_dir)
+
+    # One listing, rank 0's, so that every rank computes the same shares.
+    share = ckpt.hashing_shares(part(listed, "writing", main_only=True)[0], run.denv.world_size)[run.denv.rank]
+    hashed = part(lambda: ckpt.hash_files(tag_dir, share), "hashing")
+
+    def recorded() -> None:
+        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for the record.
+        ckpt.write_integrity(tag_dir, {name: {**entry, "hashed_by": rank} for rank, entries in enumerate(hashed)
+                                       for name, entry in entries.items()})
+        ckpt.move_pointer(root, tag)
+        ckpt.prune(root, run.cfg.checkpoint.keep_last)
+        run.tracker.checkpointed(run.step)
+
+    part(recorded, "writing", main_only=True)
+    return tag_dir
+
+
+
+def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool, failed) -> list:
+    """One step of a save: `work()` on every rank (or on rank 0 alone), its values gathered from
+    every rank. An OSError of any rank's work fails the save on every rank alike, none left
+    waiting in a collective: rank 0 removes what was written of checkpoint `tag` (unless the
+    pointer names it), then every rank raises the UserError `failed(ckpt.WriteFailure)` words."""
+    value = failure = None
+    if run.denv.is_main or not main_only:
+        try:
+            value = work()
+        except OSError as err:
+            failure = ckpt.WriteFailure(run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename)
+    gathered = dist.all_gather_object((value, failure))
+    failures = [failure for _, failure in gathered if failure is not None]
+    if failures:
+        if run.denv.is_main and ckpt.latest_tag(root) != tag:
+            ckpt.discard(root, tag)
+        dist.barrier()  # removed before any rank ends the job
+        raise UserError(failed(failures[0]))
+    return [value for value, _ in gathered]
+
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Drop the rows of RUN_DIR/metrics.jsonl logged after `step`, the step a run starts from
+    (and any torn line): a job that died between checkpoints logged steps that the resumed job
+    trains and logs again. Returns how many lines were dropped; the file is replaced atomically."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in read_metrics_rows(run_dir) if row.get("step", 0) <= step]
+    if len(kept) < len(lines):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(partial, path)
+    return len(lines) - len(kept)

@@ -1,0 +1,86 @@
+"""What the training loop carries from step to step: the run (resolved config, engine, data,
+tracker, guard) and where it stands; the counters every rank sums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launch import distributed as dist
+from launch.config import BatchPlan, TrainConfig
+from launch.engine import Engine
+from launch.tasks import Task
+from launch.tracking import Tracker
+from launch.train.guard import Guard
+from pipeline.loader import ShardLoader
+
+
+@dataclass
+class Data:
+    """What `open_data` resolves from the dataset: the loaders and the tokenizer's identity."""
+
+    train: ShardLoader
+    valid: ShardLoader | None  # None when the valid split is smaller than one global batch
+    vocab_size: int
+    tokenizer_sha256: str
+    manifest_sha256: str = ""  # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
+
+
+
+@dataclass
+class Progress:
+    """Where a run stands: restored from a checkpoint, or a fresh start."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    run_id: str | None = None  # the W&B run's id, kept across resumes
+    guard: dict = field(default_factory=dict)  # `Guard.state_dict()`: skip counts and the loss history
+    tokens_by_source: dict = field(default_factory=dict)  # training tokens read per source, all ranks
+
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig  # resolved: model.vocab_size is the data's
+    denv: dist.DistEnv
+    task: Task
+    plan: BatchPlan
+    engine: Engine
+    data: Data
+    tracker: Tracker
+    run_id: str
+    peak: tuple[float, str]
+    guard: Guard
+    step: int = 0
+    tokens_seen: int = 0
+    n_parameters: int = 0  # all of them, for llm.c's FLOPs count
+    # Tokens read per source, all ranks, before this process started (from the checkpoint);
+    # the train loader counts this process's, this rank's.
+    tokens_by_source_before: dict = field(default_factory=dict)
+
+
+
+def data_counters(run: Run) -> dict:
+    """Unreadable data met so far, and the training tokens read per source since the run began,
+    summed over the ranks (a collective: every rank calls it)."""
+    names = ("shards_skipped", "samples_unreadable", "filler_batches")
+    totals = dist.all_reduce_sum([float(run.data.train.stats[name]) for name in names])
+    counters = {f"data/{name}": int(total) for name, total in zip(names, totals)}
+    counters.update({f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()})
+    return counters
+
+
+
+def dataset_record(run: Run) -> dict:
+    """What an export's provenance names the data by (`launch.export.provenance`): the manifest's
+    fingerprint, the train loader's (its shard listing with their sha256s) and its mixture."""
+    loader = run.data.train.state_dict()["fingerprint"]
+    return {"manifest_sha256": run.data.manifest_sha256, "train_shards_sha256": loader.get("shards_sha256"),
+            "mixture": loader.get("mixture")}
+
+
+def tokens_by_source(run: Run) -> dict[str, int]:
+    """Training tokens read per source since the run began, all ranks (a collective)."""
+    mine = run.data.train.stats["tokens_by_source"]
+    names = sorted(set(mine) | set(run.tokens_by_source_before))
+    totals = dist.all_reduce_sum([float(mine.get(name, 0)) for name in names])
+    return {name: int(run.tokens_by_source_before.get(name, 0) + total) for name, total in zip(names, totals)}
