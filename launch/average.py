@@ -30,7 +30,7 @@ import torch
 
 from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
-from launch.export import read_json, read_run_checkpoint, save_model_dir
+from launch.export import provenance, read_json, read_run_checkpoint, save_model_dir
 from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 
@@ -100,7 +100,7 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
     meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
             "source": str((root / tags[-1]).resolve()),
             "averaged": [str((root / tag).resolve()) for tag in tags]}
-    save_model_dir(out, mean, run.config.model, run.tokenizer, meta)
+    save_model_dir(out, mean, run.config.model, run.tokenizer, meta, provenance(run) | {"averaged": meta["averaged"]})
     return meta
 
 

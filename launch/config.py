@@ -90,10 +90,14 @@ class GuardConfig:
 
 @dataclass
 class InitConfig:
-    """Warm start of a translation model from exported pretraining checkpoints (launch.export)."""
+    """Starting weights: a run's from one exported model (`launch.init_model`), or a translation
+    model's stacks apart from exported pretraining checkpoints (`model.warm_start`)."""
 
-    encoder: str = ""  # exported BERT (or GPT) directory; "" = random
-    decoder: str = ""  # exported GPT (or BERT) directory; "" = random
+    encoder: str = ""  # translation: exported BERT (or GPT) directory; "" = random
+    decoder: str = ""  # translation: exported GPT (or BERT) directory; "" = random
+    # an export of ours, or a Hugging Face directory (GPT-2/Llama, BERT, BERT + GPT-2 encoder-decoder), of the
+    # task's model; the model config is the directory's; step 0, fresh optimizer. "" = random (or encoder/decoder)
+    model: str = ""
 
 
 @dataclass
@@ -269,7 +273,10 @@ class ExportConfig:
     """A run's checkpoint to plain weights (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
 
     checkpoint: str = MISSING  # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
-    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model
+    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model, provenance.json
+    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, BERT or a BERT + GPT-2 encoder-decoder),
+    # its fast tokenizer beside the weights
+    format: str = "ours"
 
 
 @dataclass

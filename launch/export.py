@@ -1,14 +1,22 @@
-"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR`: a DeepSpeed checkpoint to a self-contained model directory.
+"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=hf]`: a DeepSpeed checkpoint to a
+self-contained model directory.
 
 The checkpoint is a run directory, its `checkpoints/` directory (the latest complete
-checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receives:
+checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receives, in our
+format (the default):
 
     model.safetensors   consolidated fp32 weights (tied tensors stored once)
     config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256", "source"}
     tokenizer.model     the SentencePiece model the weights were trained with
+    provenance.json     what made the weights (`provenance`)
 
-Fine-tuning (`init.encoder` / `init.decoder`), evaluation and the Hugging Face converters
-(`model.hf`) read this directory: safetensors and JSON, nothing unpickled.
+Fine-tuning (`init.*`), evaluation and the Hugging Face converters (`model.hf`) read this
+directory: safetensors and JSON, nothing unpickled. With `format=hf`, `out` is a directory in
+Hugging Face's `save_pretrained` layout instead (model.safetensors, config.json,
+generation_config.json where it applies), of the class `model.hf.hf_config_for` picks (GPT-2,
+Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), with the tokenizer as a fast tokenizer
+(`launch.hf_tokenizer`), tokenizer.model and provenance.json beside it. A model the class
+cannot compute is refused in one line naming the option, before the weights are read.
 
 The checkpoint is verified against its integrity.json and read weights-only
 (`launch.engine.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
@@ -18,6 +26,7 @@ in one line, exit status 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -30,14 +39,16 @@ import torch
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from common.configure import UserError, config_from_dict, load_config, parse_cli, run_main
+from common.configure import UserError, config_from_dict, config_to_dict, load_config, parse_cli, run_main
 from common.hashing import file_sha256
 from pipeline.progress import meter
 
-USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR
+USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 
-A training checkpoint of any ZeRO stage to plain weights, config.json and tokenizer.model."""
-WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.model"
+A training checkpoint of any ZeRO stage to plain weights, config.json and tokenizer.model
+(format=hf: a Hugging Face model directory with its tokenizer)."""
+WEIGHTS, CONFIG, TOKENIZER, PROVENANCE = "model.safetensors", "config.json", "tokenizer.model", "provenance.json"
+FORMATS = ("ours", "hf")
 
 
 def locate_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -52,26 +63,57 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, str]:
     raise UserError(f"no complete checkpoint at {path}")
 
 
-def save_model_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path, meta: dict) -> None:
-    """Write weights, config and tokenizer; the directory appears complete only at the end."""
-    from safetensors.torch import save_model
-
+@contextlib.contextmanager
+def writing(out: str | Path):
+    """A scratch directory beside `out` that becomes `out` only when the block completes."""
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    model = build_model(model_cfg)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    if missing or unexpected:
-        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    # save_model stores each tied tensor once and records the alias.
-    save_model(model, str(partial / WEIGHTS))
-    shutil.copyfile(tokenizer, partial / TOKENIZER)
-    config = {"model": dataclasses.asdict(model_cfg), "tokenizer_sha256": file_sha256(tokenizer), **meta}
-    (partial / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    yield partial
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
+
+
+def model_with(state_dict: dict, model_cfg: ModelConfig) -> torch.nn.Module:
+    """The model of `model_cfg` holding `state_dict`, every key accounted for."""
+    model = build_model(model_cfg)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if missing or unexpected:
+        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    return model
+
+
+def save_model_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path, meta: dict,
+                   provenance: dict | None = None) -> None:
+    """Write weights, config, tokenizer (and provenance); the directory appears complete only at the end."""
+    from safetensors.torch import save_model
+
+    model = model_with(state_dict, model_cfg)
+    with writing(out) as partial:
+        # save_model stores each tied tensor once and records the alias.
+        save_model(model, str(partial / WEIGHTS))
+        shutil.copyfile(tokenizer, partial / TOKENIZER)
+        config = {"model": dataclasses.asdict(model_cfg), "tokenizer_sha256": file_sha256(tokenizer), **meta}
+        (partial / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        if provenance is not None:
+            (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def save_hf_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path,
+                provenance: dict) -> None:
+    """Write a Hugging Face model directory with its fast tokenizer, tokenizer.model and provenance."""
+    from launch.hf_tokenizer import save_hf_tokenizer
+    from model.hf import to_hf
+
+    hf_model = to_hf(model_with(state_dict, model_cfg))
+    with writing(out) as partial:
+        hf_model.save_pretrained(str(partial))
+        save_hf_tokenizer(tokenizer, partial, model_cfg.max_seq_len)
+        shutil.copyfile(tokenizer, partial / TOKENIZER)
+        (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
 
 
 def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
@@ -130,29 +172,67 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
     return RunCheckpoint(root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client)
 
 
-def export(checkpoint: str | Path, out: str | Path) -> dict:
+def provenance(run: RunCheckpoint) -> dict:
+    """The one record every export carries: what trained the weights and on what. The dataset's
+    fingerprints are those the run recorded at the checkpoint (`launch.train`; null for a checkpoint
+    written before it recorded them): the manifest's, and the train shards' listing with their sha256s."""
+    dataset = run.client.get("dataset") or {}
+    return {
+        "task": run.config.task,
+        "step": run.client.get("step"),
+        "tokens_seen": run.client.get("tokens_seen"),
+        "tokens_by_source": run.client.get("tokens_by_source"),
+        "tokenizer_sha256": file_sha256(run.tokenizer),
+        "dataset": {"data_dir": run.config.data.data_dir, "manifest_sha256": dataset.get("manifest_sha256"),
+                    "train_shards_sha256": dataset.get("train_shards_sha256")},
+        "mixture": {"weights": dict(run.config.data.mixture), "samples_per_epoch": dataset.get("mixture")},
+        "checkpoint": str((run.root / run.tag).resolve()),
+        "config": config_to_dict(run.config),
+    }
+
+
+def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dict:
     from launch.engine import consolidated_state_dict
     from launch.preconditions import check_writable_dir
 
+    if format not in FORMATS:
+        raise UserError(f"format: {format!r} is not one of {', '.join(FORMATS)}")
     # Before the weights are consolidated: an export that cannot be written fails in one line.
     check_writable_dir(Path(out).absolute().parent, "out")
     run = read_run_checkpoint(checkpoint)
     if not run.tokenizer.is_file():
         raise UserError(f"{run.tokenizer} not found")
-    meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
-            "source": str((run.root / run.tag).resolve())}
+    if format == "hf":
+        check_hf_exportable(run.config.model)
+    record = provenance(run)
     with meter(2, f"export {run.tag}", "phase") as shown:  # verify and consolidate; write
         state = consolidated_state_dict(run.root, run.tag)
         shown.update()
-        save_model_dir(out, state, run.config.model, run.tokenizer, meta)
+        if format == "hf":
+            save_hf_dir(out, state, run.config.model, run.tokenizer, record)
+        else:
+            meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {"source": record["checkpoint"]}
+            save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
         shown.update()
-    return meta
+    return record
+
+
+def check_hf_exportable(model_cfg: ModelConfig) -> None:
+    """UserError, one line naming the option, for a model no Hugging Face class computes."""
+    from model.hf import hf_config_for
+
+    try:
+        hf_config_for(model_cfg)
+    except ValueError as err:
+        raise UserError(f"format=hf: {err}") from None
+    except ImportError as err:
+        raise UserError(f"format=hf needs transformers (pip install -e '.[hf]'): {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
-    meta = export(cfg.checkpoint, cfg.out)
-    print(f"exported {meta['task']} step {meta['step']} from {meta['source']} to {cfg.out}")
+    record = export(cfg.checkpoint, cfg.out, cfg.format)
+    print(f"exported {record['task']} step {record['step']} from {record['checkpoint']} to {cfg.out} ({cfg.format})")
     return 0
 
 

@@ -144,8 +144,11 @@ def main_dry_run(argv: list[str]) -> int:
     """`launch.train`'s `--dry-run`: argv is its command line without that flag
     (CONFIG.yaml [key.sub=value ...], plus this module's own flags anywhere). Prints the report;
     returns 2 if it found a problem, else 0."""
+    from launch import init_model
+
     options, rest = _split_flags(strip_launcher_args(argv))
-    cfg = parse_cli(TrainConfig, rest, usage=USAGE)
+    # As the run resolves it: init.model's directory gives the model config (a misfit: one line).
+    cfg = init_model.resolve(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:])
     report = preflight(cfg, world_size=options["world_size"], ranks_per_node=options["ranks_per_node"])
     if options["json"]:
         print(json.dumps({"config": rest[0], "ok": not report.problems, "facts": report.facts, "figures": report.figures,

@@ -85,15 +85,17 @@ def test_every_config_in_configs_validates(path):
     check_config(cfg)
 
 
-def test_gpt2_small_translation_decoder_is_gpt2_smalls_stack():
-    """The worked example's fine-tuning config (docs/slurm.md) is warm-started from an exported
-    gpt2_small: its decoder stack agrees on every field the warm start checks."""
+def test_translation_gpu_stacks_are_gpt2_small_and_bert_base():
+    """The GPU-scale fine-tuning config (the worked example in docs/slurm.md, configs/transfer_gpu.yaml)
+    is warm-started from exported gpt2_small and bert_base: its decoder and encoder stacks agree
+    with them on every field the warm start checks."""
     from launch.config import TrainConfig
     from model.warm_start import architecture_fields
 
-    gpt = load_config(TrainConfig, ROOT / "configs" / "gpt2_small.yaml").model
-    seq2seq = load_config(TrainConfig, ROOT / "configs" / "gpt2_small_translation.yaml").model
-    gpt.vocab_size = seq2seq.vocab_size = 32000  # both taken from the dataset at run time
-    decoder = seq2seq.for_stack("decoder")
-    assert {name: getattr(decoder, name) for name in architecture_fields("decoder")} == \
-        {name: getattr(gpt, name) for name in architecture_fields("decoder")}
+    seq2seq = load_config(TrainConfig, ROOT / "configs" / "translation_gpu.yaml").model
+    for stack, source in (("decoder", "gpt2_small.yaml"), ("encoder", "bert_base.yaml")):
+        pretrained = load_config(TrainConfig, ROOT / "configs" / source).model
+        pretrained.vocab_size = seq2seq.vocab_size = 32000  # both taken from the dataset at run time
+        fields = [name for name in architecture_fields(stack) if name != "max_seq_len"]  # positions are resized
+        side = seq2seq.for_stack(stack)
+        assert {name: getattr(side, name) for name in fields} == {name: getattr(pretrained, name) for name in fields}, stack

@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:  # report the run and every problem; start nothing
         return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
-    cfg = parse_cli(TrainConfig, argv, usage=USAGE)
+    from launch import init_model
+
+    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked against it).
+    cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
     train(cfg)
     return 0
 

@@ -19,7 +19,7 @@ from launch.config import BatchPlan, TrainConfig
 from launch.engine import Engine, checkpoint_size
 from launch.tracking import read_metrics_rows
 from launch.train import space
-from launch.train.state import Data, Progress, Run, tokens_by_source
+from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
 from model.config import TRAINING_ONLY_FIELDS
 from common.configure import UserError, config_to_dict, show
 
@@ -174,6 +174,7 @@ def save_checkpoint(run: Run) -> Path:
         "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
         "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
+        "dataset": dataset_record(run),
     }
     need, how = checkpoint_size(run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision)
     free = None
@@ -196,7 +197,8 @@ def save_checkpoint(run: Run) -> Path:
 
     def listed() -> dict[str, int]:
         info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
-                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source")}
+                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source",
+                                             "dataset")}
         info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
         (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         return ckpt.files_on_disk(tag_dir)

@@ -119,7 +119,9 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         valid = None
         if denv.is_main:
             print(f"warning: no evaluation: {err}", file=sys.stderr)
-    return Data(train, valid, int(tokenizer["vocab_size"]), sha256)
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
+    manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)
+    return Data(train, valid, int(tokenizer["vocab_size"]), sha256, hashlib.sha256(manifest_bytes).hexdigest())
 
 
 
@@ -136,11 +138,21 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
 
 def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str, denv: dist.DistEnv, *,
                  load_universal: bool = False) -> tuple[Engine, int]:
-    """The model (random or warm-started), its optimizer and schedule under DeepSpeed; and its
-    parameter count, taken before ZeRO-3 partitions the parameters away."""
+    """The model (random, warm-started, or init.model's weights), its optimizer and schedule under
+    DeepSpeed; and its parameter count, taken before ZeRO-3 partitions the parameters away."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     try:
-        model = _warm_start(cfg, tokenizer_sha256, denv.is_main) if _warm_starts(cfg, task) else build_model(cfg.model)
+        if _warm_starts(cfg, task):
+            model = _warm_start(cfg, tokenizer_sha256, denv.is_main)
+        elif cfg.init.model:
+            from launch import init_model
+
+            fetch = remote.FetchConfig.from_loader_config(cfg.data)
+            dataset_tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
+                                                  sha256=tokenizer_sha256)
+            model = init_model.load(cfg, dataset_tokenizer)
+        else:
+            model = build_model(cfg.model)
     except ValueError as err:  # the model config's own check (ModelConfig.validate)
         raise UserError(str(err)) from err
     n_parameters = sum(p.numel() for p in model.parameters())
@@ -226,7 +238,7 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
     the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
     run_dir = Path(cfg.run_dir)
 
-    def write_run_dir() -> str:  # rank 0; returns the manifest's sha256, for the W&B run
+    def write_run_dir() -> None:  # rank 0
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir, step)
         if dropped:
@@ -234,15 +246,14 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
         save_config(cfg, run_dir / "config.yaml")
         fetch = remote.FetchConfig.from_loader_config(cfg.data)
         # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked
-        # against the manifest's sha256; then the manifest's own.
+        # against the manifest's sha256.
         with stoppable():
             shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
                                               sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
-            return hashlib.sha256(remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)).hexdigest()
 
-    manifest_sha256 = _on_main(denv, write_run_dir)
+    _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
-    summary = {"git_commit": git_commit(), "data_manifest_sha256": manifest_sha256,
+    summary = {"git_commit": git_commit(), "data_manifest_sha256": data.manifest_sha256,
                "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
                "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
                "parameters": n_parameters}

@@ -22,6 +22,7 @@ class Data:
     valid: ShardLoader | None  # None when the valid split is smaller than one global batch
     vocab_size: int
     tokenizer_sha256: str
+    manifest_sha256: str = ""  # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
 
 
 
@@ -67,6 +68,14 @@ def data_counters(run: Run) -> dict:
     counters.update({f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()})
     return counters
 
+
+
+def dataset_record(run: Run) -> dict:
+    """What an export's provenance names the data by (`launch.export.provenance`): the manifest's
+    fingerprint, the train loader's (its shard listing with their sha256s) and its mixture."""
+    loader = run.data.train.state_dict()["fingerprint"]
+    return {"manifest_sha256": run.data.manifest_sha256, "train_shards_sha256": loader.get("shards_sha256"),
+            "mixture": loader.get("mixture")}
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:
