@@ -8,7 +8,7 @@ sequence 1024, dropout 0), micro batch 16 x 1024 tokens and grad_accum 4, with t
 set to each of `--vocabs` (50,257: GPT-2's, 124M parameters; 8,000: this project's default
 tokenizer) and ZeRO set to each of `--stages`. For each, the model is built as the trainer's
 `launch.train.setup.build_engine` builds it (`model.build_model`, `launch.optim.build_optimizer` and
-`build_scheduler`, `launch.engine.Engine` over `launch.engine.deepspeed_config` of the run
+`build_scheduler`, `launch.deepspeed.engine.Engine` over `launch.deepspeed.config.deepspeed_config` of the run
 config) under a one-rank process group (NCCL on a GPU, gloo on the CPU), and trained on
 random token ids made into model inputs by the trainer's own `launch.tasks` code (packed
 blocks: no padding, so the attention mask is dropped on the host and SDPA takes its fused
@@ -168,7 +168,8 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     """The engine as launch.train.setup.build_engine builds it, and the timed micro batches."""
     import torch
 
-    from launch.engine import Engine, deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
+    from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
     from model import build_model
 
@@ -203,7 +204,7 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     # Engine.describe (which optimizer, inside which DeepSpeed wrapper, accumulating in which dtype)
-    # is recent in launch/engine.py; without it the row only goes without that note.
+    # is recent in launch/deepspeed/; without it the row only goes without that note.
     describe = getattr(engine, "describe", None)
     compiled = [name for name, module in model.named_modules() if hasattr(module.forward, "_torchdynamo_orig_callable")]
     return {"parameters": n_parameters, "micro_batches": count, "seconds": seconds, "last_loss": float(loss),
@@ -307,7 +308,7 @@ def make_batches(cfg, count: int) -> list[dict]:
 
 
 def device_line(device, tiny: bool, args: argparse.Namespace) -> str:
-    from importlib.metadata import version  # only launch/engine.py imports deepspeed
+    from importlib.metadata import version  # only launch/deepspeed/ imports deepspeed
     import torch
 
     if device.type == "cuda":

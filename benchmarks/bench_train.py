@@ -7,7 +7,7 @@
 1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
    our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
    `BertForMaskedLM` of identical shape with the same weights (converted by `model.hf`), wraps
-   each in its own DeepSpeed engine from the same config (`launch.engine.deepspeed_config` of
+   each in its own DeepSpeed engine from the same config (`launch.deepspeed.config.deepspeed_config` of
    configs/tiny_gpt.yaml or tiny_bert.yaml with the shape's overrides: ZeRO-2, the same micro
    batch, AdamW groups and schedule), and feeds both the same batches, read once from the
    dataset's train shards by `pipeline.loader.ShardLoader` and held in memory (the loader has
@@ -70,7 +70,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import launch.distributed as dist
     from launch.config import BatchPlan, TrainConfig
-    from launch.engine import Engine, deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
+    from launch.deepspeed.engine import Engine
     from launch.metrics import measure_gemm_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.tasks import TASKS

@@ -209,7 +209,7 @@ def stage_probes():
 
     def deepspeed_accelerator():
         started = time.time()
-        from launch.engine import deepspeed_accelerator
+        from launch.deepspeed.engine import deepspeed_accelerator
 
         version, name = deepspeed_accelerator()
         print(f"deepspeed {version}: accelerator {name!r} ({time.time() - started:.0f} s to import)")

@@ -4,7 +4,7 @@ Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1
 model averages the last 5 checkpoints, the big one the last 20). The run's last N complete
 checkpoints (oldest first, none newer than the one the `latest` pointer names: a save that
 never finished is not a checkpoint) are each turned into plain fp32 weights by the function
-export uses (`launch.engine.consolidated_state_dict`: verified, weights-only, any ZeRO stage),
+export uses (`launch.deepspeed.safe_load.consolidated_state_dict`: verified, weights-only, any ZeRO stage),
 averaged elementwise (`average_state_dicts`), and written by `launch.export.save_model_dir`: `out` is an
 exported model directory like any other, which `launch.evaluate`, `launch.translate` and
 warm starts read unchanged. Exports store fp32, so the mean is stored as computed.
@@ -78,7 +78,7 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str])
 
 
 def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
-    from launch.engine import consolidated_state_dict  # DeepSpeed is imported by launch.engine alone
+    from launch.deepspeed.safe_load import consolidated_state_dict  # DeepSpeed is imported by launch/deepspeed/ alone
     from launch.preconditions import check_writable_dir
 
     check_writable_dir(Path(out).absolute().parent, "out")

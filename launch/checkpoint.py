@@ -1,7 +1,7 @@
 """Checkpoint layout, the `latest` pointer and retention.
 
     RUN_DIR/checkpoints/step_00000100/            a DeepSpeed checkpoint (every rank writes its part)
-    RUN_DIR/checkpoints/step_00000100.universal/  its universal copy, if one was made (launch.engine.to_universal)
+    RUN_DIR/checkpoints/step_00000100.universal/  its universal copy, if one was made (launch.deepspeed.universal.to_universal)
     RUN_DIR/checkpoints/latest                    the tag of the newest complete checkpoint
 
 The pointer moves only after every rank has finished writing (a barrier, then an atomic

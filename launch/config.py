@@ -2,7 +2,7 @@
 
 The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 (`pipeline.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
-(`launch.engine.deepspeed_config`), with the batch arithmetic done once in `BatchPlan`.
+(`launch.deepspeed.config.deepspeed_config`), with the batch arithmetic done once in `BatchPlan`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A checkpoint is an exported model directory (`launch.export`: safetensors and JSON, nothing
 unpickled) or a training run (its run directory, `checkpoints/` directory or one `step_*`
-checkpoint, verified and consolidated on the fly, weights-only: `launch.engine`). A
+checkpoint, verified and consolidated on the fly, weights-only: `launch.deepspeed.safe_load`). A
 source is encoded as in training (`pipeline.loader`: the source's ids, then </s>), cut to the
 model's `max_seq_len` first; sources are padded into batches and decoded with
 `Seq2Seq.generate` (beam search, greedy for beam 1); hypotheses go back to text with the
@@ -89,7 +89,7 @@ def load_model(ckpt: Checkpoint) -> Seq2Seq:
     if ckpt.exported:
         model, _ = load_model_dir(ckpt.path)
         return model
-    from launch.engine import consolidated_state_dict
+    from launch.deepspeed.safe_load import consolidated_state_dict
 
     model = build_model(ckpt.model_cfg)
     missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt.root, ckpt.tag), strict=False)

@@ -164,7 +164,8 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
     model = load_model(ckpt)
     if zero3:
-        from launch.engine import Engine, inference_config
+        from launch.deepspeed.config import inference_config
+        from launch.deepspeed.engine import Engine
 
         engine = Engine(model, None, None, inference_config(cfg.micro_batch_size, denv.world_size, user_ds))
         model, device = engine.module, engine.device

@@ -13,13 +13,13 @@ format (the default):
 Fine-tuning (`init.*`), evaluation and the Hugging Face converters (`model.hf`) read this
 directory: safetensors and JSON, nothing unpickled. With `format=hf`, `out` is a directory in
 Hugging Face's `save_pretrained` layout instead (model.safetensors, config.json,
-generation_config.json where it applies), of the class `model.hf.hf_config_for` picks (GPT-2,
+generation_config.json where it applies), of the class `model.hf_dir.hf_config_for` picks (GPT-2,
 Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), with the tokenizer as a fast tokenizer
 (`launch.hf_tokenizer`), tokenizer.model and provenance.json beside it. A model the class
 cannot compute is refused in one line naming the option, before the weights are read.
 
 The checkpoint is verified against its integrity.json and read weights-only
-(`launch.engine.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
+(`launch.deepspeed.safe_load.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
 a torch file holding anything but tensors and plain data (a planted pickle payload) is refused
 in one line, exit status 2.
 """
@@ -106,7 +106,7 @@ def save_hf_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, token
                 provenance: dict) -> None:
     """Write a Hugging Face model directory with its fast tokenizer, tokenizer.model and provenance."""
     from launch.hf_tokenizer import save_hf_tokenizer
-    from model.hf import to_hf
+    from model.hf_dir import to_hf
 
     hf_model = to_hf(model_with(state_dict, model_cfg))
     with writing(out) as partial:
@@ -192,7 +192,7 @@ def provenance(run: RunCheckpoint) -> dict:
 
 
 def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dict:
-    from launch.engine import consolidated_state_dict
+    from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
 
     if format not in FORMATS:
@@ -219,7 +219,7 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
 
 def check_hf_exportable(model_cfg: ModelConfig) -> None:
     """UserError, one line naming the option, for a model no Hugging Face class computes."""
-    from model.hf import hf_config_for
+    from model.hf_dir import hf_config_for
 
     try:
         hf_config_for(model_cfg)

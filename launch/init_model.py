@@ -113,7 +113,7 @@ def load(cfg: TrainConfig, dataset_tokenizer: str | Path) -> torch.nn.Module:
     directory = cfg.init.model
     check_tokenizer(directory, dataset_tokenizer)
     if is_hf_dir(directory):
-        from model.hf import load_hf_dir
+        from model.hf_dir import load_hf_dir
 
         try:
             state = load_hf_dir(directory, **OUR_IDS).state_dict()

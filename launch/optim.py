@@ -54,12 +54,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
 
     `cpu_offload` (ZeRO-Offload of the optimizer, `deepspeed.offload_optimizer`: the fp32 master
     weights and moments live in CPU memory): DeepSpeed's vectorised CPU Adam in AdamW mode
-    (`launch.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be built.
+    (`launch.deepspeed.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be built.
     ZeRO-Offload drops non-finite steps itself."""
     groups = parameter_groups(model, cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
     if cpu_offload:
-        from launch.engine import cpu_adam  # DeepSpeed is imported by launch.engine alone
+        from launch.deepspeed.engine import cpu_adam  # DeepSpeed is imported by launch/deepspeed/ alone
 
         return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     adamw = AdamW if skip_non_finite else torch.optim.AdamW

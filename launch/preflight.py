@@ -6,7 +6,7 @@ is resolved the trainer's way; the model is built on the meta device, which cost
 and gives the exact parameter count. The report: world size and global batch as they would
 be, tokens per step, steps per epoch and the epochs `max_steps` covers, parameters, FLOPs per
 step and per token (`model.flops`), memory per GPU (DeepSpeed's estimator for the model
-states, `launch.engine.estimate_model_state_memory`, plus our estimate of the micro batch's
+states, `launch.deepspeed.estimate.estimate_model_state_memory`, plus our estimate of the micro batch's
 activations), and the dataset checked against its manifest, its tokenizer, the model and any
 warm-start source. Every problem found is listed at once, each naming its key; the exit
 status is 2 if there is any, else 0. Warnings (no evaluation, fp16 needing a GPU, ...) are
@@ -43,7 +43,8 @@ import torch
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
-from launch.engine import deepspeed_config, estimate_model_state_memory
+from launch.deepspeed.config import deepspeed_config
+from launch.deepspeed.estimate import estimate_model_state_memory
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.preconditions import data_fits_model
@@ -650,7 +651,7 @@ def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:
     saved = ckpt.saved_world_size(root, tag)
     if saved is not None and saved != world.size:
         report.warn("resume", f"{root / tag} was written by {saved} ranks, this job would have {world.size}: a ZeRO "
-                              "checkpoint is tied to its world size (launch.engine.to_universal converts it)")
+                              "checkpoint is tied to its world size (launch.deepspeed.universal.to_universal converts it)")
 
 
 def _offload(cfg: TrainConfig) -> str:

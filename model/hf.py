@@ -22,9 +22,8 @@ row ever takes part, and it is a constant added at every position. Importing fol
 the position embeddings (exactly the same sums); exporting writes type_vocab_size=1 with a
 zero row. Type rows other than 0 are dropped.
 
-`hf_config_for`, `to_hf`, `from_hf` and `load_hf_dir` pick the class for any of our models (the
-Seq2Seq's is in `model.hf_seq2seq`) and read a `save_pretrained` directory; `launch.export
-format=hf` writes one, tokenizer included.
+The Seq2Seq's converter is `model.hf_seq2seq`; `model.hf_dir` picks the class for any of our
+models and reads a `save_pretrained` directory, which `launch.export format=hf` writes.
 
 `transformers` is optional: it is imported inside the functions that build its models.
 """
@@ -463,78 +462,3 @@ def gpt_to_llama(model: GPT):
     hf_model = LlamaForCausalLM(hf_llama_config(model.cfg))
     hf_model.load_state_dict(gpt_state_dict_to_llama(model.state_dict(), model.cfg.n_layers))
     return hf_model
-
-
-# --- any of our models <-> its Hugging Face class, and directories on disk ---------------------
-
-LLAMA_MARKS = {"positions": "rope", "norm": "rmsnorm", "activation": "swiglu"}
-
-
-def hf_config_for(cfg: ModelConfig):
-    """The Hugging Face config our model converts to: GPT2Config, LlamaConfig (a GPT with any of
-    rotary positions, RMSNorm, SwiGLU), BertConfig, or an EncoderDecoderConfig for a Seq2Seq;
-    ValueError, one line naming the option, for a model none of them can compute."""
-    if cfg.arch == "seq2seq":
-        from model.hf_seq2seq import hf_encoder_decoder_config
-
-        return hf_encoder_decoder_config(cfg)
-    if cfg.arch == "bert":
-        return hf_bert_config(cfg)
-    if any(getattr(cfg, name) == value for name, value in LLAMA_MARKS.items()):
-        return hf_llama_config(cfg)
-    return hf_gpt2_config(cfg)
-
-
-def to_hf(model: torch.nn.Module):
-    """The Hugging Face model (eval mode) with our model's weights, of the class `hf_config_for` picks."""
-    from model.seq2seq import Seq2Seq
-
-    if isinstance(model, Seq2Seq):
-        from model.hf_seq2seq import seq2seq_to_hf
-
-        return seq2seq_to_hf(model).eval()
-    if isinstance(model, BERT):
-        return bert_to_hf(model).eval()
-    if type(hf_config_for(model.cfg)).__name__ == "LlamaConfig":
-        return gpt_to_llama(model).eval()
-    return gpt_to_hf(model).eval()
-
-
-# Hugging Face model_type -> (the class a directory is loaded as, our converter)
-HF_CLASSES = {
-    "gpt2": ("GPT2LMHeadModel", gpt_from_hf),
-    "llama": ("LlamaForCausalLM", gpt_from_llama),
-    "bert": ("BertForMaskedLM", bert_from_hf),
-    "encoder-decoder": ("EncoderDecoderModel", None),
-}
-
-
-def from_hf(hf_model, **overrides) -> torch.nn.Module:
-    """Our model (eval mode) with the weights of a GPT2LMHeadModel, LlamaForCausalLM,
-    BertForMaskedLM or BERT + GPT-2 EncoderDecoderModel; `overrides` as the converters take them."""
-    model_type = hf_model.config.model_type
-    if model_type not in HF_CLASSES:
-        raise ValueError(f"a Hugging Face {model_type} model: only {', '.join(HF_CLASSES)} convert")
-    convert = HF_CLASSES[model_type][1]
-    if convert is None:
-        from model.hf_seq2seq import seq2seq_from_hf as convert
-    return convert(hf_model, **overrides).eval()
-
-
-def load_hf_dir(directory: str, **overrides) -> torch.nn.Module:
-    """Our model from a Hugging Face model directory on disk (`save_pretrained`'s layout): ours
-    exported with `launch.export format=hf`, or a plain GPT-2, Llama or BERT masked-LM. Weights
-    the class needs but the directory lacks (a BERT saved without its MLM head) are refused
-    rather than left at their random initialisation."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(directory)
-    if config.model_type not in HF_CLASSES:
-        raise ValueError(f"{directory} holds a {config.model_type} model: only {', '.join(HF_CLASSES)} convert")
-    hf_class = getattr(transformers, HF_CLASSES[config.model_type][0])
-    hf_model, info = hf_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
-        raise ValueError(f"{directory} lacks {len(missing)} weights of {hf_class.__name__} ({', '.join(missing[:3])}"
-                         f"{', ...' if len(missing) > 3 else ''})")
-    return from_hf(hf_model, **overrides)

@@ -50,7 +50,8 @@ def make(out: Path) -> None:
 
     from launch import distributed
     from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
-    from launch.engine import Engine, deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
+    from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
     from pipeline.config import LoaderConfig
@@ -365,7 +366,7 @@ def test_export_reads_the_engine_weights(made, tmp_path, stage):
 
 
 def test_export_refuses_a_universal_copy(made, tmp_path):
-    from launch.engine import to_universal
+    from launch.deepspeed.universal import to_universal
 
     run_dir = run_copy(made, 2, tmp_path)
     root, universal = to_universal(ckpt.checkpoint_root(run_dir), TAGS[1])
@@ -374,7 +375,7 @@ def test_export_refuses_a_universal_copy(made, tmp_path):
 
 
 def test_a_universal_copy_is_verified_and_rebuilt_when_damaged(made, tmp_path):
-    from launch.engine import to_universal
+    from launch.deepspeed.universal import to_universal
 
     run_dir = run_copy(made, 2, tmp_path)
     root = ckpt.checkpoint_root(run_dir)
@@ -412,7 +413,7 @@ def test_export_refuses_a_planted_pickle_payload(made, tmp_path, stage, planted_
 def test_the_weights_only_load_itself_refuses_a_payload(made, tmp_path, monkeypatch, stage, planted_in):
     """Past the pre-scan (one that parses a pickle differently, say), the load is the guard:
     ours, and DeepSpeed's own torch.load(weights_only=False) in its ZeRO consolidation."""
-    from launch import engine
+    from launch.deepspeed import safe_load
 
     run_dir = run_copy(made, stage, tmp_path, integrity=False)
     root = ckpt.checkpoint_root(run_dir)
@@ -420,10 +421,10 @@ def test_the_weights_only_load_itself_refuses_a_payload(made, tmp_path, monkeypa
     state = torch.load(root / TAGS[1] / planted_in, map_location="cpu", weights_only=False)
     state["planted"] = Planted(marker)
     torch.save(state, root / TAGS[1] / planted_in)
-    monkeypatch.setattr(engine, "_refuse_code_in", lambda tag_dir: None)
+    monkeypatch.setattr(safe_load, "_refuse_code_in", lambda tag_dir: None)
     monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
     with pytest.raises(UserError, match="refused") as failure:
-        engine.consolidated_state_dict(root, TAGS[1])
+        safe_load.consolidated_state_dict(root, TAGS[1])
     assert "\n" not in str(failure.value) and not marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the process's environment is given back
 

@@ -217,7 +217,8 @@ def run_script(*args) -> subprocess.CompletedProcess:
 def tiny_engine(stage: int, precision: str):
     """A one-process DeepSpeed engine of a small GPT, after one step (its Adam moments exist)."""
     from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
-    from launch.engine import Engine, deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
+    from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
     from pipeline.config import LoaderConfig
@@ -240,7 +241,7 @@ def tiny_engine(stage: int, precision: str):
 
 def sizes(out: Path) -> None:
     """OUT/sizes.json: {stage-precision: [the save's estimate, the bytes DeepSpeed wrote]}."""
-    from launch.engine import checkpoint_size
+    from launch.deepspeed.estimate import checkpoint_size
 
     found = {}
     for stage, precision in COMBOS:

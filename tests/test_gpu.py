@@ -83,7 +83,7 @@ def train_losses(model: torch.nn.Module, batches: list[dict], steps: int, bf16: 
     """Losses of `steps` AdamW steps (gpt2_small.yaml's betas, weight decay and clipping, constant
     lr) from `model`'s weights, which are left untouched.
 
-    bf16 as DeepSpeed's bf16 mode trains (`launch.engine.deepspeed_config`: the module cast to
+    bf16 as DeepSpeed's bf16 mode trains (`launch.deepspeed.config.deepspeed_config`: the module cast to
     bf16, no autocast): weights and activations in bf16, every op included (LayerNorm, softmax,
     the fused loss's bf16 path), against fp32 master weights that AdamW steps and that are
     rounded to bf16 after each step. Not torch.autocast, which keeps fp32 weights and runs

@@ -1,4 +1,4 @@
-"""Hugging Face export (`launch.export format=hf`) and import (`model.hf.load_hf_dir`): tiny models
+"""Hugging Face export (`launch.export format=hf`) and import (`model.hf_dir.load_hf_dir`): tiny models
 made in the test are written as an export writes them, loaded by `transformers`' Auto classes
 with the tokenizer beside them, and give our logits; GPT and the translation model generate
 greedily the same tokens as ours; read back, they are our models again. A model no Hugging Face
@@ -18,7 +18,7 @@ from conftest import ROOT, synthetic_pairs  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
 from launch.export import PROVENANCE, TOKENIZER, save_hf_dir  # noqa: E402
 from model import ModelConfig, StackConfig, build_model  # noqa: E402
-from model.hf import hf_config_for, load_hf_dir  # noqa: E402
+from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.config import TokenizerConfig  # noqa: E402
 from common.configure import save_config  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402

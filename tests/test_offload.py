@@ -1,5 +1,5 @@
 """ZeRO-Offload of the optimizer (deepspeed.offload_optimizer, with offload_params under ZeRO-3):
-DeepSpeed's CPU Adam in AdamW mode over our parameter groups (`launch.engine.cpu_adam`), torch's
+DeepSpeed's CPU Adam in AdamW mode over our parameter groups (`launch.deepspeed.engine.cpu_adam`), torch's
 AdamW only if its op cannot be built; 2 ranks under torchrun on CPU train and resume exactly.
 
 DeepSpeed builds the CPU Adam op with the host's C++ compiler at its first use, about 100 s on
@@ -23,7 +23,7 @@ def _groups(params: list[torch.Tensor]) -> list[dict]:
 def test_the_fallback_is_torch_adamw_over_the_same_groups_with_one_warning_line(monkeypatch, capsys):
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
 
-    from launch.engine import cpu_adam
+    from launch.deepspeed.engine import cpu_adam
 
     def no_compiler(self, *args, **kwargs):
         raise RuntimeError("simulated: no C++ compiler\nmore detail")
@@ -42,7 +42,7 @@ def test_the_fallback_is_torch_adamw_over_the_same_groups_with_one_warning_line(
 @pytest.mark.slow
 def test_cpu_adam_takes_torch_adamws_steps_group_by_group():
     """AdamW mode: decoupled weight decay, each group's own; the same updates as torch's AdamW."""
-    from launch.engine import cpu_adam
+    from launch.deepspeed.engine import cpu_adam
 
     torch.manual_seed(0)
     start = [torch.randn(8, 8), torch.randn(8), torch.randn(8, 8), torch.randn(8)]
@@ -104,7 +104,7 @@ model name\t: something else entirely
 def test_the_jit_cache_is_keyed_by_the_cpu_type():
     """DeepSpeed builds CPU Adam with -march=native: the cache folder differs for CPUs that differ
     in what that compiles for, even under one model name, and is the same for the same CPU."""
-    from launch.engine import cpu_key, use_cpu_keyed_jit_cache
+    from launch.deepspeed.engine import cpu_key, use_cpu_keyed_jit_cache
 
     key = cpu_key(CPUINFO)
     assert key.startswith("intel-r-xeon-r-platinum-8480-") and key == cpu_key(CPUINFO.replace("sse2 avx2", "avx2 sse2"))
@@ -129,7 +129,7 @@ def test_cpu_adam_builds_into_this_cpus_folder(monkeypatch, tmp_path):
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
     from torch.utils.cpp_extension import _get_build_directory
 
-    from launch.engine import cpu_adam, cpu_key
+    from launch.deepspeed.engine import cpu_adam, cpu_key
 
     seen = []
 

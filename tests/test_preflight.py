@@ -18,7 +18,7 @@ import torch
 
 from conftest import ROOT
 from launch.config import MainConfig, TrainConfig
-from launch.engine import estimate_model_state_memory
+from launch.deepspeed.estimate import estimate_model_state_memory
 from launch.export import save_model_dir
 from launch.preflight import main_dry_run
 from model import build_model

@@ -163,7 +163,7 @@ def _losses(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
-    from launch.engine import consolidated_state_dict
+    from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.export import load_model_dir, save_model_dir
 
     # Warm-start sources exported in the test, shaped like the run's stacks (test_train.TINY).

@@ -1,7 +1,7 @@
 """Universal checkpoints: ZeRO state written by 2 ranks resumes on 1 (DeepSpeed #2898).
 
 A 2-rank torchrun job trains a tiny GPT for a few steps under ZeRO stages 0 to 3, in fp32 and
-bf16, and saves (tests/universal_worker.py); `launch.engine.to_universal` converts each
+bf16, and saves (tests/universal_worker.py); `launch.deepspeed.universal.to_universal` converts each
 checkpoint here, in the pytest process, without a process group; a 1-rank job loads it and takes
 one more step on the same global batch (2 micro batches accumulated instead of 2 ranks x 1).
 The fp32 weights, both Adam moments (gathered whole, by parameter name), the step counts and the
@@ -34,7 +34,7 @@ TOLERANCE = 1e-6  # absolute, on every tensor element and on the loss; measured:
 # ----------------------------------------------------------------------------- contracts
 
 
-def test_only_the_engine_imports_deepspeed():
+def test_only_the_deepspeed_room_imports_deepspeed():
     importers = []
     for package in ("common", "launch", "pipeline", "model", "benchmarks"):
         for path in (ROOT / package).rglob("*.py"):  # the rooms inside each package too
@@ -43,7 +43,7 @@ def test_only_the_engine_imports_deepspeed():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 if any(name.split(".")[0] == "deepspeed" for name in names):
                     importers.append(str(path.relative_to(ROOT)))
-    assert sorted(set(importers)) == ["launch/engine.py"]
+    assert importers and all(path.startswith("launch/deepspeed/") for path in importers), sorted(set(importers))
     # The checkpoint layout reads DeepSpeed's file names without importing it.
     code = "import sys, launch.checkpoint; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -76,7 +76,7 @@ def test_prune_takes_universal_copies_with_their_checkpoint(tmp_path):
 
 
 def test_deepspeed_config_sets_load_universal_only_when_asked(tmp_path):
-    from launch.engine import deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
 
     cfg, plan = TrainConfig(), BatchPlan(8, 1, 2)
     assert "checkpoint" not in deepspeed_config(cfg, plan)
@@ -89,7 +89,7 @@ def test_deepspeed_config_sets_load_universal_only_when_asked(tmp_path):
 
 
 def test_to_universal_passes_stage_0_through_and_reports_a_failure_in_one_line(tmp_path):
-    from launch.engine import to_universal
+    from launch.deepspeed.universal import to_universal
 
     with pytest.raises(UserError, match="not found"):
         to_universal(tmp_path, TAG)
@@ -121,7 +121,7 @@ def _files(directory: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Save with 2 ranks, convert here, load with 1: OUT/COMBO/ holds both jobs' states."""
-    from launch.engine import to_universal
+    from launch.deepspeed.universal import to_universal
 
     out = tmp_path_factory.mktemp("universal")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,7 +13,7 @@ from test_train import metrics, train
 
 
 def _config(stage: int, precision: str, config_file: str = "") -> dict:
-    from launch.engine import deepspeed_config
+    from launch.deepspeed.config import deepspeed_config
 
     cfg = TrainConfig(grad_accum=4, deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, config_file=config_file))
     return deepspeed_config(cfg, BatchPlan(2, 4, 2))

@@ -1,4 +1,4 @@
-"""One side of tests/test_universal.py: train a tiny GPT under `launch.engine.Engine` and save
+"""One side of tests/test_universal.py: train a tiny GPT under `launch.deepspeed.engine.Engine` and save
 (`save`, 2 ranks under torchrun), or load a checkpoint on another world size and take the
 same next step (`load`, 1 rank), for several ZeRO stages and precisions in one process.
 
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launch import checkpoint as ckpt  # noqa: E402
 from launch import distributed  # noqa: E402
 from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig  # noqa: E402
-from launch.engine import Engine, deepspeed_config  # noqa: E402
+from launch.deepspeed.config import deepspeed_config  # noqa: E402
+from launch.deepspeed.engine import Engine  # noqa: E402
 from launch.optim import build_optimizer, build_scheduler  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.config import LoaderConfig  # noqa: E402

@@ -9,5 +9,5 @@ The same command runs alone, under `torchrun`, under the `deepspeed` launcher an
     guard.py    guarded steps: which step is skipped and why; it returns a verdict, the loop saves
     state.py    what the loop carries: Run (the resolved config, engine, data), Progress, Data
 
-DeepSpeed is reached only through `launch.engine.Engine`.
+DeepSpeed is reached only through `launch.deepspeed.engine.Engine`.
 """

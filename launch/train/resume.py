@@ -16,7 +16,8 @@ import torch
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
-from launch.engine import Engine, checkpoint_size
+from launch.deepspeed.engine import Engine
+from launch.deepspeed.estimate import checkpoint_size
 from launch.tracking import read_metrics_rows
 from launch.train import space
 from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
@@ -47,7 +48,7 @@ def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPla
     print(f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
           f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
           f"{plan.world_size}); converting it to a universal checkpoint", file=sys.stderr)
-    from launch.engine import to_universal
+    from launch.deepspeed.universal import to_universal
 
     return to_universal(root, tag)
 
@@ -162,7 +163,7 @@ def save_checkpoint(run: Run) -> Path:
     integrity.json, and the `latest` pointer moves once all have finished.
 
     A save that its file system cannot hold ends the job on every rank in one line naming it and
-    what the save needs (`launch.engine.checkpoint_size`): refused before anything is written
+    what the save needs (`launch.deepspeed.estimate.checkpoint_size`): refused before anything is written
     where the file system has less free space, else failed by any rank's OSError (ENOSPC) in
     any step (`_save_step`). The previous checkpoint stays the latest, and this one is removed."""
     root = ckpt.checkpoint_root(run.cfg.run_dir)

@@ -17,7 +17,8 @@ import torch
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
-from launch.engine import Engine, deepspeed_config
+from launch.deepspeed.config import deepspeed_config
+from launch.deepspeed.engine import Engine
 from launch.metrics import peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import data_fits_model
@@ -175,7 +176,7 @@ def compile_model(model: torch.nn.Module) -> None:
     - ZeRO-3 gathers parameters in hooks around every submodule, and in a compiled model each
       gather is a graph break, after which dynamo compiles the hook frames again for every
       module until its recompile limit. Each block is made a ZeRO-3 leaf instead
-      (`launch.engine.zero3_leaf_modules`; no effect below stage 3): one gather around the
+      (`launch.deepspeed.engine.zero3_leaf_modules`; no effect below stage 3): one gather around the
       block, no hooks inside it, which stay outside the compiled forward, eager.
     - The loss (`model.loss`) chunks its rows in a Python loop, which a compiled graph
       specializes to each sequence length (translation's lengths vary: a recompile per batch
@@ -196,7 +197,7 @@ def compile_model(model: torch.nn.Module) -> None:
         if shutil.which(cxx) is None:
             raise UserError(f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
                             f"or set CXX, or compile=false)")
-    from launch.engine import zero3_leaf_modules
+    from launch.deepspeed.engine import zero3_leaf_modules
     from model.blocks import Block
 
     blocks = [module for module in model.modules() if isinstance(module, Block)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
-from launch.engine import Engine
+from launch.deepspeed.engine import Engine
 from launch.tasks import Task
 from launch.tracking import Tracker
 from launch.train.guard import Guard

@@ -1,0 +1,82 @@
+"""Any of our models <-> its Hugging Face class, and Hugging Face directories on disk: the class
+`hf_config_for` picks (GPT-2, Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), the
+conversions both ways (`model.hf`, `model.hf_seq2seq`), and `load_hf_dir` for a
+`save_pretrained` directory, ours (`launch.export format=hf`) or a plain GPT-2, Llama or BERT.
+
+`transformers` is optional: it is imported inside the functions that build its models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.bert import BERT
+from model.config import ModelConfig
+from model.hf import (bert_from_hf, bert_to_hf, gpt_from_hf, gpt_from_llama, gpt_to_hf, gpt_to_llama, hf_bert_config,
+                      hf_gpt2_config, hf_llama_config)
+from model.hf_seq2seq import hf_encoder_decoder_config, seq2seq_from_hf, seq2seq_to_hf
+from model.seq2seq import Seq2Seq
+
+
+LLAMA_MARKS = {"positions": "rope", "norm": "rmsnorm", "activation": "swiglu"}
+
+
+def hf_config_for(cfg: ModelConfig):
+    """The Hugging Face config our model converts to: GPT2Config, LlamaConfig (a GPT with any of
+    rotary positions, RMSNorm, SwiGLU), BertConfig, or an EncoderDecoderConfig for a Seq2Seq;
+    ValueError, one line naming the option, for a model none of them can compute."""
+    if cfg.arch == "seq2seq":
+        return hf_encoder_decoder_config(cfg)
+    if cfg.arch == "bert":
+        return hf_bert_config(cfg)
+    if any(getattr(cfg, name) == value for name, value in LLAMA_MARKS.items()):
+        return hf_llama_config(cfg)
+    return hf_gpt2_config(cfg)
+
+
+def to_hf(model: torch.nn.Module):
+    """The Hugging Face model (eval mode) with our model's weights, of the class `hf_config_for` picks."""
+    if isinstance(model, Seq2Seq):
+        return seq2seq_to_hf(model).eval()
+    if isinstance(model, BERT):
+        return bert_to_hf(model).eval()
+    if type(hf_config_for(model.cfg)).__name__ == "LlamaConfig":
+        return gpt_to_llama(model).eval()
+    return gpt_to_hf(model).eval()
+
+
+# Hugging Face model_type -> (the class a directory is loaded as, our converter)
+HF_CLASSES = {
+    "gpt2": ("GPT2LMHeadModel", gpt_from_hf),
+    "llama": ("LlamaForCausalLM", gpt_from_llama),
+    "bert": ("BertForMaskedLM", bert_from_hf),
+    "encoder-decoder": ("EncoderDecoderModel", seq2seq_from_hf),
+}
+
+
+def from_hf(hf_model, **overrides) -> torch.nn.Module:
+    """Our model (eval mode) with the weights of a GPT2LMHeadModel, LlamaForCausalLM,
+    BertForMaskedLM or BERT + GPT-2 EncoderDecoderModel; `overrides` as the converters take them."""
+    model_type = hf_model.config.model_type
+    if model_type not in HF_CLASSES:
+        raise ValueError(f"a Hugging Face {model_type} model: only {', '.join(HF_CLASSES)} convert")
+    return HF_CLASSES[model_type][1](hf_model, **overrides).eval()
+
+
+def load_hf_dir(directory: str, **overrides) -> torch.nn.Module:
+    """Our model from a Hugging Face model directory on disk (`save_pretrained`'s layout): ours
+    exported with `launch.export format=hf`, or a plain GPT-2, Llama or BERT masked-LM. Weights
+    the class needs but the directory lacks (a BERT saved without its MLM head) are refused
+    rather than left at their random initialisation."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if config.model_type not in HF_CLASSES:
+        raise ValueError(f"{directory} holds a {config.model_type} model: only {', '.join(HF_CLASSES)} convert")
+    hf_class = getattr(transformers, HF_CLASSES[config.model_type][0])
+    hf_model, info = hf_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"{directory} lacks {len(missing)} weights of {hf_class.__name__} ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''})")
+    return from_hf(hf_model, **overrides)
