@@ -20,7 +20,7 @@ from conftest import ROOT
 from launch.config import MainConfig, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
 from launch.export import save_model_dir
-from launch.preflight import main_dry_run
+from launch.preflight.checks import main_dry_run
 from model import build_model
 from common.configure import load_config
 from pipeline.format import TOKENIZER_FILE
@@ -156,7 +156,7 @@ def test_activation_estimate_counts_grouped_heads_and_gated_mlps():
     """Per token and block, in bf16: 2 x (9 d + 2 d_ff) plain; 2 x (7 d + 2 d_kv + 4 d_ff) with
     grouped key/value heads (k and v of d_kv) and a gated MLP (gate and value, activated gate,
     product). The rest (embeddings, the LM head's loss) is the same for both."""
-    from launch.preflight import activation_bytes
+    from launch.preflight.figures import activation_bytes
     from launch.tasks import TASKS
     from model import ModelConfig
 

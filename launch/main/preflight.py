@@ -17,7 +17,8 @@ from pathlib import Path
 
 from launch.main import plan as job
 from launch.config import MainConfig, TrainConfig
-from launch.preflight import PlannedData, Report, check_source_fits, preflight, render
+from launch.preflight.checks import check_source_fits, preflight
+from launch.preflight.report import PlannedData, Report, render
 from model.config import STACKS
 from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config

@@ -19,7 +19,7 @@ import torch
 
 from launch import checkpoint as ckpt
 from launch import distributed as dist
-from launch import preflight
+from launch.preflight import checks as preflight
 from launch import stop
 from launch.config import TrainConfig
 from launch.metrics import memory_mb
