@@ -343,7 +343,8 @@ RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share 
 
 def corpus_pairs(cfg) -> list[tuple[str, str]]:
     """The distinct cleaned (source, target) pairs of the dataset's source, with the pipeline's readers."""
-    from pipeline.sources import expand_paths, plan_units, read_unit
+    from pipeline.readers import read_unit
+    from pipeline.sources import expand_paths, plan_units
 
     pairs: dict[tuple[str, str], None] = {}
     for unit in plan_units(expand_paths(cfg.source), cfg.source, cfg.unit_bytes):
@@ -448,7 +449,8 @@ def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
 def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path) -> dict:
     from pipeline.config import PrepareConfig
     from common.configure import load_config
-    from pipeline.sources import Unit, read_unit, source_list
+    from pipeline.readers import read_unit
+    from pipeline.sources import Unit, source_list
     from pipeline.tokenizer import train_tokenizer
 
     path = tmp / "web.jsonl.zst"

@@ -1,31 +1,7 @@
 """Conversion between our GPT / BERT and Hugging Face's GPT2LMHeadModel / BertForMaskedLM, and
 between our Llama-style GPT and LlamaForCausalLM.
 
-State-dict adapters are plain key maps (torchtitan's `state_dict_adapter.py` style) plus the
-layout changes Hugging Face needs: GPT-2's `Conv1D` stores weights transposed, (in, out), and
-fuses q, k and v into one `c_attn`; Llama keeps the gated MLP's two input matrices apart
-(`gate_proj`, `up_proj`), which our `mlp.fc` stacks (`model.blocks.GatedMLP`). Config
-translation goes with them. Our models convert when they are configured in the reference's
-conventions: learned positions, LayerNorm, biases, tied embeddings and plain multi-head
-attention, pre-LN for GPT-2, post-LN for BERT ("gelu_tanh" is GPT-2's "gelu_new"); pre-norm
-RMSNorm, SwiGLU and rotary positions for Llama (whose rotary pairing `model.blocks.Rotary`
-shares, so q and k need no permutation), with or without biases, tied or not, any number of
-key/value heads.
-
-ModernBERT (a rotary, GeGLU, bias-free encoder) has no converter: its stack normalises the
-embeddings and leaves the first layer's attention input unnormalised, where our pre-norm stack
-normalises every block's input and not the embeddings, so no key map makes one compute the
-other. tests/test_hf_parity.py checks our rotary BERT against its layers instead.
-
-BERT's token-type embeddings: RoBERTa-style pretraining has one segment, so only the type-0
-row ever takes part, and it is a constant added at every position. Importing folds it into
-the position embeddings (exactly the same sums); exporting writes type_vocab_size=1 with a
-zero row. Type rows other than 0 are dropped.
-
-The Seq2Seq's converter is `model.hf_seq2seq`; `model.hf_dir` picks the class for any of our
-models and reads a `save_pretrained` directory, which `launch.export format=hf` writes.
-
-`transformers` is optional: it is imported inside the functions that build its models.
+The design and its reasons: docs/design.md#modelhfpy.
 """
 
 from __future__ import annotations

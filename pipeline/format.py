@@ -1,46 +1,6 @@
 """The on-disk contract between `pipeline.prepare` and everything that reads its output.
 
-A prepared dataset directory holds:
-
-    manifest.json                      written last; its presence marks the directory complete
-    tokenizer.model                    the SentencePiece model (sha256 in the manifest)
-    config.yaml                        the resolved PrepareConfig
-    packed/{split}/{bucket:04d}-{part:04d}.tar        causal_lm and mlm blocks
-    translation/{split}/{bucket:04d}-{part:04d}.tar   (source, target) pairs
-
-With several sources (`sources:` in the prepare config) each source has its own shards, in
-`packed/{split}/{source}/{bucket:04d}-{part:04d}.tar` (and the same under `translation/`);
-with one the paths are as above.
-
-Each tar is a WebDataset shard: samples are consecutive members sharing a key
-(`{bucket:04d}_{index:08d}`), one `.npy` member per field (integer arrays, never pickle).
-`packed` samples have `input_ids` (exactly `seq_len` tokens: documents joined with `</s>`)
-and `doc_starts` (same dtype: the in-block positions where a document, or the rest of one
-cut by the previous block, starts: 0 first, then every position right after an `</s>` inside
-the block, never `seq_len`); datasets written before `doc_starts` existed list only
-`input_ids` in the manifest's `fields`. `translation` samples have `src_ids` and `tgt_ids` (no special tokens added).
-
-The manifest's `datasets[name].splits[split].shards` lists, per shard, its relative
-`path`, `samples`, `tokens`, `bytes`, `sha256` and `source` (the source's name; a shard
-record without it belongs to the single source "default"); each split entry has `samples`,
-`tokens` and `sources: {name: {samples, tokens}}`. A split lists each shard once, with a
-positive sample count (`shard_list_problems`, the rule `shard_entries` enforces for every
-reader and `pipeline.validate` reports).
-
-The loader (`pipeline.loader`) hands the trainer token batches, `BATCH_FIELDS[task]`, all
-(B, T) tensors made by `pipeline.collate`: ids int64 padded with <pad>, masks int64 with
-1 = real token, 0 = padding.
-
-* `causal_lm`: `input_ids`, `attention_mask`.
-* `mlm`: `input_ids` with BERT's masking applied, `attention_mask`, `original_ids` (the ids
-  before masking) and `masked_positions` (bool: the tokens selected for prediction).
-* `translation`: `src_ids` (source + </s>), `src_mask`, `tgt_ids` (<s> + target + </s>), `tgt_mask`.
-* with `data.document_mask` (causal_lm, mlm): also `document_ids`, the document of each token
-  in its block (0 at the start, +1 at each of its `doc_starts`), which keeps attention and
-  positions within each document (`model.blocks`).
-
-A token batch has no labels: which token each position predicts is the task's decision
-(`launch.tasks`), with the ignore index of the model's loss (`model.loss`).
+The design and its reasons: docs/design.md#pipelineformatpy.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ from pipeline.config import TASKS, PrepareConfig
 from common.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
 from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
 from common.lock import dir_lock
-from pipeline.sources import (Unit, check_sources, check_usable, describe_skipped, expand_paths, is_parallel, plan_units,
-                              decompressed_size, source_list, source_where, stream_chunks)
+from pipeline.readers import check_usable, describe_skipped, is_parallel
+from pipeline.sources import (Unit, check_sources, expand_paths, plan_units, decompressed_size, source_list,
+                              source_where, stream_chunks)
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"

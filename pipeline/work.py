@@ -1,32 +1,6 @@
 """The work one Ray task does during `pipeline.prepare`, as pure functions of their arguments.
 
-Two map stages around a hash partition (a MapReduce shuffle), so that de-duplication is
-global and the output never depends on how many workers ran it:
-
-1. `scan_unit`: read one work unit, assign each text its split (hash of the normalized
-   source) and its bucket (hash of the normalized text), append it to that bucket's file,
-   and keep this unit's bottom-k tokenizer sample.
-2. `encode_bucket`: read one (split, bucket) from every unit in unit order, drop exact
-   duplicates, tokenize, then pack blocks (`packed`) or filter pairs (`translation`), and
-   write WebDataset shards, one shard sequence per source.
-
-A unit belongs to one source (`Unit.source`), and units are numbered source by source, so
-"unit order" is source order first: a text that two sources share is kept by the one listed
-first, and its split (a hash of the text alone) is the same whichever source it came from.
-
-Stage 2 streams: a bucket's records are read line by line, de-duplicated against a set of
-8-byte hashes (not the texts), and tokenized, packed and written `ENCODE_CHUNK` texts at a
-time into shards that are closed as they fill, so a task's memory is bounded by the bucket's
-number of distinct records (8 bytes each), not by its text; the output is the same as
-all-at-once. Bucket files hold one record per line, raw UTF-8: a text, or `source TAB target`
-(cleaned texts hold no tab or newline: `clean_text` collapses all whitespace), which reads
-several times faster than JSON.
-
-One Ray task runs a batch of consecutive units (`scan_units`) or every split of one
-(dataset, bucket) (`encode_splits`): a task costs milliseconds of scheduling, and many inputs
-(catalogs, valid and test buckets) are small. Batching never changes the output.
-
-Nothing here imports Ray; `pipeline.ray_runner` runs these functions as tasks.
+The design and its reasons: docs/design.md#pipelineworkpy.
 """
 
 from __future__ import annotations
@@ -43,7 +17,8 @@ import numpy as np
 
 from pipeline.config import PrepareConfig
 from pipeline.format import EOS_ID, SPLITS, ShardWriter, sample_key, shard_name, token_dtype
-from pipeline.sources import Unit, chunk_text, is_parallel, read_unit, source_list, text_hash
+from pipeline.readers import chunk_text, is_parallel, read_unit
+from pipeline.sources import Unit, source_list, text_hash
 from pipeline.tokenizer import BottomKSample, processor_from_bytes
 
 MONO, PAIRS = "mono", "pairs"

@@ -18,7 +18,8 @@ from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
 from pipeline.format import MANIFEST, decode_array
 from pipeline.manpage import man_paragraphs
-from pipeline.sources import check_usable, decode_counting, expand_paths, plan_units, read_unit
+from pipeline.readers import check_usable, read_unit
+from pipeline.sources import decode_counting, expand_paths, plan_units
 from pipeline.tokenizer import load_tokenizer
 
 from conftest import ROOT, prepare_args, synthetic_pairs, write_tsv

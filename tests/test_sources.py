@@ -14,8 +14,9 @@ import pytest
 
 from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
-from pipeline.sources import (ASSUMED_RATIO, Unit, check_usable, chunk_text, decode_counting, decompressed_size,
-                              describe_skipped, expand_paths, plan_units, read_mo, read_po, read_unit, stream_chunks)
+from pipeline.readers import check_usable, chunk_text, describe_skipped, read_mo, read_po, read_unit
+from pipeline.sources import (ASSUMED_RATIO, Unit, decode_counting, decompressed_size, expand_paths, plan_units,
+                              stream_chunks)
 
 
 def source_cfg(**overrides):
