@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from launch.tasks import TASKS, Task
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
+from pipeline.config import global_batch_size as samples_per_step
 from common.configure import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -154,7 +155,7 @@ class BatchPlan:
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.world_size
+        return samples_per_step(self.micro_batch_size, self.grad_accum, self.world_size)
 
 
 def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,18 @@ class LongestInput:
 
     positions: int
     source: str  # for the message: "packed blocks of seq_len 128", "the longest source, 40 tokens, in the train split"
+
+
+def with_data_vocabulary(model_cfg: ModelConfig, data_vocab: int, data_dir: str | os.PathLike) -> tuple[ModelConfig, str | None]:
+    """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it), and
+    the problem, in words, when the config names another size: the one rule of the trainer and
+    its dry run."""
+    if model_cfg.vocab_size == 0:
+        return replace(model_cfg, vocab_size=int(data_vocab)), None
+    if model_cfg.vocab_size != data_vocab:
+        return model_cfg, (f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has {data_vocab} "
+                           f"pieces (set model.vocab_size=0 to take it from the data)")
+    return model_cfg, None
 
 
 def data_fits_model(data_dir: str | os.PathLike, manifest: dict, task: str, model_cfg: ModelConfig) -> str | None:

@@ -188,3 +188,9 @@ class LoaderConfig:
     # Resume with other mixture weights than the checkpoint's (refused otherwise): the run
     # continues at the same (epoch, sample) position, drawing with the new weights from there.
     allow_mixture_change: bool = False
+
+
+def global_batch_size(micro_batch_size: int, grad_accum: int, world_size: int) -> int:
+    """Samples per optimizer step: micro batch x accumulation x ranks. The one owner of the
+    product: the loader cuts the epoch's stream by it and the trainer's BatchPlan reports it."""
+    return micro_batch_size * grad_accum * world_size

@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline import remote
 from pipeline.collate import MLMMasking, pack
+from pipeline.config import global_batch_size
 from common.configure import UserError
 from pipeline.format import is_token_field
 from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
@@ -91,7 +92,7 @@ class _EpochBatches(IterableDataset):
     def positions(self, j: int) -> np.ndarray:
         """The stream positions of this rank's batch j: slot a W + r of global batch j // A."""
         step, round_ = divmod(j, self.grad_accum)
-        global_batch = self.micro_batch_size * self.grad_accum * self.world_size
+        global_batch = global_batch_size(self.micro_batch_size, self.grad_accum, self.world_size)
         first = step * global_batch + (round_ * self.world_size + self.rank) * self.micro_batch_size
         return np.arange(first, first + self.micro_batch_size)
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline import remote
 from pipeline.collate import MLMMasking, unpack
-from pipeline.config import LoaderConfig
+from pipeline.config import LoaderConfig, global_batch_size
 from common.configure import UserError
 from pipeline.epoch import (_FILLER, DEFAULT_SOURCE, _EpochBatches, _epoch_batches, _rng, _shares, _sources,
                             describe_mixture)
@@ -71,8 +71,6 @@ class ShardLoader:
                 f"{self.data_dir}: tokenizer sha256 {tokenizer.get('sha256')} differs from the expected "
                 f"{expected_tokenizer_sha256}: the data was prepared with another tokenizer than the model's"
             )
-        if "vocab_size" not in tokenizer:
-            raise UserError(f"{self.data_dir}: the manifest's tokenizer record has no vocab_size")
         entries = shard_entries(manifest, task, split, remote.join(self.data_dir, MANIFEST))  # each once, none empty
         # The members the shards hold (all read, for each shard's verdict) and those decoded.
         self.stored_fields, self.fields = sample_fields(manifest, task, document_mask, str(self.data_dir))
@@ -81,7 +79,7 @@ class ShardLoader:
 
         self.task, self.split = task, split
         self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
-        self.global_batch_size = micro_batch_size * grad_accum * world_size
+        self.global_batch_size = global_batch_size(micro_batch_size, grad_accum, world_size)
         self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
         self.pin_memory = pin_memory
         self._workers: DataLoader | None = None  # started at the first iteration, kept (the loader design in docs/design.md, 4)

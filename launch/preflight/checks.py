@@ -20,7 +20,7 @@ from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
 from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
-from launch.preconditions import data_fits_model
+from launch.preconditions import data_fits_model, with_data_vocabulary
 from launch.tasks import TASKS, Task
 from model import ModelConfig
 from model.config import STACKS
@@ -137,14 +137,13 @@ def resolve_model_config(cfg: TrainConfig, data: DataInfo | None, report: Report
     `ModelConfig.validate`; None when it cannot be built."""
     model_cfg = cfg.model
     data_vocab = data.vocab_size if data is not None else None
-    if model_cfg.vocab_size == 0:
-        if data_vocab is None:
-            report.facts["parameters"] = "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
-            return None
-        model_cfg = replace(model_cfg, vocab_size=int(data_vocab))
-    elif data_vocab is not None and model_cfg.vocab_size != data_vocab:
-        report.problem("model.vocab_size", f"{model_cfg.vocab_size} but the tokenizer of {cfg.data.data_dir} has "
-                                           f"{data_vocab} pieces (set model.vocab_size=0 to take it from the data)")
+    if model_cfg.vocab_size == 0 and data_vocab is None:
+        report.facts["parameters"] = "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
+        return None
+    if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
+        model_cfg, problem = with_data_vocabulary(model_cfg, data_vocab, cfg.data.data_dir)
+        if problem:
+            report.problem("model.vocab_size", problem.removeprefix("model.vocab_size="))
     try:
         model_cfg.validate()
     except ValueError as err:

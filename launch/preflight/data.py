@@ -32,8 +32,6 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         return None
     tokenizer = manifest.get("tokenizer") or {}
     info = DataInfo(vocab_size=tokenizer.get("vocab_size"), tokenizer_sha256=tokenizer.get("sha256"))
-    if info.vocab_size is None:
-        report.problem("data.data_dir", f"{data_dir}: the manifest's tokenizer record has no vocab_size")
     tokenizer_file = remote.join(data_dir, TOKENIZER_FILE)
     tokenizer_state = "missing"
     if url:

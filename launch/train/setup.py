@@ -21,7 +21,7 @@ from launch.deepspeed.config import deepspeed_config
 from launch.deepspeed.engine import Engine
 from launch.metrics import peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
-from launch.preconditions import data_fits_model
+from launch.preconditions import data_fits_model, with_data_vocabulary
 from launch.stop import StopRequested, stoppable
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id
@@ -128,11 +128,9 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
 
 def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str) -> ModelConfig:
     """The model config with the data's vocabulary size (`vocab_size: 0` asks for it)."""
-    if model_cfg.vocab_size == 0:
-        return replace(model_cfg, vocab_size=vocab_size)
-    if model_cfg.vocab_size != vocab_size:
-        raise UserError(f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has "
-                        f"{vocab_size} pieces (set model.vocab_size=0 to take it from the data)")
+    model_cfg, problem = with_data_vocabulary(model_cfg, vocab_size, data_dir)
+    if problem:
+        raise UserError(problem)
     return model_cfg
 
 
