@@ -48,11 +48,16 @@ class UserError(Exception):
     """A problem with the user's input (config, files, data): reported in one line, exit 2."""
 
 
-def _describe(err: OmegaConfBaseException) -> str:
+def _describe(err: OmegaConfBaseException, schema: type | None = None) -> str:
+    """One line for OmegaConf's error; an unknown key that `schema.RENAMED` lists ({old: new}, a
+    key a release renamed) names its new spelling."""
     key = getattr(err, "full_key", None)
     msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if "not in" in msg and "Key" in msg:
         msg = "unknown key"
+        renamed = getattr(schema, "RENAMED", {}).get(key)
+        if renamed:
+            msg += f" (renamed: {renamed})"
     return f"{key}: {msg}" if key else msg
 
 
@@ -74,7 +79,7 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
         try:
             base = OmegaConf.merge(base, from_file)
         except OmegaConfBaseException as err:
-            raise UserError(f"{path}: {_describe(err)}") from err
+            raise UserError(f"{path}: {_describe(err, schema)}") from err
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key.sub=value")
@@ -82,14 +87,14 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
         try:
             parsed = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as err:
-            raise UserError(f"command line {item!r}: {_describe(err)}") from err
+            raise UserError(f"command line {item!r}: {_describe(err, schema)}") from err
         except Exception as err:  # the value as YAML: a tag it refuses (`!!python/name:...`), a bad `!!int`, `[1`
             raise UserError(f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
                             f"{_first_line(err)}") from err
         try:
             base = OmegaConf.merge(base, parsed)
         except OmegaConfBaseException as err:
-            raise UserError(f"command line {item!r}: {_describe(err)}") from err
+            raise UserError(f"command line {item!r}: {_describe(err, schema)}") from err
     # Named here, all at once: OmegaConf would report only the first, in a sentence about the
     # dataclass rather than the command line.
     missing = sorted(OmegaConf.missing_keys(base))
@@ -99,7 +104,7 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
     try:
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as err:
-        raise UserError(f"{path or 'config'}: {_describe(err)}") from err
+        raise UserError(f"{path or 'config'}: {_describe(err, schema)}") from err
 
 
 def config_from_dict(schema: type[T], values: dict, source: str = "config") -> T:

@@ -1,4 +1,4 @@
-"""`python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR`: the mean of a run's last N checkpoints.
+"""`python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR`: the mean of a run's last N checkpoints.
 
 Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1: the base
 model averages the last 5 checkpoints, the big one the last 20). The run's last N complete
@@ -34,7 +34,7 @@ from launch.export import provenance, read_json, read_run_checkpoint, save_model
 from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 
-USAGE = """usage: python -m launch.average [CONFIG.yaml] run_dir=RUN last=N out=DIR
+USAGE = """usage: python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR
 
 The elementwise mean of a run's last N checkpoints, written as launch.export writes one."""
 
@@ -106,7 +106,7 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
-    meta = average(cfg.run_dir, cfg.last, cfg.out)
+    meta = average(cfg.checkpoint, cfg.last, cfg.out)
     print(f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}")
     return 0
 

@@ -8,7 +8,7 @@ The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import ClassVar, List
 
 from omegaconf import MISSING
 
@@ -236,8 +236,21 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
 
 @dataclass
+class StageDeepSpeedConfig:
+    zero_stage: int = 2  # deepspeed.zero_stage of every training run
+
+
+@dataclass
+class InferenceDeepSpeedConfig:
+    zero_stage: int = 0  # 0, 1, 2 or 3; only 3 partitions anything at inference (the parameters)
+    config_file: str = ""  # a DeepSpeed JSON merged over the derived one (ZeRO-3)
+
+
+@dataclass
 class MainConfig:
     """The whole chain (`python -m launch.main CONFIG.yaml [key.sub=value ...]`)."""
+
+    RENAMED: ClassVar[dict] = {"zero_stage": "deepspeed.zero_stage"}
 
     out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
     prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
@@ -245,7 +258,7 @@ class MainConfig:
     prepare_overrides: List[str] = field(default_factory=list)
     data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
-    zero_stage: int = 2  # deepspeed.zero_stage of every training run
+    deepspeed: StageDeepSpeedConfig = field(default_factory=StageDeepSpeedConfig)
     gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
     translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
@@ -282,9 +295,11 @@ class ExportConfig:
 
 @dataclass
 class AverageConfig:
-    """The mean of a run's last checkpoints (`python -m launch.average run_dir=RUN last=N out=DIR`)."""
+    """The mean of a run's last checkpoints (`python -m launch.average checkpoint=RUN last=N out=DIR`)."""
 
-    run_dir: str = MISSING  # a training run directory (its checkpoints/ holds the step_* checkpoints)
+    RENAMED: ClassVar[dict] = {"run_dir": "checkpoint"}
+
+    checkpoint: str = MISSING  # a training run directory (its checkpoints/ holds the step_* checkpoints)
     last: int = 5  # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
     out: str = MISSING  # the model directory written, as launch.export writes it
 
@@ -292,6 +307,8 @@ class AverageConfig:
 @dataclass
 class EvaluateConfig:
     """BLEU and chrF of a translation model on one split (`python -m launch.evaluate checkpoint=...`)."""
+
+    RENAMED: ClassVar[dict] = {"zero_stage": "deepspeed.zero_stage", "deepspeed_config": "deepspeed.config_file"}
 
     checkpoint: str = MISSING  # an exported model directory (launch.export) or a training run
     data_dir: str = ""  # the prepared dataset; "" = the one the checkpoint was trained on
@@ -307,8 +324,7 @@ class EvaluateConfig:
     micro_batch_size: int = 32  # sources per batch and rank
     limit: int = 0  # the split's first N pairs only; 0 = all
     out: str = ""  # output directory; "" = CHECKPOINT/eval-SPLIT
-    zero_stage: int = 0  # 0, 1, 2 or 3; only 3 partitions anything at inference (the parameters)
-    deepspeed_config: str = ""  # a DeepSpeed JSON merged over the derived one (ZeRO-3)
+    deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)
     threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
     dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
 

@@ -17,7 +17,7 @@ The same command runs under torchrun, the deepspeed launcher or srun (`launch.di
 The batches are made from the source lengths alone and dealt round-robin to the ranks, so
 each batch holds the same sentences, padded alike, whatever the world size; rank 0 gathers
 the hypotheses and puts them back in order: any world size gives the scores of one rank.
-Under ZeRO-3 (`zero_stage=3`) every forward gathers parameters from every rank, so a rank
+Under ZeRO-3 (`deepspeed.zero_stage=3`) every forward gathers parameters from every rank, so a rank
 that stops early hangs the others (transformers#20130): each rank then runs the same number of
 batches (a short rank decodes a one-token dummy batch) and every batch exactly `max_len`
 decoder steps (`generate(synced=True)`). Stages 1 and 2 partition only optimizer states and
@@ -126,8 +126,8 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     """Scores on rank 0 (None on the others), printed to `stdout` (default sys.stdout)."""
     if cfg.split not in SPLITS:
         raise UserError(f"split: {cfg.split!r} is not one of {', '.join(SPLITS)}")
-    if cfg.zero_stage not in (0, 1, 2, 3):
-        raise UserError(f"zero_stage: {cfg.zero_stage} is not 0, 1, 2 or 3")
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3")
     ckpt = inspect_checkpoint(cfg.checkpoint)
     data_dir = cfg.data_dir or ckpt.data_dir
     if not data_dir:
@@ -137,19 +137,19 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     if cfg.limit < 0:
         raise UserError(f"limit={cfg.limit}: must be 0 (all) or more")
     user_ds = {}
-    if cfg.deepspeed_config:
-        path = Path(cfg.deepspeed_config)
+    if cfg.deepspeed.config_file:
+        path = Path(cfg.deepspeed.config_file)
         try:
             user_ds = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"deepspeed_config: {path}: {err}") from err
+            raise UserError(f"deepspeed.config_file: {path}: {err}") from err
     out = Path(cfg.out or Path(cfg.checkpoint) / f"eval-{cfg.split}")
     check_writable_dir(out, "out")  # before the model is loaded and the split decoded
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
-    zero3 = cfg.zero_stage == 3
+    zero3 = cfg.deepspeed.zero_stage == 3
     if denv.world_size > 1 or zero3:
         dist.init_process_group(denv, cfg.dist_timeout_s)
     try:
@@ -177,7 +177,7 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
         model = model.to(device)
     if denv.is_main:
         print(f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam {cfg.beam}, max_len {max_len}, "
-              f"world {denv.world_size}, ZeRO-{cfg.zero_stage}", file=sys.stderr)
+              f"world {denv.world_size}, ZeRO-{cfg.deepspeed.zero_stage}", file=sys.stderr)
         if any(truncated):
             print(f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
                   "were truncated", file=sys.stderr)
@@ -215,7 +215,7 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
               "data": data_dir if remote.is_url(data_dir) else str(Path(data_dir).resolve()),
               "max_len": max_len, "max_len_a": cfg.max_len_a, "max_len_b": cfg.max_len_b,
               "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
-              "world_size": denv.world_size, "zero_stage": cfg.zero_stage, "decode_seconds": round(elapsed, 3)}
+              "world_size": denv.world_size, "zero_stage": cfg.deepspeed.zero_stage, "decode_seconds": round(elapsed, 3)}
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / "hypotheses.txt", hyp_text)
     _write_lines(out / "references.txt", ref_text)

@@ -175,7 +175,7 @@ BAD_INPUT = {
                      "no manifest.json in"),
     "launch.preflight": (["--world-size", "none", str(ROOT / "configs" / "tiny_gpt.yaml")], "--world-size: expects"),
     "launch.export": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
-    "launch.average": (["run_dir={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
+    "launch.average": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
     "launch.evaluate": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "checkpoint not found"),
     "launch.translate": (["checkpoint={tmp}/nowhere"], "checkpoint not found"),
     "launch.report": (["out={tmp}/out", "runs=[{tmp}/nowhere]"], "no metrics.jsonl in"),

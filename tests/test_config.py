@@ -99,3 +99,20 @@ def test_translation_gpu_stacks_are_gpt2_small_and_bert_base():
         fields = [name for name in architecture_fields(stack) if name != "max_seq_len"]  # positions are resized
         side = seq2seq.for_stack(stack)
         assert {name: getattr(side, name) for name in fields} == {name: getattr(pretrained, name) for name in fields}, stack
+
+
+@pytest.mark.parametrize("schema,override,hint", [
+    ("EvaluateConfig", "zero_stage=3", "zero_stage: unknown key (renamed: deepspeed.zero_stage)"),
+    ("EvaluateConfig", "deepspeed_config=ds.json", "deepspeed_config: unknown key (renamed: deepspeed.config_file)"),
+    ("AverageConfig", "run_dir=runs/x", "run_dir: unknown key (renamed: checkpoint)"),
+    ("MainConfig", "zero_stage=3", "zero_stage: unknown key (renamed: deepspeed.zero_stage)"),
+])
+def test_a_renamed_key_names_its_new_spelling(schema, override, hint):
+    """One name for one thing (issue #32 §5): the input of every tool is `checkpoint=`, DeepSpeed's
+    options are `deepspeed.*`; the old spelling is refused in one line that gives the new one."""
+    import launch.config
+
+    with pytest.raises(UserError) as err:
+        load_config(getattr(launch.config, schema), None, ["checkpoint=x", "out=y", override] if schema != "MainConfig"
+                    else [override])
+    assert hint in str(err.value)

@@ -205,7 +205,7 @@ def test_export_and_average_show_plain_progress_without_a_terminal(trained):
     export = plain_lines(trained["export_stderr"], "export step_00000004")
     assert [(m["n"], m["total"], m["unit"]) for m in export] == [("1", "2", "phase"), ("2", "2", "phase")]
     out = trained["root"] / "averaged"
-    average = python_m("launch.average", f"run_dir={trained['run']}", "last=2", f"out={out}")
+    average = python_m("launch.average", f"checkpoint={trained['run']}", "last=2", f"out={out}")
     assert average.returncode == 0, average.stderr[-3000:]
     read = plain_lines(average.stderr, "average")
     assert [(m["n"], m["total"], m["unit"]) for m in read] == [("1", "2", "checkpoint"), ("2", "2", "checkpoint")]

@@ -157,11 +157,11 @@ def test_trained_lr_follows_the_formula_and_checkpoints_average(tiny_dataset, tm
     assert all(torch.equal(same[k], a[k]) for k in a)
 
     # More than the run has, and checkpoints of different tokenizers: one line, exit status 2.
-    too_many = python_m("launch.average", f"run_dir={run_dir}", "last=4", f"out={tmp_path / 'avg4'}")
+    too_many = python_m("launch.average", f"checkpoint={run_dir}", "last=4", f"out={tmp_path / 'avg4'}")
     assert too_many.returncode == 2 and "has 3 complete checkpoint(s)" in too_many.stderr, too_many.stderr[-2000:]
     client = same_run / "checkpoints" / "step_00000001" / "client_state.json"
     client.write_text(json.dumps({**json.loads(client.read_text()), "tokenizer_sha256": "0" * 64}))
-    mixed = python_m("launch.average", f"run_dir={same_run}", "last=3", f"out={tmp_path / 'avg_mixed'}")
+    mixed = python_m("launch.average", f"checkpoint={same_run}", "last=3", f"out={tmp_path / 'avg_mixed'}")
     assert mixed.returncode == 2 and "different tokenizers" in mixed.stderr, mixed.stderr[-2000:]
     assert not (tmp_path / "avg4").exists() and not (tmp_path / "avg_mixed").exists()
 

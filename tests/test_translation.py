@@ -213,8 +213,8 @@ def test_two_ranks_zero3_equal_one_rank(train_eval, finetuned, tmp_path):
     ds_config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     out = tmp_path / "eval-2ranks"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "launch.evaluate",
-               f"checkpoint={finetuned['export']}", f"data_dir={finetuned['data']}", *DECODE, "zero_stage=3",
-               f"deepspeed_config={ds_config}", "threads_per_rank=1", f"out={out}"]
+               f"checkpoint={finetuned['export']}", f"data_dir={finetuned['data']}", *DECODE, "deepspeed.zero_stage=3",
+               f"deepspeed.config_file={ds_config}", "threads_per_rank=1", f"out={out}"]
     result = run(*command)
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr[-4000:]

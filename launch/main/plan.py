@@ -129,14 +129,14 @@ def prepare_overrides(cfg: MainConfig) -> list[str]:
 def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
     """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the stage's overrides."""
     return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={_pretrain_steps(cfg, name)}",
-            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *getattr(cfg, f"{name}_overrides")]
+            f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}", *_wandb_overrides(cfg), *getattr(cfg, f"{name}_overrides")]
 
 
 def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> list[str]:
     """What the job passes to a fine-tuning run; `init`: stack -> exported directory of each warm side.
     Random sides are left to the config's default (""): an empty override would read as null."""
     return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-            f"deepspeed.zero_stage={cfg.zero_stage}", *_wandb_overrides(cfg), *cfg.translation_overrides,
+            f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}", *_wandb_overrides(cfg), *cfg.translation_overrides,
             *(f"init.{stack}={directory}" for stack, directory in init.items())]
 
 
