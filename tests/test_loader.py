@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import loader as loader_module
+from pipeline import epoch as epoch_module  # where a batch reads its shards
 from pipeline.config import LoaderConfig
 from common.configure import UserError
 from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
@@ -127,13 +127,13 @@ def test_resume_at_epoch_end_starts_the_next_epoch(tmp_path):
 def test_resume_skips_shards_without_decoding_them(tmp_path, monkeypatch):
     manifest = make_dataset(tmp_path, packed=UNEVEN)
     opened = []
-    read_shard = loader_module.read_shard
+    read_shard = epoch_module.read_shard
 
     def counting_read(shard, fields, wanted):
         opened.append(os.path.relpath(shard.path, tmp_path))
         return read_shard(shard, fields, wanted)
 
-    monkeypatch.setattr(loader_module, "read_shard", counting_read)
+    monkeypatch.setattr(epoch_module, "read_shard", counting_read)
     kw = dict(micro_batch_size=4, seed=11)
     full = epoch_batches(tmp_path, **kw)
     assert len(opened) == len(UNEVEN)
