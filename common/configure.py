@@ -207,6 +207,8 @@ def field_comments(cls: type) -> dict[str, str]:
     for node in ast.parse(source).body[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
+        if ast.unparse(node.annotation).startswith(("ClassVar", "typing.ClassVar")):  # not a field: RENAMED
+            continue
         above, n = [], node.lineno - 1
         while n in comments and lines[n - 1].lstrip().startswith("#"):
             above.insert(0, comments[n])

@@ -258,7 +258,7 @@ class MainConfig:
     prepare_overrides: List[str] = field(default_factory=list)
     data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
-    deepspeed: StageDeepSpeedConfig = field(default_factory=StageDeepSpeedConfig)
+    deepspeed: StageDeepSpeedConfig = field(default_factory=StageDeepSpeedConfig)  # of every training run
     gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
     translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
@@ -324,7 +324,7 @@ class EvaluateConfig:
     micro_batch_size: int = 32  # sources per batch and rank
     limit: int = 0  # the split's first N pairs only; 0 = all
     out: str = ""  # output directory; "" = CHECKPOINT/eval-SPLIT
-    deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)
+    deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)  # ZeRO stage and a user JSON
     threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
     dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
 

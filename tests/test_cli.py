@@ -58,8 +58,11 @@ def test_help_prints_the_usage_and_every_key_and_exits_0(module):
 @pytest.mark.parametrize("module", [m for m in ENTRY_POINTS if m not in ("launch.train", "pipeline.prepare", "launch.config_reference")])
 def test_no_arguments_prints_the_usage_and_exits_2(module, capsys):
     # launch.train and pipeline.prepare call the same parse_cli (test_required_config_file below).
+    entry = importlib.import_module(module)
+    if hasattr(entry, "__path__"):  # a room (launch.main): what `python -m` runs is its __main__
+        entry = importlib.import_module(f"{module}.__main__")
     with pytest.raises(SystemExit) as exit_:
-        importlib.import_module(module).main([])
+        entry.main([])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith(f"usage: python -m {module}")
 
