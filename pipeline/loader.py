@@ -5,6 +5,7 @@ The design and its reasons: docs/design.md#pipelineloaderpy.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -185,6 +186,7 @@ class ShardLoader:
         self._cursor[0], self._cursor[1] = epoch, first
         if self._workers is None:
             self._closing = torch.zeros(1, dtype=torch.int64).share_memory_()
+            _OPEN_WORKER_FLAGS.append(self._closing)
             # A private generator: creating a DataLoader iterator draws a seed from the one it
             # is given, and drawing from torch's global generator would shift the trainer's
             # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
@@ -364,6 +366,18 @@ class _CursorBatches(IterableDataset):
 
 
 WORKER_EXIT_S = 1.0  # how long a closed loader's worker may take to end by itself
+_OPEN_WORKER_FLAGS: list[torch.Tensor] = []  # every loader's `closing` flag, raised at exit
+
+
+@atexit.register
+def _close_workers_at_exit() -> None:
+    """A process that ends with a loader still open (never closed, its iterator still referenced)
+    raises every loader's flag, so that the workers end by themselves (`_worker_lifetime`).
+    multiprocessing's own exit handler, which runs after this one (registered earlier), joins
+    them; SIGTERM, which it would send first, they ignore, so without this the join waited for
+    ever (a test process that never exited)."""
+    for flag in _OPEN_WORKER_FLAGS:
+        flag[0] = 1
 
 
 def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:

@@ -7,6 +7,9 @@ import copy
 import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +29,8 @@ from tests.shardtools import (
     save_manifest,
     shard_ids,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
 
@@ -455,3 +460,18 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
                             length_grouping=grouping)
         with pytest.raises(UserError, match="length_grouping: saved"):
             other.load_state_dict(saved)
+
+
+def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
+    """A loader's workers ignore SIGTERM (a rank's stop request must not kill them mid-batch), so
+    multiprocessing's exit handler, which terminates and then joins them, waited for ever on a
+    loader nobody closed: the test process of a CI run hung at exit. Its flag is raised at exit
+    now, and the workers end by themselves."""
+    script = ("from pipeline.loader import ShardLoader\n"
+              f"loader = ShardLoader({str(tiny_dataset)!r}, 'causal_lm', 'train', micro_batch_size=2, num_workers=1)\n"
+              "batches = iter(loader)\nnext(batches)\nkept = [loader, batches]\nprint('exiting', flush=True)\n")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the process still runs 60 s after its last line: its loader's workers were never ended")
+    assert run.returncode == 0 and run.stdout.strip() == "exiting", run.stderr[-2000:]
