@@ -1,7 +1,8 @@
 """GPT-2 small (124M) training on one GPU: tokens/s, MFU by two counts, peak memory and the LM loss's share of a step, per ZeRO stage and vocabulary; prints figures, asserts nothing.
 
     python benchmarks/bench_gpu.py [--tiny] [--vocabs 50257,8000] [--stages 0,1,2,3] [--steps 5]
-                                   [--warmup 1] [--precision bf16] [--compile] [--json OUT]
+                                   [--warmup 1] [--precision bf16] [--compile] [--micro-batch N]
+                                   [--profile-step] [--json OUT]
 
 What runs. configs/gpt2_small.yaml's model (d_model 768, 12 layers, 12 heads, d_ff 3072,
 sequence 1024, dropout 0), micro batch 16 x 1024 tokens and grad_accum 4, with the vocabulary
@@ -197,6 +198,9 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
+    # Before the timed steps, so that its table is of the state they run in; it is printed by main
+    # (DeepSpeed's prints go to stderr meanwhile).
+    profile = profile_step(lambda: micro_batches(plan.grad_accum), cuda) if args.profile_step else ""
     count = args.steps * plan.grad_accum
     start = time.perf_counter()
     loss = micro_batches(count)
@@ -208,7 +212,7 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     describe = getattr(engine, "describe", None)
     compiled = [name for name, module in model.named_modules() if hasattr(module.forward, "_torchdynamo_orig_callable")]
     return {"parameters": n_parameters, "micro_batches": count, "seconds": seconds, "last_loss": float(loss),
-            "compiled": compiled,
+            "compiled": compiled, "profile": profile,
             "optimizer": describe() if describe else "optimizer: n/a"}
 
 
@@ -281,6 +285,56 @@ def print_profile(loss_fn, h, weight, cuda: bool) -> None:
             torch.cuda.synchronize()
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70), flush=True)
+
+
+# Kernel families of a training step, by name fragment (first match wins): where a step's GPU time goes.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "ampere_", "sm80_", "cublas", "matmul", "mm_", "::mm", "addmm", "bmm", "linear")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "_amp_", "clip")),
+    ("communication", ("nccl", "allreduce", "all_gather", "reduce_scatter")),
+    ("copy", ("memcpy", "memset", "copy_", "cat", "fill")),
+    ("reduction", ("reduce", "norm", "softmax", "sum")),
+    ("elementwise", ("elementwise", "vectorized", "triton", "unrolled", "pointwise")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((family for family, parts in KERNEL_FAMILIES if any(part in low for part in parts)), "other")
+
+
+def profile_step(step, cuda: bool) -> str:
+    """torch.profiler over one optimizer step (grad_accum micro batches): the device time by
+    kernel family and the 25 longest kernels, so that an MFU gap can be placed. On the CPU the
+    operators' own CPU time stands in (the path kept alive; not a GPU figure)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    if cuda:  # the kernels: events that ran on the device
+        events = [e for e in averages if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
+        attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    else:
+        events, attr = list(averages), "self_cpu_time_total"
+    total = sum(getattr(e, attr, 0) for e in events) or 1
+    families: dict[str, float] = {}
+    for e in events:
+        families[kernel_family(e.key)] = families.get(kernel_family(e.key), 0) + getattr(e, attr, 0)
+    lines = [f"profile of one optimizer step: wall {1e3 * wall:.1f} ms (profiled), "
+             f"{'kernel' if cuda else 'CPU self'} time {total / 1e3:.1f} ms"]
+    lines += [f"  {family:<14} {us / 1e3:9.2f} ms  {100 * us / total:5.1f}%"
+              for family, us in sorted(families.items(), key=lambda kv: -kv[1])]
+    lines += [f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% x{e.count:<5} "
+              f"[{kernel_family(e.key)}] {e.key[:110]}" for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:25]]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the driver
@@ -357,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the fused loss unpadded and with its eager chunk kernels")
     parser.add_argument("--profile-loss", action="store_true",
                         help="print torch.profiler's kernel table of the fused loss at the first vocabulary")
+    parser.add_argument("--profile-step", action="store_true",
+                        help="print the device time of one optimizer step by kernel family, and its top kernels")
+    parser.add_argument("--micro-batch", type=int, help="micro batch size (default: the config's, 16)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
 
@@ -395,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for vocab in vocabs:
         overrides = [f"model.vocab_size={vocab}", f"deepspeed.precision={args.precision}", "data.num_workers=0",
-                     f"max_steps={args.warmup + args.steps + 1}", *(TINY["overrides"] if tiny else [])]
+                     f"max_steps={args.warmup + args.steps + 1}", *(TINY["overrides"] if tiny else []),
+                     *([f"data.micro_batch_size={args.micro_batch}"] if args.micro_batch else [])]
         cfg = load_config(TrainConfig, CONFIG, overrides)
         batches = make_batches(cfg, BATCHES)
         rows = cfg.data.micro_batch_size * cfg.model.max_seq_len
@@ -415,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's own prints: stdout holds the figures
                 r = run_config(cfg, stage, args, device, batches)
             r["loss"] = loss
+            if r["profile"]:
+                print(r["profile"], flush=True)
             if args.compile:
                 print(f"compiled by launch.train.setup.compile_model: the forward of {', '.join(r['compiled'])}", flush=True)
             s = row_figures(r, loss, peak)

@@ -530,11 +530,17 @@ def test_gpu_benchmark_smoke_run_on_cpu():
 def test_gpu_benchmark_compiles_what_the_trainer_compiles():
     """`bench_gpu.py --compile` compiles through `launch.train.setup.compile_model`, as `compile: true`
     does (each block's forward; the loss, embeddings and the model's own forward stay eager),
-    not the whole model with its loss loop: it measures the trainer's program."""
-    run = run_bench("--tiny", "--compile", "--stages", "1", "--vocabs", "256", env=dict(os.environ))
+    not the whole model with its loss loop: it measures the trainer's program. With it here:
+    `--micro-batch` and `--profile-step`."""
+    run = run_bench("--tiny", "--compile", "--stages", "1", "--vocabs", "256", "--micro-batch", "3", "--profile-step",
+                    env=dict(os.environ))
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("compiled by launch.train.setup.compile_model")]
     assert line.endswith("the forward of blocks.0, blocks.1"), line
     assert set(bench_rows(run.stdout)) == {(256, 1)}, run.stdout
+    # --micro-batch sets the rows' shape; --profile-step prints one step's time by family and kernel
+    assert "\n3 x 64 tokens per micro batch" in run.stdout, run.stdout
+    profile = run.stdout[run.stdout.index("profile of one optimizer step"):]
+    assert re.search(r"^  attention +[\d.]+ ms", profile, re.M) and re.search(r"\[attention\] ", profile), profile
 
 
 @gpu
