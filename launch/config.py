@@ -105,7 +105,7 @@ class InitConfig:
 class LmEvalTrainConfig:
     """lm-evaluation-harness tasks run on the model in training, logged as lm_eval/TASK/METRIC."""
 
-    every: int = 0  # optimizer steps between runs; 0 = never
+    every: int = 0  # optimizer steps between two scorings (on every rank, logged by rank 0); 0 = never
     tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])  # cloze | choice
     split: str = "valid"  # the held-out split of data.data_dir the tasks are built from
     limit: int = 100  # the first N docs of each task (a cheap, fixed sample); 0 = all
