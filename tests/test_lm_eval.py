@@ -111,9 +111,10 @@ def test_command_scores_both_tasks_with_nothing_downloaded(tiny_dataset, tmp_pat
     """Ours in a fresh process with the Hugging Face libraries offline; the HF export in this
     one, through HFLM: the same docs, the same metrics."""
     ours_dir, hf_dir = export_both("gpt2", tiny_dataset, tmp_path)
-    run = run_lm_eval(f"checkpoint={ours_dir}", "limit=30", "wandb.mode=disabled", env=OFFLINE)
+    run = run_lm_eval(f"checkpoint={ours_dir}", "limit=30", f"out={tmp_path / 'scores' / 'ours.json'}",
+                      "wandb.mode=offline", env=OFFLINE)
     assert run.returncode == 0, run.stderr[-3000:]
-    record = json.loads((ours_dir / "lm_eval-valid.json").read_text())
+    record = json.loads((tmp_path / "scores" / "ours.json").read_text())
     assert record["format"] == "ours" and record["step"] == 7 and record["data_dir"] == str(tiny_dataset)
     metrics = record["metrics"]
     assert set(metrics) == {"lm_eval/cloze/acc", "lm_eval/cloze/perplexity", "lm_eval/choice/acc",
@@ -121,6 +122,11 @@ def test_command_scores_both_tasks_with_nothing_downloaded(tiny_dataset, tmp_pat
     assert record["n-samples"]["cloze"]["effective"] == record["n-samples"]["choice"]["effective"] == 30
     assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
     assert "cloze" in run.stdout and "acc_norm" in run.stdout  # lm-eval's table
+    from test_train import _wandb_records  # the offline W&B run beside the JSON, logged at the export's step
+
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in _wandb_records(tmp_path / "scores") if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], {k: h[k] for k in metrics}) for h in history] == [(7, metrics)]
 
     from launch.config import LmEvalConfig, WandbConfig
     from launch.lm_eval.command import lm_eval_scores
@@ -160,5 +166,16 @@ def test_training_logs_lm_eval_metrics_every_n_steps(tiny_dataset, tmp_path):
     scored = [row["step"] for row in rows if "lm_eval/cloze/acc" in row]
     assert scored == [2, 4]
     last = next(row for row in rows if row["step"] == 4)
-    assert {"lm_eval/cloze/perplexity", "lm_eval/choice/acc", "lm_eval/choice/acc_norm"} <= set(last)
-    assert last["lm_eval/cloze/perplexity"] > 1
+    logged = {key: value for key, value in last.items() if key.startswith("lm_eval/")}
+    assert set(logged) == {"lm_eval/cloze/acc", "lm_eval/cloze/perplexity", "lm_eval/choice/acc",
+                           "lm_eval/choice/acc_norm"}
+
+    # The figures are the command's on the step's export.
+    from launch.config import LmEvalConfig, WandbConfig
+    from launch.export import export
+    from launch.lm_eval.command import lm_eval_scores
+
+    export(run_dir, tmp_path / "export")
+    scored = lm_eval_scores(LmEvalConfig(checkpoint=str(tmp_path / "export"), limit=8, device="cpu",
+                                         wandb=WandbConfig(mode="disabled")))
+    assert scored["step"] == 4 and scored["metrics"] == pytest.approx(logged, rel=1e-4)
