@@ -18,6 +18,7 @@ pytest.importorskip("lm_eval")
 
 from conftest import ROOT  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from common.configure import UserError  # noqa: E402
@@ -26,7 +27,7 @@ from launch.lm_eval.command import load_lm  # noqa: E402
 from launch.lm_eval.ours import OurLM  # noqa: E402
 from launch.lm_eval.tasks import build_docs, held_out_texts  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
-from pipeline.format import EOS_ID, read_manifest  # noqa: E402
+from pipeline.format import read_manifest  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -77,7 +78,9 @@ def requests(lm, texts: list[str]) -> list[Instance]:
 @pytest.mark.parametrize("kind", list(ARCHS))
 def test_our_lm_and_hflm_over_the_hf_export_agree(kind, tiny_dataset, tmp_path):
     ours_dir, hf_dir = export_both(kind, tiny_dataset, tmp_path)
-    ours = OurLM.from_export(ours_dir, batch_size=5, device="cpu")
+    # Through lm-eval's registry, as `lm_eval --model pretrain-pipeline --model_args pretrained=DIR` makes it.
+    ours = get_model("pretrain-pipeline").create_from_arg_string(f"pretrained={ours_dir},batch_size=5", {"device": "cpu"})
+    assert type(ours) is OurLM and ours.batch_size_per_rank == 5
     hf = load_lm(hf_dir, "hf", batch_size=3, device="cpu")  # HFLM, its logits cache off (see load_lm)
     assert type(hf) is HFLM
     assert hf.max_length == ours.max_length == TINY["max_seq_len"]
@@ -100,6 +103,28 @@ def test_our_lm_and_hflm_over_the_hf_export_agree(kind, tiny_dataset, tmp_path):
     generated = ours.generate_until(prompts)
     assert generated == hf.generate_until(prompts)
     assert sum(bool(text.strip()) for text in generated) >= 3
+
+
+def test_tasks_are_built_from_the_held_out_documents(tiny_dataset, tiny_corpus):
+    """The split's documents come back as the corpus's own lines, each once; cloze targets are their
+    last words; each choice doc holds its real ending at `label` among 3 other endings of the split,
+    the same for the same seed; a continuation that does not fit leaves its document out."""
+    lines = {side for line in tiny_corpus.read_text(encoding="utf-8").splitlines() for side in line.split("\t")}
+    texts = held_out_texts(tiny_dataset, "valid")
+    assert len(texts) > 40 and set(texts) <= lines
+    assert held_out_texts(tiny_dataset, "test") != texts
+    docs = build_docs(texts, seed=3)
+    assert [d["context"] + d["target"] for d in docs["cloze"]] == texts
+    endings = set()
+    for doc, text in zip(docs["choice"], texts):
+        assert doc["context"] + " " + doc["choices"][doc["label"]] == text
+        assert len(set(doc["choices"])) == 4
+        endings.add(doc["choices"][doc["label"]])
+    assert {choice for doc in docs["choice"] for choice in doc["choices"]} <= endings
+    assert build_docs(texts, seed=3) == docs and build_docs(texts, seed=4)["choice"] != docs["choice"]
+    short = build_docs(texts, seed=3, fits=lambda continuation: len(continuation.split()) <= 4)
+    assert 0 < len(short["choice"]) < len(docs["choice"]) and short["cloze"] == docs["cloze"]
+    assert all(len(doc["choices"][doc["label"]].split()) <= 4 for doc in short["choice"])
 
 
 def run_lm_eval(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

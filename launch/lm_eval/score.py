@@ -24,7 +24,8 @@ def score(lm, names: list[str], texts: list[str], *, limit: int = 0, seed: int =
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines drown the table
-    docs = build_docs(texts, seed)
+    # A continuation may take half the model's positions; lm-eval refuses one longer than all of them.
+    docs = build_docs(texts, seed, lambda continuation: len(lm.tok_encode(continuation)) <= lm.max_length // 2)
     with tempfile.TemporaryDirectory() if workdir is None else contextlib.nullcontext(workdir) as directory:
         configs = write_task_configs(names, docs, Path(directory))
         loaded = TaskManager(include_defaults=False).load(configs)

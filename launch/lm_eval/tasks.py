@@ -7,8 +7,12 @@ config (the dict form of its YAML) that reads it through the `json` loader of `d
 
     cloze   the last word of a document from the words before it; acc (the word is the greedy
             continuation) and perplexity, as lm-eval's lambada_openai scores them
-    choice  the second half of a document among 3 distractors, second halves of other documents
-            of the split drawn with `seed`; acc and acc_norm, as hellaswag scores them
+    choice  a document's ending (its second half, at most ENDING_WORDS words) among 3 distractors,
+            endings of other documents of the split drawn with `seed`; acc and acc_norm, as
+            hellaswag scores them
+
+A document whose target or ending takes more than half the model's positions is left out
+(`score`), so that every request fits with context to spare.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import random
 import tarfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 from common.configure import UserError
 from common.hashing import file_sha256
@@ -27,6 +32,7 @@ from pipeline.tokenizer import load_tokenizer
 
 TASKS = ("cloze", "choice")
 DISTRACTORS = 3
+ENDING_WORDS = 12  # a choice ending's most words: a sentence's worth, as hellaswag's endings
 
 
 def check_tasks(names) -> list[str]:
@@ -80,25 +86,28 @@ def held_out_texts(data_dir: str | Path, split: str, tokenizer_sha256: str | Non
     return texts
 
 
-def cloze_docs(texts: list[str]) -> list[dict]:
-    """{context, target}: a document less its last word, and " " + that word."""
+def cloze_docs(texts: list[str], fits: Callable[[str], bool]) -> list[dict]:
+    """{context, target}: a document less its last word, and " " + that word (when it `fits`)."""
     docs = []
     for text in texts:
         words = text.split()
-        if len(words) >= 2:
+        if len(words) >= 2 and fits(" " + words[-1]):
             docs.append({"context": " ".join(words[:-1]), "target": " " + words[-1]})
     return docs
 
 
-def choice_docs(texts: list[str], seed: int) -> list[dict]:
-    """{context, choices, label}: a document's first half of words, and its second half among
-    DISTRACTORS second halves of other documents (all different), in a seeded order."""
+def choice_docs(texts: list[str], seed: int, fits: Callable[[str], bool]) -> list[dict]:
+    """{context, choices, label}: a document less its ending (its second half, at most
+    ENDING_WORDS words), and that ending among DISTRACTORS endings of other documents (all
+    different, each one that `fits`), in a seeded order."""
     halves = []
     for text in texts:
         words = text.split()
         if len(words) >= 2:
-            cut = len(words) // 2
-            halves.append((" ".join(words[:cut]), " ".join(words[cut:])))
+            cut = len(words) - min(len(words) // 2, ENDING_WORDS)
+            ending = " ".join(words[cut:])
+            if fits(" " + ending):
+                halves.append((" ".join(words[:cut]), ending))
     endings = sorted({ending for _, ending in halves})
     if len(endings) <= DISTRACTORS:
         raise UserError(f"choice: the split has {len(endings)} different document endings; "
@@ -112,8 +121,10 @@ def choice_docs(texts: list[str], seed: int) -> list[dict]:
     return docs
 
 
-def build_docs(texts: list[str], seed: int) -> dict[str, list[dict]]:
-    return {"cloze": cloze_docs(texts), "choice": choice_docs(texts, seed)}
+def build_docs(texts: list[str], seed: int, fits: Callable[[str], bool] = lambda continuation: True) -> dict:
+    """Both tasks' docs; `fits(continuation)`: whether a target or ending is short enough to score
+    (lm-eval refuses a continuation longer than the model's positions)."""
+    return {"cloze": cloze_docs(texts, fits), "choice": choice_docs(texts, seed, fits)}
 
 
 def write_task_configs(names: list[str], docs: dict[str, list[dict]], directory: Path) -> list[dict]:
