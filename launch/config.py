@@ -102,6 +102,16 @@ class InitConfig:
 
 
 @dataclass
+class LmEvalTrainConfig:
+    """lm-evaluation-harness tasks run on the model in training, logged as lm_eval/TASK/METRIC."""
+
+    every: int = 0  # optimizer steps between two scorings (on every rank, logged by rank 0); 0 = never
+    tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])  # cloze | choice
+    split: str = "valid"  # the held-out split of data.data_dir the tasks are built from
+    limit: int = 100  # the first N docs of each task (a cheap, fixed sample); 0 = all
+
+
+@dataclass
 class TrainConfig:
     task: str = "causal_lm"  # causal_lm | mlm | translation
     run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, config.yaml, tokenizer, final.json
@@ -143,6 +153,7 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     init: InitConfig = field(default_factory=InitConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    lm_eval: LmEvalTrainConfig = field(default_factory=LmEvalTrainConfig)
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,23 @@ def _wandb_check(wandb: WandbConfig) -> tuple[bool, str]:
         return False, str(err)
 
 
+def _lm_eval_check(lm_eval: LmEvalTrainConfig) -> tuple[bool, str]:
+    """lm-eval installed, and the tasks and split ours."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        return False, "lm_eval.every: needs lm-eval (pip install -e '.[hf]')"
+    if lm_eval.split not in ("valid", "test"):
+        return False, f"lm_eval.split: {lm_eval.split!r} is not valid or test"
+    from launch.lm_eval.tasks import check_tasks
+
+    try:
+        check_tasks(lm_eval.tasks)
+        return True, ""
+    except UserError as err:
+        return False, f"lm_eval.{err}"
+
+
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every cross-field problem the types cannot express, each message starting with its key;
     empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
@@ -220,6 +248,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
         (cfg.guard.spike_window >= 2, "guard.spike_window: must be at least 2"),
         (0 <= cfg.data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
+        (cfg.lm_eval.every >= 0, "lm_eval.every: must be 0 (off) or positive"),
+        (cfg.lm_eval.limit >= 0, "lm_eval.limit: must be 0 (all) or positive"),
     ]
     checks.append(_wandb_check(cfg.wandb))
     if task is not None:  # the rules below depend on what the task is
@@ -227,6 +257,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
         checks.append((task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
                        f"init: warm starting is for task {' or '.join(warm_startable)}"))
+    if cfg.lm_eval.every:
+        checks.append((cfg.task == "causal_lm", f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}"))
+        checks.append(_lm_eval_check(cfg.lm_eval))
     return [message for ok, message in checks if not ok]
 
 
@@ -327,6 +360,26 @@ class EvaluateConfig:
     deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)  # ZeRO stage and a user JSON
     threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
     dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
+
+
+@dataclass
+class LmEvalConfig:
+    """A GPT's scores on lm-evaluation-harness tasks built from held-out text (`python -m launch.lm_eval checkpoint=DIR`)."""
+
+    checkpoint: str = MISSING  # an exported GPT directory (launch.export, format=ours or format=hf)
+    tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])  # cloze | choice (docs/design.md#scoring-with-lm-evaluation-harness)
+    data_dir: str = ""  # the prepared dataset the tasks are built from; "" = the one the model was trained on
+    split: str = "valid"  # the held-out split read: valid | test
+    limit: int = 0  # the first N docs of each task; 0 = all
+    seed: int = 1234  # draws the choice task's distractors and their order
+    # ours: our model through launch.lm_eval's OurLM; hf: lm-eval's HFLM over a Hugging Face export;
+    # auto: hf where the directory is a Hugging Face one (its config.json has no "model" section)
+    format: str = "auto"
+    out: str = ""  # the results JSON written; "" = CHECKPOINT/lm_eval-SPLIT.json
+    micro_batch_size: int = 16  # requests per forward
+    device: str = ""  # torch device; "" = cuda if available, else cpu
+    bootstrap_iters: int = 0  # lm-eval's bootstrap resamples for standard errors; 0 = none
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # W&B run of the scores (mode disabled: none)
 
 
 @dataclass

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
+from launch.config import (AverageConfig, EvaluateConfig, ExportConfig, LmEvalConfig, MainConfig, ReportConfig, TrainConfig,
+                           TranslateConfig)
 from pipeline.config import PrepareConfig
 from common.configure import leaf_rows, show
 from pipeline.validate import ValidateConfig
@@ -42,6 +43,7 @@ SCHEMAS = (
     ("launch.average", AverageConfig, True),
     ("launch.evaluate", EvaluateConfig, True),
     ("launch.translate", TranslateConfig, True),
+    ("launch.lm_eval", LmEvalConfig, True),
     ("launch.report", ReportConfig, True),
     ("launch.main", MainConfig, False),
 )

@@ -16,7 +16,8 @@ import pytest
 from omegaconf import MISSING
 
 from conftest import ROOT
-from launch.config import AverageConfig, EvaluateConfig, ExportConfig, MainConfig, ReportConfig, TrainConfig, TranslateConfig
+from launch.config import (AverageConfig, EvaluateConfig, ExportConfig, LmEvalConfig, MainConfig, ReportConfig, TrainConfig,
+                           TranslateConfig)
 from pipeline.config import PrepareConfig
 from common.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
 from pipeline.validate import ValidateConfig
@@ -31,6 +32,7 @@ ENTRY_POINTS = {
     "launch.average": AverageConfig,
     "launch.evaluate": EvaluateConfig,
     "launch.translate": TranslateConfig,
+    "launch.lm_eval": LmEvalConfig,
     "launch.report": ReportConfig,
     "launch.main": MainConfig,
     "launch.config_reference": None,  # writes docs/configuration.md; its own two flags
@@ -181,6 +183,7 @@ BAD_INPUT = {
     "launch.average": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
     "launch.evaluate": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "checkpoint not found"),
     "launch.translate": (["checkpoint={tmp}/nowhere"], "checkpoint not found"),
+    "launch.lm_eval": (["checkpoint={tmp}/nowhere"], "{tmp}/nowhere is not an exported model directory"),
     "launch.report": (["out={tmp}/out", "runs=[{tmp}/nowhere]"], "no metrics.jsonl in"),
     "launch.main": ([str(ROOT / "configs" / "main.yaml"), "starts=[bert/t5]", "out_dir={tmp}/out"], "starts: 'bert/t5'"),
     "launch.config_reference": (["--check", "{tmp}/nowhere.md"], "{tmp}/nowhere.md: "),

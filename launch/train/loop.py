@@ -26,6 +26,7 @@ from launch.metrics import memory_mb
 from launch.preconditions import check_writable_dir
 from launch.stop import StopRequested, stoppable
 from launch.tasks import host_value
+from launch.train import harness
 from launch.train.guard import _INJECTED_LOSS, FP16_OVERFLOW, NON_FINITE_KINDS, guard_step, step_sample_keys
 from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
@@ -171,6 +172,8 @@ def fit(run: Run) -> dict:
             stopped = evaluated is None
             last_eval = evaluated or last_eval
             metrics.update(evaluated or {})
+        if not stopped and harness.due(run):  # lm-evaluation-harness tasks, every lm_eval.every steps
+            metrics.update(harness.lm_eval_metrics(run))
         if metrics:
             _log(run, metrics)
         if stopped or (result["stop"] and run.step < stop_at):  # on the last step a normal end is as good
