@@ -86,9 +86,12 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, reference
     assert len(epoch) == 12 * 8 and max(counts.values()) == 1
 
 
-def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path):
+def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path, reference):
+    import shutil
+
+    # A copy of the uninterrupted 2-rank run (micro batch 4: global batch 8), resumed on 1 rank.
     run_dir = tmp_path / "run"
-    run_train(tiny_dataset, run_dir, *COMMON, "stop_after_steps=4", "data.micro_batch_size=4")
+    shutil.copytree(reference, run_dir)
     refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)  # 4 x 1 x 1 = 4, not 8
     assert refused.returncode == 2
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
