@@ -25,7 +25,7 @@ setup: $(VENV)/.installed
 main: setup
 	WANDB_MODE=offline $(PY) -m launch.main configs/main.yaml
 
-# SLURM from Debian's packages and a two-node cluster on this machine, for tests/test_slurm.py
+# SLURM from Debian's packages and a two-node cluster on this machine, for tests/slurm/test_slurm.py
 # (needs root and apt-get; elsewhere those tests skip, except under CI=true where they fail).
 SLURM_PACKAGES := munge slurmctld slurmd slurm-client slurmdbd mariadb-server
 slurm-cluster:

@@ -38,7 +38,7 @@ Figures, one row per (vocabulary, stage):
 
 `--tiny` (and automatically without CUDA): d_model 64, 2 layers, 4 heads, d_ff 256, sequence
 64, micro batch 2, grad_accum 1, the same vocabularies, 2 steps: a smoke run that keeps every
-path of the script alive on the CPU (tests/test_gpu.py runs it); its figures say nothing about a
+path of the script alive on the CPU (tests/benchmarks/test_gpu.py runs it); its figures say nothing about a
 GPU, and on a shared CPU not much about the CPU either.
 
 Target (one H100, full shapes, bf16, vocabulary 50,257): at least 45% MFU by llm.c's count

@@ -4,7 +4,7 @@ One table per entry point lists every leaf key of its schema (nested dataclasses
 its type, its default and its description: the comment written with the field, either `#` lines
 directly above it or a trailing `# ...` (read by `common.configure.field_comments`, which every
 entry point's `--help` uses too). docs/configuration.md keeps the generated text between two
-markers; `tests/test_config_reference.py` fails when it goes stale.
+markers; `tests/launch/test_config_reference.py` fails when it goes stale.
 
     python -m launch.config_reference                  # print the reference
     python -m launch.config_reference --write          # replace docs/configuration.md's block

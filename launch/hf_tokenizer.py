@@ -6,7 +6,7 @@ reserved ids (`pipeline.format.SPECIAL_TOKENS`) as its pad/unk/bos/eos/mask/sep 
 SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
 whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
 fallback), which is what the generic conversions get wrong (transformers #25316, #28370): see
-docs/design.md#the-hugging-face-tokenizer. Checked on real texts in tests/test_hf_tokenizer.py.
+docs/design.md#the-hugging-face-tokenizer. Checked on real texts in tests/launch/test_hf_tokenizer.py.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class _Gemms:
             c += torch.mm(a, b)
         else:
             # out=c, not c.addmm_: the same GEMM in place, and FLOP counters (torch's
-            # FlopCounterMode, the MFU check in tests/test_flops.py) count aten.addmm, not addmm_.
+            # FlopCounterMode, the MFU check in tests/model/test_flops.py) count aten.addmm, not addmm_.
             torch.addmm(c, a.to(self.acc), b.to(self.acc), out=c)
 
 

@@ -192,7 +192,7 @@ def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str
 
 
 # The tar layout `write_shard` produces, byte for byte what webdataset.TarWriter(encoder=False,
-# mtime=0, user="", group="", mode=0o444) writes through tarfile (tests/test_prepare.py checks
+# mtime=0, user="", group="", mode=0o444) writes through tarfile (tests/pipeline/test_prepare.py checks
 # it): one ustar header per member, its data padded to 512 bytes, two zero blocks, then zeros
 # up to a multiple of 10240 bytes. Written directly because TarWriter (tarfile's header code,
 # np.save per member and importing webdataset, which imports torch) cost several times

@@ -11,7 +11,7 @@ Two ways of watching, by where it runs:
   `bool()` of a tensor, and names the line that called it.
 Each event is recorded with its call site (file:line, function) and whether the step's first
 forward had begun (a wait before it stalls the device between two steps).
-Used by tests/test_gpu_path.py (CPU) and tests/test_gpu.py (`gpu`).
+Used by tests/launch/test_gpu_path.py (CPU) and tests/benchmarks/test_gpu.py (`gpu`).
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ def test_launcher_arguments_are_dropped():
 # ----------------------------------------------------------------------------- one exit-code convention
 
 # 2: the user's input (a config, a key, a path given), one line naming it, nothing started or
-# written; 1: a run that failed (a stage of the main job, tests/test_main.py; a dataset that does
-# not validate, tests/test_prepare.py; a stale reference, tests/test_config_reference.py).
+# written; 1: a run that failed (a stage of the main job, tests/launch/test_main.py; a dataset that does
+# not validate, tests/pipeline/test_prepare.py; a stale reference, tests/launch/test_config_reference.py).
 BAD_INPUT = {
     "pipeline.prepare": ([str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "source.paths=[{tmp}/nowhere.mo]",
                           "output_dir={tmp}/out"], "source.paths: file not found"),

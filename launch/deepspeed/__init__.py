@@ -19,6 +19,6 @@ unpickler, with the few classes DeepSpeed's files hold allowed (`_checkpoint_glo
 the torch.load calls inside DeepSpeed's consolidation. `Engine.load` is DeepSpeed's
 `load_checkpoint`, which unpickles in full: a run directory resumed from is trusted like code.
 
-The room, the only part of the project that imports deepspeed (tests/test_universal.py):
+The room, the only part of the project that imports deepspeed (tests/launch/test_universal.py):
 `engine.py` (the facade), `config.py` (the JSON), `safe_load.py`, `universal.py`, `estimate.py`.
 """

@@ -76,7 +76,7 @@ def _bf16_accumulation(config: dict) -> dict:
     DeepSpeed's default for both is the model's dtype. Both, so that a step is the same sum
     whatever its split into ranks x micro batches: a run resumed on another world size keeps its
     global batch (`launch.train.resume.find_resume`), and with fp32 accumulation but a bf16 reduction the
-    next step would differ in the bf16 rounding (tests/test_universal.py). The reduction then
+    next step would differ in the bf16 rounding (tests/launch/test_universal.py). The reduction then
     moves twice the bytes of a bf16 one.
 
     What DeepSpeed 0.19 makes of it, by stage (`DeepSpeedEngine._do_optimizer_sanity_check`):

@@ -15,7 +15,7 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
     bytes in fp32, 2 in bf16 or fp16; none under ZeRO-3, where the weights are the fp32 masters'
     partitions), the fp32 master weights (a copy, except in fp32 without ZeRO) and AdamW's two
     fp32 moments. What DeepSpeed writes, less its pickles' overhead (a few percent on a tiny
-    model; tests/test_checkpoint_save.py compares the two)."""
+    model; tests/launch/test_checkpoint_save.py compares the two)."""
     per_parameter = {}
     if zero_stage < 3:
         per_parameter["weights"] = 4 if precision == "fp32" else 2

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline import shards
 from tests.shardtools import make_dataset
 
-REAL_DATA = Path(__file__).resolve().parent.parent / "data" / "gettext-en-de"
+REAL_DATA = Path(__file__).resolve().parents[2] / "data" / "gettext-en-de"
 
 
 def shards_of(data_dir, dataset, split="train", *, check_size=True):

@@ -14,7 +14,7 @@ from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_spa
 from pipeline.config import PrepareConfig
 from common.configure import config_to_dict, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "configuration.md"
 
 

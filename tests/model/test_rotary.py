@@ -5,7 +5,7 @@ by k: the same scores), a rotation keeps a vector's length, the table stays floa
 parameters are 16-bit, and a Seq2Seq's cross-attention takes no rotation. Grouped key/value
 heads: SDPA's own grouped path and the repeated heads give the same attention for every mask
 the models pass, and the decoding cache keeps the key/value heads only. Packed documents with
-rotary positions: tests/test_document_mask.py; against Hugging Face: tests/test_hf_parity.py.
+rotary positions: tests/model/test_document_mask.py; against Hugging Face: tests/model/test_hf_parity.py.
 """
 
 import pytest

@@ -6,8 +6,8 @@ in a subprocess that this file runs as a script (`make`), so that pytest's own p
 joins a process group nor imports DeepSpeed for it. The agreement of the ranks runs under
 torchrun with 2 processes (`agree`) and no DeepSpeed: each rank hashes its share of the files.
 
-    python tests/test_checkpoint_integrity.py make OUT
-    python -m torch.distributed.run --nproc_per_node 2 tests/test_checkpoint_integrity.py agree RUN_DIR OUT
+    python tests/launch/test_checkpoint_integrity.py make OUT
+    python -m torch.distributed.run --nproc_per_node 2 tests/launch/test_checkpoint_integrity.py agree RUN_DIR OUT
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest, shardtools
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
@@ -29,7 +30,7 @@ from launch import checkpoint as ckpt  # noqa: E402
 from common.configure import UserError  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TAGS = [ckpt.tag_for(1), ckpt.tag_for(2)]  # two checkpoints per run; the pointer names the second
 STAGES = (0, 2)
 MODEL_STATES = "mp_rank_00_model_states.pt"

@@ -370,7 +370,7 @@ def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset,
                        f"data.data_dir={data_dir}", f"run_dir={run_dir}", f"data.cache_dir={served.cache}",
                        "max_steps=3", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
                        "model.max_seq_len=64", "data.micro_batch_size=4", "data.num_workers=1", "eval_batches=0",
-                       "wandb.mode=offline", "threads_per_rank=1", "log_every=1", "eval_every=0",
+                       "wandb.mode=disabled", "threads_per_rank=1", "log_every=1", "eval_every=0",
                        "checkpoint.every_steps=0"]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
             run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

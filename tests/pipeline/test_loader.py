@@ -30,7 +30,7 @@ from tests.shardtools import (
     shard_ids,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
 
@@ -267,7 +267,7 @@ def test_causal_lm_collation_pads(tmp_path):
     rows = sorted(range(2), key=lambda r: -int(batch["attention_mask"][r].sum()))
     assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, PAD_ID, PAD_ID]]
     assert batch["attention_mask"][rows].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert set(batch) == set(BATCH_FIELDS["causal_lm"])  # labels are the task's (tests/test_tasks.py)
+    assert set(batch) == set(BATCH_FIELDS["causal_lm"])  # labels are the task's (tests/launch/test_tasks.py)
     assert batch["input_ids"].dtype == torch.long
 
 

@@ -371,17 +371,27 @@ def test_train_with_document_mask(tiny_dataset, tmp_path, config):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     tiny = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
             "data.micro_batch_size=4", "data.num_workers=0", "eval_every=3", "eval_batches=1", "log_every=1",
-            "max_steps=3", "wandb.mode=offline", "threads_per_rank=1", "deepspeed.zero_stage=0"]
-    first_losses = {}
+            "max_steps=3", "wandb.mode=disabled", "threads_per_rank=1", "deepspeed.zero_stage=0"]
+    # The two runs are single processes and independent: side by side, on two cores.
+    jobs = {}
     for masked in (True, False):
-        run_dir = tmp_path / f"run-{masked}"
         command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / config), f"data.data_dir={tiny_dataset}",
-                   f"run_dir={run_dir}", *tiny, f"data.document_mask={str(masked).lower()}"]
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-4000:]
-        assert ("attention: sdpa (document mask)" in run.stderr) == masked, run.stderr[-2000:]
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses = [row["train/loss"] for row in rows if "train/loss" in row]
-        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-        first_losses[masked] = losses[0]
+                   f"run_dir={tmp_path / f'run-{masked}'}", *tiny, f"data.document_mask={str(masked).lower()}"]
+        jobs[masked] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+    first_losses = {}
+    try:
+        for masked, job in jobs.items():
+            _, stderr = job.communicate(timeout=600)
+            assert job.returncode == 0, stderr[-4000:]
+            assert ("attention: sdpa (document mask)" in stderr) == masked, stderr[-2000:]
+            rows = [json.loads(line) for line in (tmp_path / f"run-{masked}" / "metrics.jsonl").read_text().splitlines()]
+            losses = [row["train/loss"] for row in rows if "train/loss" in row]
+            assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+            first_losses[masked] = losses[0]
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
     assert first_losses[True] != first_losses[False]

@@ -1,6 +1,6 @@
-"""One rank of tests/test_reliability.py's uneven-shard test, under torchrun (gloo, CPU):
+"""One rank of tests/launch/test_reliability.py's uneven-shard test, under torchrun (gloo, CPU):
 
-    torchrun --standalone --nproc_per_node 2 tests/uneven_worker.py DATA_DIR OUT_DIR EPOCHS
+    torchrun --standalone --nproc_per_node 2 tests/launch/uneven_worker.py DATA_DIR OUT_DIR EPOCHS
 
 Iterates the train split of DATA_DIR's packed shards for EPOCHS epochs through a `ShardLoader`
 with 2 DataLoader workers, as the trainer does, and all-reduces after every batch, as a
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.distributed import read_env, run_rank  # noqa: E402
 from launch.launcher import die_with_parent  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_precedence_defaults_then_yaml_then_command_line(tmp_path):

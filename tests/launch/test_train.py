@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
         "data.micro_batch_size=4", "data.num_workers=0", "optim.lr=3e-3", "schedule.warmup_steps=5",
-        "eval_batches=0", "wandb.mode=offline", "threads_per_rank=1",
+        "eval_batches=0", "threads_per_rank=1",
+        # W&B starts a service process per run (seconds each); the tests of W&B ask for it.
+        "wandb.mode=disabled",
         # ZeRO-3 would keep every tensor of a model this small whole on every rank.
         "deepspeed.zero3_persistence_threshold=0"]
 
@@ -52,7 +54,7 @@ def test_loss_falls(tiny_dataset, tmp_path, config, stage):
 
 def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path):
     common = ["max_steps=10", "log_every=1", "eval_every=0", "checkpoint.every_steps=5", "deepspeed.zero_stage=3",
-              "model.dropout=0.1"]
+              "model.dropout=0.1", "wandb.mode=offline"]
     straight = tmp_path / "straight"
     train("tiny_gpt.yaml", tiny_dataset, straight, *common)
     stopped = tmp_path / "stopped"
@@ -126,7 +128,7 @@ def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
 def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     train("tiny_bert.yaml", tiny_dataset, run_dir, "max_steps=6", "log_every=2", "eval_every=6", "deepspeed.zero_stage=3",
-          "checkpoint.every_steps=0")
+          "checkpoint.every_steps=0", "wandb.mode=offline")
     records = _wandb_records(run_dir)
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]

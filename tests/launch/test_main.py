@@ -18,9 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 def main_job(config, *overrides):
+    # W&B off: its service process would start with each training stage (seconds each), and W&B
+    # is not what these tests check (tests/launch/test_tracking.py and test_train.py do).
     return subprocess.run([sys.executable, "-m", "launch.main", str(config), *overrides], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "WANDB_MODE": "offline", "PROGRESS_EVERY_S": "1"})
+                          env={**os.environ, "WANDB_MODE": "disabled", "PROGRESS_EVERY_S": "1"})
 
 
 def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):

@@ -1,5 +1,5 @@
 """The GPU path's defects, proven on the CPU where the behaviour can be reproduced there
-(issue: GPU path). The checks that need CUDA are in tests/test_gpu.py, marked `gpu`."""
+(issue: GPU path). The checks that need CUDA are in tests/benchmarks/test_gpu.py, marked `gpu`."""
 
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ def test_the_step_figures_go_over_in_one_tensor_and_come_back_as_numbers():
 def test_gpu_tests_fail_instead_of_skipping_where_a_gpu_is_required():
     """`pytest -m gpu` on a machine whose torch cannot use CUDA: without REQUIRE_GPU every gpu test
     skips and pytest passes; with REQUIRE_GPU=1 (benchmarks/gpu_check.sh) it stops with the reason."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_loss.py"]
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/model/test_loss.py"]
     skipped = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "REQUIRE_GPU": "0"})
     assert skipped.returncode == 0 and "skipped" in skipped.stdout, skipped.stdout[-2000:]

@@ -1,9 +1,9 @@
-"""One side of tests/test_universal.py: train a tiny GPT under `launch.deepspeed.engine.Engine` and save
+"""One side of tests/launch/test_universal.py: train a tiny GPT under `launch.deepspeed.engine.Engine` and save
 (`save`, 2 ranks under torchrun), or load a checkpoint on another world size and take the
 same next step (`load`, 1 rank), for several ZeRO stages and precisions in one process.
 
-    python tests/universal_worker.py save OUT 0-fp32,2-bf16,...
-    python tests/universal_worker.py load OUT 0-fp32,2-bf16,...
+    python tests/launch/universal_worker.py save OUT 0-fp32,2-bf16,...
+    python tests/launch/universal_worker.py load OUT 0-fp32,2-bf16,...
 
 Every job sees the same global batches (GLOBAL_BATCH sequences per optimizer step, drawn from
 the step number), split into micro batches of MICRO: 2 ranks x 1 micro batch or 1 rank x 2,
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch import checkpoint as ckpt  # noqa: E402
 from launch import distributed  # noqa: E402

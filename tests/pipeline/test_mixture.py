@@ -196,7 +196,7 @@ def tagged_copy(dataset: Path, out: Path) -> Path:
 def test_the_trainer_logs_and_checkpoints_tokens_per_source_and_resumes_exactly(tiny_dataset, tmp_path):
     import json
 
-    from tests.test_train import metrics, train
+    from test_train import metrics, train
 
     data = tagged_copy(tiny_dataset, tmp_path / "data")
     common = ["max_steps=6", "log_every=3", "eval_every=0", "checkpoint.every_steps=3", "data.mixture.a=0.75",

@@ -508,7 +508,7 @@ def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs
     manifest = make_dataset(data, packed=UNEVEN)
     out.mkdir()
     launcher = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                 str(ROOT / "tests" / "uneven_worker.py"), str(data), str(out), str(epochs)],
+                                 str(ROOT / "tests" / "launch" / "uneven_worker.py"), str(data), str(out), str(epochs)],
                                 cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ranks = []
     try:

@@ -9,9 +9,9 @@ launch.train with `torch.save` wrapped (`FILL_AT=RANK:STEP`). One-process engine
 `fill`) check the save's size estimate against the files DeepSpeed writes, and what a write
 into a full tmpfs raises.
 
-    FILL_AT=1:4 python -m torch.distributed.run --nproc_per_node 2 tests/test_checkpoint_save.py CONFIG [key=value ...]
-    python tests/test_checkpoint_save.py sizes OUT
-    python tests/test_checkpoint_save.py fill DIR OUT
+    FILL_AT=1:4 python -m torch.distributed.run --nproc_per_node 2 tests/launch/test_checkpoint_save.py CONFIG [key=value ...]
+    python tests/launch/test_checkpoint_save.py sizes OUT
+    python tests/launch/test_checkpoint_save.py fill DIR OUT
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest, shardtools
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 
 from launch import checkpoint as ckpt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEP_2, STEP_4 = ckpt.tag_for(2), ckpt.tag_for(4)
 COMBOS = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 

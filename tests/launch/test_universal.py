@@ -1,7 +1,7 @@
 """Universal checkpoints: ZeRO state written by 2 ranks resumes on 1 (DeepSpeed #2898).
 
 A 2-rank torchrun job trains a tiny GPT for a few steps under ZeRO stages 0 to 3, in fp32 and
-bf16, and saves (tests/universal_worker.py); `launch.deepspeed.universal.to_universal` converts each
+bf16, and saves (tests/launch/universal_worker.py); `launch.deepspeed.universal.to_universal` converts each
 checkpoint here, in the pytest process, without a process group; a 1-rank job loads it and takes
 one more step on the same global batch (2 micro batches accumulated instead of 2 ranks x 1).
 The fp32 weights, both Adam moments (gathered whole, by parameter name), the step counts and the
@@ -125,7 +125,7 @@ def jobs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("universal")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    worker = str(ROOT / "tests" / "universal_worker.py")
+    worker = str(ROOT / "tests" / "launch" / "universal_worker.py")
     started = time.monotonic()
     save = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            worker, "save", str(out), ",".join(COMBOS)], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import model.loss as loss_module
 from model import BERT, GPT, ModelConfig, Seq2Seq, StackConfig, build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
 
 
@@ -258,7 +258,7 @@ def test_all_padding_rows_give_finite_outputs_and_gradients():
 
 def test_gpt_loss_scores_each_position_against_its_label_and_ignores_minus_100():
     # Labels are aligned with the positions that predict them (launch.tasks shifts them once);
-    # tests/test_tasks.py checks the shift against the next-token loss.
+    # tests/launch/test_tasks.py checks the shift against the next-token loss.
     model = build_model(tiny("gpt")).eval()
     x = ids(2, 8)
     labels = ids(2, 8, seed=1)

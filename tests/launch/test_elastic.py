@@ -86,9 +86,12 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, reference
     assert len(epoch) == 12 * 8 and max(counts.values()) == 1
 
 
-def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path):
+def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path, reference):
+    import shutil
+
+    # A copy of the uninterrupted 2-rank run (micro batch 4: global batch 8), resumed on 1 rank.
     run_dir = tmp_path / "run"
-    run_train(tiny_dataset, run_dir, *COMMON, "stop_after_steps=4", "data.micro_batch_size=4")
+    shutil.copytree(reference, run_dir)
     refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)  # 4 x 1 x 1 = 4, not 8
     assert refused.returncode == 2
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
@@ -96,24 +99,29 @@ def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_wou
     assert "data.micro_batch_size=4 grad_accum=2" in line
 
 
-def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path):
+def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path, reference):
+    import shutil
+
+    # A copy of the uninterrupted 2-rank run (TINY's model.d_model=32), resumed with another model.
     run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    steps = int(latest.removeprefix("step_"))
     common = ["eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]
-    run_train(tiny_dataset, run_dir, *common, "max_steps=2")  # 2 ranks, TINY's model.d_model=32
     for nproc, extra in ((1, ["grad_accum=2"]), (2, [])):  # the same global batch: only the model differs
-        refused = run_train(tiny_dataset, run_dir, *common, "max_steps=4", "model.d_model=64", *extra, nproc=nproc,
-                            check=False)
+        refused = run_train(tiny_dataset, run_dir, *common, f"max_steps={steps + 2}", "model.d_model=64", *extra,
+                            nproc=nproc, check=False)
         assert refused.returncode == (2 if nproc == 1 else 1), refused.stderr[-4000:]  # torchrun reports a failed child as 1
         (line,) = {line for line in refused.stderr.splitlines() if line.startswith("error:")}  # the same on both ranks
-        assert line == (f"error: checkpoint {run_dir / 'checkpoints' / 'step_00000002'} holds another model than this "
+        assert line == (f"error: checkpoint {run_dir / 'checkpoints' / latest} holds another model than this "
                         f"job: model.d_model 32 there, 64 here; resume it as saved with model.d_model=32, or train the "
                         f"new model from scratch in a new run_dir"), line
         # Found from the checkpoint's record, before the engine is built: no rank's traceback.
         assert "size mismatch" not in refused.stderr and "[rank" not in refused.stderr, refused.stderr[-4000:]
         assert "DeepSpeedZeroOptimizer" not in refused.stderr
     # What only trains differently may change on a resume.
-    resumed = run_train(tiny_dataset, run_dir, *common, "max_steps=3", "model.dropout=0.2")
-    assert "resumed from" in resumed.stderr and json.loads((run_dir / "final.json").read_text())["step"] == 3
+    resumed = run_train(tiny_dataset, run_dir, *common, f"max_steps={steps + 1}", "model.dropout=0.2")
+    assert "resumed from" in resumed.stderr and json.loads((run_dir / "final.json").read_text())["step"] == steps + 1
 
 
 def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_config(tmp_path):

@@ -1,7 +1,7 @@
 """A Llama-shaped GPT through the training paths (issue #31): rotary positions, RMSNorm, SwiGLU,
 one key/value head for two query heads, no biases, an untied LM head.
 
-One chain on CPU under torchrun, as tests/test_elastic.py and tests/test_compile.py run the
+One chain on CPU under torchrun, as tests/launch/test_elastic.py and tests/launch/test_compile.py run the
 default GPT: 2 ranks under ZeRO-3 with `compile: true` and activation checkpointing, stopped at
 step 4; resumed eagerly on 1 rank (the ZeRO-3 checkpoint converted to a universal one, 2 micro
 batches accumulated instead of 2 ranks) to step 8. Every loss equals an uninterrupted eager

@@ -404,7 +404,7 @@ def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path):
 
 
 def config_kind(path: Path) -> str:
-    """What a YAML of configs/ is for, by its name (as tests/test_config.py tells them apart):
+    """What a YAML of configs/ is for, by its name (as tests/common/test_config.py tells them apart):
     prepare_* are pipeline.prepare configs, main*/transfer* launch.main configs, the rest training."""
     if path.name.startswith("prepare"):
         return "prepare"
@@ -562,7 +562,7 @@ def test_the_gpu_scale_pair_the_dry_run_passes_loads_into_the_translation_model(
     """What the chain dry run says fits, model.warm_start loads: BERT-base (with transfer_gpu's
     overrides) and GPT-2 small into translation_gpu's Seq2Seq, every tensor accounted for, only
     the position tables resized (truncated to 128 rows). Source weights are zeros: the shapes
-    and keys are what is checked here, the copying is tests/test_warm_start.py's."""
+    and keys are what is checked here, the copying is tests/model/test_warm_start.py's."""
     from model.warm_start import Pretrained, warm_start
 
     main = load_config(MainConfig, ROOT / "configs" / "transfer_gpu.yaml")

@@ -388,7 +388,7 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
 
 # ----------------------------------------------------------------------------- the trainer on GPUs
 
-# Like tests/test_train.py's TINY, for processes that see the GPUs.
+# Like tests/launch/test_train.py's TINY, for processes that see the GPUs.
 TINY_RUN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
             "data.micro_batch_size=4", "data.num_workers=0", "optim.lr=3e-3", "schedule.warmup_steps=5",
             "eval_batches=2", "wandb.mode=disabled", "threads_per_rank=1", "deepspeed.zero3_persistence_threshold=0",

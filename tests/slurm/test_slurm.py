@@ -170,7 +170,7 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "requeue.log"
     max_steps = 300
     job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, f"max_steps={max_steps}", "log_every=1",
-                                                    "eval_every=0", "checkpoint.every_steps=0"))
+                                                    "eval_every=0", "checkpoint.every_steps=0", "wandb.mode=offline"))
     wait_until(lambda: logged_steps(run_dir) >= 10 or job_info(job)["JobState"] in ENDED, 180, "training to start")
     slurm("scancel", "--batch", "--signal=USR1", job)
     info = wait_for(job, log, timeout=300)

@@ -71,18 +71,21 @@ def test_offload_trains_with_cpu_adam_and_resumes_exactly(tiny_dataset, tmp_path
     common = ["max_steps=10", "log_every=1", "eval_every=0", "checkpoint.every_steps=5", *offload]
     straight = tmp_path / "straight"
     runs = [train("tiny_gpt.yaml", tiny_dataset, straight, *common)]
+    # The uninterrupted run's step-5 checkpoint resumed in another run_dir: the resume under test
+    # with one job less than stopping a second run at step 5 (each job starts DeepSpeed on 2 ranks).
     stopped = tmp_path / "stopped"
-    runs.append(train("tiny_gpt.yaml", tiny_dataset, stopped, *common, "stop_after_steps=5"))
-    runs.append(train("tiny_gpt.yaml", tiny_dataset, stopped, *common))
-    assert "resumed from" in runs[-1].stderr
+    step_5 = straight / "checkpoints" / "step_00000005"
+    runs.append(train("tiny_gpt.yaml", tiny_dataset, stopped, *common, f"resume={step_5}"))
+    assert f"resumed from {step_5}" in runs[-1].stderr
     for run in runs:  # the optimizer DeepSpeed steps, as the trainer reports it
         assert "optimizer: DeepSpeedCPUAdam in DeepSpeed's DeepSpeedZeroOptimizer" in run.stderr
         assert "states offloaded to CPU" in run.stderr and "warning: DeepSpeed's CPU Adam" not in run.stderr
     expected = {r["step"]: r["train/loss"] for r in metrics(straight) if "train/loss" in r}
     got = {r["step"]: r["train/loss"] for r in metrics(stopped) if "train/loss" in r}
-    print("\nstep  uninterrupted  stopped+resumed")
+    print("\nstep  uninterrupted  resumed at step 5")
     for step in range(1, 11):
-        print(f"{step:4d}  {expected[step]:.8f}     {got[step]:.8f}")
+        print(f"{step:4d}  {expected[step]:.8f}     " + (f"{got[step]:.8f}" if step in got else ""))
+    assert sorted(got) == list(range(6, 11))  # the resumed job trained steps 6-10, nothing again
     losses = [expected[step] for step in range(1, 11)]
     assert losses[-1] < 0.9 * losses[0], losses  # it trains
     assert [got[s] for s in range(6, 11)] == pytest.approx(losses[5:], abs=RESUME_TOLERANCE, rel=0)
