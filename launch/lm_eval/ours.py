@@ -3,7 +3,7 @@
 A `TemplateLM`, so lm-eval itself splits each (context, continuation) into tokens as it does
 for its `HFLM` (the whole text encoded, the context's tokens cut off the front); the same
 requests through `HFLM` over our Hugging Face export give the same log-likelihoods
-(tests/test_lm_eval.py). An empty context, and each rolling window's first token, is
+(tests/launch/test_lm_eval.py). An empty context, and each rolling window's first token, is
 conditioned on </s>: in training every document follows the previous one's </s>, never <s>
 (`pipeline.work._Packer`), so </s> is also the `prefix_token_id` HFLM is given for our exports.
 """
