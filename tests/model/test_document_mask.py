@@ -141,11 +141,13 @@ def test_decoding_with_a_cache_takes_no_document_ids():
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
-def test_flex_attention_equals_sdpa_on_cpu(arch):
+@pytest.mark.parametrize("variant", ["classic", "llama"])
+def test_flex_attention_equals_sdpa_on_cpu(arch, variant):
     """The CUDA kernel's mask rule, run by FlexAttention's eager form on the CPU (forward only:
-    it has no CPU backward): the logits of SDPA with the dense mask, padding included."""
+    it has no CPU backward): the logits of SDPA with the dense mask, padding included; with the
+    llama variant, FlexAttention's own grouped key/value heads (`enable_gqa`) in a rotary stack."""
     torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else BERT)(tiny(arch)).eval()
+    model = (GPT if arch == "gpt" else BERT)(tiny(arch, **(VARIANTS["llama"] if variant == "llama" else {}))).eval()
     inputs = batch()
     logits = {}
     for kernel in ("sdpa", "flex_attention"):
@@ -154,22 +156,6 @@ def test_flex_attention_equals_sdpa_on_cpu(arch):
             warnings.simplefilter("ignore")  # FlexAttention warns that its eager form is unfused
             logits[kernel] = model(**inputs).logits
         assert model.attention_kernel == f"{kernel} (document mask)"
-    real = inputs["attention_mask"].bool()
-    torch.testing.assert_close(logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["gpt", "bert"])
-def test_flex_attention_equals_sdpa_on_cpu_with_grouped_heads(arch):
-    """FlexAttention's own grouped key/value heads (`enable_gqa`) in a rotary stack: SDPA's logits."""
-    torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else BERT)(tiny(arch, **VARIANTS["llama"])).eval()
-    inputs = batch()
-    logits = {}
-    for kernel in ("sdpa", "flex_attention"):
-        model.document_attention = kernel
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # FlexAttention warns that its eager form is unfused
-            logits[kernel] = model(**inputs).logits
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
 
