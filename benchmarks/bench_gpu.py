@@ -1,11 +1,13 @@
 """GPT-2 small (124M) training on one GPU: tokens/s, MFU by two counts, peak memory and the LM loss's share of a step, per ZeRO stage and vocabulary; prints figures, asserts nothing.
 
     python benchmarks/bench_gpu.py [--tiny] [--vocabs 50257,8000] [--stages 0,1,2,3] [--steps 5]
-                                   [--warmup 1] [--precision bf16] [--compile] [--micro-batch N]
-                                   [--profile-step] [--json OUT]
+                                   [--warmup 1] [--precision bf16] [--[no-]compile] [--micro-batch N]
+                                   [--grad-accum N] [--adamw fused,foreach --rounds 3]
+                                   [--attention-backends] [--profile-step] [--json OUT]
 
 What runs. configs/gpt2_small.yaml's model (d_model 768, 12 layers, 12 heads, d_ff 3072,
-sequence 1024, dropout 0), micro batch 16 x 1024 tokens and grad_accum 4, with the vocabulary
+sequence 1024, dropout 0), its micro batch, grad_accum and `compile` (`--micro-batch`,
+`--grad-accum`, `--[no-]compile` override them), with the vocabulary
 set to each of `--vocabs` (50,257: GPT-2's, 124M parameters; 8,000: this project's default
 tokenizer) and ZeRO set to each of `--stages`. For each, the model is built as the trainer's
 `launch.train.setup.build_engine` builds it (`model.build_model`, `launch.optim.build_optimizer` and
@@ -43,8 +45,14 @@ GPU, and on a shared CPU not much about the CPU either.
 
 Target (one H100, full shapes, bf16, vocabulary 50,257): at least 45% MFU by llm.c's count
 (llm.c itself reports about 41% for this model); the verdict is printed when those are what was
-measured. `--compile` compiles with the trainer's own `launch.train.setup.compile_model` (what
+measured. Compiling uses the trainer's own `launch.train.setup.compile_model` (what
 `compile: true` does), so that the benchmark measures the program the trainer runs.
+
+Choices measured against each other in one process, alternating: `--adamw fused,foreach` runs each
+row once per AdamW implementation (torch's fused kernel, what `launch.optim.build_optimizer`
+picks on a GPU, and its multi-tensor `foreach` kernels) per round, `--rounds` times, and prints
+each one's median time per micro batch; `--attention-backends` times causal SDPA alone, forward +
+backward at the rows' shapes, on each of torch's CUDA backends (cuDNN, flash, memory-efficient).
 """
 
 from __future__ import annotations
@@ -133,7 +141,7 @@ class PeakMemory:
 # ---------------------------------------------------------------- one configuration
 
 
-def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[dict]) -> dict:
+def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[dict], adamw: str | None = None) -> dict:
     """Train `args.warmup` + `args.steps` optimizer steps of a fresh model under ZeRO `stage`; the
     engine and its model are gone when this returns (collected before the next configuration)."""
     import dataclasses
@@ -149,7 +157,7 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
     task = TASKS[cfg.task]
     cuda = device.type == "cuda"
     with PeakMemory(cuda) as memory:
-        timed = _train(cfg, plan, args, device, [task.to_device(inputs, device) for inputs in batches])
+        timed = _train(cfg, plan, args, device, [task.to_device(inputs, device) for inputs in batches], adamw)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -157,7 +165,8 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
     tokens = sum(task.tokens(inputs) for inputs in host)
     seq_len = host[0]["input_ids"].shape[1]
     return {
-        "vocab_size": cfg.model.vocab_size, "zero_stage": stage, "micro_batch_size": plan.micro_batch_size,
+        "vocab_size": cfg.model.vocab_size, "zero_stage": stage, "adamw": adamw or "build_optimizer's",
+        "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum, "seq_len": seq_len, **timed, "tokens": tokens,
         "flops": sum(task.flops(cfg.model, inputs) for inputs in host),
         "flops_llmc": tokens * llmc_flops_per_token(cfg.model, timed["parameters"], seq_len),
@@ -165,7 +174,7 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
     }
 
 
-def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -> dict:
+def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], adamw: str | None = None) -> dict:
     """The engine as launch.train.setup.build_engine builds it, and the timed micro batches."""
     import torch
 
@@ -178,6 +187,9 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict]) -
     model = build_model(cfg.model)
     n_parameters = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0)
+    if adamw is not None:  # one implementation rather than build_optimizer's pick
+        for group in optimizer.param_groups:
+            group.update(fused=adamw == "fused", foreach=adamw == "foreach")
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
     if args.compile:
         from launch.train.setup import compile_model
@@ -269,6 +281,38 @@ def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, 
             for key, value in saved.items():
                 setattr(loss_module, key, value)
     h.grad = weight.grad = None
+    return out
+
+
+def time_attention(batch: int, heads: int, seq_len: int, head_dim: int, dtype, device, reps: int) -> dict:
+    """Causal SDPA alone, forward + backward of (batch, heads, seq_len, head_dim) queries, keys and
+    values, on each of torch's CUDA backends: milliseconds (median of `reps`), or why it cannot run."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
+               .requires_grad_() for _ in range(3))
+    out = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        times = []
+        try:
+            with sdpa_kernel([backend]):
+                for rep in range(reps + 1):
+                    q.grad = k.grad = v.grad = None
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if rep:
+                        times.append(time.perf_counter() - start)
+            out[name] = f"{1e3 * statistics.median(times):.2f} ms"
+        except RuntimeError as err:  # no kernel of that backend for these inputs or this device
+            out[name] = f"n/a ({str(err).splitlines()[0][:60]})"
     return out
 
 
@@ -406,14 +450,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default: %(default)s)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--loss-reps", type=int, help="timed repetitions of the loss alone (default: 5; 2 with --tiny)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile (inductor) the model, as compile: true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile (inductor) the blocks, as compile: true (default: the config's on a "
+                             "GPU; off with --tiny)")
     parser.add_argument("--loss-variants", action="store_true",
                         help="also time the fused loss unpadded and with its eager chunk kernels")
     parser.add_argument("--profile-loss", action="store_true",
                         help="print torch.profiler's kernel table of the fused loss at the first vocabulary")
     parser.add_argument("--profile-step", action="store_true",
                         help="print the device time of one optimizer step by kernel family, and its top kernels")
-    parser.add_argument("--micro-batch", type=int, help="micro batch size (default: the config's, 16)")
+    parser.add_argument("--micro-batch", type=int, help="micro batch size (default: the config's)")
+    parser.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the config's)")
+    parser.add_argument("--adamw", help="comma-separated AdamW implementations, each timed per row and round: "
+                                        "fused, foreach (default: build_optimizer's pick)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds over the --adamw choices (default: %(default)s)")
+    parser.add_argument("--attention-backends", action="store_true",
+                        help="also time causal SDPA alone on each CUDA backend at the rows' shapes")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
 
@@ -430,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = TINY["steps"] if tiny else 5
     if args.loss_reps is None:
         args.loss_reps = TINY["loss_reps"] if tiny else 5
+    adamws = args.adamw.split(",") if args.adamw else [None]
+    if any(a not in ("fused", "foreach", None) for a in adamws):
+        parser.error(f"--adamw: {args.adamw!r}: the choices are fused and foreach")
     vocabs = [int(v) for v in args.vocabs.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
     if any(s not in (0, 1, 2, 3) for s in stages):
@@ -440,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(denv, 600)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(device_line(device, tiny, args), flush=True)
-    tf32 = set_fp32_matmul(load_config(TrainConfig, CONFIG, []).tf32)  # as launch.train sets it
+    shipped = load_config(TrainConfig, CONFIG, [])
+    if args.compile is None:
+        args.compile = shipped.compile and not tiny
+    tf32 = set_fp32_matmul(shipped.tf32)  # as launch.train sets it
     peak, source = peak_flops(args.precision, tf32=tf32)
     print(f"peak: {peak / 1e12:.3f} TFLOP/s ({source}; launch.metrics.peak_flops, as the trainer's MFU)", flush=True)
     if cuda:
@@ -453,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     for vocab in vocabs:
         overrides = [f"model.vocab_size={vocab}", f"deepspeed.precision={args.precision}", "data.num_workers=0",
                      f"max_steps={args.warmup + args.steps + 1}", *(TINY["overrides"] if tiny else []),
-                     *([f"data.micro_batch_size={args.micro_batch}"] if args.micro_batch else [])]
+                     *([f"data.micro_batch_size={args.micro_batch}"] if args.micro_batch else []),
+                     *([f"grad_accum={args.grad_accum}"] if args.grad_accum else [])]
         cfg = load_config(TrainConfig, CONFIG, overrides)
         batches = make_batches(cfg, BATCHES)
         rows = cfg.data.micro_batch_size * cfg.model.max_seq_len
@@ -468,10 +527,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"padded to a multiple of {__import__('model.loss').loss.PAD_VOCAB_MULTIPLE} where compiled), "
                   f"unpadded {loss['fused_unpadded_ms']:.2f} ms, eager chunk {loss['fused_eager_chunk_ms']:.2f} ms",
                   flush=True)
-        for stage in stages:
+        if args.attention_backends:
+            heads = cfg.model.n_heads
+            times = time_attention(cfg.data.micro_batch_size, heads, cfg.model.max_seq_len, cfg.model.d_model // heads,
+                                   dtype, device, args.loss_reps)
+            print(f"V={vocab:,}: causal SDPA alone, forward + backward of one layer: "
+                  + ", ".join(f"{name} {t}" for name, t in times.items()), flush=True)
+        runs = [(stage, adamw, round_) for stage in stages for round_ in range(args.rounds) for adamw in adamws]
+        for stage, adamw, round_ in runs:
             started = time.time()
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's own prints: stdout holds the figures
-                r = run_config(cfg, stage, args, device, batches)
+                first = round_ == 0 and adamw == adamws[0]  # profiled once per row
+                r = run_config(cfg, stage, argparse.Namespace(**{**vars(args), "profile_step": args.profile_step and first}),
+                               device, batches, adamw)
             r["loss"] = loss
             if r["profile"]:
                 print(r["profile"], flush=True)
@@ -483,9 +551,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * s['mfu_llmc']:.1f}% (llm.c), peak memory {gib(r['peak_memory_bytes'])} ({r['memory_kind']}"
                   f"{leftover}), {s['ms_per_micro_batch']:.1f} ms per micro batch, LM loss {100 * s['loss_share']:.1f}% "
                   f"of it fused ({100 * s['loss_share_materialised']:.1f}% materialised); {r['parameters']:,} "
-                  f"parameters, last loss {r['last_loss']:.3f}; {r['optimizer']}; {time.time() - started:.0f} s",
-                  flush=True)
+                  f"parameters, last loss {r['last_loss']:.3f}; {r['optimizer']}"
+                  f"{f'; AdamW {adamw}, round {round_ + 1}' if adamw else ''}; {time.time() - started:.0f} s", flush=True)
             results.append(r)
+        if len(adamws) > 1:
+            for stage in stages:
+                ms = {a: statistics.median(r["ms_per_micro_batch"] for r in results if r["vocab_size"] == vocab
+                                           and r["zero_stage"] == stage and r["adamw"] == a) for a in adamws}
+                print(f"V={vocab:,} ZeRO-{stage}: AdamW, median ms per micro batch over {args.rounds} round(s), "
+                      f"alternating: " + ", ".join(f"{a} {t:.1f}" for a, t in ms.items())
+                      + f"; {adamws[1]} / {adamws[0]} = {ms[adamws[1]] / ms[adamws[0]]:.3f}", flush=True)
     dist.destroy()
 
     r0 = results[0]

@@ -52,7 +52,10 @@ class Engine:
         offload = ", states offloaded to CPU" if self._engine.zero_cpu_offload() else ""
         accum = str(self._engine.get_data_types()[1]).removeprefix("torch.")
         reduce = str(self._engine.communication_data_type).removeprefix("torch.")
-        return f"optimizer: {self.optimizer_name}{inside}{offload}; gradients accumulated in {accum}, reduced in {reduce}"
+        groups = getattr(self._engine.basic_optimizer, "param_groups", None) or [{}]
+        kernels = " (fused kernel)" if groups[0].get("fused") else ""
+        return (f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in {accum}, "
+                f"reduced in {reduce}")
 
     @property
     def module(self) -> torch.nn.Module:

@@ -418,11 +418,48 @@ def test_trainer_runs_on_one_gpu_in_bf16(tiny_dataset, tmp_path):
     run = train_on_gpus(tiny_dataset, run_dir, "deepspeed.zero_stage=1", "max_steps=6", "eval_every=6",
                         "checkpoint.every_steps=0", nproc=1)
     assert "measured: CPU" not in run.stderr
+    assert "optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer" in run.stderr, run.stderr[-3000:]
     rows = metric_rows(run_dir)
     losses = [row["train/loss"] for row in rows if "train/loss" in row]
     assert len(losses) == 6 and all(map(math.isfinite, losses)), losses
     assert all(row["memory/gpu_max_allocated_mb"] > 0 for row in rows if "train/loss" in row)
     assert math.isfinite(rows[-1]["eval/loss"])
+
+
+@gpu
+def test_adamw_on_a_gpu_is_the_fused_kernel_and_follows_foreach():
+    """`launch.optim.build_optimizer` asks for torch's fused AdamW on a GPU while the parameters
+    are still on the CPU (DeepSpeed moves the model after): once moved, its steps run the fused
+    kernel (state on the GPU) and follow the multi-tensor `foreach` kernels within float32 rounding."""
+    from launch.config import OptimConfig
+    from launch.optim import build_optimizer
+
+    cfg = run_config("gpt", **{"model.max_seq_len": 128}).model
+    torch.manual_seed(0)
+    fused_model = build_model(cfg).train()
+    foreach_model = copy.deepcopy(fused_model).cuda()
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1)
+    fused = build_optimizer(fused_model, optim)
+    fused_model.cuda()  # in place, as DeepSpeed moves it: the optimizer keeps the same parameters
+    foreach = torch.optim.AdamW(parameter_groups(foreach_model, optim.weight_decay), lr=optim.lr,
+                                betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True)
+    assert all(group["fused"] for group in fused.param_groups)
+    inputs = progression_inputs("causal_lm", 4, 128, cfg.vocab_size, torch.device("cuda"), seed=0)
+    losses = []
+    for _ in range(5):
+        for model, optimizer in ((fused_model, fused), (foreach_model, foreach)):
+            optimizer.zero_grad()
+            loss = model(**inputs).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    assert all(state["step"].device.type == "cuda" for state in fused.state.values())
+    assert losses[-2] < losses[0], losses  # it learns
+    assert all(abs(a - b) < 1e-4 for a, b in zip(losses[::2], losses[1::2])), losses
+    for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
+        if name.endswith("k_proj.bias"):  # softmax ignores it: a gradient of rounding noise, which Adam scales up
+            continue
+        assert torch.allclose(a, b, rtol=0, atol=5e-5), (name, (a - b).abs().max().item())
 
 
 @gpu
