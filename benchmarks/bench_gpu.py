@@ -331,54 +331,16 @@ def print_profile(loss_fn, h, weight, cuda: bool) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70), flush=True)
 
 
-# Kernel families of a training step, by name fragment (first match wins): where a step's GPU time goes.
-KERNEL_FAMILIES = (
-    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "ampere_", "sm80_", "cublas", "matmul", "mm_", "::mm", "addmm", "bmm", "linear")),
-    ("optimizer", ("adam", "foreach", "multi_tensor", "_amp_", "clip")),
-    ("communication", ("nccl", "allreduce", "all_gather", "reduce_scatter")),
-    ("copy", ("memcpy", "memset", "copy_", "cat", "fill")),
-    ("reduction", ("reduce", "norm", "softmax", "sum")),
-    ("elementwise", ("elementwise", "vectorized", "triton", "unrolled", "pointwise")),
-)
-
-
-def kernel_family(name: str) -> str:
-    low = name.lower()
-    return next((family for family, parts in KERNEL_FAMILIES if any(part in low for part in parts)), "other")
-
-
 def profile_step(step, cuda: bool) -> str:
     """torch.profiler over one optimizer step (grad_accum micro batches): the device time by
-    kernel family and the 25 longest kernels, so that an MFU gap can be placed. On the CPU the
-    operators' own CPU time stands in (the path kept alive; not a GPU figure)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    kernel family and the 25 longest kernels (`launch.profiling`, as the trainer's
+    `profile_start` prints it), so that an MFU gap can be placed. On the CPU the operators' own
+    CPU time stands in (the path kept alive; not a GPU figure)."""
+    from launch.profiling import Profiled
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with Profiled(cuda) as profiled:
         step()
-        if cuda:
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    averages = prof.key_averages()
-    if cuda:  # the kernels: events that ran on the device
-        events = [e for e in averages if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
-        attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
-    else:
-        events, attr = list(averages), "self_cpu_time_total"
-    total = sum(getattr(e, attr, 0) for e in events) or 1
-    families: dict[str, float] = {}
-    for e in events:
-        families[kernel_family(e.key)] = families.get(kernel_family(e.key), 0) + getattr(e, attr, 0)
-    lines = [f"profile of one optimizer step: wall {1e3 * wall:.1f} ms (profiled), "
-             f"{'kernel' if cuda else 'CPU self'} time {total / 1e3:.1f} ms"]
-    lines += [f"  {family:<14} {us / 1e3:9.2f} ms  {100 * us / total:5.1f}%"
-              for family, us in sorted(families.items(), key=lambda kv: -kv[1])]
-    lines += [f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% x{e.count:<5} "
-              f"[{kernel_family(e.key)}] {e.key[:110]}" for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:25]]
-    return "\n".join(lines)
+    return profiled.summary("one optimizer step")
 
 
 # ---------------------------------------------------------------- the driver

@@ -15,7 +15,8 @@
 #              torch.compile of a small function on the GPU, deepspeed's accelerator
 #   bench      benchmarks/bench_gpu.py, GPT-2 124M shapes, ZeRO-1, vocabularies 50,257 and the data's
 #   train      launch.train configs/gpt2_small.yaml in bf16 on BUNDLE_DIR/data for TRAIN_S seconds,
-#              stopped through the run directory's STOP file (the trainer checkpoints and exits)
+#              stopped through the run directory's STOP file (the trainer checkpoints and exits);
+#              steps 301-303 profiled (profile_start: where the step's time goes, in check.log)
 #   train-vs-bench   the run's steady-state tokens/s and MFU against the bench row of the same
 #              vocabulary and ZeRO stage (fails outside 10%)
 #   pytest     REQUIRE_GPU=1 pytest -m gpu with the time left (skipped under 60 s)
@@ -176,7 +177,7 @@ main() {
     TIMER=$!
     NOTE="STOP after ${train_s}s, wandb $wandb" stage train "$lim" "$PY" -m launch.train configs/gpt2_small.yaml \
       "data.data_dir=$BUNDLE/data" "run_dir=$RUN" deepspeed.precision=bf16 log_every=10 eval_every=0 \
-      checkpoint.every_steps=0 max_steps=100000 "wandb.mode=$wandb" ${TRAIN_ARGS:-}
+      checkpoint.every_steps=0 max_steps=100000 "wandb.mode=$wandb" profile_start=300 profile_steps=3 ${TRAIN_ARGS:-}
     kill "$TIMER" 2>/dev/null; wait "$TIMER" 2>/dev/null; TIMER=''
     [[ -f $RUN/preempted.json ]] && echo "train: stopped through $RUN/STOP: $(cat "$RUN/preempted.json")" \
       || echo "train: WARNING: no $RUN/preempted.json: it did not stop through its STOP file"

@@ -120,6 +120,12 @@ class TrainConfig:
     # End this job after this many steps of the run (with a checkpoint), e.g. to fit a
     # time slot; the next job resumes. 0: run to max_steps.
     stop_after_steps: int = 0
+    # torch.profiler over optimizer steps profile_start+1 .. profile_start+profile_steps of this
+    # process: a table on stderr (device time by kernel family, the longest kernels, the wall
+    # time they leave idle, the host operators) and a Chrome trace per rank in RUN_DIR/profile/.
+    # 0: off. For finding where a step's time goes, e.g. a GPU waiting on the host.
+    profile_start: int = 0
+    profile_steps: int = 3
     grad_accum: int = 1  # micro batches per optimizer step; global batch = micro x this x ranks
     # Sequences per optimizer step, whatever the world size: grad_accum is derived from it
     # (global / (micro x ranks)), so a job requeued onto another number of nodes keeps it. 0: use grad_accum.
@@ -250,6 +256,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (0 <= cfg.data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
         (cfg.lm_eval.every >= 0, "lm_eval.every: must be 0 (off) or positive"),
         (cfg.lm_eval.limit >= 0, "lm_eval.limit: must be 0 (all) or positive"),
+        (cfg.profile_start >= 0, "profile_start: must be 0 (off) or a step number"),
+        (cfg.profile_steps >= 1, "profile_steps: must be at least 1"),
     ]
     checks.append(_wandb_check(cfg.wandb))
     if task is not None:  # the rules below depend on what the task is

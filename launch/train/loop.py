@@ -120,9 +120,14 @@ def fit(run: Run) -> dict:
     last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
     told_kernel = not (cfg.data.document_mask and run.denv.is_main)
+    profiled = None
     while run.step < stop_at:
+        if cfg.profile_start and run.step == cfg.profile_start:
+            profiled = _start_profile(run)
         step_start = time.perf_counter()
         result = train_step(run, batches)
+        if profiled is not None and (result is None or run.step + 1 == cfg.profile_start + cfg.profile_steps):
+            profiled = _end_profile(run, profiled)
         if result is None:  # a stop request cut some rank's wait for its batches short: no step taken
             return stop_for_requeue(run, last_saved, last_eval)
         if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
@@ -186,6 +191,27 @@ def fit(run: Run) -> dict:
     return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
             **data_counters(run), **last_eval}
 
+
+
+def _start_profile(run: Run):
+    from launch.profiling import Profiled
+
+    profiled = Profiled(run.engine.device.type == "cuda")
+    profiled.__enter__()
+    return profiled
+
+
+def _end_profile(run: Run, profiled) -> None:
+    """Stop the profiler (`profile_start`), write this rank's trace, print rank 0's table."""
+    profiled.__exit__(None, None, None)
+    first = run.cfg.profile_start + 1
+    steps = f"{first}-{run.step + 1}" if run.step + 1 > first else str(first)
+    trace = Path(run.cfg.run_dir) / "profile" / f"trace_rank{run.denv.rank}_steps{steps}.json"
+    profiled.export(trace)
+    if run.denv.is_main:
+        print(profiled.summary(f"optimizer steps {steps} (rank 0)", host_ops=15), file=sys.stderr)
+        print(f"profile: Chrome traces in {trace.parent} (chrome://tracing, ui.perfetto.dev)", file=sys.stderr)
+    return None
 
 
 def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:

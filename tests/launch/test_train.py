@@ -39,8 +39,16 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_loss_falls(tiny_dataset, tmp_path, config, stage):
     run_dir = tmp_path / "run"
-    train(config, tiny_dataset, run_dir, "max_steps=30", "log_every=1", "eval_every=30",
-          f"deepspeed.zero_stage={stage}", "checkpoint.every_steps=0")
+    profiled = config == "tiny_gpt.yaml" and stage == 2  # and `profile_start`, on one of them
+    run = train(config, tiny_dataset, run_dir, "max_steps=30", "log_every=1", "eval_every=30",
+                f"deepspeed.zero_stage={stage}", "checkpoint.every_steps=0",
+                *(["profile_start=10", "profile_steps=2"] if profiled else []))
+    if profiled:  # steps 11-12: each rank's Chrome trace, rank 0's table of where the time went
+        traces = sorted(p.name for p in (run_dir / "profile").iterdir())
+        assert traces == ["trace_rank0_steps11-12.json", "trace_rank1_steps11-12.json"], traces
+        assert json.loads((run_dir / "profile" / traces[0]).read_text())["traceEvents"]
+        table = run.stderr[run.stderr.index("profile of optimizer steps 11-12 (rank 0): wall"):]
+        assert "host operators by CPU time of their own" in table and "aten::" in table, table[:3000]
     rows = metrics(run_dir)
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 30
