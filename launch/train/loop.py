@@ -63,12 +63,23 @@ def train(cfg: TrainConfig) -> dict:
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
     faulthandler.enable(all_threads=True)
+    made = [d for d in (Path(cfg.run_dir), *Path(cfg.run_dir).parents) if not d.exists()]
     check_writable_dir(cfg.run_dir, "run_dir")  # every rank writes its checkpoint partition there
-    # One job per run directory: a second one started on it (the same command twice, a requeue
-    # racing a job that has not died) would interleave checkpoints and metrics with the first.
-    # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
-    with dir_lock(cfg.run_dir, what="train") if dist.read_env().is_main else contextlib.nullcontext():
-        return _train(cfg)
+    try:
+        # One job per run directory: a second one started on it (the same command twice, a requeue
+        # racing a job that has not died) would interleave checkpoints and metrics with the first.
+        # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
+        with dir_lock(cfg.run_dir, what="train") if dist.read_env().is_main else contextlib.nullcontext():
+            return _train(cfg)
+    except UserError:
+        # A bad input found before training (no dataset, a mismatched tokenizer) leaves no empty
+        # run directory behind that this job made: only empty ones, deepest first, are removed.
+        for directory in made:
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
 
 
 

@@ -434,6 +434,7 @@ def test_a_model_shorter_than_its_data_stops_the_trainer_in_one_line(tmp_path):
     code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=16", "max_steps=1"))
     assert_one_error_line(code, lines, "model.max_seq_len=16", "set model.max_seq_len=32")
     assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)  # found before the engine
+    assert not (tmp_path / "run").exists()  # the run directory it made for the run is not left behind
 
 
 @pytest.mark.parametrize("split, change, expected", [
@@ -451,7 +452,7 @@ def test_a_manifest_repeating_a_shard_or_counting_below_one_stops_the_trainer_in
     save_manifest(data, manifest)
     code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"))
     assert_one_error_line(code, lines, f"{data / MANIFEST}: {expected}")
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # nothing written, not even an empty run directory
 
 
 def test_an_unwritable_run_dir_is_named(tmp_path):
