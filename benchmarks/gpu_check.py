@@ -301,6 +301,28 @@ def stage_data(bundle):
     return 0
 
 
+def busy_clocks(csv_path: Path) -> tuple[float, float, float, float] | None:
+    """(median, min, max SM clock in MHz, median power in W) of the nvidia-smi samples taken while
+    the GPU was at least half busy: a sustained run draws more power and is clocked lower than a
+    short burst, which a long training run and a seconds-long benchmark see differently."""
+    try:
+        lines = csv_path.read_text().splitlines()[1:]
+    except OSError:
+        return None
+    clocks, power = [], []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            if len(fields) >= 6 and float(fields[1].rstrip(" %")) >= 50:
+                clocks.append(float(fields[5].split()[0]))
+                power.append(float(fields[3].split()[0]))
+        except ValueError:
+            continue
+    if not clocks:
+        return None
+    return statistics.median(clocks), min(clocks), max(clocks), statistics.median(power)
+
+
 def stage_compare(metrics_path, bench_path, vocab, zero_stage):
     """The run's steady-state throughput against bench_gpu.py's row of the same vocabulary and stage."""
     rows = []
@@ -332,6 +354,12 @@ def stage_compare(metrics_path, bench_path, vocab, zero_stage):
         print(f"train-vs-bench: bench_gpu.json has no row for vocabulary {vocab} and ZeRO-{zero_stage}")
         return 1
     b = match[0]
+    clocks = busy_clocks(OUT / "nvidia_smi.csv")
+    if clocks:
+        print(f"clocks: while the GPU was busy (nvidia_smi.csv samples at >= 50% utilisation, nearly all of them "
+              f"the train stage's): SM clock median {clocks[0]:.0f} MHz (min {clocks[1]:.0f}, max {clocks[2]:.0f}), "
+              f"power median {clocks[3]:.0f} W; the bench's timed steps last about a second, at the clock of a GPU "
+              f"that has just started working")
     ratio = med["perf/tokens_per_s"] / b["tokens_per_s"]
     within = abs(ratio - 1) <= 0.10
     print(f"train-vs-bench: V={int(vocab):,} ZeRO-{zero_stage}: train {med['perf/tokens_per_s']:,.0f} tokens/s "

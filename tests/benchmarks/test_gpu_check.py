@@ -82,3 +82,35 @@ def test_check_stops_on_a_python_without_torch(tmp_path):
     assert "torch: STOP: this Python has no usable torch" in run.stdout
     assert "never installs one" in run.stdout and "pip --isolated install" not in run.stdout
     assert [line.split()[:2] for line in summary(tmp_path)[1:-1]] == [["torch", "rc=2"]]
+
+
+def test_train_against_bench_reports_the_ratio_and_the_busy_clocks(tmp_path):
+    """The check's train-vs-bench stage on files like a GPU run's: the median of the steady
+    windows against the bench row of the same vocabulary and stage, passing within 10% and failing
+    outside it, with the SM clock and power of the busy nvidia-smi samples (a sustained run is
+    clocked lower than the bench's seconds-long burst)."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "nvidia_smi.csv").write_text(
+        "timestamp, utilization.gpu [%], memory.used [MiB], power.draw [W], temperature.gpu, clocks.current.sm [MHz]\n"
+        "2026/11/27 03:26:47.758, 0 %, 0 MiB, 72.35 W, 41, 345 MHz\n"
+        "2026/11/27 03:28:42.782, 96 %, 23401 MiB, 446.51 W, 56, 1725 MHz\n"
+        "2026/11/27 03:28:47.783, 91 %, 23401 MiB, 632.59 W, 60, 1770 MHz\n"
+        "2026/11/27 03:28:52.784, 9 %, 23401 MiB, 599.49 W, 57, 1965 MHz\n"
+        "2026/11/27 03:28:57.785, 89 %, 23401 MiB, 623.12 W, 65, 1875 MHz\n")
+    bench = tmp_path / "bench_gpu.json"
+    bench.write_text(json.dumps([{"vocab_size": 8000, "zero_stage": 1, "tokens_per_s": 600_000.0, "mfu": 0.4,
+                                  "mfu_llmc": 0.37}]))
+    env = {**os.environ, "GPU_CHECK_ROOT": str(ROOT), "GPU_CHECK_OUT": str(out), "GPU_CHECK_WORK": str(tmp_path)}
+    for rate, code, verdict in ((560_000.0, 0, "ratio 0.933, within 10%"), (500_000.0, 1, "ratio 0.833, NOT within 10%")):
+        metrics = tmp_path / f"metrics_{code}.jsonl"
+        metrics.write_text("".join(json.dumps({"step": 10 * i, "perf/tokens_per_s": 100_000.0 if i < 3 else rate,
+                                               "perf/mfu": 0.3, "perf/mfu_llmc": 0.28, "train/loss": 9.0 - i}) + "\n"
+                                   for i in range(1, 9)))
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "compare", str(metrics),
+                              str(bench), "8000", "1"], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == code, run.stdout + run.stderr
+        assert f"V=8,000 ZeRO-1: train {rate:,.0f} tokens/s" in run.stdout and verdict in run.stdout, run.stdout
+        assert "SM clock median 1770 MHz (min 1725, max 1875), power median 623 W" in run.stdout, run.stdout
