@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         rest = [arg for arg in argv if arg != "--dry-run"]
         return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
+    problems = _chain_problems(cfg, argv[0])
+    if problems:  # a stage that would fail, found before hours of the stages before it
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"error: {problems[0]}{more}; `python -m launch.main {argv[0]} --dry-run` reports every stage",
+              file=sys.stderr)
+        return 2
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)
     try:
@@ -46,6 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"stopped by {stop}" + (f": {stop.ended}" if stop.ended else "") + "; a re-run continues from there")
         return 128 + stop.signum
     return 0
+
+
+def _chain_problems(cfg: MainConfig, config: str) -> list[str]:
+    """What `--dry-run` would report as problems, its stage reports left out."""
+    import contextlib
+    import io
+
+    from launch.main.preflight import chain_problems  # it reads this module's stage commands
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return chain_problems(cfg, config)
 
 
 def main_job(cfg: MainConfig) -> str:

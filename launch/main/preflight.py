@@ -31,6 +31,19 @@ STACK_OF = dict(zip(STACKS, (0, 1)))  # (encoder, decoder) index of a start's si
 
 def dry_run(cfg: MainConfig, config: str) -> int:
     """Print each stage's report and the chain's verdict; 2 if any stage has a problem, else 0."""
+    problems = chain_problems(cfg, config)
+    if problems:
+        print(f"chain: {len(problems)} problem{'s' * (len(problems) > 1)}:")
+        print("\n".join(f"  {line}" for line in problems))
+        print("verdict: this job would fail (exit 2)")
+        return 2
+    print("verdict: ready: every stage resolves, every warm start fits (exit 0)")
+    return 0
+
+
+def chain_problems(cfg: MainConfig, config: str) -> list[str]:
+    """Every problem that would stop a stage of the chain, each starting with its stage; the
+    stages' reports go to stdout. The job runs it (quietly) before its first stage too."""
     cfg = replace(cfg, wandb_group=cfg.wandb_group or "WANDB_GROUP")  # chosen at run time, kept in out_dir
     out = Path(cfg.out_dir)
     problems: list[str] = [f"main: {line}" for line in job.main_problems(cfg)]
@@ -62,14 +75,7 @@ def dry_run(cfg: MainConfig, config: str) -> int:
                 if len(report.problems) == before:
                     report.facts[f"init.{side} <- {name}"] = report.facts.pop(f"init.{side}")
         finish(stage, report, problems)
-
-    if problems:
-        print(f"chain: {len(problems)} problem{'s' * (len(problems) > 1)}:")
-        print("\n".join(f"  {line}" for line in problems))
-        print("verdict: this job would fail (exit 2)")
-        return 2
-    print("verdict: ready: every stage resolves, every warm start fits (exit 0)")
-    return 0
+    return problems
 
 
 def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:

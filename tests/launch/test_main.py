@@ -63,13 +63,23 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
         assert f"{stage}: skipped" in again.stderr
     summary = (report / "summary.md").read_text()  # the same table; this invocation's wall time
 
-    # A stage that fails stops the run with its error; what earlier stages wrote stays.
+    # A stage whose config would fail is refused before any stage runs (the chain's preflight,
+    # what --dry-run reports), in one line naming it; nothing is run or rewritten.
     broken = tmp_path / "broken.yaml"
     broken.write_text((ROOT / "configs" / "tiny_translation.yaml").read_text() + "no_such_key: 1\n")
-    failed = main_job(config, f"translation_config={broken}", "starts=[gpt/bert]")
-    assert failed.returncode == 1
-    assert "stage fine-tune gpt-bert failed" in failed.stderr and "no_such_key" in failed.stderr
-    assert (tmp_path / "out" / "export-gpt" / "model.safetensors").is_file()
+    refused = main_job(config, f"translation_config={broken}", "starts=[gpt/bert]")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = [line for line in refused.stderr.splitlines() if "Setting accelerator to CPU" not in line]  # DeepSpeed's
+    assert line.startswith("error: fine-tune (gpt/bert): ") and "no_such_key" in line and "--dry-run" in line, line
+    # A stage that fails while it runs (here: a damaged export, which no preflight reads) stops
+    # the run with its error; what earlier stages wrote stays.
+    weights = tmp_path / "out" / "export-gpt" / "model.safetensors"
+    weights.write_bytes(b"damaged")
+    failed = main_job(config, "starts=[random/gpt]")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "stage fine-tune random-gpt failed" in failed.stderr, failed.stderr[-2000:]
+    assert "logs/finetune-random-gpt.log" in failed.stderr
+    assert weights.read_bytes() == b"damaged" and (tmp_path / "out" / "export-bert" / "model.safetensors").is_file()
     assert (report / "summary.md").read_text() == summary
 
 
