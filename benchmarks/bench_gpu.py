@@ -216,6 +216,11 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], a
     count = args.steps * plan.grad_accum
     start = time.perf_counter()
     loss = micro_batches(count)
+    # --min-seconds: more of the same until that long, so that a GPU is timed at the clock it
+    # holds under sustained load (a second-long burst runs faster than minutes of training do).
+    while time.perf_counter() - start < args.min_seconds:
+        loss = micro_batches(plan.grad_accum)
+        count += plan.grad_accum
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -411,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="timed optimizer steps (default: 5; 2 with --tiny)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default: %(default)s)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="time more optimizer steps than --steps until this many seconds (default: %(default)s)")
     parser.add_argument("--loss-reps", type=int, help="timed repetitions of the loss alone (default: 5; 2 with --tiny)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile (inductor) the blocks, as compile: true (default: the config's on a "
@@ -527,9 +534,9 @@ def main(argv: list[str] | None = None) -> int:
 
     r0 = results[0]
     print()
+    timed = f"{args.steps} timed optimizer steps" + (f" (more until {args.min_seconds:g} s)" if args.min_seconds else "")
     print(f"{r0['micro_batch_size']} x {r0['seq_len']} tokens per micro batch, grad_accum {r0['grad_accum']}, "
-          f"{args.steps} timed optimizer steps after {args.warmup} untimed, {args.precision}, 1 rank; device: "
-          f"{device.type}")
+          f"{timed} after {args.warmup} untimed, {args.precision}, 1 rank; device: {device.type}")
     print("| vocab | ZeRO | params | tokens/s | MFU ours | MFU llm.c | peak memory | ms / micro batch | "
           "LM loss share (fused) | LM loss share (materialised) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

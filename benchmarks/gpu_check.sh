@@ -13,7 +13,8 @@
 #   cuda       torch can use the GPU, or one line saying why not, and exit 3
 #   probes     the fused loss's GEMM mode, every TF32 getter after launch.metrics.set_fp32_matmul(True),
 #              torch.compile of a small function on the GPU, deepspeed's accelerator
-#   bench      benchmarks/bench_gpu.py, GPT-2 124M shapes, ZeRO-1, vocabularies 50,257 and the data's
+#   bench      benchmarks/bench_gpu.py, GPT-2 124M shapes, ZeRO-1, vocabularies 50,257 and the data's,
+#              each timed for at least 15 s (the clock a GPU holds under sustained load, as training)
 #   train      launch.train configs/gpt2_small.yaml in bf16 on BUNDLE_DIR/data for TRAIN_S seconds,
 #              stopped through the run directory's STOP file (the trainer checkpoints and exits);
 #              steps 301-303 profiled (profile_start: where the step's time goes, in check.log)
@@ -160,7 +161,7 @@ main() {
     vocab=8000 data_ok=0; echo "data: no usable dataset in $BUNDLE/data (make gpu-data): the train stage will be skipped"
   fi
   SIG=INT stage bench "$(limit 180 200)" "$PY" benchmarks/bench_gpu.py --vocabs "50257,$vocab" --stages 1 \
-    --steps 5 --warmup 2 --json "$OUT/bench_gpu.json"
+    --steps 5 --warmup 2 --min-seconds 15 --json "$OUT/bench_gpu.json"
 
   local wandb=disabled train_s lim
   "$PY" -c 'import wandb' 2>/dev/null && wandb=offline

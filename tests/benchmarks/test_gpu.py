@@ -564,18 +564,23 @@ def test_gpu_benchmark_smoke_run_on_cpu():
 
 
 @pytest.mark.slow
-def test_gpu_benchmark_compiles_what_the_trainer_compiles():
+def test_gpu_benchmark_compiles_what_the_trainer_compiles(tmp_path):
     """`bench_gpu.py --compile` compiles through `launch.train.setup.compile_model`, as `compile: true`
     does (each block's forward; the loss, embeddings and the model's own forward stay eager),
     not the whole model with its loss loop: it measures the trainer's program. With it here:
     `--micro-batch` and `--profile-step`."""
+    raw = tmp_path / "bench.json"
     run = run_bench("--tiny", "--compile", "--stages", "1", "--vocabs", "256", "--micro-batch", "3", "--profile-step",
-                    env=dict(os.environ))
+                    "--min-seconds", "2", "--json", str(raw), env=dict(os.environ))
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("compiled by launch.train.setup.compile_model")]
     assert line.endswith("the forward of blocks.0, blocks.1"), line
     assert set(bench_rows(run.stdout)) == {(256, 1)}, run.stdout
     # --micro-batch sets the rows' shape; --profile-step prints one step's time by family and kernel
     assert "\n3 x 64 tokens per micro batch" in run.stdout, run.stdout
+    # --min-seconds: timed steps beyond --steps (2 with --tiny) until that long
+    assert "2 timed optimizer steps (more until 2 s)" in run.stdout, run.stdout
+    (result,) = json.loads(raw.read_text())
+    assert result["seconds"] >= 2 and result["micro_batches"] > 2, result
     profile = run.stdout[run.stdout.index("profile of one optimizer step"):]
     assert re.search(r"^  attention +[\d.]+ ms", profile, re.M) and re.search(r"\[attention\] ", profile), profile
 
