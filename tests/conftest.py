@@ -147,6 +147,18 @@ def uninterrupted_gpt(tiny_dataset, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
+    """Tiny GPT on 2 ranks under ZeRO-3 with dropout 0.1, 10 steps, a checkpoint every 5
+    (test_train.DROPOUT_ZERO3): the uninterrupted run of test_train's resume and the run without
+    activation checkpointing of test_zero_paths."""
+    from test_train import DROPOUT_ZERO3, train
+
+    run_dir = tmp_path_factory.mktemp("dropout-zero3-gpt")
+    train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3)
+    return run_dir
+
+
 if __name__ == "__main__":  # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
     import tempfile
 
