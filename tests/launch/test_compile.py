@@ -5,8 +5,8 @@ activation checkpointing, stopped at step 4, and resumes that checkpoint eagerly
 step 14; it compares with the session's eager ZeRO-2 run of the same settings (conftest's
 `uninterrupted_gpt`, test_elastic's reference). In fp32, with dropout 0, ZeRO-2 and ZeRO-3 give the
 same losses on the same ranks, and inductor's fused kernels differ from eager ones by rounding
-only: every loss agrees to 1e-5 (they do to about 1e-6). The second trains a tiny BERT under ZeRO-1, eagerly and compiled.
-Inductor's first compile on a CPU takes tens of seconds: one compiling job per test, the tiniest
+only: every loss agrees to 1e-5 (they do to about 1e-6). The second trains a tiny BERT under
+ZeRO-1, eagerly and compiled. Inductor's first compile on a CPU takes tens of seconds: one compiling job per test, the tiniest
 models (about 90 s for the file with an empty inductor cache on 2 cores).
 """
 
