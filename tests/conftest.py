@@ -130,6 +130,35 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
     return prepare_tiny_dataset(tiny_corpus, tmp_path_factory.mktemp("prepared") / "data")
 
 
+# ----------------------------------------------------------------------------- trained runs, once a session
+# Each is a 2-rank torchrun job of launch.train (10-25 s on 2 cores, most of it start-up) that tests
+# of several files assert on; the settings live with the file that owns the claim.
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_gpt(tiny_dataset, tmp_path_factory) -> Path:
+    """Tiny GPT on 2 ranks under ZeRO-2, fp32, no dropout, 14 steps (test_elastic.REFERENCE): the
+    run test_elastic resumes against on other world sizes and test_compile's compiled ZeRO-3
+    chain matches."""
+    from test_elastic import REFERENCE, run_train
+
+    run_dir = tmp_path_factory.mktemp("uninterrupted-gpt")
+    run_train(tiny_dataset, run_dir, *REFERENCE)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
+    """Tiny GPT on 2 ranks under ZeRO-3 with dropout 0.1, 10 steps, a checkpoint every 5
+    (test_train.DROPOUT_ZERO3): the uninterrupted run of test_train's resume and the run without
+    activation checkpointing of test_zero_paths."""
+    from test_train import DROPOUT_ZERO3, train
+
+    run_dir = tmp_path_factory.mktemp("dropout-zero3-gpt")
+    train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3)
+    return run_dir
+
+
 if __name__ == "__main__":  # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
     import tempfile
 

@@ -1,11 +1,12 @@
 """`compile: true`: the transformer blocks compiled with inductor for training (`launch.train.setup.compile_model`).
 
-The first slow test trains a tiny GPT on 2 ranks (torchrun, CPU) three ways: eagerly under ZeRO-2; compiled
-under ZeRO-3 with activation checkpointing, stopped at step 3; and that checkpoint resumed eagerly
-under ZeRO-3 to step 6. In fp32, with dropout 0, ZeRO-2 and ZeRO-3 give the same losses on the same
-ranks, and inductor's fused kernels differ from eager ones by rounding only: every loss agrees to
-1e-5 (they do to about 1e-6). The second trains a tiny BERT under ZeRO-1, eagerly and compiled.
-Inductor's first compile on a CPU takes tens of seconds: one compiling job per test, the tiniest
+The first slow test trains a tiny GPT on 2 ranks (torchrun, CPU) compiled under ZeRO-3 with
+activation checkpointing, stopped at step 4, and resumes that checkpoint eagerly under ZeRO-3 to
+step 14; it compares with the session's eager ZeRO-2 run of the same settings (conftest's
+`uninterrupted_gpt`, test_elastic's reference). In fp32, with dropout 0, ZeRO-2 and ZeRO-3 give the
+same losses on the same ranks, and inductor's fused kernels differ from eager ones by rounding
+only: every loss agrees to 1e-5 (they do to about 1e-6). The second trains a tiny BERT under
+ZeRO-1, eagerly and compiled. Inductor's first compile on a CPU takes tens of seconds: one compiling job per test, the tiniest
 models (about 90 s for the file with an empty inductor cache on 2 cores).
 """
 
@@ -63,27 +64,28 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_exports_eagerly(tiny_dataset, tmp_path):
-    common = ["max_steps=6", "log_every=1", "eval_every=3", "checkpoint.every_steps=3", "model.dropout=0"]
-    eager = tmp_path / "eager"
-    train("tiny_gpt.yaml", tiny_dataset, eager, *common, "deepspeed.zero_stage=2")
+def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_exports_eagerly(tiny_dataset, tmp_path,
+                                                                                              uninterrupted_gpt):
+    from test_elastic import REFERENCE
+
+    eager = uninterrupted_gpt  # REFERENCE: 14 steps, a checkpoint and an evaluation every 4, ZeRO-2
     compiled = tmp_path / "compiled"
-    train("tiny_gpt.yaml", tiny_dataset, compiled, *common, "deepspeed.zero_stage=3", "compile=true",
-          "model.activation_checkpointing=true", "stop_after_steps=3")
-    resumed = train("tiny_gpt.yaml", tiny_dataset, compiled, *common, "deepspeed.zero_stage=3")
+    train("tiny_gpt.yaml", tiny_dataset, compiled, *REFERENCE, "deepspeed.zero_stage=3", "compile=true",
+          "model.activation_checkpointing=true", "stop_after_steps=4")
+    resumed = train("tiny_gpt.yaml", tiny_dataset, compiled, *REFERENCE, "deepspeed.zero_stage=3")
     assert "resumed from" in resumed.stderr
 
     def by_step(run_dir, key):
         return {row["step"]: row[key] for row in metrics(run_dir) if key in row}
 
     expected, got = by_step(eager, "train/loss"), by_step(compiled, "train/loss")
-    print("\nstep  eager ZeRO-2  compiled ZeRO-3 (1-3), then resumed eagerly (4-6)")
-    for step in range(1, 7):
+    print("\nstep  eager ZeRO-2  compiled ZeRO-3 (1-4), then resumed eagerly (5-14)")
+    for step in range(1, 15):
         print(f"{step:4d}  {expected[step]:.8f}  {got[step]:.8f}")
-    assert sorted(got) == list(range(1, 7))
-    assert [got[s] for s in range(1, 7)] == pytest.approx([expected[s] for s in range(1, 7)], abs=LOSS_TOLERANCE, rel=0)
+    assert sorted(got) == list(range(1, 15))
+    assert [got[s] for s in range(1, 15)] == pytest.approx([expected[s] for s in range(1, 15)], abs=LOSS_TOLERANCE, rel=0)
     # Evaluation runs eagerly in a compiled run too.
-    assert by_step(compiled, "eval/loss")[3] == pytest.approx(by_step(eager, "eval/loss")[3], abs=LOSS_TOLERANCE)
+    assert by_step(compiled, "eval/loss")[4] == pytest.approx(by_step(eager, "eval/loss")[4], abs=LOSS_TOLERANCE)
 
     # The compiled run's checkpoint exports with the eager run's keys and (nearly) its weights.
     from safetensors.torch import load_file
@@ -93,7 +95,7 @@ def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_ex
     exported = {}
     for name, run_dir in (("eager", eager), ("compiled", compiled)):
         out = tmp_path / f"export-{name}"
-        run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir / 'checkpoints' / 'step_00000003'}",
+        run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir / 'checkpoints' / 'step_00000004'}",
                               f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         exported[name] = load_file(out / WEIGHTS)

@@ -26,6 +26,11 @@ pytestmark = pytest.mark.slow
 COMMON = ["max_steps=14", "log_every=1", "eval_every=0", "checkpoint.every_steps=4", "checkpoint.keep_last=10",
           "model.dropout=0.0", "data.log_sample_keys=true"]
 LOSS_TOLERANCE = 2e-5  # fp32; the ranks' reductions group the same sums differently
+# The uninterrupted run (conftest's `uninterrupted_gpt`, shared with test_compile): also evaluated
+# every 4 steps, for test_compile's claim that evaluation runs eagerly in a compiled run.
+# Evaluation leaves training alone (no dropout, its own loader): the legs below, which do not
+# evaluate, still match this run's losses.
+REFERENCE = [*COMMON, "deepspeed.zero_stage=2", "eval_every=4"]
 
 
 def run_train(data: Path, run_dir: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
@@ -54,15 +59,8 @@ def step_keys(run_dir: Path) -> dict[int, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    run_train(tiny_dataset, run_dir, *COMMON, "deepspeed.zero_stage=2")
-    return run_dir
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, reference, stage):
+def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterrupted_gpt, stage):
     run_dir = tmp_path / "run"
     legs = [(2, ["stop_after_steps=4"]), (1, ["grad_accum=2", "stop_after_steps=8"]), (2, [])]
     outputs = []
@@ -73,25 +71,25 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, reference
     assert (run_dir / "checkpoints" / "step_00000004.universal").is_dir()  # beside the original, which stays
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()
 
-    expected, got = losses(reference), losses(run_dir)
+    expected, got = losses(uninterrupted_gpt), losses(run_dir)
     assert sorted(got) == list(range(1, 15))
     for step in range(1, 15):
         assert got[step] == pytest.approx(expected[step], abs=LOSS_TOLERANCE), (step, got[step], expected[step])
 
     # Every training sample exactly once per epoch, and each step the same samples as uninterrupted.
-    keys, reference_keys = step_keys(run_dir), step_keys(reference)
+    keys, reference_keys = step_keys(run_dir), step_keys(uninterrupted_gpt)
     assert {s: sorted(k) for s, k in keys.items()} == {s: sorted(k) for s, k in reference_keys.items()}
     epoch = [key for step in range(1, 13) for key in keys[step]]
     counts = Counter(epoch)
     assert len(epoch) == 12 * 8 and max(counts.values()) == 1
 
 
-def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path, reference):
+def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path, uninterrupted_gpt):
     import shutil
 
     # A copy of the uninterrupted 2-rank run (micro batch 4: global batch 8), resumed on 1 rank.
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
+    shutil.copytree(uninterrupted_gpt, run_dir)
     refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)  # 4 x 1 x 1 = 4, not 8
     assert refused.returncode == 2
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
@@ -99,12 +97,12 @@ def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_wou
     assert "data.micro_batch_size=4 grad_accum=2" in line
 
 
-def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path, reference):
+def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path, uninterrupted_gpt):
     import shutil
 
     # A copy of the uninterrupted 2-rank run (TINY's model.d_model=32), resumed with another model.
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
+    shutil.copytree(uninterrupted_gpt, run_dir)
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     steps = int(latest.removeprefix("step_"))
     common = ["eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]

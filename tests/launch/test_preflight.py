@@ -370,13 +370,26 @@ def run_sbatch_script(script: str, argv: list[str], tmp_path: Path,
     return run, calls
 
 
-def test_the_batch_scripts_log_the_w_and_b_settings_they_pass_on_and_run_without_any(data, tmp_path):
+@pytest.fixture(scope="module")
+def pretrain_script_without_wandb(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
+    """pretrain.sbatch run once with no WANDB_* variable (its dry run and the srun it calls),
+    for the two tests below: what it passes on to W&B, and that the dry run comes before any rank
+    (which no W&B variable changes)."""
+    top = tmp_path_factory.mktemp("pretrain-script")
+    with pytest.MonkeyPatch.context() as patch:  # as no_launcher does for each test: this runs before it
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+            patch.delenv(name, raising=False)
+        run, calls = run_sbatch_script("pretrain.sbatch", args(make_data(top / "data"), top), top, wandb={})
+    return run, calls.read_text() if calls.exists() else ""
+
+
+def test_the_batch_scripts_log_the_w_and_b_settings_they_pass_on_and_run_without_any(data, tmp_path,
+                                                                                      pretrain_script_without_wandb):
     """No WANDB_* at all (a user who never set one: grep finding nothing must not end a script
     under pipefail), and an online job's: the key's value is never written to the log."""
-    run, calls = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path, wandb={})
+    run, _ = pretrain_script_without_wandb
     assert run.returncode == 0, run.stderr
     assert "W&B settings passed to the ranks: none (offline, unless the config sets wandb.mode)" in run.stderr
-    calls.unlink()
     run, _ = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path,
                                wandb={"WANDB_MODE": "online", "WANDB_API_KEY": "s3cr3t", "WANDB_PROJECT": "p"})
     assert run.returncode == 0, run.stderr
@@ -384,14 +397,13 @@ def test_the_batch_scripts_log_the_w_and_b_settings_they_pass_on_and_run_without
     assert "s3cr3t" not in run.stderr + run.stdout
 
 
-def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path):
-    run, calls = run_sbatch_script("pretrain.sbatch", args(data, tmp_path), tmp_path)
+def test_the_batch_scripts_run_it_before_any_rank(data, tmp_path, pretrain_script_without_wandb):
+    run, srun_calls = pretrain_script_without_wandb
     assert run.returncode == 0, run.stderr
     assert "world size:           4 (--world-size): 2 nodes x 2 ranks" in run.stdout
     assert "global batch:         32 sequences = 4 micro x 2 accumulation x 4 ranks" in run.stdout
-    assert "-m launch.train" in calls.read_text()
+    assert "-m launch.train" in srun_calls
 
-    calls.unlink()
     run, calls = run_sbatch_script("finetune.sbatch", args(data, tmp_path, "model.n_heads=3", "checkpoint.keep_last=0"),
                                    tmp_path)
     assert run.returncode == 2

@@ -75,27 +75,30 @@ if os.environ.get("AC_PROBE_DIR"):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_under_zero_3_reproduces_the_losses(tiny_dataset, tmp_path, monkeypatch):
+def test_activation_checkpointing_under_zero_3_reproduces_the_losses(tiny_dataset, tmp_path, monkeypatch,
+                                                                     dropout_zero3_gpt):
     """model.activation_checkpointing (torch.utils.checkpoint, non-reentrant) recomputes each block
     in the backward, where ZeRO-3 must gather the block's parameters again: the losses (and so
-    the updates) equal a run without it. Dropout on: the recomputation replays its RNG."""
-    common = ["max_steps=5", "log_every=1", "eval_every=0", "checkpoint.every_steps=0", "deepspeed.zero_stage=3",
-              "model.dropout=0.1"]
-    plain = tmp_path / "plain"
-    train("tiny_gpt.yaml", tiny_dataset, plain, *common)
+    the updates) equal a run without it (the session's, shared with test_train's resume). Dropout
+    on: the recomputation replays its RNG."""
+    from test_train import DROPOUT_ZERO3
+
+    plain = dropout_zero3_gpt  # 10 steps, ZeRO-3, dropout 0.1
     probe = tmp_path / "probe"
     (probe / "counts").mkdir(parents=True)
     (probe / "sitecustomize.py").write_text(PROBE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("AC_PROBE_DIR", str(probe / "counts"))
     checkpointed = tmp_path / "checkpointed"
-    train("tiny_gpt.yaml", tiny_dataset, checkpointed, *common, "model.activation_checkpointing=true")
-    # Each rank checkpointed both blocks at each of the 5 steps, and recomputed each in its backward.
+    # No engine checkpoints in this run: saving them is no part of the claim (and changes no loss).
+    train("tiny_gpt.yaml", tiny_dataset, checkpointed, *DROPOUT_ZERO3, "checkpoint.every_steps=0",
+          "model.activation_checkpointing=true")
+    # Each rank checkpointed both blocks at each of the 10 steps, and recomputed each in its backward.
     counts = {path.name: len(path.read_text()) for path in (probe / "counts").iterdir()}
-    assert counts == {f"{phase}.rank{rank}": 2 * 5 for phase in ("forward", "recompute") for rank in (0, 1)}, counts
+    assert counts == {f"{phase}.rank{rank}": 2 * 10 for phase in ("forward", "recompute") for rank in (0, 1)}, counts
     expected = {r["step"]: r["train/loss"] for r in metrics(plain) if "train/loss" in r}
     got = {r["step"]: r["train/loss"] for r in metrics(checkpointed) if "train/loss" in r}
     print("\nstep  plain        checkpointed", *(f"{s:4d}  {expected[s]:.8f}  {got[s]:.8f}" for s in sorted(expected)),
           sep="\n", file=sys.stderr)
-    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert sorted(got) == list(range(1, 11))
     assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(got)], abs=1e-6, rel=0)

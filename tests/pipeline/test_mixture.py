@@ -211,12 +211,16 @@ def test_the_trainer_logs_and_checkpoints_tokens_per_source_and_resumes_exactly(
     saved = json.loads((straight / "checkpoints" / "step_00000006" / "client_state.json").read_text())
     assert saved["tokens_by_source"] == {"a": a, "b": b}
 
+    # The uninterrupted run's step-3 checkpoint resumed in another run_dir: the resume under test,
+    # with one 2-rank job less than stopping a second run at step 3.
     stopped = tmp_path / "stopped"
-    train("tiny_gpt.yaml", data, stopped, *common, "stop_after_steps=3")
-    train("tiny_gpt.yaml", data, stopped, *common)
+    step_3 = straight / "checkpoints" / "step_00000003"
+    run = train("tiny_gpt.yaml", data, stopped, *common, f"resume={step_3}")
+    assert f"resumed from {step_3}" in run.stderr
     resumed = metrics(stopped)
+    assert [r["step"] for r in resumed if "train/loss" in r] == [6]  # steps 4-6, logged every 3
     assert [r["train/loss"] for r in resumed if "train/loss" in r] == \
-        [r["train/loss"] for r in metrics(straight) if "train/loss" in r]
+        [r["train/loss"] for r in metrics(straight) if "train/loss" in r and r["step"] > 3]
     assert resumed[-1]["data/tokens/a"] == a and resumed[-1]["data/tokens/b"] == b
 
     with pytest.raises(AssertionError, match="allow_mixture_change"):
