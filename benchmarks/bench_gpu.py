@@ -199,12 +199,13 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], a
     if engine.device.type != device.type:
         raise RuntimeError(f"DeepSpeed put the model on {engine.device}, the benchmark measures {device}")
 
-    def micro_batches(count: int) -> torch.Tensor:
+    def micro_batches(count: int) -> torch.Tensor | None:
+        loss = None  # none run (--warmup 0)
         for index in range(count):  # as launch.train.loop.train_step: forward, backward, step per micro batch
             loss = engine(**on_device[index % len(on_device)]).loss
             engine.backward(loss)
             engine.step()
-        return loss.detach()
+        return None if loss is None else loss.detach()
 
     micro_batches(args.warmup * plan.grad_accum)
     cuda = device.type == "cuda"
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = TINY["steps"] if tiny else 5
     if args.loss_reps is None:
         args.loss_reps = TINY["loss_reps"] if tiny else 5
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     adamws = args.adamw.split(",") if args.adamw else [None]
     if any(a not in ("fused", "foreach", None) for a in adamws):
         parser.error(f"--adamw: {args.adamw!r}: the choices are fused and foreach")
