@@ -138,7 +138,7 @@ def fit(run: Run) -> dict:
         step_start = time.perf_counter()
         result = train_step(run, batches)
         if profiled is not None and (result is None or run.step + 1 == cfg.profile_start + cfg.profile_steps):
-            profiled = _end_profile(run, profiled)
+            profiled = _end_profile(run, profiled, last=run.step if result is None else None)
         if result is None:  # a stop request cut some rank's wait for its batches short: no step taken
             return stop_for_requeue(run, last_saved, last_eval)
         if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
@@ -193,10 +193,14 @@ def fit(run: Run) -> dict:
         if metrics:
             _log(run, metrics)
         if stopped or (result["stop"] and run.step < stop_at):  # on the last step a normal end is as good
+            if profiled is not None:
+                _end_profile(run, profiled, last=run.step)
             return stop_for_requeue(run, last_saved, last_eval)
         if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
             save_checkpoint(run)
             last_saved = run.step
+    if profiled is not None:  # the run ended inside the profiled steps: what was profiled
+        _end_profile(run, profiled, last=run.step)
     if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
         save_checkpoint(run)
     return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
@@ -212,11 +216,12 @@ def _start_profile(run: Run):
     return profiled
 
 
-def _end_profile(run: Run, profiled) -> None:
-    """Stop the profiler (`profile_start`), write this rank's trace, print rank 0's table."""
+def _end_profile(run: Run, profiled, last: int | None = None) -> None:
+    """Stop the profiler (`profile_start`), write this rank's trace, print rank 0's table;
+    `last`: the last step profiled (default: the one being trained, run.step + 1)."""
     profiled.__exit__(None, None, None)
-    first = run.cfg.profile_start + 1
-    steps = f"{first}-{run.step + 1}" if run.step + 1 > first else str(first)
+    first, last = run.cfg.profile_start + 1, run.step + 1 if last is None else last
+    steps = f"{first}-{last}" if last > first else str(first)
     trace = Path(run.cfg.run_dir) / "profile" / f"trace_rank{run.denv.rank}_steps{steps}.json"
     profiled.export(trace)
     if run.denv.is_main:
