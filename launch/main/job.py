@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [arg for arg in argv if arg != "--dry-run"]
         return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
+    _check(cfg)  # the job's own keys first, each refused in its own words
     problems = _chain_problems(cfg, argv[0])
     if problems:  # a stage that would fail, found before hours of the stages before it
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -55,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chain_problems(cfg: MainConfig, config: str) -> list[str]:
-    """What `--dry-run` would report as problems, its stage reports left out."""
+    """What `--dry-run` would report as problems; its stage reports and the warnings of its
+    checks (which the stages print when they run) left out."""
     import contextlib
     import io
 
     from launch.main.preflight import chain_problems  # it reads this module's stage commands
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return chain_problems(cfg, config)
 
 
