@@ -2,7 +2,7 @@
 
     python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--shapes tiny,small]
                                      [--precisions fp32,bf16] [--compile off,on] [--steps 20]
-                                     [--rounds 3] [--quick]
+                                     [--rounds 3] [--adamw auto|fused|foreach|for_loop] [--quick]
 
 1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
    our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
     cfg = load_config(TrainConfig, ROOT / CONFIGS[args.arch], [
         *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
-        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0"])
+        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}"])
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
     dist.init_process_group(denv, cfg.dist_timeout_s)
@@ -174,7 +174,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, result: Path) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                __file__, "--worker", "--arch", arch, "--shape", shape, "--precision", precision, "--data", str(args.data),
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--compile", args.compile, "--result", str(result)]
+               "--steps", str(args.steps), "--rounds", str(args.rounds), "--compile", args.compile, "--adamw", args.adamw,
+               "--result", str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -224,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager pairs, compiled pairs or both in each job (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each model")
+    parser.add_argument("--adamw", default="auto", choices=("auto", "fused", "foreach", "for_loop"),
+                        help="torch AdamW's kernel for both sides (optim.implementation; default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     # Internal: one rank of one torchrun job.
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
-          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}", flush=True)
+          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}; "
+          f"AdamW {args.adamw}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):

@@ -22,6 +22,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")  # optim.implementation (launch.optim.adamw_kernels)
+
+
 @dataclass
 class OptimConfig:
     # peak learning rate, reached after schedule.warmup_steps; with schedule.decay inverse_sqrt
@@ -32,6 +35,8 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW's second-moment decay
     eps: float = 1e-8  # AdamW's denominator epsilon
     grad_clip: float = 1.0  # 0 disables clipping
+    # torch AdamW's kernel: auto (the fused one, on a GPU and on a CPU) | fused | foreach | for_loop
+    implementation: str = "auto"
 
 
 @dataclass
@@ -246,6 +251,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}"),
         (not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3, "deepspeed.offload_params: needs zero_stage 3"),
         (not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1, "deepspeed.offload_optimizer: needs zero_stage >= 1"),
+        (cfg.optim.implementation in ADAMW_IMPLEMENTATIONS,
+         f"optim.implementation: {cfg.optim.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}"),
+        (cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
+         "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's CPU Adam steps; leave it auto"),
         (cfg.schedule.decay in DECAYS, f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}"),
         (cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
          "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)"),

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from launch.config import OptimConfig, ScheduleConfig
+from launch.config import ADAMW_IMPLEMENTATIONS, OptimConfig, ScheduleConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -63,16 +63,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
 
         return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     adamw = AdamW if skip_non_finite else torch.optim.AdamW
-    return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **adamw_kernels(torch.cuda.is_available()))
+    return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **adamw_kernels(cfg.implementation))
 
 
-def adamw_kernels(cuda: bool) -> dict:
-    """torch AdamW's implementation: on a GPU its fused kernel (one pass over parameters,
-    gradients and both moments, where the default `foreach` kernels make about eight; the
-    parameters are still on the CPU here, DeepSpeed moves them, and torch checks the device at
-    the first step); on the CPU torch's default, so that CPU runs keep their numerics.
-    Measured in docs/gpu.md#figures."""
-    return {"fused": True} if cuda else {}
+def adamw_kernels(implementation: str = "auto") -> dict:
+    """torch AdamW's keyword arguments for `optim.implementation`. `auto`: the fused kernel, one
+    pass over parameters, gradients and both moments. On a GPU torch's default is the `foreach`
+    kernels, about eight passes (the parameters are still on the CPU here, DeepSpeed moves them,
+    and torch checks the device at the first step; docs/gpu.md#figures); on a CPU it is a loop of
+    one tensor at a time, 4.6x the fused kernel's time, with the same steps to float32 rounding
+    (docs/results.md#adamws-kernels-on-a-cpu)."""
+    if implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"optim.implementation: {implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    if implementation == "auto":
+        return {"fused": True}
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, d_model: int = 0) -> float:

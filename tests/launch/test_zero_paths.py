@@ -44,7 +44,7 @@ def test_bf16_with_grad_accum_trains_under_zero_1(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     run = train("tiny_gpt.yaml", tiny_dataset, run_dir, "max_steps=10", "log_every=1", "eval_every=0",
                 "checkpoint.every_steps=0", "grad_accum=2", "deepspeed.zero_stage=1", "deepspeed.precision=bf16")
-    assert ("optimizer: AdamW in DeepSpeed's BF16_Optimizer; gradients accumulated in float32, reduced in float32"
+    assert ("optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer; gradients accumulated in float32, reduced in float32"
             in run.stderr)
     losses = [r["train/loss"] for r in metrics(run_dir) if "train/loss" in r]
     print("\nbf16 ZeRO-1 grad_accum=2 losses:", [round(x, 4) for x in losses])
