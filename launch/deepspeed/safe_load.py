@@ -22,8 +22,6 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
     any code it may hold: a torch file whose pickle names anything but tensors, plain data and
     `_checkpoint_globals` is refused, and every load is weights-only, DeepSpeed's included. Any
     failure is one UserError line."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     tag_dir = Path(checkpoint_dir) / tag
     if is_universal(checkpoint_dir, tag):  # its fp32 weights lack the tied names under ZeRO-3
         raise UserError(f"checkpoint {tag_dir} is a universal copy; use the checkpoint it was converted from")
@@ -32,12 +30,37 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
         _refuse_code_in(tag_dir)
         try:
             if is_zero_partitioned(tag_dir):
-                state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+                state = _zero_fp32_state_dict(tag_dir)
             else:  # stage 0: the module's state dict is saved whole
                 state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
         except Exception as err:  # torch.load's and DeepSpeed's own errors, of a file that verified or was not verified
             raise UserError(f"checkpoint {tag_dir} could not be read: {_load_failure(err)}") from err
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
+
+
+def _zero_fp32_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a ZeRO checkpoint, by DeepSpeed's `zero_to_fp32`; also of one
+    written by its BF16_Optimizer (ZeRO-1 in bf16, as the GPU configs train), which that script
+    refuses ("not a zero checkpoint": its optimizer state has no `zero_stage`) although its files
+    hold what it reads for ZeRO-1 and 2: each rank's flat fp32 partition of every parameter group,
+    laid out as theirs (the groups flattened in order, padded to 2 x world size, cut into equal
+    parts), and the partition count."""
+    from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS,
+                                                ZERO_STAGE)
+    from deepspeed.utils import zero_to_fp32
+
+    files = zero_to_fp32.get_optim_files(str(tag_dir))
+    first = torch.load(files[0], map_location="cpu", mmap=True, weights_only=True)[OPTIMIZER_STATE_DICT]
+    if ZERO_STAGE in first or SINGLE_PARTITION_OF_FP32_GROUPS not in first:
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    world_size = max(first[PARTITION_COUNT]) if isinstance(first[PARTITION_COUNT], list) else first[PARTITION_COUNT]
+    if world_size != len(files):
+        raise ValueError(f"expected {world_size} optimizer files (the partition count), found {len(files)}")
+    del first
+    groups = [torch.load(f, map_location="cpu", mmap=True, weights_only=True)[OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS]
+              for f in files]
+    models = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(tag_dir)))
+    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world_size, groups, models, False)
 
 
 def _checkpoint_globals() -> list:

@@ -39,8 +39,11 @@ def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(
 
 
 @pytest.mark.slow
-def test_bf16_with_grad_accum_trains_under_zero_1(tiny_dataset, tmp_path):
-    """ZeRO-1 with bf16 and fp32 accumulation is DeepSpeed's BF16_Optimizer (fp32 gradient buffers)."""
+def test_bf16_with_grad_accum_trains_under_zero_1_and_its_checkpoint_reads(tiny_dataset, tmp_path):
+    """ZeRO-1 with bf16 and fp32 accumulation is DeepSpeed's BF16_Optimizer (fp32 gradient buffers).
+    Its checkpoint, which DeepSpeed's zero_to_fp32 refuses, gives export and evaluation the fp32
+    master weights (`launch.deepspeed.safe_load.consolidated_state_dict`): each rounds to the bf16
+    weight the checkpoint holds, and they are not the bf16 weights themselves."""
     run_dir = tmp_path / "run"
     run = train("tiny_gpt.yaml", tiny_dataset, run_dir, "max_steps=10", "log_every=1", "eval_every=0",
                 "checkpoint.every_steps=0", "grad_accum=2", "deepspeed.zero_stage=1", "deepspeed.precision=bf16")
@@ -49,6 +52,17 @@ def test_bf16_with_grad_accum_trains_under_zero_1(tiny_dataset, tmp_path):
     losses = [r["train/loss"] for r in metrics(run_dir) if "train/loss" in r]
     print("\nbf16 ZeRO-1 grad_accum=2 losses:", [round(x, 4) for x in losses])
     assert len(losses) == 10 and losses[-1] < 0.9 * losses[0], losses
+
+    import torch
+
+    from launch.deepspeed.safe_load import consolidated_state_dict
+
+    masters = consolidated_state_dict(run_dir / "checkpoints", "step_00000010")
+    saved = torch.load(run_dir / "checkpoints" / "step_00000010" / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)["module"]
+    assert set(saved) <= set(masters) and all(saved[name].dtype == torch.bfloat16 for name in saved)
+    assert all(torch.equal(masters[name].bfloat16(), saved[name]) for name in saved)
+    assert any(not torch.equal(masters[name], saved[name].float()) for name in saved)
 
 
 PROBE = '''
