@@ -57,32 +57,19 @@ def step_check(args: argparse.Namespace) -> None:
     import torch
 
     import launch.distributed as dist
-    from common.configure import load_config
-    from launch.config import BatchPlan, TrainConfig
+    from bench_train import open_rank
+    from launch.config import BatchPlan
     from launch.deepspeed.config import deepspeed_config
     from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
-    from launch.tasks import TASKS
     from launch.train.setup import compile_model
     from model import build_model
-    from pipeline.loader import ShardLoader
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    cfg = load_config(TrainConfig, ROOT / CONFIG, [*SHAPE, f"data.data_dir={args.data}", f"max_steps={args.steps}",
-                                                   "data.num_workers=0", *args.overrides])
-    denv = dist.read_env()
-    dist.set_threads(cfg.threads_per_rank, denv)
-    dist.init_process_group(denv, cfg.dist_timeout_s)
-    task = TASKS[cfg.task]
-    vocab = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=0, world_size=1)
-    batches = []
-    for batch in loader:
-        batches.append(task.model_inputs(batch))
-        if len(batches) == args.check_steps:
-            break
+    cfg, _, task, raw = open_rank(ROOT / CONFIG, [*SHAPE, f"data.data_dir={args.data}", f"max_steps={args.steps}",
+                                                  "data.num_workers=0", *args.overrides], args.check_steps)
+    batches = [task.model_inputs(batch) for batch in raw]
     torch.manual_seed(cfg.seed)
     initial = build_model(cfg.model)
     engines = {}

@@ -65,39 +65,50 @@ COMPILED = "+compile"  # the key suffix of a compiled model's figures
 # ---------------------------------------------------------------- one torchrun job (every rank)
 
 
-def worker(args: argparse.Namespace) -> None:
-    import torch
-
+def open_rank(config: Path, overrides: list[str], n_batches: int):
+    """One benchmark rank of a torchrun job (or a world of one): the TrainConfig of `config` with
+    `overrides`, this rank's threads and process group set, and the first `n_batches` batches of
+    this rank's train shards, held in memory; `model.vocab_size` is the dataset's.
+    Returns (config, the rank's environment, the task, the batches as the loader gives them)."""
     import launch.distributed as dist
-    from launch.config import BatchPlan, TrainConfig
-    from launch.deepspeed.config import deepspeed_config
-    from launch.deepspeed.engine import Engine
-    from launch.metrics import measure_gemm_flops
-    from launch.optim import build_optimizer, build_scheduler
-    from launch.tasks import TASKS
-    from launch.train.setup import compile_model
-    from model import build_model, hf
-    from model.loss import IGNORE_INDEX
     from common.configure import load_config
+    from launch.config import TrainConfig
+    from launch.tasks import TASKS
     from pipeline.loader import ShardLoader
 
-    overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
-    cfg = load_config(TrainConfig, ROOT / CONFIGS[args.arch], [
-        *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
-        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}"])
+    cfg = load_config(TrainConfig, config, overrides)
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
     dist.init_process_group(denv, cfg.dist_timeout_s)
     task = TASKS[cfg.task]
-
-    vocab_size = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size))
     batches = []
     for batch in loader:
         batches.append(batch)
-        if len(batches) == args.steps:
+        if len(batches) == n_batches:
             break
+    return cfg, denv, task, batches
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import launch.distributed as dist
+    from launch.config import BatchPlan
+    from launch.deepspeed.config import deepspeed_config
+    from launch.deepspeed.engine import Engine
+    from launch.metrics import measure_gemm_flops
+    from launch.optim import build_optimizer, build_scheduler
+    from launch.train.setup import compile_model
+    from model import build_model, hf
+    from model.loss import IGNORE_INDEX
+
+    overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
+    cfg, denv, task, batches = open_rank(ROOT / CONFIGS[args.arch], [
+        *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
+        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}"],
+        args.steps)
 
     # Peaks first, every rank at once: the same contention as training.
     dist.barrier()
