@@ -10,6 +10,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# The suite in 2 pytest-xdist workers, a test file each at a time (a file's module fixtures are
+# built once; the SLURM tests share one cluster in one worker). Its jobs wait on process starts,
+# SLURM and servers for a third of the time: two workers fill the 2 cores. 0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
 
@@ -46,7 +50,7 @@ manpages:
 	else echo "not root or no apt-get: cannot install manpages-de; the German man page source has only the pages already there"; fi
 
 test: setup slurm-cluster
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # ---- The offline GPU check's bundle (docs/gpu.md): run where PyPI is reachable, then copy the
 # repository and $(GPU_BUNDLE) to the GPU node and run `bash benchmarks/gpu_check.sh` there.

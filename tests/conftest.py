@@ -1,11 +1,14 @@
 """Shared test data: a tiny synthetic English->German corpus made in the test, and a prepared dataset of it."""
 
+import fcntl
 import importlib.util
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -111,9 +114,32 @@ def prepare_tiny_dataset(corpus: Path, out: Path) -> Path:
     return out
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """A session's shared artefact, `build(directory)` into a new directory, made once per run.
+
+    `make test` runs the suite in 2 pytest-xdist workers (one session each); there the first
+    worker to ask builds under an exclusive lock in the run's common temp root, and the other
+    waits for it and reads the same files. A build that raised leaves no `.done` mark, so the
+    next worker to ask builds again (and fails the same way, in its own tests)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        directory = tmp_path_factory.mktemp(name)
+        build(directory)
+        return directory
+    root = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    directory, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+    return built_once(tmp_path_factory, "corpus", write_tiny_corpus) / "pairs.tsv"
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +153,7 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
         return given
     if importlib.util.find_spec("ray") is None:
         pytest.skip("the tiny dataset is prepared with Ray, which is not installed here (or set TINY_DATASET)")
-    return prepare_tiny_dataset(tiny_corpus, tmp_path_factory.mktemp("prepared") / "data")
+    return built_once(tmp_path_factory, "prepared", lambda top: prepare_tiny_dataset(tiny_corpus, top / "data")) / "data"
 
 
 # ----------------------------------------------------------------------------- trained runs, once a session
@@ -142,9 +168,7 @@ def uninterrupted_gpt(tiny_dataset, tmp_path_factory) -> Path:
     chain matches."""
     from test_elastic import REFERENCE, run_train
 
-    run_dir = tmp_path_factory.mktemp("uninterrupted-gpt")
-    run_train(tiny_dataset, run_dir, *REFERENCE)
-    return run_dir
+    return built_once(tmp_path_factory, "uninterrupted-gpt", lambda run_dir: run_train(tiny_dataset, run_dir, *REFERENCE))
 
 
 @pytest.fixture(scope="session")
@@ -154,9 +178,7 @@ def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
     activation checkpointing of test_zero_paths."""
     from test_train import DROPOUT_ZERO3, train
 
-    run_dir = tmp_path_factory.mktemp("dropout-zero3-gpt")
-    train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3)
-    return run_dir
+    return built_once(tmp_path_factory, "dropout-zero3-gpt", lambda run_dir: train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3))
 
 
 if __name__ == "__main__":  # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
