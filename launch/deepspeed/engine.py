@@ -4,6 +4,7 @@ DeepSpeed's engine; CPU Adam for ZeRO-Offload, its JIT cache keyed by CPU type; 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -31,6 +32,7 @@ class Engine:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        load_muon_compiling_on_first_call()
         self.config = config
         self._engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         if optimizer is not None and self._engine.global_rank == 0:
@@ -201,6 +203,44 @@ class Engine:
         adam_steps = {int(s["step"]) for s in basic.state.values() if "step" in s}
         return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "global_steps": self._engine.global_steps,
                 "adam_steps": sorted(adam_steps), "lr": self.lr}
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def load_muon_compiling_on_first_call() -> None:
+    """Import DeepSpeed's Muon module with its `torch.compile` wrappers made at each function's
+    first call rather than at import. DeepSpeed imports the module in every ZeRO engine (its
+    optimizer check, and ZeRO-1/2's gradient reduce, to test `isinstance(optimizer, Muon)`), and
+    those wrappers import inductor's compiler: 1.2-1.4 s of every rank's start on a 2-core EPYC,
+    for an optimizer this project never passes. A Muon user sees no difference: torch.compile
+    compiles at the first call anyway. No-op where the module is loaded already."""
+    if MUON_MODULE in sys.modules:
+        return
+    import importlib
+
+    from deepspeed.runtime import compiler
+
+    def compile_on_first_call():
+        def wrap(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = torch.compile(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return wrap
+
+    deepspeeds, compiler.compile = compiler.compile, compile_on_first_call
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        compiler.compile = deepspeeds
 
 
 def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
