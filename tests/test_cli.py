@@ -5,6 +5,7 @@ keys and exits 0 everywhere; no arguments where some are needed prints the usage
 a missing required key or an unknown one is one `error:` line and exit 2.
 """
 
+import functools
 import importlib
 import os
 import subprocess
@@ -44,9 +45,15 @@ def python_m(module: str, *args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, timeout=300)
 
 
+@functools.lru_cache(maxsize=None)
+def help_of(module: str) -> subprocess.CompletedProcess:
+    """`python -m MODULE --help`, run once for the tests that read it."""
+    return python_m(module, "--help")
+
+
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_help_prints_the_usage_and_every_key_and_exits_0(module):
-    run = python_m(module, "--help")
+    run = help_of(module)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith(f"usage: python -m {module}"), run.stdout[:500]
     schema = ENTRY_POINTS[module]
@@ -210,7 +217,7 @@ def test_a_bad_input_is_one_error_line_and_exit_2_and_writes_no_file(module, tmp
 @pytest.mark.parametrize("module, config", [("launch.train", "tiny_gpt.yaml"), ("launch.main", "main.yaml")])
 def test_dry_run_is_in_the_help(module, config):
     """--dry-run is a flag beside the key=value grammar, so --help says so in the usage."""
-    run = python_m(module, "--help")
+    run = help_of(module)
     assert run.returncode == 0 and "--dry-run" in run.stdout.split("Keys (")[0], run.stdout[:1500]
     run = python_m(module, str(ROOT / "configs" / config), "--dry-run", "--help")
     assert run.returncode == 0 and run.stdout.startswith("usage: "), run.stderr[-3000:]
