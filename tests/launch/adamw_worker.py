@@ -95,4 +95,7 @@ def main(out: Path, combos: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","))
+    # run_rank ends the process with os._exit, as every rank of ours: a plain exit let rank 1
+    # abort in the native threads' teardown ("terminate called without an active exception",
+    # SIGABRT after its last combination was written), seen in a fresh-clone run under 2 workers.
+    distributed.run_rank(lambda: main(Path(sys.argv[1]), sys.argv[2].split(",")))
