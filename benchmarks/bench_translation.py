@@ -2,7 +2,8 @@
 
     python benchmarks/bench_translation.py [--data data/gettext-en-de] [--config configs/small_translation.yaml]
                                            [--steps 400] [--nproc 2] [--beam 4] [--split test] [--limit N]
-                                           [--out runs/bench_translation] [key.sub=value ...]
+                                           [--out runs/bench_translation] [--rounds 1] [--variant NAME:k=v,...]
+                                           [key.sub=value ...]
 
 Both sides start from random weights, train `--steps` optimizer steps on `--nproc` ranks on the
 dataset's translation train pairs, and are scored on `--split` with the same decoding settings and
@@ -65,8 +66,15 @@ Where Marian necessarily differs from ours (configs/small_translation.yaml), pri
 - bf16 as autocast over fp32 weights (ours: DeepSpeed's bf16 weights with fp32 masters); DDP
   (ours: DeepSpeed ZeRO, `deepspeed.zero_stage` of CONFIG).
 
+`--rounds N` trains every side N times, alternating (ours, each `--variant`, theirs, ours, ...),
+so that a shared machine's drift reaches every side alike; the tokens/s ratio is that of the
+medians, and BLEU is scored on round 1's models only (the rounds train the same from the same
+seed). A `--variant NAME:key=value,...` is one more side of ours with those overrides (e.g.
+another ZeRO stage), timed in every round and reported against ours and theirs.
+
 Writes OUT/ours (run, log, eval-SPLIT/), OUT/theirs (log, model/, train.json, eval-SPLIT/ with
-hypotheses and scores) and OUT/summary.json; OUT/ours and OUT/theirs are replaced at each run.
+hypotheses and scores), OUT/NAME for each variant, OUT/round-K/ for rounds after the first, and
+OUT/summary.json; all of them are replaced at each run.
 Data: DATA defaults to data/gettext-en-de (made by `make main` or `python -m pipeline.prepare
 configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
 """
@@ -79,6 +87,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -295,13 +304,15 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
 
 
-def run_ours(args: argparse.Namespace, out: Path) -> dict:
+def run_ours(args: argparse.Namespace, out: Path, name: str = "ours", extra: tuple[str, ...] = (),
+             scored: bool = True) -> dict:
+    """One training job of ours into OUT/NAME (with `extra` overrides: a variant), then its scores."""
     from model import build_model
 
-    run_dir = out / "ours"
+    run_dir = out / name
     launch([*torchrun(args.nproc), "-m", "launch.train", str(args.config), f"data.data_dir={args.data}",
             f"run_dir={run_dir}", f"max_steps={args.steps}", "eval_every=0", "checkpoint.every_steps=0",
-            "wandb.mode=disabled", *args.overrides], out / "ours.log", "ours: launch.train")
+            "wandb.mode=disabled", *args.overrides, *extra], out / f"{name}.log", f"{name}: launch.train")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [row for row in rows if "perf/tokens_per_s" in row]
     seconds, seen = 0.0, 0
@@ -309,24 +320,29 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict:
         seconds += (row["train/tokens_seen"] - seen) / row["perf/tokens_per_s"]
         seen = row["train/tokens_seen"]
     final = json.loads((run_dir / "final.json").read_text())
+    result = {"steps": final["step"], "seconds": seconds, "tokens": seen, "final_loss": windows[-1]["train/loss"]}
+    if not scored:
+        return result
     eval_dir = run_dir / f"eval-{args.split}"
     launch([sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}", f"data_dir={args.data}",
             f"split={args.split}", f"beam={args.beam}", f"out={eval_dir}", f"limit={args.limit}",
             "max_len_a=0", "max_len_b=0"],  # one max_len for every source, as theirs
-           out / "ours-evaluate.log", f"ours: launch.evaluate {args.split}")
+           out / f"{name}-evaluate.log", f"{name}: launch.evaluate {args.split}")
     scores = json.loads((eval_dir / "scores.json").read_text())
     parameters = sum(p.numel() for p in build_model(resolve_config(args).model).parameters())  # tied: counted once
-    return {"parameters": parameters, "steps": final["step"], "seconds": seconds, "tokens": seen,
-            "final_loss": windows[-1]["train/loss"],
+    return {**result, "parameters": parameters,
             "bleu": scores["bleu"], "chrf": scores["chrf"], "signature_bleu": scores["signature_bleu"],
             "signature_chrf": scores["signature_chrf"], "decode_seconds": scores["decode_seconds"], "n": scores["n"]}
 
 
-def run_theirs(args: argparse.Namespace, out: Path) -> dict:
+def run_theirs(args: argparse.Namespace, out: Path, scored: bool = True) -> dict:
+    (out / "theirs").mkdir(parents=True, exist_ok=True)
     launch([*torchrun(args.nproc), __file__, "--worker", "--config", str(args.config), "--data", str(args.data),
             "--steps", str(args.steps), "--out", str(out), *args.overrides], out / "theirs.log",
            "theirs: Seq2SeqTrainer")
     result = json.loads((out / "theirs" / "train.json").read_text())
+    if not scored:
+        return result
     started = time.time()
     result.update(evaluate_theirs(args, out / "theirs"))
     print(f"  theirs: generate and score {args.split}: {time.time() - started:.0f} s", flush=True)
@@ -382,6 +398,29 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     return result
 
 
+def tokens_per_s(r: dict) -> float:
+    return r["tokens"] / r["seconds"]
+
+
+def rounds_table(rounds: list[dict[str, dict]]) -> str:
+    """Each round's tokens/s per side, in the order they ran, and the medians."""
+    names = list(rounds[0])
+    lines = ["| round | " + " | ".join(f"{n} tokens/s" for n in names) + " |", "|---:|" + "---:|" * len(names)]
+    for k, sides in enumerate(rounds, 1):
+        lines.append(f"| {k} | " + " | ".join(f"{tokens_per_s(sides[n]):,.0f}" for n in names) + " |")
+    lines.append("| median | " + " | ".join(f"{statistics.median(tokens_per_s(r[n]) for r in rounds):,.0f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME:key=value,key=value` -> (NAME, overrides)."""
+    name, colon, rest = text.partition(":")
+    overrides = tuple(o for o in rest.split(",") if o)
+    if not colon or not name or not overrides or not all("=" in o for o in overrides):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:key=value[,key=value...]")
+    return name, overrides
+
+
 def table(sides: dict[str, dict], split: str) -> str:
     lines = [f"| side | steps | train seconds | tokens/s | final train loss | {split} BLEU | {split} chrF |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -401,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="test", choices=("train", "valid", "test"), help="scored split (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=0, help="score the split's first N pairs only; 0 = all (smoke runs)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_translation", help="(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="train each side this many times, alternating (ours, variants, theirs, ours, ...); tokens/s "
+                             "ratio of the medians; BLEU scored on round 1's models (default: %(default)s)")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME:key=value,...",
+                        help="one more side of ours with these overrides (after CONFIG's and the shared ones), timed in "
+                             "every round; repeatable (e.g. zero1:deepspeed.zero_stage=1)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of CONFIG, for both sides")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one rank of theirs
     args = parser.parse_args(argv)
@@ -423,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    for side in ("ours", "theirs"):
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    variants = dict(args.variant)
+    if len(variants) != len(args.variant) or {"ours", "theirs"} & set(variants):
+        parser.error("--variant: names must differ from each other and from ours and theirs")
+    for side in ("ours", "theirs", *variants, *(f"round-{k}" for k in range(2, args.rounds + 1))):
         shutil.rmtree(args.out / side, ignore_errors=True)
     (args.out / "theirs").mkdir(parents=True)
     m = cfg.model
@@ -432,13 +482,32 @@ def main(argv: list[str] | None = None) -> int:
           f"layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}, {cfg.deepspeed.precision}, micro batch "
           f"{cfg.data.micro_batch_size} x {args.nproc} ranks, {args.steps} steps; {args.split} beam {args.beam}"
           f"{f', first {args.limit} pairs' if args.limit else ''}", flush=True)
-    sides = {"ours (random/random)": run_ours(args, args.out), "HF MarianMTModel + Seq2SeqTrainer": run_theirs(args, args.out)}
+    rounds: list[dict[str, dict]] = []
+    for k in range(1, args.rounds + 1):  # alternating, so that the machine's drift reaches every side alike
+        out = args.out if k == 1 else args.out / f"round-{k}"
+        out.mkdir(parents=True, exist_ok=True)
+        if args.rounds > 1:
+            print(f"round {k} of {args.rounds}", flush=True)
+        sides = {"ours": run_ours(args, out, scored=k == 1)}
+        for name, extra in variants.items():
+            sides[name] = run_ours(args, out, name, extra, scored=False)
+        sides["theirs"] = run_theirs(args, out, scored=k == 1)
+        rounds.append(sides)
+    first = rounds[0]
+    medians = {name: statistics.median(tokens_per_s(r[name]) for r in rounds) for name in first}
+    sides = {"ours (random/random)": first["ours"], "HF MarianMTModel + Seq2SeqTrainer": first["theirs"]}
     ours, theirs = sides.values()
-    ratio = (ours["tokens"] / ours["seconds"]) / (theirs["tokens"] / theirs["seconds"])
+    ratio = medians["ours"] / medians["theirs"]
     global_batch = batch_plan(cfg, args.nproc).global_batch_size
     print()
     print(table(sides, args.split))
-    print(f"\ntokens/s ours / theirs: **{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
+    if args.rounds > 1 or variants:
+        print(f"\n{rounds_table(rounds)}")
+        for name, extra in variants.items():
+            print(f"variant {name} ({' '.join(extra)}): {medians[name] / medians['theirs']:.2f}x theirs, "
+                  f"{medians[name] / medians['ours']:.3f}x ours (medians of {args.rounds} round(s))")
+    print(f"\ntokens/s ours / theirs{f' (medians of {args.rounds} rounds)' if args.rounds > 1 else ''}: "
+          f"**{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
           f"trained: ours {ours['tokens']:,.0f}, theirs {theirs['tokens']:,.0f} (the same steps of {global_batch} pairs, drawn "
           f"by each side's own sampler)")
     print("Tokens: source + target tokens (each with its </s>) of every rank. Train seconds: the optimizer steps only. "
@@ -451,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"},
                "ours": ours, "theirs": {k: v for k, v in theirs.items() if k not in ("marian_config", "loss_log")},
                "tokens_per_s_ratio": ratio, "table": table(sides, args.split),
+               "rounds": [{name: {k: r[name][k] for k in ("steps", "seconds", "tokens", "final_loss")} for name in r}
+                          for r in rounds],
+               "median_tokens_per_s": medians, "variants": {name: list(extra) for name, extra in variants.items()},
                "signature": f"{ours['signature_bleu']} | {ours['signature_chrf']}", "marian_config": theirs["marian_config"]}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"(also in {args.out / 'summary.json'})")
