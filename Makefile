@@ -11,8 +11,9 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # The suite in 2 pytest-xdist workers, a test file each at a time (a file's module fixtures are
-# built once; the SLURM tests share one cluster in one worker). Its jobs wait on process starts,
-# SLURM and servers for a third of the time: two workers fill the 2 cores. 0: one process.
+# built once; the SLURM tests share one cluster in one worker). Run serially, the suite leaves
+# the 2 cores idle 39% of the time (waits on SLURM, servers, other ranks); two workers fill them
+# (docs/design.md#the-test-suite-in-two-workers). 0: one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data

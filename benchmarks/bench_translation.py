@@ -402,13 +402,13 @@ def tokens_per_s(r: dict) -> float:
     return r["tokens"] / r["seconds"]
 
 
-def rounds_table(rounds: list[dict[str, dict]]) -> str:
+def rounds_table(rounds: list[dict[str, dict]], medians: dict[str, float]) -> str:
     """Each round's tokens/s per side, in the order they ran, and the medians."""
-    names = list(rounds[0])
+    names = list(medians)
     lines = ["| round | " + " | ".join(f"{n} tokens/s" for n in names) + " |", "|---:|" + "---:|" * len(names)]
     for k, sides in enumerate(rounds, 1):
         lines.append(f"| {k} | " + " | ".join(f"{tokens_per_s(sides[n]):,.0f}" for n in names) + " |")
-    lines.append("| median | " + " | ".join(f"{statistics.median(tokens_per_s(r[n]) for r in rounds):,.0f}" for n in names) + " |")
+    lines.append("| median | " + " | ".join(f"{medians[n]:,.0f}" for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -475,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--variant: names must differ from each other and from ours and theirs")
     for side in ("ours", "theirs", *variants, *(f"round-{k}" for k in range(2, args.rounds + 1))):
         shutil.rmtree(args.out / side, ignore_errors=True)
-    (args.out / "theirs").mkdir(parents=True)
     m = cfg.model
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {args.config.name}: d_model {m.d_model}, {m.n_layers}+{m.n_decoder_layers or m.n_layers} "
@@ -502,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(sides, args.split))
     if args.rounds > 1 or variants:
-        print(f"\n{rounds_table(rounds)}")
+        print(f"\n{rounds_table(rounds, medians)}")
         for name, extra in variants.items():
             print(f"variant {name} ({' '.join(extra)}): {medians[name] / medians['theirs']:.2f}x theirs, "
                   f"{medians[name] / medians['ours']:.3f}x ours (medians of {args.rounds} round(s))")
