@@ -31,6 +31,7 @@ class Engine:
         use_cpu_keyed_jit_cache()  # before DeepSpeed builds any op
         import deepspeed
 
+        leave_shm_comm_op_unbuilt()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         load_muon_compiling_on_first_call()
         self.config = config
@@ -206,6 +207,20 @@ class Engine:
 
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def leave_shm_comm_op_unbuilt() -> None:
+    """Tell DeepSpeed its shared-memory all-reduce op is unavailable, before it initialises its
+    communication. On a CPU accelerator DeepSpeed builds and loads that C++ op at every
+    `init_distributed`, for `inference_all_reduce` (tensor-parallel inference) alone; training's
+    collectives go through torch.distributed either way. Its JIT build is ~35 s of one core at
+    the first job of every fresh install (and again for each new venv path), for a code path this
+    project never takes. DeepSpeed then keeps `shm_comm_op` None and its inference all-reduce
+    falls back to torch.distributed's."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def load_muon_compiling_on_first_call() -> None:

@@ -1,6 +1,9 @@
 """What a rank's start pays for: DeepSpeed's Muon module, which every ZeRO engine imports, is loaded
-with its torch.compile wrappers made at their first call (launch.deepspeed.engine)."""
+with its torch.compile wrappers made at their first call, and DeepSpeed's shared-memory all-reduce
+op, which training never calls, is neither built nor loaded (launch.deepspeed.engine)."""
 
+import os
+import socket
 import subprocess
 import sys
 
@@ -29,3 +32,37 @@ def test_muon_is_loaded_without_inductor_and_compiles_at_its_first_call():
     run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-3:] == ["inductor loaded: False", "compiled at first call: True", "same as eager: True"]
+
+
+SHM_PROBE = """
+import torch
+from launch.deepspeed.engine import Engine
+import deepspeed.comm.comm as ds_comm
+class Net(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x)
+model = Net(4, 4)
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
+engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=0.1), None, config)
+loss = engine(x=torch.ones(1, 4)).sum()
+engine.backward(loss)
+engine.step()
+print("shm op:", ds_comm.cdb.shm_comm_op)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_rank_neither_builds_nor_loads_deepspeeds_shared_memory_op(tmp_path):
+    """Training's collectives are torch.distributed's; DeepSpeed's shm all-reduce op serves
+    tensor-parallel inference only, and its JIT build cost the first job of a fresh install ~35 s."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops"), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", SHM_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-1] == "shm op: None"
+    assert not [p for p in (tmp_path / "ops").rglob("*") if "shm" in p.name], "the shm op was built"
