@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 # The suite in 2 pytest-xdist workers, a test file each at a time (a file's module fixtures are
 # built once; the SLURM tests share one cluster in one worker). Run serially, the suite leaves
 # the 2 cores idle 39% of the time (waits on SLURM, servers, other ranks); two workers fill them
-# (docs/design.md#the-test-suite-in-two-workers). 0: one process.
+# (docs/design.md#the-test-suite-in-two-workers). Files are dealt costliest first
+# (tests/conftest.py COSTLIEST_FIRST), not xdist's most-tests first. 0: one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
@@ -51,7 +52,7 @@ manpages:
 	else echo "not root or no apt-get: cannot install manpages-de; the German man page source has only the pages already there"; fi
 
 test: setup slurm-cluster
-	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # ---- The offline GPU check's bundle (docs/gpu.md): run where PyPI is reachable, then copy the
 # repository and $(GPU_BUNDLE) to the GPU node and run `bash benchmarks/gpu_check.sh` there.
