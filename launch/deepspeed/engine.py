@@ -270,6 +270,7 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
     partitions are stepped by the same optimizer."""
     failure = None
     use_cpu_keyed_jit_cache()
+    ask_cpuinfo_once()
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -291,6 +292,17 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
         print(f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
               f"AdamW, which is slower", file=sys.stderr)
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+
+
+def ask_cpuinfo_once() -> None:
+    """Keep py-cpuinfo's answer for the rest of the process. Its `get_cpu_info` starts a Python
+    subprocess at every call (~0.5 s of a core), and DeepSpeed asks it four times to build and
+    construct CPU Adam (the AMD check, `-march`, the SIMD width, again for the load): 1.5 s of
+    each offloading rank's start. The CPU does not change while a process runs. Idempotent."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def cpu_key(cpuinfo: str) -> str:

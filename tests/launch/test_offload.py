@@ -7,10 +7,13 @@ DeepSpeed builds the CPU Adam op with the host's C++ compiler at its first use, 
 pays for that once per machine."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
 from test_train import metrics, train
 
 RESUME_TOLERANCE = 1e-5  # absolute, on each logged loss; measured: 0, or 1 float32 ulp (4.8e-7) at one step
@@ -60,6 +63,31 @@ def test_cpu_adam_takes_torch_adamws_steps_group_by_group():
     for mine, theirs in zip(ours, reference):
         torch.testing.assert_close(mine.detach(), theirs.detach(), atol=1e-6, rtol=0)
     assert not torch.equal(ours[0], start[0])
+
+
+CPUINFO_PROBE = """
+import subprocess, torch
+from launch.deepspeed.engine import cpu_adam
+starts = []
+popen_init = subprocess.Popen.__init__
+def counting(self, args, *rest, **kwargs):
+    starts.append(" ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+    popen_init(self, args, *rest, **kwargs)
+subprocess.Popen.__init__ = counting
+for _ in range(2):
+    optimizer = cpu_adam([{"params": [torch.nn.Parameter(torch.ones(4))], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.95), eps=1e-8)
+print(type(optimizer).__name__, sum("cpuinfo" in start for start in starts))
+"""
+
+
+@pytest.mark.slow
+def test_cpu_adam_asks_py_cpuinfo_once_per_process():
+    """py-cpuinfo starts a Python subprocess per question (~0.5 s); DeepSpeed asked it four
+    times for each CPU Adam it built and constructed."""
+    run = subprocess.run([sys.executable, "-c", CPUINFO_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["DeepSpeedCPUAdam", "1"], run.stdout
 
 
 @pytest.mark.slow
