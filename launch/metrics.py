@@ -2,16 +2,23 @@
 
 MFU = FLOPs per token (`model.flops`) x tokens/s / peak FLOP/s (Chowdhery et al. 2022,
 PaLM appendix B). The peak comes from a table of dense tensor-core (or FP32) figures of known
-accelerators, from the vendors' data sheets; on a CPU, or an unknown device, it is measured
-with a square GEMM at the start of the run. The log says which.
+accelerators, from the vendors' data sheets; on an unknown GPU it is measured with a square
+GEMM at the start of the run, and on a CPU measured once per CPU type, torch version, dtype and
+thread count and kept (`cpu_gemm_peak`). The log says which.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import resource
 import time
+from pathlib import Path
 
 import torch
+
+from common.machine import cpu_key, read_cpuinfo
 
 # Dense peak FLOP/s per device (no sparsity), by a substring of torch.cuda.get_device_name().
 # "tf32": the dense TF32 tensor-core figure, the peak of fp32 runs with `tf32: true`; a device
@@ -81,8 +88,44 @@ def peak_flops(precision: str, tf32: bool = False) -> tuple[float, str]:
             return peak, f"table: {name} {label}"
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
         return measure_gemm_flops(dtype, 4096, device="cuda"), f"measured: {name} {label} GEMM"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return measure_gemm_flops(dtype), f"measured: CPU {dtype} GEMM, {torch.get_num_threads()} threads"
+    return cpu_gemm_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def cpu_gemm_peak_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pretrain-pipeline",
+                "cpu_gemm_peak.json")
+
+
+def cpu_gemm_peak(dtype: torch.dtype, path: Path | None = None) -> tuple[float, str]:
+    """(this CPU's GEMM FLOP/s in `dtype` on this rank's threads, where the figure comes from),
+    measured (`measure_gemm_flops`, 0.5 s) the first time for this CPU type, torch version, dtype
+    and thread count, and read from `path` (default `cpu_gemm_peak_file()`) afterwards: every
+    run's MFU on one machine is then against the same peak, and a job's start does not spend the
+    half second again. Delete the file to measure anew. An unwritable cache only means measuring
+    each time."""
+    path = path or cpu_gemm_peak_file()
+    threads = torch.get_num_threads()
+    label = f"CPU {dtype} GEMM, {threads} threads"
+    key = f"{cpu_key(read_cpuinfo())} torch-{torch.__version__} {dtype} {threads}-threads"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key) if isinstance(table, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return float(entry["flops"]), f"measured: {label}, {entry.get('date', '?')}, kept in {path}"
+    flops = measure_gemm_flops(dtype)
+    table = table if isinstance(table, dict) else {}
+    table[key] = {"flops": flops, "date": datetime.date.today().isoformat()}
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        os.replace(partial, path)  # whole or not at all, also when two jobs start together
+    except OSError:
+        if partial.parent.is_dir():
+            partial.unlink(missing_ok=True)
+    return flops, f"measured: {label}"
 
 
 def memory_mb() -> dict:

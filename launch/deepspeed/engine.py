@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
-import platform
-import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from common.configure import UserError
+from common.machine import cpu_key, read_cpuinfo
 from launch.checkpoint import is_universal
 from launch.deepspeed.safe_load import _checkpoint_globals
 
@@ -305,25 +303,6 @@ def ask_cpuinfo_once() -> None:
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
-def cpu_key(cpuinfo: str) -> str:
-    """A name for this CPU type, from /proc/cpuinfo's first processor: its model name, readable,
-    and a hash of what `-march=native` compiles for (the instruction-set flags, vendor, family
-    and model; on ARM the features, implementer and part). Two node types may share a model name
-    but not the flags their hypervisor exposes."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, colon, value = line.partition(":")
-        if not colon:
-            if fields:
-                break  # the blank line after the first processor
-            continue
-        fields.setdefault(key.strip(), value.strip())
-    name = re.sub(r"[^a-z0-9]+", "-", fields.get("model name", fields.get("CPU part", "unknown")).lower()).strip("-")
-    keys = ("vendor_id", "cpu family", "model", "flags", "CPU implementer", "CPU architecture", "CPU part", "Features")
-    identity = "\n".join(f"{key}={' '.join(sorted(fields.get(key, '').split()))}" for key in keys)
-    return f"{name or 'unknown'}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
-
-
 def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = None) -> str:
     """Point TORCH_EXTENSIONS_DIR, where DeepSpeed's JIT-built ops (CPU Adam) are cached, at a
     folder of this CPU type: they are compiled with `-march=native`, and a home directory shared
@@ -336,10 +315,7 @@ def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = N
 
     environ = os.environ if environ is None else environ
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = f"model name: {platform.machine()} {platform.processor()}"
+        cpuinfo = read_cpuinfo()
     accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
     leaf = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_{cpu_key(cpuinfo)}"
     current = environ.get("TORCH_EXTENSIONS_DIR", "")
