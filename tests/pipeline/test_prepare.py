@@ -1,4 +1,5 @@
-"""`pipeline.prepare` with a real local Ray, and `pipeline.validate`."""
+"""`pipeline.prepare` with a real Ray, and `pipeline.validate`. Most prepares here join one running
+Ray cluster (`ray_head`, as on a SLURM job); those about Ray's own start and stop start theirs."""
 
 import json
 import os
@@ -18,7 +19,16 @@ from common.hashing import file_sha256
 from pipeline.sources import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
-from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from conftest import ROOT, RayHead, prepare_args, run_prepare, synthetic_pairs, write_tsv
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """The Ray cluster this file's prepares join (conftest.RayHead), 3 CPUs: the most workers a
+    test here asks for. Stopped, with its processes, after the file's last test."""
+    head = RayHead(num_cpus=3)
+    yield head
+    head.stop()
 
 
 def read_dataset(data_dir, name, split):
@@ -30,9 +40,9 @@ def read_dataset(data_dir, name, split):
     return samples
 
 
-def test_shards_identical_with_1_and_2_ray_workers(tiny_corpus, tiny_dataset, tmp_path):
+def test_shards_identical_with_1_and_2_ray_workers(tiny_corpus, tiny_dataset, tmp_path, ray_head):
     one = tmp_path / "one"
-    run = run_prepare(prepare_args(tiny_corpus, one, **{"ray.num_workers": 1}))
+    run = run_prepare(prepare_args(tiny_corpus, one, **{"ray.num_workers": 1}), ray=ray_head)
     assert run.returncode == 0, run.stderr[-2000:]
     files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tiny_dataset) for p in tiny_dataset.rglob("*") if p.is_file())
@@ -135,27 +145,27 @@ def test_validate_names_a_shard_listed_twice_or_with_a_count_below_one(tiny_data
     assert code == 1 and f"FAIL {shard['path']}: samples -3 in the manifest, not a positive integer" in fails, fails
 
 
-def test_existing_dataset_is_not_overwritten_and_failures_leave_nothing_complete(tiny_corpus, tiny_dataset, tmp_path):
+def test_existing_dataset_is_not_overwritten_and_failures_leave_nothing_complete(tiny_corpus, tiny_dataset, tmp_path, ray_head):
     before = (tiny_dataset / MANIFEST).read_bytes()
-    run = run_prepare(prepare_args(tiny_corpus, tiny_dataset))
+    run = run_prepare(prepare_args(tiny_corpus, tiny_dataset), ray=ray_head)
     assert run.returncode == 2 and "overwrite=true" in run.stderr
     assert (tiny_dataset / MANIFEST).read_bytes() == before
     # A failure mid-way (a parallel task needs pairs; text has none) leaves no dataset behind.
     text = tmp_path / "mono.txt"
     text.write_text("just some text\n")
     out = tmp_path / "never"
-    run = run_prepare(prepare_args(text, out, **{"source.format": "text"}))
+    run = run_prepare(prepare_args(text, out, **{"source.format": "text"}), ray=ray_head)
     assert run.returncode == 2 and "translation needs a parallel source" in run.stderr
     assert not (out / MANIFEST).exists()
 
 
-def test_non_utf8_input_is_replaced_and_counted(tmp_path):
+def test_non_utf8_input_is_replaced_and_counted(tmp_path, ray_head):
     corpus = tmp_path / "bad.tsv"
     lines = [f"{en}\t{de}\n".encode() for en, de in synthetic_pairs(200)]
     lines[5] = b"caf\xe9 \xff\tKaffee\n"
     corpus.write_bytes(b"".join(lines))
     out = tmp_path / "out"
-    run = run_prepare(prepare_args(corpus, out, **{"tasks": "[translation]", "ray.num_workers": 1}))
+    run = run_prepare(prepare_args(corpus, out, **{"tasks": "[translation]", "ray.num_workers": 1}), ray=ray_head)
     assert run.returncode == 0, run.stderr[-2000:]
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["sources"]["bad_bytes_replaced"] == 2
@@ -232,14 +242,14 @@ def test_interruption_removes_the_staging_directory_and_stops_its_ray(slow_corpu
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data, data.partial or data.lock
 
 
-def test_a_failing_task_leaves_no_staging_directory_unless_keep_partial(tmp_path):
+def test_a_failing_task_leaves_no_staging_directory_unless_keep_partial(tmp_path, ray_head):
     broken = tmp_path / "broken.txt.gz"
     broken.write_bytes(b"this is not gzip data")
     out = tmp_path / "data"
-    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]"}))
+    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]"}), ray=ray_head)
     assert run.returncode == 2 and "cannot read" in run.stderr, run.stderr[-2000:]
     assert not out.exists() and not out.with_name("data.partial").exists() and not out.with_name("data.lock").exists()
-    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]", "keep_partial": "true"}))
+    run = run_prepare(prepare_args(broken, out, **{"source.format": "text", "tasks": "[causal_lm]", "keep_partial": "true"}), ray=ray_head)
     assert run.returncode == 2 and "cannot read" in run.stderr, run.stderr[-2000:]
     assert out.with_name("data.partial").is_dir() and f"kept {out}.partial" in run.stderr
 
@@ -247,11 +257,11 @@ def test_a_failing_task_leaves_no_staging_directory_unless_keep_partial(tmp_path
 # ---------------------------------------------------------------- reliability: inputs that yield nothing
 
 
-def test_jsonl_lines_without_the_text_field_are_named_as_the_cause(tmp_path):
+def test_jsonl_lines_without_the_text_field_are_named_as_the_cause(tmp_path, ray_head):
     corpus = tmp_path / "d.jsonl"
     corpus.write_text("".join(json.dumps({"body": en}) + "\n" for en, _ in synthetic_pairs(500)))
     out = tmp_path / "data"
-    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}))
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}), ray=ray_head)
     assert run.returncode == 2
     message = error_lines(run.stderr)
     assert len(message) == 1 and run.stderr.endswith(message[0] + "\n")
@@ -259,7 +269,7 @@ def test_jsonl_lines_without_the_text_field_are_named_as_the_cause(tmp_path):
     assert not out.with_name("data.partial").exists()
 
 
-def test_skipped_lines_are_counted_by_reason_in_manifest_and_summary(tmp_path):
+def test_skipped_lines_are_counted_by_reason_in_manifest_and_summary(tmp_path, ray_head):
     lines = [json.dumps({"text": en}).encode() for en, _ in synthetic_pairs(300)]
     lines += [b"{not json"] * 20 + [json.dumps({"body": "x"}).encode()] * 10
     # Valid JSON whose text is nothing but undecodable bytes: dropped as undecodable, not as malformed.
@@ -267,7 +277,7 @@ def test_skipped_lines_are_counted_by_reason_in_manifest_and_summary(tmp_path):
     corpus = tmp_path / "d.jsonl"
     corpus.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "data"
-    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}))
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "jsonl", "tasks": "[causal_lm]"}), ray=ray_head)
     assert run.returncode == 0, run.stderr[-2000:]
     sources = json.loads((out / MANIFEST).read_text())["sources"]
     assert sources["records"] == 300 and sources["lines"] == 335
@@ -277,11 +287,11 @@ def test_skipped_lines_are_counted_by_reason_in_manifest_and_summary(tmp_path):
             "5 of 305 texts have more than 10% undecodable characters (source.max_replaced_fraction=0.1)") in run.stdout
 
 
-def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path):
+def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path, ray_head):
     corpus = tmp_path / "random.txt"
     corpus.write_bytes(random.Random(0).randbytes(200_000))
     out = tmp_path / "data"
-    run = run_prepare(prepare_args(corpus, out, **{"source.format": "text", "tasks": "[causal_lm]"}))
+    run = run_prepare(prepare_args(corpus, out, **{"source.format": "text", "tasks": "[causal_lm]"}), ray=ray_head)
     assert run.returncode == 2
     message = error_lines(run.stderr)
     assert len(message) == 1 and run.stderr.endswith(message[0] + "\n") and "mostly undecodable" in message[0] and str(corpus) in message[0], run.stderr[-2000:]
@@ -291,7 +301,7 @@ def test_random_bytes_as_text_fail_as_mostly_undecodable(tmp_path):
 # ---------------------------------------------------------------- reliability: inputs read twice or not files
 
 
-def test_a_glob_through_a_symlink_loop_prepares_each_file_once(tmp_path):
+def test_a_glob_through_a_symlink_loop_prepares_each_file_once(tmp_path, ray_head):
     """`**` over a directory holding `loop -> .`: each file read once (glob followed the loop to
     the kernel's limit of 40 links, reading every file about 40 times), and one warning line."""
     corpus = tmp_path / "corpus"
@@ -302,7 +312,7 @@ def test_a_glob_through_a_symlink_loop_prepares_each_file_once(tmp_path):
     (corpus / "loop").symlink_to(".")
     out = tmp_path / "data"
     run = run_prepare(prepare_args(f"{corpus}/**/*.txt", out, **{"source.format": "text", "tasks": "[causal_lm]",
-                                                                 "ray.num_workers": 1}))
+                                                                 "ray.num_workers": 1}), ray=ray_head)
     assert run.returncode == 0, run.stderr[-2000:]
     sources = json.loads((out / MANIFEST).read_text())["sources"]
     assert (sources["files"], sources["units"], sources["records"]) == (3, 3, 300)
@@ -320,7 +330,7 @@ def test_a_fifo_or_a_directory_given_as_an_input_file_is_named_for_what_it_is(tm
         assert error_lines(run.stderr)[0].startswith(f"error: source.paths: not a regular file: {path} is {what}")
 
 
-def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_workers(tmp_path):
+def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_workers(tmp_path, ray_head):
     """A TSV source of pairs and a parquet source of monolingual text, 50 of whose texts are the
     English side of a pair: per-source shards and counts, global dedup (the first source keeps
     a shared text), translation pairs from the parallel source only, the same bytes with 1 and 2 workers."""
@@ -343,7 +353,8 @@ def test_two_sources_keep_their_own_shards_and_counts_identical_for_1_and_2_work
     for workers in (1, 2):
         out = tmp_path / f"out{workers}"
         run = subprocess.run([sys.executable, "-m", "pipeline.prepare", str(config), f"output_dir={out}", *settings,
-                              f"ray.num_workers={workers}"], cwd=ROOT, capture_output=True, text=True)
+                              f"ray.num_workers={workers}", f"ray.address={ray_head.address}"], cwd=ROOT,
+                             capture_output=True, text=True, env=ray_head.env)
         assert run.returncode == 0, run.stderr[-3000:]
         outs[workers] = out
     files = sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file())
@@ -486,10 +497,13 @@ def write_web_corpus(root, n_docs=3000, n_pairs=1500, seed=0):
     (root / "data/web/pairs/en-de.tsv.gz").write_bytes(gzip.compress(pairs.encode()))
 
 
-def run_web_example(cwd, *overrides):
-    """prepare on configs/prepare_web_example.yaml from `cwd`, whose relative paths it reads."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "pipeline.prepare", str(WEB_EXAMPLE), "progress=false", *overrides],
+def run_web_example(cwd, *overrides, ray: RayHead | None = None):
+    """prepare on configs/prepare_web_example.yaml from `cwd`, whose relative paths it reads; with
+    `ray`, joining that cluster."""
+    env = {**(ray.env if ray else os.environ),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    joined = [f"ray.address={ray.address}"] if ray else []
+    return subprocess.run([sys.executable, "-m", "pipeline.prepare", str(WEB_EXAMPLE), "progress=false", *overrides, *joined],
                           cwd=cwd, env=env, capture_output=True, text=True)
 
 
@@ -531,10 +545,15 @@ def test_a_large_compressed_file_is_scanned_in_chunks_with_the_same_shards_for_1
     runs = {"whole": ("unit_bytes=1073741824", "ray.num_workers=2")}
     runs.update({workers: ("unit_bytes=16384", f"ray.num_workers={workers}") for workers in (1, 2, 3)})
     outs = {}
-    for name, settings in runs.items():
-        outs[name] = tmp_path / f"out-{name}"
-        run = run_web_example(tmp_path, f"output_dir={outs[name]}", *small, *settings)
-        assert run.returncode == 0, run.stderr[-3000:]
+    # The four prepares join one Ray cluster whose workers read the config's relative paths from tmp_path.
+    head = RayHead(num_cpus=3, cwd=tmp_path)
+    try:
+        for name, settings in runs.items():
+            outs[name] = tmp_path / f"out-{name}"
+            run = run_web_example(tmp_path, f"output_dir={outs[name]}", *small, *settings, ray=head)
+            assert run.returncode == 0, run.stderr[-3000:]
+    finally:
+        head.stop()
     manifests = {name: json.loads((out / MANIFEST).read_text()) for name, out in outs.items()}
     assert manifests["whole"]["sources"]["units"] == 2
     for workers in (1, 2, 3):
