@@ -43,7 +43,7 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
         if started:
             spawned = _descendants() - before  # the raylet, the GCS and the workers the raylet started
             ray.shutdown(wait_for_processes=True)
-            _reap(spawned)
+            reap(spawned)
 
 
 WORKER_EXIT_S = 15.0  # how long the workers of a shut-down local Ray get to exit before they are killed
@@ -58,7 +58,7 @@ def _descendants() -> set:
         return set()
 
 
-def _reap(processes: set) -> None:
+def reap(processes) -> None:
     """`ray.shutdown(wait_for_processes=True)` waits for the raylet and GCS, not for the workers
     the raylet started: those notice it gone and exit a moment later, after the run could have
     ended (seen as `ray::IDLE` processes outliving an interrupted prepare). Wait for them too,

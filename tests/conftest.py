@@ -1,6 +1,5 @@
 """Shared test data: a tiny synthetic English->German corpus made in the test, and a prepared dataset of it."""
 
-import contextlib
 import fcntl
 import importlib.util
 import os
@@ -132,6 +131,15 @@ def prepare_args(corpus: Path, out: Path, **overrides) -> list[str]:
     return [f"{k}={v}" for k, v in settings.items()]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_prepare(args: list[str], ray: "RayHead | None" = None) -> subprocess.CompletedProcess:
     """pipeline.prepare on the gettext config with `args`; with `ray`, as a driver of that running
     cluster (`ray.address`), else starting a local Ray of its own as by default."""
@@ -151,11 +159,8 @@ class RayHead:
     def __init__(self, num_cpus: int, cwd: Path | None = None):
         """`cwd`: the workers' working directory, against which a config's relative paths resolve."""
         import secrets
-        import socket
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         self.address = f"127.0.0.1:{port}"
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                     "RAY_USAGE_STATS_ENABLED": "0"}
@@ -173,9 +178,12 @@ class RayHead:
         threading.Thread(target=self.process.stdout.read, daemon=True).start()  # never block its writes
 
     def stop(self) -> None:
-        """SIGTERM to `ray start --block`, which stops what it started; whatever outlived it
-        (workers the raylet started) is killed, so no process of this cluster outlives the tests."""
+        """SIGTERM to `ray start --block`, which stops what it started; whatever outlives it
+        (workers the raylet started) is reaped as pipeline.prepare reaps a local Ray's, so no
+        process of this cluster outlives the tests."""
         import psutil
+
+        from pipeline.ray_runner import reap
 
         try:
             spawned = psutil.Process(self.process.pid).children(recursive=True)
@@ -187,10 +195,7 @@ class RayHead:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
-        _, alive = psutil.wait_procs(spawned, timeout=15)
-        for process in alive:
-            with contextlib.suppress(psutil.Error):
-                process.kill()
+        reap(spawned)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,11 +3,10 @@ with its torch.compile wrappers made at their first call, and DeepSpeed's shared
 op, which training never calls, is neither built nor loaded (launch.deepspeed.engine)."""
 
 import os
-import socket
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 PROBE = """
 import sys, torch
@@ -49,12 +48,6 @@ engine.backward(loss)
 engine.step()
 print("shm op:", ds_comm.cdb.shm_comm_op)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_a_rank_neither_builds_nor_loads_deepspeeds_shared_memory_op(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from launch.distributed import port_in_use
 from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
@@ -232,10 +232,7 @@ def start_job(launcher: str, data: Path, run_dir: Path, stderr: Path) -> subproc
     if launcher == "torchrun":
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *train]
     else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
+        command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
                    "--module", *train[1:]]
     return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
 
