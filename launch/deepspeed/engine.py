@@ -269,6 +269,7 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
     failure = None
     use_cpu_keyed_jit_cache()
     ask_cpuinfo_once()
+    build_cpu_adam_without_debug_info()
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -290,6 +291,25 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
         print(f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
               f"AdamW, which is slower", file=sys.stderr)
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+
+
+def build_cpu_adam_without_debug_info() -> None:
+    """Have DeepSpeed compile its CPU Adam op without `-g`. Its flags ask for debug information
+    beside -O3; gcc's code is the same either way, but the objects (which include torch's
+    headers) grow from 0.4 to 18 MB and each compile takes ~60% longer: the first offloading
+    job on a fresh install builds in ~29 s instead of ~45 s on a 2-core EPYC. Idempotent."""
+    from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
+
+    builder = deepspeed_cpu_adam.CPUAdamBuilder
+    if hasattr(builder.cxx_args, "deepspeeds"):
+        return
+    deepspeeds = builder.cxx_args
+
+    def cxx_args(self):
+        return [arg for arg in deepspeeds(self) if arg != "-g"]
+
+    cxx_args.deepspeeds = deepspeeds
+    builder.cxx_args = cxx_args
 
 
 def ask_cpuinfo_once() -> None:
