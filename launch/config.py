@@ -8,15 +8,17 @@ The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, List
+from typing import TYPE_CHECKING, ClassVar, List
 
 from omegaconf import MISSING
 
-from launch.tasks import TASKS, Task
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
 from pipeline.config import global_batch_size as samples_per_step
 from common.configure import UserError
+
+if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need it
+    from launch.tasks import Task
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
@@ -201,6 +203,8 @@ def check_config(cfg: TrainConfig) -> Task:
 
     The model config's own checks (`ModelConfig.validate`) run once, where the model is built:
     `model.vocab_size: 0` is only resolved from the data then."""
+    from launch.tasks import TASKS
+
     problems = config_problems(cfg)
     if problems:
         raise UserError(problems[0])
@@ -238,6 +242,8 @@ def _lm_eval_check(lm_eval: LmEvalTrainConfig) -> tuple[bool, str]:
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every cross-field problem the types cannot express, each message starting with its key;
     empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
+    from launch.tasks import TASKS
+
     task = TASKS.get(cfg.task)
     checks = [
         (task is not None, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),

@@ -3,46 +3,60 @@
 Built from one set of blocks (`model.blocks`) and configured by `ModelConfig`; nothing here
 imports deepspeed, ray, wandb or the `launch` and `pipeline` packages, and `transformers` is
 imported only inside `model.hf`'s functions.
+
+The names below load their module at first use (PEP 562): `from model.config import
+ModelConfig`, which every command line's schema needs, then imports neither torch nor the
+networks, so `--help` and a config's errors answer without torch's ~2 s import.
 """
 
-from torch import nn
 
-from model.bert import BERT
-from model.blocks import KVCache, ModelOutput, attention_kernels
-from model.config import ModelConfig, StackConfig
-from model.flops import flops_per_token, llmc_flops_per_token, matmul_params, training_flops
-from model.generation import Hypotheses
-from model.gpt import GPT
-from model.seq2seq import Seq2Seq
-from model.warm_start import Pretrained, WarmStartError, WarmStartReport, seq2seq_config, warm_start
+from __future__ import annotations
 
-ARCH_CLASSES = {"gpt": GPT, "bert": BERT, "seq2seq": Seq2Seq}
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from model.config import ModelConfig
+
+# Each public name and the module that defines it, imported when the name is first asked for.
+_HOMES = {
+    "BERT": "model.bert",
+    "GPT": "model.gpt",
+    "Seq2Seq": "model.seq2seq",
+    "KVCache": "model.blocks",
+    "ModelOutput": "model.blocks",
+    "attention_kernels": "model.blocks",
+    "ModelConfig": "model.config",
+    "StackConfig": "model.config",
+    "flops_per_token": "model.flops",
+    "llmc_flops_per_token": "model.flops",
+    "matmul_params": "model.flops",
+    "training_flops": "model.flops",
+    "Hypotheses": "model.generation",
+    "Pretrained": "model.warm_start",
+    "WarmStartError": "model.warm_start",
+    "WarmStartReport": "model.warm_start",
+    "seq2seq_config": "model.warm_start",
+}
+# Not here: the function `warm_start`, whose name is its module's (`from model.warm_start import
+# warm_start`); importing that module binds `model.warm_start` to the module, as for any package.
+_ARCH_CLASS_NAMES = {"gpt": "GPT", "bert": "BERT", "seq2seq": "Seq2Seq"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # found directly from now on
+    return value
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The model `cfg.arch` names, freshly initialised; ValueError on a bad config."""
     cfg.validate()
-    return ARCH_CLASSES[cfg.arch](cfg)
+    return __getattr__(_ARCH_CLASS_NAMES[cfg.arch])(cfg)
 
 
-__all__ = [
-    "BERT",
-    "GPT",
-    "Hypotheses",
-    "KVCache",
-    "ModelConfig",
-    "ModelOutput",
-    "Pretrained",
-    "Seq2Seq",
-    "StackConfig",
-    "WarmStartError",
-    "WarmStartReport",
-    "attention_kernels",
-    "build_model",
-    "flops_per_token",
-    "llmc_flops_per_token",
-    "matmul_params",
-    "seq2seq_config",
-    "training_flops",
-    "warm_start",
-]
+__all__ = [*_HOMES, "build_model"]

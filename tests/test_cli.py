@@ -221,3 +221,27 @@ def test_dry_run_is_in_the_help(module, config):
     assert run.returncode == 0 and "--dry-run" in run.stdout.split("Keys (")[0], run.stdout[:1500]
     run = python_m(module, str(ROOT / "configs" / config), "--dry-run", "--help")
     assert run.returncode == 0 and run.stdout.startswith("usage: "), run.stderr[-3000:]
+
+
+# Entry points whose --help and command-line errors answer before torch is imported (~2 s of a
+# core): the schemas (`launch.config`, `model.config`) import no torch. The training and
+# decoding commands import it with the code they run at once.
+WITHOUT_TORCH = ["pipeline.prepare", "pipeline.validate", "launch.main", "launch.lm_eval", "launch.report",
+                 "launch.config_reference"]
+HELP_WITHOUT_TORCH = """
+import contextlib, io, runpy, sys
+import launch.config, model.config, pipeline.config
+assert "torch" not in sys.modules, "the schemas import torch"
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert "torch" not in sys.modules, f"python -m {module} --help imports torch"
+print("ok")
+"""
+
+
+def test_help_and_schemas_import_no_torch():
+    run = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *WITHOUT_TORCH], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

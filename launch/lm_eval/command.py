@@ -14,8 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from launch.config import LmEvalConfig
 from launch.lm_eval.tasks import check_tasks, held_out_texts
 from common.configure import UserError, config_to_dict, parse_cli
@@ -52,6 +50,8 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     out = Path(cfg.out or directory / f"lm_eval-{cfg.split}.json")
     check_writable_dir(out.absolute().parent, "out")
     texts = held_out_texts(data_dir, cfg.split, file_sha256(directory / "tokenizer.model"))
+
+    import torch  # after the checks: --help and bad input answer without torch's import
 
     lm = load_lm(directory, fmt, cfg.micro_batch_size, cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from launch.lm_eval.score import flat_metrics, score, table

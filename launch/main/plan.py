@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from launch.config import MainConfig, TrainConfig
 from common.configure import UserError, parse_cli
 from pipeline.progress import interval
@@ -167,6 +165,8 @@ def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
     CUDA, one rank per GPU: on a machine with fewer GPUs than `nproc` the job runs on as
     many ranks as there are GPUs, with gradient accumulation raised to keep the global batch
     (and so the samples of every step) of `nproc` ranks."""
+    import torch  # here: the main job's --help and config errors answer without torch's import
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else nproc
     if gpus < nproc:
         accum = parse_cli(TrainConfig, [config, *overrides], usage="").grad_accum

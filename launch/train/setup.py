@@ -28,7 +28,8 @@ from launch.tracking import Tracker, git_commit, new_run_id
 from launch.train.guard import Guard
 from launch.train.resume import find_resume, fresh_start, restore, truncate_metrics
 from launch.train.state import Data, Run
-from model import ModelConfig, Pretrained, build_model, warm_start
+from model import ModelConfig, Pretrained, build_model
+from model.warm_start import warm_start
 from pipeline import remote
 from common.configure import UserError, config_to_dict, save_config
 from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest

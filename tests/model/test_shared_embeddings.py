@@ -16,7 +16,8 @@ from torch import nn
 
 from conftest import ROOT
 from launch.optim import parameter_groups
-from model import ModelConfig, build_model, seq2seq_config, warm_start
+from model import ModelConfig, build_model, seq2seq_config
+from model.warm_start import warm_start
 from model.warm_start import WarmStartError
 from test_warm_start import SHA, V, bert_config, gpt_config, pretrained
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from model import GPT, ModelConfig, Pretrained, StackConfig, WarmStartError, build_model, seq2seq_config, warm_start
+from model import GPT, ModelConfig, Pretrained, StackConfig, WarmStartError, build_model, seq2seq_config
+from model.warm_start import warm_start
 from model.blocks import Transformer
 
 V = 40
