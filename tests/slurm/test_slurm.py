@@ -168,7 +168,7 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     """SLURM's warning signal (here sent by hand, as `--signal=B:USR1@N` would before the limit):
     checkpoint, requeue, resume from that checkpoint in the same W&B run, every step once."""
     run_dir, log = tmp_path / "run", tmp_path / "requeue.log"
-    max_steps = 300
+    max_steps = 100  # the stop lands about step 16 (the signal is sent once 10 are logged)
     job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, f"max_steps={max_steps}", "log_every=1",
                                                     "eval_every=0", "checkpoint.every_steps=0", "wandb.mode=offline"))
     wait_until(lambda: logged_steps(run_dir) >= 10 or job_info(job)["JobState"] in ENDED, 180, "training to start")
