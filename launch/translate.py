@@ -17,18 +17,7 @@ import itertools
 import sys
 from typing import BinaryIO, Iterable, TextIO
 
-import torch
-
 from launch.config import TranslateConfig
-from launch.decoding import (
-    check_decoding,
-    detokenize,
-    inspect_checkpoint,
-    load_model,
-    results_only_on_stdout,
-    source_ids,
-    translate_ids,
-)
 from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
@@ -41,6 +30,10 @@ Translate UTF-8 text, one sentence per line, from standard input (or input=FILE)
 def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO, total: int | None = None) -> dict:
     """Translate `lines` (without their newlines) to `out`; returns counts. With their number
     `total` (an input file's), progress is shown on `err`."""
+    import torch  # with the model code, once the command line is read: --help and its errors answer at once
+
+    from launch.decoding import check_decoding, detokenize, inspect_checkpoint, load_model, source_ids, translate_ids
+
     ckpt = inspect_checkpoint(cfg.checkpoint)
     max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
     tokenizer = load_tokenizer(ckpt.tokenizer_path)
@@ -95,6 +88,10 @@ def _count_lines(stream: BinaryIO) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TranslateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    import torch
+
+    from launch.decoding import results_only_on_stdout
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     total = None  # standard input: no progress (its length is unknown; it may be a terminal)

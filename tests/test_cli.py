@@ -224,10 +224,10 @@ def test_dry_run_is_in_the_help(module, config):
 
 
 # Entry points whose --help and command-line errors answer before torch is imported (~2 s of a
-# core): the schemas (`launch.config`, `model.config`) import no torch. The training and
-# decoding commands import it with the code they run at once.
+# core): the schemas (`launch.config`, `model.config`) import no torch. The training, export and
+# evaluation commands import it with the code they run at once.
 WITHOUT_TORCH = ["pipeline.prepare", "pipeline.validate", "launch.main", "launch.lm_eval", "launch.report",
-                 "launch.config_reference"]
+                 "launch.config_reference", "launch.translate"]
 HELP_WITHOUT_TORCH = """
 import contextlib, io, runpy, sys
 import launch.config, model.config, pipeline.config
