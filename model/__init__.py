@@ -9,7 +9,6 @@ ModelConfig`, which every command line's schema needs, then imports neither torc
 networks, so `--help` and a config's errors answer without torch's ~2 s import.
 """
 
-
 from __future__ import annotations
 
 import importlib

@@ -3,8 +3,9 @@ DeepSpeed's CPU Adam in AdamW mode over our parameter groups (`launch.deepspeed.
 AdamW only if its op cannot be built; 2 ranks under torchrun on CPU train and resume exactly.
 
 DeepSpeed builds the CPU Adam op with the host's C++ compiler at its first use, 29 s on a quiet
-2-core EPYC (45 s with the debug information DeepSpeed asks for), and caches it (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions): the first test here
-pays for that once per machine."""
+2-core EPYC (45 s with the debug information DeepSpeed asks for), and caches it
+(TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions): the first test here pays for that once per
+machine."""
 
 import os
 import subprocess
