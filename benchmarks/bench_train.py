@@ -2,7 +2,8 @@
 
     python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--shapes tiny,small]
                                      [--precisions fp32,bf16] [--compile off,on] [--steps 20]
-                                     [--rounds 3] [--adamw auto|fused|foreach|for_loop] [--quick]
+                                     [--rounds 3] [--adamw auto|fused|foreach|for_loop]
+                                     [--compile-scope auto|model|blocks] [--quick]
 
 1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
    our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
@@ -16,8 +17,10 @@
    counts every input token of every rank; the table gives the median round and the ratio.
    With `--compile off,on` (the default) the same job also trains a compiled copy of each, from
    the same weights, in the same alternation (ours, theirs, ours compiled, theirs compiled, ...):
-   ours as `compile: true` compiles it (`launch.train.setup.compile_model`: each block's forward),
-   theirs as their users would (`model.compile()`, the whole model, in place). Each compiled
+   ours as `compile: true` compiles it (`launch.train.setup.compile_model` with the run's
+   `compile_scope`: auto, the whole model with its loss on a CPU; `--compile-scope blocks` for
+   each block's forward only), theirs as their users would (`model.compile()`, the whole model,
+   in place). Each compiled
    pair gives its own row and ratio; the untimed warm-up round is where they compile.
 2. MFU: in the same job, before training, every rank measures a square (1024) GEMM in fp32 and
    in bf16 on its own threads, all ranks at once (as they train). MFU = model FLOPs per step
@@ -95,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import launch.distributed as dist
-    from launch.config import BatchPlan
+    from launch.config import BatchPlan, resolved_compile_scope
     from launch.deepspeed.config import deepspeed_config
     from launch.deepspeed.engine import Engine
     from launch.metrics import measure_gemm_flops
@@ -107,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
     cfg, denv, task, batches = open_rank(ROOT / CONFIGS[args.arch], [
         *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
-        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}"],
+        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}",
+        f"compile_scope={args.compile_scope}"],
         args.steps)
 
     # Peaks first, every rank at once: the same contention as training.
@@ -128,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
             # frozen, the two models train the same parameters.
             theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
         if suffix:
-            compile_model(ours)  # what `compile: true` does in launch.train
+            compile_model(ours, resolved_compile_scope(cfg, torch.cuda.is_available()))  # as launch.train does
             theirs.compile()  # what their users would do: the whole model, in place
         models["ours" + suffix], models["hf" + suffix] = ours, theirs
     plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
@@ -174,6 +178,7 @@ def worker(args: argparse.Namespace) -> None:
                   "parameters": n_params, "steps": len(inputs), "tokens_per_round": tokens, "flops_per_round": flops,
                   "seconds": seconds, "last_loss": losses, "peaks": peaks, "hf_class": type(theirs).__name__,
                   "hf_attention": getattr(theirs.config, "_attn_implementation", None),
+                  "compile_scope": resolved_compile_scope(cfg, torch.cuda.is_available()),
                   "torch": torch.__version__}
         Path(args.result).write_text(json.dumps(result))
     dist.destroy()
@@ -186,6 +191,7 @@ def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, res
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                __file__, "--worker", "--arch", arch, "--shape", shape, "--precision", precision, "--data", str(args.data),
                "--steps", str(args.steps), "--rounds", str(args.rounds), "--compile", args.compile, "--adamw", args.adamw,
+               "--compile-scope", args.compile_scope,
                "--result", str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -236,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager pairs, compiled pairs or both in each job (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each model")
+    parser.add_argument("--compile-scope", default="auto", choices=("auto", "model", "blocks"),
+                        help="compile_scope of ours when compiled (default: %(default)s, the trainer's default)")
     parser.add_argument("--adamw", default="auto", choices=("auto", "fused", "foreach", "for_loop"),
                         help="torch AdamW's kernel for both sides (optim.implementation; default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round")
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
           f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}; "
-          f"AdamW {args.adamw}", flush=True)
+          f"ours compile_scope {args.compile_scope}; AdamW {args.adamw}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):

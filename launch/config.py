@@ -25,6 +25,7 @@ DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")  # optim.implementation (launch.optim.adamw_kernels)
+COMPILE_SCOPES = ("auto", "model", "blocks")  # compile_scope (`resolved_compile_scope`)
 
 
 @dataclass
@@ -147,11 +148,18 @@ class TrainConfig:
     threads_per_rank: int = 0
     # A rank that stops answering fails the job after this long instead of hanging it.
     dist_timeout_s: int = 600
-    # torch.compile (inductor) the transformer blocks for training, in place (the state dict keeps
-    # its keys); evaluation runs eagerly. In bf16 on a CPU, attention over up to 128 keys then
-    # recomputes its probabilities in backward (`model.blocks.attention`). Needs a C++ compiler on
-    # CPU (g++, or $CXX), Triton on a GPU.
+    # torch.compile (inductor) the model for training, in place (the state dict keeps its keys);
+    # evaluation runs eagerly. In bf16 on a CPU, attention over up to 128 keys then recomputes its
+    # probabilities in backward (`model.blocks.attention`). Needs a C++ compiler on CPU (g++, or
+    # $CXX), Triton on a GPU.
     compile: bool = False
+    # What `compile` compiles: model = the whole forward with the loss in the graph (fuses the
+    # embeddings, the last norm and the loss's element-wise work with the blocks); blocks = each
+    # transformer block's forward, the rest eager. auto: model for tasks causal_lm and mlm under
+    # ZeRO 0-2 on a CPU (fixed block lengths), blocks for translation (a length per batch would
+    # recompile the loss's chunk loop), under ZeRO-3 (its parameter gathers break a whole-model
+    # graph) and on a GPU (not yet run there).
+    compile_scope: str = "auto"
     # CUDA: float32 matrix products (the GEMMs of fp32 runs) on TF32 tensor cores
     # (torch.backends.cuda.matmul.allow_tf32; Ampere and newer), 10 mantissa bits
     # in the products and float32 accumulation. false: full IEEE float32 ("ieee"). No effect on a
@@ -196,6 +204,15 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
         raise UserError(f"global_batch_size: {cfg.global_batch_size} is not a multiple of data.micro_batch_size x ranks "
                         f"= {micro} x {world_size}{hint}")
     return BatchPlan(micro, accum, world_size)
+
+
+def resolved_compile_scope(cfg: TrainConfig, cuda: bool) -> str:
+    """What `compile: true` compiles for this run, `compile_scope` with auto resolved: 'model' or
+    'blocks'. auto stays at blocks on a GPU, where the whole-model graph (the loss's GEMMs with a
+    float32 output inside it) has not yet been run: docs/gpu.md."""
+    if cfg.compile_scope != "auto":
+        return cfg.compile_scope
+    return "model" if cfg.task in ("causal_lm", "mlm") and cfg.deepspeed.zero_stage < 3 and not cuda else "blocks"
 
 
 def check_config(cfg: TrainConfig) -> Task:
@@ -273,6 +290,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.lm_eval.limit >= 0, "lm_eval.limit: must be 0 (all) or positive"),
         (cfg.profile_start >= 0, "profile_start: must be 0 (off) or a step number"),
         (cfg.profile_steps >= 1, "profile_steps: must be at least 1"),
+        (cfg.compile_scope in COMPILE_SCOPES, f"compile_scope: {cfg.compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}"),
+        (not (cfg.compile_scope == "model" and cfg.deepspeed.zero_stage == 3),
+         "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in hooks that break the "
+         "graph); use blocks or auto"),
     ]
     checks.append(_wandb_check(cfg.wandb))
     if task is not None:  # the rules below depend on what the task is

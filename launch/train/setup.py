@@ -160,18 +160,27 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
                                 cpu_offload=cfg.deepspeed.offload_optimizer)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps, cfg.model.d_model)
     if cfg.compile:
-        compile_model(model)
+        from launch.config import resolved_compile_scope
+
+        compile_model(model, resolved_compile_scope(cfg, torch.cuda.is_available()))
     return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)), n_parameters
 
 
 
-def compile_model(model: torch.nn.Module) -> None:
-    """`compile: true`: torch.compile (inductor) each transformer block's forward for training,
-    in place, before DeepSpeed wraps the model. Nothing compiles here: the first forward does.
+def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
+    """`compile: true`: torch.compile (inductor) the model for training, in place, before
+    DeepSpeed wraps it. Nothing compiles here: the first forward does.
 
     The module keeps its class and its state dict its keys (no `_orig_mod.` prefix), so
-    checkpoints, resume and export read the same names as without compilation. The blocks
-    (`model.blocks.Block`, where nearly all the work is) rather than the whole model:
+    checkpoints, resume and export read the same names as without compilation.
+
+    scope 'model' (`compile_scope`; auto for the pretraining tasks under ZeRO 0-2 on a CPU): the whole
+    forward, loss included, as `nn.Module.compile` does, one graph in which inductor fuses the
+    embeddings, the norms and the loss's per-chunk element-wise work with the blocks' (measured in
+    docs/results.md#training-ours-against-hugging-face-and-mfu). BERT's count of masked positions
+    changes per batch: its second count recompiles once with that size dynamic.
+
+    scope 'blocks': each transformer block's forward (`model.blocks.Block`), the rest eager:
     - ZeRO-3 gathers parameters in hooks around every submodule, and in a compiled model each
       gather is a graph break, after which dynamo compiles the hook frames again for every
       module until its recompile limit. Each block is made a ZeRO-3 leaf instead
@@ -179,8 +188,7 @@ def compile_model(model: torch.nn.Module) -> None:
       block, no hooks inside it, which stay outside the compiled forward, eager.
     - The loss (`model.loss`) chunks its rows in a Python loop, which a compiled graph
       specializes to each sequence length (translation's lengths vary: a recompile per batch
-      until the limit), and uses GEMMs with a float32 output that inductor cannot lower on CPU.
-      It stays eager, as do the embeddings and the masks.
+      until the limit). It stays eager, as do the embeddings and the masks.
     The blocks of one class share a graph; a second sequence length recompiles it once with a
     dynamic length. `evaluate` runs eagerly: its no-grad, eval-mode forwards would need graphs
     of their own, counted against the same recompile limit. With dropout, inductor draws other
@@ -196,6 +204,9 @@ def compile_model(model: torch.nn.Module) -> None:
         if shutil.which(cxx) is None:
             raise UserError(f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
                             f"or set CXX, or compile=false)")
+    if scope == "model":
+        model.compile(backend="inductor")
+        return
     from launch.deepspeed.engine import zero3_leaf_modules
     from model.blocks import Block
 

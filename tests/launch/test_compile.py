@@ -51,6 +51,75 @@ def test_compiling_keeps_the_model_and_its_state_dict_keys():
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("task, stage, cuda, expected", [
+    ("causal_lm", 2, False, "model"), ("mlm", 0, False, "model"), ("mlm", 1, False, "model"),
+    ("causal_lm", 3, False, "blocks"), ("translation", 1, False, "blocks"), ("causal_lm", 2, True, "blocks"),
+])
+def test_compile_scope_auto_is_the_whole_model_where_shapes_are_fixed_and_parameters_whole(task, stage, cuda, expected):
+    from launch.config import TrainConfig, resolved_compile_scope
+    from common.configure import load_config
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", [f"task={task}", f"deepspeed.zero_stage={stage}"])
+    assert cfg.compile_scope == "auto" and resolved_compile_scope(cfg, cuda) == expected
+    for scope in ("model", "blocks"):
+        cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", [f"task={task}", f"compile_scope={scope}"])
+        assert resolved_compile_scope(cfg, cuda) == scope
+
+
+def test_compile_scope_problems_are_named():
+    from launch.config import TrainConfig, config_problems
+    from common.configure import load_config
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile_scope=graph"])
+    assert config_problems(cfg) == ["compile_scope: 'graph' is not one of auto, model, blocks"]
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile_scope=model", "deepspeed.zero_stage=3"])
+    assert [p.split(" (")[0] for p in config_problems(cfg)] == ["compile_scope: model needs deepspeed.zero_stage 0-2"]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_the_whole_model_compiles_to_one_graph_with_its_loss_and_matches_eager(arch):
+    """compile_scope=model: embeddings, blocks and the loss (GPT's chunked linear cross-entropy
+    with its autograd function, BERT's head on the masked rows) in one graph without breaks; the
+    state dict keeps its keys; loss and gradients are eager's (fp32). A second count of BERT's
+    masked rows (found on the host, as in training) recompiles once, with that count dynamic, and
+    a third reuses it."""
+    from torch._dynamo.utils import counters
+
+    from launch.train.setup import compile_model
+    from model import ModelConfig, build_model
+    from model.loss import IGNORE_INDEX
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, dropout=0.0)
+    torch.manual_seed(0)
+    eager, compiled = build_model(cfg), build_model(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    keys = list(compiled.state_dict())
+    compile_model(compiled, "model")
+    assert list(compiled.state_dict()) == keys
+    generator = torch.Generator().manual_seed(1)
+    for masked in (3, 5, 7):
+        x = torch.randint(5, 64, (2, 12), generator=generator)
+        if arch == "gpt":
+            labels = torch.cat([x[:, 1:], torch.full((2, 1), IGNORE_INDEX)], 1)
+        else:
+            labels = torch.full_like(x, IGNORE_INDEX)
+            labels.view(-1)[torch.randperm(24, generator=generator)[:masked]] = 7
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+        # BERT's masked rows found on the host, as the trainer's batches carry them (launch.tasks)
+        extra = {} if arch == "gpt" else {"scored_index": (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)}
+        losses = [model(x, labels=labels, **extra).loss for model in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=LOSS_TOLERANCE)
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == (1 if arch == "gpt" else 2)
+
+
 def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
     from launch.train.setup import compile_model
     from common.configure import UserError
