@@ -1,0 +1,22 @@
+"""benchmarks/profile_step.py runs both sides and sorts the profiled time by what it was spent on."""
+
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_profile_step_times_both_sides_and_groups_the_profile():
+    run = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--arch", "gpt", "--shape", "tiny",
+                          "--precision", "fp32", "--steps", "1", "--rounds", "1", "--variants", "ours,hf",
+                          "--profile", "ours,hf"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    for variant in ("ours", "hf"):
+        assert re.search(rf"^gpt tiny fp32 {variant} +\d+\.\d ms per micro batch", run.stdout, re.M), run.stdout
+    rows = {line.split(" | ")[0].strip("| "): line for line in run.stdout.splitlines() if line.startswith("| ")}
+    # Both compute the logits of all 8 x 128 positions over the 8,000 pieces: time in that row on both sides.
+    vocab = [float(x) for x in rows["GEMM: vocabulary (logits and their gradients)"].strip("| ").split(" | ")[1:]]
+    assert len(vocab) == 2 and min(vocab) > 0
+    assert "total" in rows and "GEMM: blocks" in rows
