@@ -150,8 +150,10 @@ def worker(args: argparse.Namespace) -> None:
     theirs_inputs = [{**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
                      if args.arch == "gpt" else x for x in inputs]
     device = next(iter(engines.values())).device  # `--compile on` builds no eager engine
-    on_device = {name: [{k: v.to(device) for k, v in x.items()} for x in batches_of]
-                 for name, batches_of in (("ours", inputs), ("hf", theirs_inputs))}
+    # Ours as the trainer feeds it (`Task.to_device`: packed blocks' all-ones mask dropped on the
+    # host, so that a compiled graph takes SDPA's causal path too); theirs as their users do.
+    on_device = {"ours": [task.to_device(x, device) for x in inputs],
+                 "hf": [{k: v.to(device) for k, v in x.items()} for x in theirs_inputs]}
     on_device.update({name + COMPILED: batches_of for name, batches_of in list(on_device.items())})
 
     def run_round(name: str, engine: Engine) -> tuple[float, float]:
