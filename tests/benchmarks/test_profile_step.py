@@ -1,4 +1,5 @@
-"""benchmarks/profile_step.py runs both sides and sorts the profiled time by what it was spent on."""
+"""benchmarks/profile_step.py and profile_translation_step.py run both sides and sort the profiled time by
+what it was spent on."""
 
 import re
 import subprocess
@@ -20,3 +21,16 @@ def test_profile_step_times_both_sides_and_groups_the_profile():
     vocab = [float(x) for x in rows["GEMM: vocabulary (logits and their gradients)"].strip("| ").split(" | ")[1:]]
     assert len(vocab) == 2 and min(vocab) > 0
     assert "total" in rows and "GEMM: blocks" in rows
+
+
+def test_profile_translation_step_runs_ours_and_marian_on_the_loaders_batches(tiny_dataset):
+    run = subprocess.run([sys.executable, "benchmarks/profile_translation_step.py", "--data", str(tiny_dataset),
+                          "--config", "configs/tiny_translation.yaml", "--batches", "2", "--rounds", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"^2 micro batches of \d+ pairs: \d+ real tokens", run.stdout, re.M), run.stdout
+    for side in ("ours", "Marian"):
+        assert re.search(rf"^{side} +\d+\.\d ms per micro batch", run.stdout, re.M), run.stdout
+    vocab = next(line for line in run.stdout.splitlines() if line.startswith("| GEMM: vocabulary"))
+    assert min(float(x) for x in vocab.strip("| ").split(" | ")[1:]) > 0  # both project onto the vocabulary
