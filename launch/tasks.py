@@ -19,6 +19,7 @@ are counted as for full attention (what a dense kernel computes; FlexAttention s
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +31,10 @@ from model.loss import IGNORE_INDEX
 from pipeline.format import DATASET_FOR_TASK, PAD_ID
 
 Batch = dict[str, torch.Tensor]
+# Inputs whose length follows the batch's content, not its shape (BERT's count of masked
+# positions): marked dynamic for torch.compile as they reach the device, so that a compiled
+# model traces one graph for every count instead of a second one when the count first changes.
+PER_BATCH_LENGTHS = {"scored_index"}
 
 
 def _documents(batch: Batch) -> Batch:
@@ -141,7 +146,12 @@ class Task:
         if torch.device(device).type == "cuda":
             kept = {key: value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
                     for key, value in kept.items()}
-        return {key: value.to(device, non_blocking=True) for key, value in kept.items()}
+        moved = {key: value.to(device, non_blocking=True) for key, value in kept.items()}
+        dynamo = sys.modules.get("torch._dynamo")  # imported where a model is compiled; else nothing to mark
+        if dynamo is not None:
+            for key in PER_BATCH_LENGTHS.intersection(moved):
+                dynamo.maybe_mark_dynamic(moved[key], 0)
+        return moved
 
     @staticmethod
     def target_mask(inputs: Batch) -> torch.Tensor:

@@ -178,7 +178,7 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
     forward, loss included, as `nn.Module.compile` does, one graph in which inductor fuses the
     embeddings, the norms and the loss's per-chunk element-wise work with the blocks' (measured in
     docs/results.md#training-ours-against-hugging-face-and-mfu). BERT's count of masked positions
-    changes per batch: its second count recompiles once with that size dynamic.
+    changes per batch: `Task.to_device` marks it dynamic, one graph for every count.
 
     scope 'blocks': each transformer block's forward (`model.blocks.Block`), the rest eager:
     - ZeRO-3 gathers parameters in hooks around every submodule, and in a compiled model each
