@@ -209,7 +209,7 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
 def resolved_compile_scope(cfg: TrainConfig, cuda: bool) -> str:
     """What `compile: true` compiles for this run, `compile_scope` with auto resolved: 'model' or
     'blocks'. auto stays at blocks on a GPU, where the whole-model graph (the loss's GEMMs with a
-    float32 output inside it) has not yet been run: docs/gpu.md."""
+    float32 output inside it) has not yet been run (docs/design.md#what-compile-compiles)."""
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
     return "model" if cfg.task in ("causal_lm", "mlm") and cfg.deepspeed.zero_stage < 3 and not cuda else "blocks"
