@@ -34,13 +34,13 @@ if HAS_CUDA:
 
 
 # The costliest test files (seconds of one worker, 2-core EPYC, `make test` at bbd1fb5), run
-# first: `make test` deals whole files to 2 xdist workers in collection order
+# first: `make test` deals whole files to the xdist workers in collection order
 # (--no-loadscope-reorder; xdist's own order puts the files with the most tests first, which left
 # the SLURM, main-job and training files, few tests each, for the end, where one worker ran them
-# alone). Longest first keeps the last files short, so the two workers end together. A file not
+# alone). Longest first keeps the last files short, so the workers end together. A file not
 # listed runs after these in its usual order; the list only orders, it selects nothing.
 COSTLIEST_FIRST = [
-    "slurm/test_slurm.py",  # 223 s, mostly waiting on SLURM: the other worker has both cores
+    "slurm/test_slurm.py",  # 223 s, mostly waiting on SLURM: the other workers have the cores
     "launch/test_elastic.py",  # 212
     "pipeline/test_prepare.py",  # 197
     "launch/test_train.py",  # 171
