@@ -11,11 +11,10 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # The suite in 3 pytest-xdist workers, a test file each at a time (a file's module fixtures are
-# built once; the SLURM tests share one cluster in one worker). Run serially, the suite leaves
-# the 2 cores idle 39% of the time (waits on SLURM, servers, other ranks, process start-ups);
-# with 2 workers they were still idle a fifth of the run, and a third worker took the warm suite
-# from 808 to 698 s (docs/design.md#the-test-suite-in-three-workers). Files are dealt costliest
-# first (tests/conftest.py COSTLIEST_FIRST), not xdist's most-tests first. 0: one process.
+# built once; the SLURM tests share one cluster in one worker). One worker more than the 2 cores
+# fills the time the others wait on SLURM, servers, other ranks and process start-ups
+# (docs/design.md#the-test-suite-in-three-workers). Files are dealt costliest first
+# (tests/conftest.py COSTLIEST_FIRST), not xdist's most-tests first. 0: one process.
 PYTEST_WORKERS ?= 3
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data

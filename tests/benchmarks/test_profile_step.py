@@ -36,7 +36,7 @@ def test_profile_translation_step_runs_ours_and_marian_on_the_loaders_batches(ti
     assert min(float(x) for x in vocab.strip("| ").split(" | ")[1:]) > 0  # both project onto the vocabulary
     total = next(line for line in run.stdout.splitlines() if line.startswith("| total"))
     shown = [line for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith(("| ms", "| total"))]
-    # The rows add up to the total: nothing profiled is dropped from the table.
+    # The rows add up to the total (each printed to 0.05 ms): nothing profiled is dropped from the table.
     for column in (0, 1):
         parts = sum(float(line.strip("| ").split(" | ")[1 + column]) for line in shown)
-        assert abs(parts - float(total.strip("| ").split(" | ")[1 + column])) < 0.1 * len(shown), (parts, total)
+        assert abs(parts - float(total.strip("| ").split(" | ")[1 + column])) <= 0.05 * (len(shown) + 1), (parts, total)
