@@ -58,8 +58,8 @@ import io
 import itertools
 import json
 import os
-import random
 import platform
+import random
 import shlex
 import shutil
 import statistics
@@ -69,7 +69,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# Run as a plain script from any directory: the project is imported from the checkout, not installed.
+# Run as a plain script from any directory: the project is imported from the checkout, not
+# installed.
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -91,7 +92,9 @@ def _decode_input_ids(sample: dict) -> np.ndarray:
 
 
 def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
-    return torch.from_numpy(np.stack(arrays).astype(np.int64))  # (B, T), the dtype ShardLoader hands out
+    return torch.from_numpy(
+        np.stack(arrays).astype(np.int64)
+    )  # (B, T), the dtype ShardLoader hands out
 
 
 def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
@@ -99,7 +102,8 @@ def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
     import webdataset as wds
 
     dataset = (
-        # Its default workersplitter hands each DataLoader worker whole shards: no shard is read twice.
+        # Its default workersplitter hands each DataLoader worker whole shards: no shard is read
+        # twice.
         wds.WebDataset(urls, shardshuffle=False)
         .map(_decode_input_ids)
         .batched(MICRO_BATCH, collation_fn=_stack, partial=False)
@@ -110,7 +114,9 @@ def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
 def our_loader(data_dir: Path, num_workers: int):
     from pipeline.loader import ShardLoader
 
-    return ShardLoader(str(data_dir), TASK, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0)
+    return ShardLoader(
+        str(data_dir), TASK, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0
+    )
 
 
 def time_epoch(loader, max_batches: int | None) -> dict:
@@ -127,18 +133,28 @@ def time_epoch(loader, max_batches: int | None) -> dict:
         if max_batches is not None and batches >= max_batches:
             break
     seconds = time.perf_counter() - started
-    return {"tokens": tokens, "batches": batches, "seconds": seconds, "first_batch_s": first,
-            "tokens_per_s": tokens / seconds}
+    return {
+        "tokens": tokens,
+        "batches": batches,
+        "seconds": seconds,
+        "first_batch_s": first,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
-def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: int | None) -> list[dict]:
+def bench_loader(
+    data_dir: Path, workers: list[int], repeats: int, max_batches: int | None
+) -> list[dict]:
     from pipeline.format import read_manifest, shard_entries
 
     entries = shard_entries(read_manifest(data_dir), TASK, SPLIT)
     urls = [str(data_dir / entry["path"]) for entry in entries if entry["samples"] > 0]
     rows = []
     for num_workers in workers:
-        makers = {"ours": lambda: our_loader(data_dir, num_workers), "bare": lambda: bare_loader(urls, num_workers)}
+        makers = {
+            "ours": lambda: our_loader(data_dir, num_workers),
+            "bare": lambda: bare_loader(urls, num_workers),
+        }
         for make in makers.values():  # warm-up: page cache, lazy imports
             time_epoch(make(), max_batches)
         runs: dict[str, list[dict]] = {name: [] for name in makers}
@@ -151,27 +167,44 @@ def bench_loader(data_dir: Path, workers: list[int], repeats: int, max_batches: 
             row[f"{name}_first_ms"] = 1000 * statistics.median(r["first_batch_s"] for r in results)
             row[f"{name}_epoch_s"] = statistics.median(r["seconds"] for r in results)
             row[f"{name}_tokens"] = results[0]["tokens"]
-            row[f"{name}_spread"] = (min(r["tokens_per_s"] for r in results), max(r["tokens_per_s"] for r in results))
+            row[f"{name}_spread"] = (
+                min(r["tokens_per_s"] for r in results),
+                max(r["tokens_per_s"] for r in results),
+            )
         row["ratio"] = row["ours"] / row["bare"]
-        # Best against best: on a shared machine the fastest run is the one least disturbed by others.
+        # Best against best: on a shared machine the fastest run is the one least disturbed by
+        # others.
         row["ratio_best"] = row["ours_spread"][1] / row["bare_spread"][1]
         rows.append(row)
-        print(f"loader num_workers={num_workers}: ours {row['ours'] / 1e6:.3f} M tok/s "
-              f"(min {row['ours_spread'][0] / 1e6:.3f}, max {row['ours_spread'][1] / 1e6:.3f}), "
-              f"bare {row['bare'] / 1e6:.3f} M tok/s (min {row['bare_spread'][0] / 1e6:.3f}, "
-              f"max {row['bare_spread'][1] / 1e6:.3f}), ours/bare {row['ratio']:.2f}", flush=True)
+        print(
+            f"loader num_workers={num_workers}: ours {row['ours'] / 1e6:.3f} M tok/s "
+            f"(min {row['ours_spread'][0] / 1e6:.3f}, max {row['ours_spread'][1] / 1e6:.3f}), "
+            f"bare {row['bare'] / 1e6:.3f} M tok/s (min {row['bare_spread'][0] / 1e6:.3f}, "
+            f"max {row['bare_spread'][1] / 1e6:.3f}), ours/bare {row['ratio']:.2f}",
+            flush=True,
+        )
     return rows
 
 
 # ---------------------------------------------------------------- prepare
 
 
-def prepare_config(data_dir: Path, output_dir: Path, num_workers: int, fixed_tokenizer: bool,
-                   source_paths: list[str] | None):
-    from pipeline.config import PrepareConfig
+def prepare_config(
+    data_dir: Path,
+    output_dir: Path,
+    num_workers: int,
+    fixed_tokenizer: bool,
+    source_paths: list[str] | None,
+):
     from common.configure import load_config
+    from pipeline.config import PrepareConfig
 
-    overrides = [f"output_dir={output_dir}", "overwrite=true", "progress=false", f"ray.num_workers={num_workers}"]
+    overrides = [
+        f"output_dir={output_dir}",
+        "overwrite=true",
+        "progress=false",
+        f"ray.num_workers={num_workers}",
+    ]
     if fixed_tokenizer:
         overrides.append(f"tokenizer.model_path={data_dir / 'tokenizer.model'}")
     if source_paths is not None:
@@ -202,9 +235,12 @@ def stage_timer(timings: dict):
             results = run_tasks(fn, arguments, **kwargs)
         finally:
             timings[desc] = time.perf_counter() - started
-        # The tasks report their worker's peak RSS (the process's maximum so far); kept aside, not a stage time.
+        # The tasks report their worker's peak RSS (the process's maximum so far); kept aside, not a
+        # stage time.
         flat = [r for result in results for r in (result if isinstance(result, list) else [result])]
-        timings.setdefault("_rss", {})[desc] = max((r.get("peak_rss_mb", 0.0) for r in flat), default=0.0)
+        timings.setdefault("_rss", {})[desc] = max(
+            (r.get("peak_rss_mb", 0.0) for r in flat), default=0.0
+        )
         # CPU seconds of the stage's tasks, per worker process: the busiest worker's is the stage's
         # length on a machine where nothing else runs.
         per_worker: Counter = Counter()
@@ -248,9 +284,12 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     from pipeline.sources import expand_paths, plan_units, source_list, stream_chunks
     from pipeline.work import MONO, PAIRS, scan_unit, unique_records
 
-    units = [chunk for index, source in enumerate(source_list(cfg))
-             for unit in plan_units(expand_paths(source), source, cfg.unit_bytes, index)
-             for chunk in (stream_chunks(unit, cfg.unit_bytes) if unit.stream else [unit])]
+    units = [
+        chunk
+        for index, source in enumerate(source_list(cfg))
+        for unit in plan_units(expand_paths(source), source, cfg.unit_bytes, index)
+        for chunk in (stream_chunks(unit, cfg.unit_bytes) if unit.stream else [unit])
+    ]
     for index, unit in enumerate(units):
         scan_unit(index, unit, cfg, str(work_dir))
     unit_sources = [unit.source for unit in units]
@@ -260,7 +299,12 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
         for split in SPLITS:
             for bucket in range(cfg.shard.buckets):
                 family = MONO if dataset == "packed" else PAIRS
-                lines = [line.decode("utf-8") for _, line in unique_records(str(work_dir), unit_sources, family, split, bucket, stats)]
+                lines = [
+                    line.decode("utf-8")
+                    for _, line in unique_records(
+                        str(work_dir), unit_sources, family, split, bucket, stats
+                    )
+                ]
                 if dataset == "packed":
                     texts.extend(lines)
                 else:
@@ -285,8 +329,14 @@ def bench_encode(texts: list[str], model_path: Path, num_threads: int, repeats: 
     return {"seconds": statistics.median(seconds), "tokens": tokens, "texts": len(texts)}
 
 
-def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: bool,
-                  source_paths: list[str] | None, tmp: Path) -> dict:
+def bench_prepare(
+    data_dir: Path,
+    workers: list[int],
+    repeats: int,
+    train_run: bool,
+    source_paths: list[str] | None,
+    tmp: Path,
+) -> dict:
     from pipeline.format import read_manifest
 
     reference_manifest = read_manifest(data_dir)
@@ -296,48 +346,79 @@ def bench_prepare(data_dir: Path, workers: list[int], repeats: int, train_run: b
     shutil.rmtree(tmp / "scan", ignore_errors=True)
     baseline = bench_encode(texts, data_dir / "tokenizer.model", 1, max(repeats, 3))
     baseline_all = bench_encode(texts, data_dir / "tokenizer.model", -1, max(repeats, 3))
-    print(f"sp.encode of the encode stage's {len(texts):,} texts ({baseline['tokens']:,} tokens): "
-          f"1 thread {baseline['seconds']:.2f} s, library default threads {baseline_all['seconds']:.2f} s", flush=True)
+    print(
+        f"sp.encode of the encode stage's {len(texts):,} texts ({baseline['tokens']:,} tokens): "
+        f"1 thread {baseline['seconds']:.2f} s, library default threads {baseline_all['seconds']:.2f} s",
+        flush=True,
+    )
 
     runs: dict[str, list[dict]] = {}
     for repeat in range(repeats):
         for num_workers in workers:  # alternate worker counts, like the loader runs
-            cfg = prepare_config(data_dir, tmp / f"out-{num_workers}", num_workers, True, source_paths)
+            cfg = prepare_config(
+                data_dir, tmp / f"out-{num_workers}", num_workers, True, source_paths
+            )
             result = run_prepare(cfg)
             # A --quick subset cannot match the full dataset: None means not checked.
-            result["identical"] = None if source_paths is not None else shard_digests(result["manifest"]) == reference
+            result["identical"] = (
+                None if source_paths is not None else shard_digests(result["manifest"]) == reference
+            )
             result["digests"] = shard_digests(result["manifest"])
             runs.setdefault(f"{num_workers}", []).append(result)
             timings = result["timings"]
-            print(f"prepare ray.num_workers={num_workers} (fixed tokenizer), repeat {repeat + 1}: "
-                  f"wall {timings['wall']:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()
-                                                                if k != "wall" and not k.startswith("_"))
-                  + ("; SHARDS DIFFER from the dataset's" if result["identical"] is False else ""), flush=True)
+            print(
+                f"prepare ray.num_workers={num_workers} (fixed tokenizer), repeat {repeat + 1}: "
+                f"wall {timings['wall']:.1f} s, "
+                + ", ".join(
+                    f"{k} {v:.1f} s"
+                    for k, v in timings.items()
+                    if k != "wall" and not k.startswith("_")
+                )
+                + ("; SHARDS DIFFER from the dataset's" if result["identical"] is False else ""),
+                flush=True,
+            )
     trained = None
     if train_run:
         cfg = prepare_config(data_dir, tmp / "out-trained", workers[-1], False, source_paths)
         trained = run_prepare(cfg)
         trained["identical"] = shard_digests(trained["manifest"]) == reference
-        print(f"prepare ray.num_workers={workers[-1]} (tokenizer trained): wall {trained['timings']['wall']:.1f} s",
-              flush=True)
-    return {"texts": len(texts), "baseline": baseline, "baseline_all_threads": baseline_all, "runs": runs,
-            "trained": trained, "trained_workers": workers[-1],
-            "source_change": source_change(reference_manifest, next(iter(runs.values()))[0]["manifest"])}
+        print(
+            f"prepare ray.num_workers={workers[-1]} (tokenizer trained): wall {trained['timings']['wall']:.1f} s",
+            flush=True,
+        )
+    return {
+        "texts": len(texts),
+        "baseline": baseline,
+        "baseline_all_threads": baseline_all,
+        "runs": runs,
+        "trained": trained,
+        "trained_workers": workers[-1],
+        "source_change": source_change(
+            reference_manifest, next(iter(runs.values()))[0]["manifest"]
+        ),
+    }
 
 
 def source_change(reference: dict, run: dict) -> str:
     """Why a run's shards can differ from the dataset's though the code is the same: other input."""
-    counts = [(key, reference["sources"].get(key), run["sources"].get(key)) for key in ("files", "records")]
+    counts = [
+        (key, reference["sources"].get(key), run["sources"].get(key))
+        for key in ("files", "records")
+    ]
     changed = [f"{key} {then:,} -> {now:,}" for key, then, now in counts if then != now]
     if changed:
-        return "the source files changed since the dataset was prepared (" + ", ".join(changed) + ")"
+        return (
+            "the source files changed since the dataset was prepared (" + ", ".join(changed) + ")"
+        )
     return "same source files and records: the dataset was prepared by other code (e.g. before doc_starts existed)"
 
 
 # ---------------------------------------------------------------- scale
 
 
-SCALE_RECORDS = 28_000  # records per 1x: about the default corpus's encode-stage tokens (20x: about 46 M)
+SCALE_RECORDS = (
+    28_000  # records per 1x: about the default corpus's encode-stage tokens (20x: about 46 M)
+)
 RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share out
 
 
@@ -353,7 +434,9 @@ def corpus_pairs(cfg) -> list[tuple[str, str]]:
     return list(pairs)
 
 
-def synthetic_corpus(pairs: list[tuple[str, str]], records: int, directory: Path, seed: int = 0) -> list[str]:
+def synthetic_corpus(
+    pairs: list[tuple[str, str]], records: int, directory: Path, seed: int = 0
+) -> list[str]:
     """`records` jsonl records, each two pairs drawn by a seeded sampler and joined; written in files of RECORDS_PER_FILE."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -363,12 +446,17 @@ def synthetic_corpus(pairs: list[tuple[str, str]], records: int, directory: Path
         with open(path, "w", encoding="utf-8") as fh:
             for _ in range(min(RECORDS_PER_FILE, records - start)):
                 (s1, t1), (s2, t2) = rng.choice(pairs), rng.choice(pairs)
-                fh.write(json.dumps({"text": f"{s1} {s2}", "target": f"{t1} {t2}"}, ensure_ascii=False) + "\n")
+                fh.write(
+                    json.dumps({"text": f"{s1} {s2}", "target": f"{t1} {t2}"}, ensure_ascii=False)
+                    + "\n"
+                )
         paths.append(str(path))
     return paths
 
 
-def bench_scale(data_dir: Path, scales: list[int], per_x: int, num_workers: int, tmp: Path) -> list[dict]:
+def bench_scale(
+    data_dir: Path, scales: list[int], per_x: int, num_workers: int, tmp: Path
+) -> list[dict]:
     base = prepare_config(data_dir, tmp / "scale-out", num_workers, True, None)
     pairs = corpus_pairs(base)
     rows = []
@@ -376,34 +464,52 @@ def bench_scale(data_dir: Path, scales: list[int], per_x: int, num_workers: int,
         corpus = tmp / f"scale-{scale}x"
         paths = synthetic_corpus(pairs, per_x * scale, corpus)
         cfg = prepare_config(data_dir, tmp / "scale-out", num_workers, True, paths)
-        cfg.source.format, cfg.source.text_field, cfg.source.target_field = "jsonl", "text", "target"
+        cfg.source.format, cfg.source.text_field, cfg.source.target_field = (
+            "jsonl",
+            "text",
+            "target",
+        )
         result = run_prepare(cfg)
         shutil.rmtree(corpus, ignore_errors=True)
         manifest, timings = result["manifest"], result["timings"]
         tokens = sum(d["stats"].get("tokens", 0) for d in manifest["datasets"].values())
-        row = {"scale": scale, "records": per_x * scale, "tokens": tokens, "wall": timings["wall"],
-               "scan": timings.get("scan", 0.0), "encode": timings.get("encode", 0.0),
-               "ray": timings.get("ray_start", 0.0) + timings.get("ray_stop", 0.0), "rss": timings.get("_rss", {})}
+        row = {
+            "scale": scale,
+            "records": per_x * scale,
+            "tokens": tokens,
+            "wall": timings["wall"],
+            "scan": timings.get("scan", 0.0),
+            "encode": timings.get("encode", 0.0),
+            "ray": timings.get("ray_start", 0.0) + timings.get("ray_stop", 0.0),
+            "rss": timings.get("_rss", {}),
+        }
         rows.append(row)
-        print(f"scale {scale}x: {row['records']:,} records, {tokens:,} tokens written, wall {row['wall']:.1f} s "
-              f"(scan {row['scan']:.1f}, encode {row['encode']:.1f}, Ray start+stop {row['ray']:.1f}), peak RSS per worker "
-              f"scan {row['rss'].get('scan', 0):.0f} MB, encode {row['rss'].get('encode', 0):.0f} MB", flush=True)
+        print(
+            f"scale {scale}x: {row['records']:,} records, {tokens:,} tokens written, wall {row['wall']:.1f} s "
+            f"(scan {row['scan']:.1f}, encode {row['encode']:.1f}, Ray start+stop {row['ray']:.1f}), peak RSS per worker "
+            f"scan {row['rss'].get('scan', 0):.0f} MB, encode {row['rss'].get('encode', 0):.0f} MB",
+            flush=True,
+        )
     return rows
 
 
 def scale_table(rows: list[dict], num_workers: int) -> str:
-    lines = [f"Scale: synthetic jsonl pairs from the default corpus, {num_workers} Ray workers, fixed tokenizer; "
-             "tokens = tokens written to shards (packed + translation); tokens/s over the scan + encode stages "
-             "(Ray start/stop excluded) and over the wall",
-             "",
-             "| size | records | tokens | wall s | scan s | encode s | tokens/s, stages | tokens/s, wall | "
-             "peak RSS per worker, scan / encode (MB) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Scale: synthetic jsonl pairs from the default corpus, {num_workers} Ray workers, fixed tokenizer; "
+        "tokens = tokens written to shards (packed + translation); tokens/s over the scan + encode stages "
+        "(Ray start/stop excluded) and over the wall",
+        "",
+        "| size | records | tokens | wall s | scan s | encode s | tokens/s, stages | tokens/s, wall | "
+        "peak RSS per worker, scan / encode (MB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         stages = row["scan"] + row["encode"]
-        lines.append(f"| {row['scale']}x | {row['records']:,} | {row['tokens']:,} | {row['wall']:.1f} | {row['scan']:.1f} | "
-                     f"{row['encode']:.1f} | {_rate(row['tokens'] / stages)} | {_rate(row['tokens'] / row['wall'])} | "
-                     f"{row['rss'].get('scan', 0):.0f} / {row['rss'].get('encode', 0):.0f} |")
+        lines.append(
+            f"| {row['scale']}x | {row['records']:,} | {row['tokens']:,} | {row['wall']:.1f} | {row['scan']:.1f} | "
+            f"{row['encode']:.1f} | {_rate(row['tokens'] / stages)} | {_rate(row['tokens'] / row['wall'])} | "
+            f"{row['rss'].get('scan', 0):.0f} / {row['rss'].get('encode', 0):.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -421,19 +527,29 @@ def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
 
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 10))) for _ in range(BIG_WORDS)]
+    words = [
+        "".join(rng.choice(letters) for _ in range(rng.randint(1, 10))) for _ in range(BIG_WORDS)
+    ]
     cumulative = list(itertools.accumulate(1 / (rank + 1) for rank in range(BIG_WORDS)))
     target = compressed_mb * 1e6
     documents = raw = 0
     earlier: list[str] = []
-    with open(path, "wb") as fh, zstandard.ZstdCompressor(level=3).stream_writer(fh, closefd=False) as out:
+    with (
+        open(path, "wb") as fh,
+        zstandard.ZstdCompressor(level=3).stream_writer(fh, closefd=False) as out,
+    ):
         while fh.tell() < target:
             batch = []
             for _ in range(2000):
                 if earlier and rng.random() < BIG_REPEATS:
                     line = rng.choice(earlier)
                 else:
-                    text = " ".join(rng.choices(words, cum_weights=cumulative, k=rng.randint(20, 400))).capitalize() + "."
+                    text = (
+                        " ".join(
+                            rng.choices(words, cum_weights=cumulative, k=rng.randint(20, 400))
+                        ).capitalize()
+                        + "."
+                    )
                     line = json.dumps({"text": text, "url": f"https://example.org/{documents}"})
                     if len(earlier) < 5000:
                         earlier.append(line)
@@ -447,8 +563,8 @@ def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
 
 
 def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path) -> dict:
-    from pipeline.config import PrepareConfig
     from common.configure import load_config
+    from pipeline.config import PrepareConfig
     from pipeline.readers import read_unit
     from pipeline.sources import Unit, source_list
     from pipeline.tokenizer import train_tokenizer
@@ -456,15 +572,31 @@ def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path
     path = tmp / "web.jsonl.zst"
     started = time.perf_counter()
     corpus = big_jsonl_zst(path, compressed_mb)
-    print(f"big file: {corpus['documents']:,} documents, {corpus['decompressed'] / 1e6:.0f} MB, "
-          f"{corpus['compressed'] / 1e6:.1f} MB as jsonl.zst, generated in {time.perf_counter() - started:.0f} s", flush=True)
+    print(
+        f"big file: {corpus['documents']:,} documents, {corpus['decompressed'] / 1e6:.0f} MB, "
+        f"{corpus['compressed'] / 1e6:.1f} MB as jsonl.zst, generated in {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
 
     def config(output: Path, workers: int, model: str = ""):
-        overrides = [f"output_dir={output}", "overwrite=true", "progress=false", "tasks=[causal_lm]",
-                     "source.format=jsonl", f"source.paths=[{path}]", "seq_len=1024", f"ray.num_workers={workers}",
-                     f"unit_bytes={int(unit_mb * (1 << 20))}", "tokenizer.vocab_size=8000", "shard.buckets=8",
-                     "split.valid=0.005", "split.test=0.005"]
-        return load_config(PrepareConfig, None, overrides + ([f"tokenizer.model_path={model}"] if model else []))
+        overrides = [
+            f"output_dir={output}",
+            "overwrite=true",
+            "progress=false",
+            "tasks=[causal_lm]",
+            "source.format=jsonl",
+            f"source.paths=[{path}]",
+            "seq_len=1024",
+            f"ray.num_workers={workers}",
+            f"unit_bytes={int(unit_mb * (1 << 20))}",
+            "tokenizer.vocab_size=8000",
+            "shard.buckets=8",
+            "split.valid=0.005",
+            "split.test=0.005",
+        ]
+        return load_config(
+            PrepareConfig, None, overrides + ([f"tokenizer.model_path={model}"] if model else [])
+        )
 
     sample_cfg = config(tmp / "unused", 1)
     texts = []
@@ -481,40 +613,58 @@ def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path
             result["digests"] = shard_digests(result["manifest"])
             runs[workers].append(result)
             timings = result["timings"]
-            print(f"big file, ray.num_workers={workers}, repeat {repeat + 1}: scan {timings['scan']:.1f} s, "
-                  f"encode {timings['encode']:.1f} s, wall {timings['wall']:.1f} s, "
-                  f"{result['manifest']['sources']['units']} units", flush=True)
+            print(
+                f"big file, ray.num_workers={workers}, repeat {repeat + 1}: scan {timings['scan']:.1f} s, "
+                f"encode {timings['encode']:.1f} s, wall {timings['wall']:.1f} s, "
+                f"{result['manifest']['sources']['units']} units",
+                flush=True,
+            )
     return {**corpus, "unit_mb": unit_mb, "runs": runs}
 
 
 def big_file_table(result: dict, repeats: int) -> str:
-    one, two = result["runs"][1], result["runs"][2]
-    stages = {workers: statistics.median(r["timings"]["scan"] + r["timings"]["encode"] for r in runs)
-              for workers, runs in result["runs"].items()}
+    one = result["runs"][1]
+    stages = {
+        workers: statistics.median(r["timings"]["scan"] + r["timings"]["encode"] for r in runs)
+        for workers, runs in result["runs"].items()
+    }
     tokens = one[0]["manifest"]["datasets"]["packed"]["stats"]["tokens"]
-    lines = [f"One jsonl.zst of {result['compressed'] / 1e6:.1f} MB ({result['decompressed'] / 1e6:.0f} MB decompressed, "
-             f"{result['documents']:,} documents), causal_lm, seq_len 1024, fixed tokenizer of 8,000 pieces, "
-             f"chunks of {result['unit_mb']:g} MiB decompressed ({one[0]['manifest']['sources']['units']} units); "
-             f"median of {repeats}; {tokens:,} tokens",
-             "",
-             "| Ray workers | scan s | encode s | scan + encode s | speed-up, scan + encode | wall s |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"One jsonl.zst of {result['compressed'] / 1e6:.1f} MB ({result['decompressed'] / 1e6:.0f} MB decompressed, "
+        f"{result['documents']:,} documents), causal_lm, seq_len 1024, fixed tokenizer of 8,000 pieces, "
+        f"chunks of {result['unit_mb']:g} MiB decompressed ({one[0]['manifest']['sources']['units']} units); "
+        f"median of {repeats}; {tokens:,} tokens",
+        "",
+        "| Ray workers | scan s | encode s | scan + encode s | speed-up, scan + encode | wall s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for workers, runs in result["runs"].items():
-        lines.append(f"| {workers} | {_median_timing(runs, 'scan'):.1f} | {_median_timing(runs, 'encode'):.1f} | "
-                     f"{stages[workers]:.1f} | {stages[1] / stages[workers]:.2f}x | {_median_timing(runs, 'wall'):.1f} |")
+        lines.append(
+            f"| {workers} | {_median_timing(runs, 'scan'):.1f} | {_median_timing(runs, 'encode'):.1f} | "
+            f"{stages[workers]:.1f} | {stages[1] / stages[workers]:.2f}x | {_median_timing(runs, 'wall'):.1f} |"
+        )
     digests = [r["digests"] for runs in result["runs"].values() for r in runs]
-    lines.append(f"(target: 2 workers >= 1.7x one over scan + encode; shards of every run identical: "
-                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'})")
-    # The same stages in CPU seconds of the tasks: what each worker did, whatever else ran on the machine.
-    lines += ["", "| Ray workers | scan: task CPU s per worker | encode: task CPU s per worker | "
-              "busiest worker, scan + encode | speed-up by busiest worker's CPU s |", "|---:|---:|---:|---:|---:|"]
+    lines.append(
+        f"(target: 2 workers >= 1.7x one over scan + encode; shards of every run identical: "
+        f"{'yes' if all(d == digests[0] for d in digests) else 'NO'})"
+    )
+    # The same stages in CPU seconds of the tasks: what each worker did, whatever else ran on the
+    # machine.
+    lines += [
+        "",
+        "| Ray workers | scan: task CPU s per worker | encode: task CPU s per worker | "
+        "busiest worker, scan + encode | speed-up by busiest worker's CPU s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     busiest = {}
     for workers, runs in result["runs"].items():
         cpu = runs[0]["timings"]["_cpu"]
         busiest[workers] = max(cpu["scan"].values()) + max(cpu["encode"].values())
-        lines.append(f"| {workers} | {', '.join(f'{v:.1f}' for v in sorted(cpu['scan'].values(), reverse=True))} | "
-                     f"{', '.join(f'{v:.1f}' for v in sorted(cpu['encode'].values(), reverse=True))} | "
-                     f"{busiest[workers]:.1f} | {busiest[1] / busiest[workers]:.2f}x |")
+        lines.append(
+            f"| {workers} | {', '.join(f'{v:.1f}' for v in sorted(cpu['scan'].values(), reverse=True))} | "
+            f"{', '.join(f'{v:.1f}' for v in sorted(cpu['encode'].values(), reverse=True))} | "
+            f"{busiest[workers]:.1f} | {busiest[1] / busiest[workers]:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -542,8 +692,10 @@ def loader_table(rows: list[dict], repeats: int) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        lines.append(f"| {row['num_workers']} | {row['ours'] / 1e6:.3f} | {row['bare'] / 1e6:.3f} | "
-                     f"{row['ratio']:.2f}x | {row['ratio_best']:.2f}x | {row['ours_first_ms']:.0f} | {row['bare_first_ms']:.0f} |")
+        lines.append(
+            f"| {row['num_workers']} | {row['ours'] / 1e6:.3f} | {row['bare'] / 1e6:.3f} | "
+            f"{row['ratio']:.2f}x | {row['ratio_best']:.2f}x | {row['ours_first_ms']:.0f} | {row['bare_first_ms']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -559,29 +711,44 @@ def prepare_table(result: dict, repeats: int) -> str:
     ]
     for workers, runs in result["runs"].items():
         wall, encode = _median_timing(runs, "wall"), _median_timing(runs, "encode")
-        lines.append(f"| prepare, {workers} Ray worker{'s' if workers != '1' else ''}, fixed tokenizer | {wall:.1f} | "
-                     f"{encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |")
+        lines.append(
+            f"| prepare, {workers} Ray worker{'s' if workers != '1' else ''}, fixed tokenizer | {wall:.1f} | "
+            f"{encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |"
+        )
     if result["trained"] is not None:
         wall = result["trained"]["timings"]["wall"]
         encode = result["trained"]["timings"].get("encode", 0.0)
-        lines.append(f"| prepare, {result['trained_workers']} Ray workers, tokenizer trained (as shipped) | "
-                     f"{wall:.1f} | {encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |")
-    for label, baseline in (("sp.encode, 1 process, 1 thread", result["baseline"]),
-                            ("sp.encode, 1 process, library default threads", result["baseline_all_threads"])):
-        lines.append(f"| {label} | | {baseline['seconds']:.2f} | | {_rate(tokens / baseline['seconds'])} |")
+        lines.append(
+            f"| prepare, {result['trained_workers']} Ray workers, tokenizer trained (as shipped) | "
+            f"{wall:.1f} | {encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |"
+        )
+    for label, baseline in (
+        ("sp.encode, 1 process, 1 thread", result["baseline"]),
+        ("sp.encode, 1 process, library default threads", result["baseline_all_threads"]),
+    ):
+        lines.append(
+            f"| {label} | | {baseline['seconds']:.2f} | | {_rate(tokens / baseline['seconds'])} |"
+        )
     sp_rate = tokens / result["baseline"]["seconds"]
-    lines += ["", "| Ray workers | encode stage s | tokens/s per worker | / sp.encode 1 thread | "
-              "speed-up over 1 worker | Ray start s | Ray stop s | peak RSS per worker, scan / encode (MB) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| Ray workers | encode stage s | tokens/s per worker | / sp.encode 1 thread | "
+        "speed-up over 1 worker | Ray start s | Ray stop s | peak RSS per worker, scan / encode (MB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     one = _median_timing(result["runs"]["1"], "encode") if "1" in result["runs"] else None
     for workers, runs in result["runs"].items():
         encode = _median_timing(runs, "encode")
         per_worker = tokens / (encode * int(workers))
         rss = runs[0]["timings"].get("_rss", {})
-        lines.append(f"| {workers} | {encode:.2f} | {_rate(per_worker)} | {per_worker / sp_rate:.2f} | "
-                     f"{(one / encode) if one else float('nan'):.2f}x | {_median_timing(runs, 'ray_start'):.2f} | "
-                     f"{_median_timing(runs, 'ray_stop'):.2f} | {rss.get('scan', 0):.0f} / {rss.get('encode', 0):.0f} |")
-    lines.append("(targets: >= 1.0 M tokens/s per worker, >= 0.40 of sp.encode on 1 thread, 2 workers >= 1.8x one)")
+        lines.append(
+            f"| {workers} | {encode:.2f} | {_rate(per_worker)} | {per_worker / sp_rate:.2f} | "
+            f"{(one / encode) if one else float('nan'):.2f}x | {_median_timing(runs, 'ray_start'):.2f} | "
+            f"{_median_timing(runs, 'ray_stop'):.2f} | {rss.get('scan', 0):.0f} / {rss.get('encode', 0):.0f} |"
+        )
+    lines.append(
+        "(targets: >= 1.0 M tokens/s per worker, >= 0.40 of sp.encode on 1 thread, 2 workers >= 1.8x one)"
+    )
     return "\n".join(lines)
 
 
@@ -589,22 +756,36 @@ def stage_breakdown(result: dict) -> str:
     parts = []
     for workers, runs in result["runs"].items():
         keys = _stage_keys(runs[0]["timings"])
-        other = statistics.median(r["timings"]["wall"] - sum(r["timings"][k] for k in keys) for r in runs)
+        other = statistics.median(
+            r["timings"]["wall"] - sum(r["timings"][k] for k in keys) for r in runs
+        )
         detail = ", ".join(f"{k} {_median_timing(runs, k):.1f}" for k in keys)
         checks = {r["identical"] for r in runs}
-        identical = "not checked (--quick subset)" if checks == {None} else ("yes" if checks == {True} else "NO")
-        parts.append(f"  {workers} worker(s): {detail}, other (plan, manifest, publish) {other:.1f} s; "
-                     f"shards identical to the dataset's: {identical}")
+        identical = (
+            "not checked (--quick subset)"
+            if checks == {None}
+            else ("yes" if checks == {True} else "NO")
+        )
+        parts.append(
+            f"  {workers} worker(s): {detail}, other (plan, manifest, publish) {other:.1f} s; "
+            f"shards identical to the dataset's: {identical}"
+        )
     if result["trained"] is not None:
         timings = result["trained"]["timings"]
         between = timings["wall"] - sum(timings[k] for k in _stage_keys(timings))
-        parts.append(f"  trained tokenizer: outside the Ray stages (tokenizer training, manifest) {between:.1f} s; "
-                     f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}")
+        parts.append(
+            f"  trained tokenizer: outside the Ray stages (tokenizer training, manifest) {between:.1f} s; "
+            f"shards identical to the dataset's: {'yes' if result['trained']['identical'] else 'NO'}"
+        )
     digests = [r["digests"] for runs in result["runs"].values() for r in runs]
-    parts.append(f"  shards of every run identical to each other (1 and 2 workers, all repeats): "
-                 f"{'yes' if all(d == digests[0] for d in digests) else 'NO'}")
+    parts.append(
+        f"  shards of every run identical to each other (1 and 2 workers, all repeats): "
+        f"{'yes' if all(d == digests[0] for d in digests) else 'NO'}"
+    )
     if any(r["identical"] is False for runs in result["runs"].values() for r in runs):
-        parts.append(f"  why the dataset's shards differ: {result['source_change']}; prepare it again to compare")
+        parts.append(
+            f"  why the dataset's shards differ: {result['source_change']}; prepare it again to compare"
+        )
     return "Prepare stage medians (s):\n" + "\n".join(parts)
 
 
@@ -615,28 +796,52 @@ def machine_line() -> str:
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg()[0]
-    return (f"{cpus}-core machine (load average {load:.2f} at start), {platform.processor() or platform.machine()}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, webdataset {webdataset.__version__}, "
-            f"ray {ray.__version__}, sentencepiece {sentencepiece.__version__}")
+    return (
+        f"{cpus}-core machine (load average {load:.2f} at start), {platform.processor() or platform.machine()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, webdataset {webdataset.__version__}, "
+        f"ray {ray.__version__}, sentencepiece {sentencepiece.__version__}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed loader runs per setting (default 7; 2 with --quick)")
-    parser.add_argument("--prepare-repeats", type=int, default=None,
-                        help="prepare runs per worker count (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed loader runs per setting (default 7; 2 with --quick)",
+    )
+    parser.add_argument(
+        "--prepare-repeats",
+        type=int,
+        default=None,
+        help="prepare runs per worker count (default 3; 1 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument("--scale", default="", help="synthetic corpus sizes, e.g. 1,10,20 (x the default corpus)")
+    parser.add_argument(
+        "--scale", default="", help="synthetic corpus sizes, e.g. 1,10,20 (x the default corpus)"
+    )
     parser.add_argument("--skip-loader", action="store_true", help="prepare figures only")
-    parser.add_argument("--big-file", type=float, default=0.0,
-                        help="instead: one generated jsonl.zst of this many MB compressed, 1 vs 2 workers")
-    parser.add_argument("--unit-mb", type=float, default=16.0,
-                        help="with --big-file: unit_bytes in MiB, the decompressed chunks (default %(default)s)")
+    parser.add_argument(
+        "--big-file",
+        type=float,
+        default=0.0,
+        help="instead: one generated jsonl.zst of this many MB compressed, 1 vs 2 workers",
+    )
+    parser.add_argument(
+        "--unit-mb",
+        type=float,
+        default=16.0,
+        help="with --big-file: unit_bytes in MiB, the decompressed chunks (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.big_file:
-        command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]])
+        command = "python " + " ".join(
+            shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]]
+        )
         header = machine_line()
         print(header, flush=True)
         repeats = args.prepare_repeats or 1
@@ -651,20 +856,33 @@ def main(argv: list[str] | None = None) -> int:
     prepare_repeats = args.prepare_repeats or (1 if args.quick else 3)
     data_dir = args.data.resolve()
     if not (data_dir / "manifest.json").is_file():
-        print(f"bench_data: no prepared dataset at {data_dir} (no manifest.json); make it with: "
-              "python -m pipeline.prepare configs/prepare_gettext_en_de.yaml", file=sys.stderr)
+        print(
+            f"bench_data: no prepared dataset at {data_dir} (no manifest.json); make it with: "
+            "python -m pipeline.prepare configs/prepare_gettext_en_de.yaml",
+            file=sys.stderr,
+        )
         return 2
     if not (data_dir / "config.yaml").is_file() or not (data_dir / "tokenizer.model").is_file():
-        print(f"bench_data: {data_dir} lacks config.yaml or tokenizer.model; prepare it again", file=sys.stderr)
+        print(
+            f"bench_data: {data_dir} lacks config.yaml or tokenizer.model; prepare it again",
+            file=sys.stderr,
+        )
         return 2
 
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]])
+    command = "python " + " ".join(
+        shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]]
+    )
     header = machine_line()
     print(header, flush=True)
     started = time.perf_counter()
 
-    loader_rows = None if args.skip_loader else bench_loader(
-        data_dir, [0, 1] if args.quick else [0, 1, 2], repeats, 40 if args.quick else None)
+    loader_rows = (
+        None
+        if args.skip_loader
+        else bench_loader(
+            data_dir, [0, 1] if args.quick else [0, 1, 2], repeats, 40 if args.quick else None
+        )
+    )
 
     source_paths = None
     if args.quick:
@@ -672,8 +890,14 @@ def main(argv: list[str] | None = None) -> int:
 
         source_paths = expand_paths(prepare_config(data_dir, data_dir, 1, True, None).source)[:8]
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
-        prepare_result = bench_prepare(data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp))
-        scale_rows = bench_scale(data_dir, scales, 2_000 if args.quick else SCALE_RECORDS, 2, Path(tmp)) if scales else None
+        prepare_result = bench_prepare(
+            data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp)
+        )
+        scale_rows = (
+            bench_scale(data_dir, scales, 2_000 if args.quick else SCALE_RECORDS, 2, Path(tmp))
+            if scales
+            else None
+        )
 
     total = time.perf_counter() - started
     print()
@@ -689,7 +913,10 @@ def main(argv: list[str] | None = None) -> int:
     if scale_rows:
         print(scale_table(scale_rows, 2))
         print()
-    print(f"Benchmark wall time {total:.0f} s. Command: `{command}`" + (" (quick: smoke sizes)" if args.quick else ""))
+    print(
+        f"Benchmark wall time {total:.0f} s. Command: `{command}`"
+        + (" (quick: smoke sizes)" if args.quick else "")
+    )
     return 0
 
 

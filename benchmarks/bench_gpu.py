@@ -74,8 +74,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CONFIG = ROOT / "configs" / "gpt2_small.yaml"
-TINY = dict(overrides=["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=256",
-                       "model.max_seq_len=64", "data.micro_batch_size=2", "grad_accum=1"], steps=2, loss_reps=2)
+TINY = dict(
+    overrides=[
+        "model.d_model=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.d_ff=256",
+        "model.max_seq_len=64",
+        "data.micro_batch_size=2",
+        "grad_accum=1",
+    ],
+    steps=2,
+    loss_reps=2,
+)
 MFU_TARGET = 0.45  # GPT-2 124M, bf16, one H100, llm.c's count
 BATCHES = 4  # distinct micro batches, cycled
 
@@ -141,7 +152,9 @@ class PeakMemory:
 # ---------------------------------------------------------------- one configuration
 
 
-def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[dict], adamw: str | None = None) -> dict:
+def run_config(
+    cfg, stage: int, args: argparse.Namespace, device, batches: list[dict], adamw: str | None = None
+) -> dict:
     """Train `args.warmup` + `args.steps` optimizer steps of a fresh model under ZeRO `stage`; the
     engine and its model are gone when this returns (collected before the next configuration)."""
     import dataclasses
@@ -157,7 +170,9 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
     task = TASKS[cfg.task]
     cuda = device.type == "cuda"
     with PeakMemory(cuda) as memory:
-        timed = _train(cfg, plan, args, device, [task.to_device(inputs, device) for inputs in batches], adamw)
+        timed = _train(
+            cfg, plan, args, device, [task.to_device(inputs, device) for inputs in batches], adamw
+        )
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -165,16 +180,25 @@ def run_config(cfg, stage: int, args: argparse.Namespace, device, batches: list[
     tokens = sum(task.tokens(inputs) for inputs in host)
     seq_len = host[0]["input_ids"].shape[1]
     return {
-        "vocab_size": cfg.model.vocab_size, "zero_stage": stage, "adamw": adamw or "build_optimizer's",
+        "vocab_size": cfg.model.vocab_size,
+        "zero_stage": stage,
+        "adamw": adamw or "build_optimizer's",
         "micro_batch_size": plan.micro_batch_size,
-        "grad_accum": plan.grad_accum, "seq_len": seq_len, **timed, "tokens": tokens,
+        "grad_accum": plan.grad_accum,
+        "seq_len": seq_len,
+        **timed,
+        "tokens": tokens,
         "flops": sum(task.flops(cfg.model, inputs) for inputs in host),
         "flops_llmc": tokens * llmc_flops_per_token(cfg.model, timed["parameters"], seq_len),
-        "peak_memory_bytes": memory.peak, "memory_before_bytes": memory.before, "memory_kind": memory.what,
+        "peak_memory_bytes": memory.peak,
+        "memory_before_bytes": memory.before,
+        "memory_kind": memory.what,
     }
 
 
-def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], adamw: str | None = None) -> dict:
+def _train(
+    cfg, plan, args: argparse.Namespace, device, on_device: list[dict], adamw: str | None = None
+) -> dict:
     """The engine as launch.train.setup.build_engine builds it, and the timed micro batches."""
     import torch
 
@@ -194,14 +218,18 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], a
     if args.compile:
         from launch.train.setup import compile_model
 
-        compile_model(model)  # the trainer's own: the blocks compiled, the loss and embeddings eager
+        # the trainer's own: the blocks compiled, the loss and embeddings eager
+        compile_model(model)
     engine = Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan))
     if engine.device.type != device.type:
-        raise RuntimeError(f"DeepSpeed put the model on {engine.device}, the benchmark measures {device}")
+        raise RuntimeError(
+            f"DeepSpeed put the model on {engine.device}, the benchmark measures {device}"
+        )
 
     def micro_batches(count: int) -> torch.Tensor | None:
         loss = None  # none run (--warmup 0)
-        for index in range(count):  # as launch.train.loop.train_step: forward, backward, step per micro batch
+        # as launch.train.loop.train_step: forward, backward, step per micro batch
+        for index in range(count):
             loss = engine(**on_device[index % len(on_device)]).loss
             engine.backward(loss)
             engine.step()
@@ -213,7 +241,9 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], a
         torch.cuda.synchronize()
     # Before the timed steps, so that its table is of the state they run in; it is printed by main
     # (DeepSpeed's prints go to stderr meanwhile).
-    profile = profile_step(lambda: micro_batches(plan.grad_accum), cuda) if args.profile_step else ""
+    profile = (
+        profile_step(lambda: micro_batches(plan.grad_accum), cuda) if args.profile_step else ""
+    )
     count = args.steps * plan.grad_accum
     start = time.perf_counter()
     loss = micro_batches(count)
@@ -228,17 +258,36 @@ def _train(cfg, plan, args: argparse.Namespace, device, on_device: list[dict], a
     # Engine.describe (which optimizer, inside which DeepSpeed wrapper, accumulating in which dtype)
     # is recent in launch/deepspeed/; without it the row only goes without that note.
     describe = getattr(engine, "describe", None)
-    compiled = [name for name, module in model.named_modules() if hasattr(module.forward, "_torchdynamo_orig_callable")]
-    return {"parameters": n_parameters, "micro_batches": count, "seconds": seconds, "last_loss": float(loss),
-            "compiled": compiled, "profile": profile,
-            "optimizer": describe() if describe else "optimizer: n/a"}
+    compiled = [
+        name
+        for name, module in model.named_modules()
+        if hasattr(module.forward, "_torchdynamo_orig_callable")
+    ]
+    return {
+        "parameters": n_parameters,
+        "micro_batches": count,
+        "seconds": seconds,
+        "last_loss": float(loss),
+        "compiled": compiled,
+        "profile": profile,
+        "optimizer": describe() if describe else "optimizer: n/a",
+    }
 
 
 # ---------------------------------------------------------------- the LM loss alone
 
 
-def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, reps: int, variants: bool = False,
-              profile: bool = False) -> dict:
+def time_loss(
+    vocab: int,
+    rows: int,
+    seq_len: int,
+    d_model: int,
+    dtype,
+    device,
+    reps: int,
+    variants: bool = False,
+    profile: bool = False,
+) -> dict:
     """Forward + backward of the LM loss over (rows, d_model) hidden states, both ways: the
     fused `linear_cross_entropy` and F.linear + `cross_entropy` on materialised logits.
     Milliseconds (median of `reps`) and, on a GPU, the loss's own peak memory."""
@@ -249,9 +298,14 @@ def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, 
 
     generator = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(rows, d_model, generator=generator, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, d_model, generator=generator, device=device) * 0.02).to(dtype).requires_grad_()
+    weight = (
+        (torch.randn(vocab, d_model, generator=generator, device=device) * 0.02)
+        .to(dtype)
+        .requires_grad_()
+    )
     targets = torch.randint(0, vocab, (rows,), generator=generator, device=device)
-    targets[seq_len - 1::seq_len] = IGNORE_INDEX  # as the causal LM's labels: the last position of a block predicts nothing
+    # as the causal LM's labels: the last position of a block predicts nothing
+    targets[seq_len - 1 :: seq_len] = IGNORE_INDEX
     import model.loss as loss_module
 
     ways = {
@@ -277,7 +331,8 @@ def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, 
                     if cuda:
                         torch.cuda.synchronize()
                     elapsed = time.perf_counter() - start
-                if rep:  # the first warms up: kernels, the allocator, the GEMM dtype probe, compiling
+                # the first warms up: kernels, the allocator, the GEMM dtype probe, compiling
+                if rep:
                     times.append(elapsed)
             out[f"{name}_ms"] = 1e3 * statistics.median(times)
             out[f"{name}_peak_bytes"] = memory.peak if cuda else None
@@ -290,7 +345,9 @@ def time_loss(vocab: int, rows: int, seq_len: int, d_model: int, dtype, device, 
     return out
 
 
-def time_attention(batch: int, heads: int, seq_len: int, head_dim: int, dtype, device, reps: int) -> dict:
+def time_attention(
+    batch: int, heads: int, seq_len: int, head_dim: int, dtype, device, reps: int
+) -> dict:
     """Causal SDPA alone, forward + backward of (batch, heads, seq_len, head_dim) queries, keys and
     values, on each of torch's CUDA backends: milliseconds (median of `reps`), or why it cannot run."""
     import torch
@@ -298,11 +355,18 @@ def time_attention(batch: int, heads: int, seq_len: int, head_dim: int, dtype, d
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     generator = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
-               .requires_grad_() for _ in range(3))
+    q, k, v = (
+        torch.randn(
+            batch, heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype
+        ).requires_grad_()
+        for _ in range(3)
+    )
     out = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         times = []
         try:
             with sdpa_kernel([backend]):
@@ -334,7 +398,9 @@ def print_profile(loss_fn, h, weight, cuda: bool) -> None:
         if cuda:
             torch.cuda.synchronize()
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70), flush=True)
+    print(
+        prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70), flush=True
+    )
 
 
 def profile_step(step, cuda: bool) -> str:
@@ -365,8 +431,12 @@ def make_batches(cfg, count: int) -> list[dict]:
     shape = (cfg.data.micro_batch_size, cfg.model.max_seq_len)
     out = []
     for _ in range(count):
-        batch = {"input_ids": torch.randint(len(SPECIAL_TOKENS), cfg.model.vocab_size, shape, generator=generator),
-                 "attention_mask": torch.ones(shape, dtype=torch.long)}
+        batch = {
+            "input_ids": torch.randint(
+                len(SPECIAL_TOKENS), cfg.model.vocab_size, shape, generator=generator
+            ),
+            "attention_mask": torch.ones(shape, dtype=torch.long),
+        }
         if torch.cuda.is_available():
             batch = {key: value.pin_memory() for key, value in batch.items()}
         out.append(TASKS[cfg.task].model_inputs(batch))
@@ -375,17 +445,22 @@ def make_batches(cfg, count: int) -> list[dict]:
 
 def device_line(device, tiny: bool, args: argparse.Namespace) -> str:
     from importlib.metadata import version  # only launch/deepspeed/ imports deepspeed
+
     import torch
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        what = (f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible, "
-                f"CUDA {torch.version.cuda}")
+        what = (
+            f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible, "
+            f"CUDA {torch.version.cuda}"
+        )
     else:
         what = f"cpu: {platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, no CUDA"
     shapes = "tiny shapes (a smoke run: no GPU figures)" if tiny else "gpt2_small shapes"
-    return (f"device: {what}; torch {torch.__version__}, deepspeed {version('deepspeed')}; {shapes}; "
-            f"{args.precision}{', compiled' if args.compile else ''}")
+    return (
+        f"device: {what}; torch {torch.__version__}, deepspeed {version('deepspeed')}; {shapes}; "
+        f"{args.precision}{', compiled' if args.compile else ''}"
+    )
 
 
 def row_figures(r: dict, loss: dict, peak: float) -> dict:
@@ -398,7 +473,8 @@ def row_figures(r: dict, loss: dict, peak: float) -> dict:
         "mfu": r["flops"] / r["seconds"] / peak,
         "mfu_llmc": r["flops_llmc"] / r["seconds"] / peak,
         "ms_per_micro_batch": 1e3 * per_micro,
-        "loss_share": fused / per_micro,  # above 1 only where the machine's load changed between the timings
+        # above 1 only where the machine's load changed between the timings
+        "loss_share": fused / per_micro,
         "loss_share_materialised": materialised / (max(per_micro - fused, 0.0) + materialised),
     }
     r.update(s)
@@ -412,39 +488,78 @@ def gib(n: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (automatic without CUDA)")
-    parser.add_argument("--vocabs", default="50257,8000", help="vocabulary sizes (default: %(default)s)")
+    parser.add_argument(
+        "--vocabs", default="50257,8000", help="vocabulary sizes (default: %(default)s)"
+    )
     parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages (default: %(default)s)")
-    parser.add_argument("--steps", type=int, help="timed optimizer steps (default: 5; 2 with --tiny)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, help="timed optimizer steps (default: 5; 2 with --tiny)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed optimizer steps first (default: %(default)s)"
+    )
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--min-seconds", type=float, default=0.0,
-                        help="time more optimizer steps than --steps until this many seconds (default: %(default)s)")
-    parser.add_argument("--loss-reps", type=int, help="timed repetitions of the loss alone (default: 5; 2 with --tiny)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                        help="torch.compile (inductor) the blocks, as compile: true (default: the config's on a "
-                             "GPU; off with --tiny)")
-    parser.add_argument("--loss-variants", action="store_true",
-                        help="also time the fused loss unpadded and with its eager chunk kernels")
-    parser.add_argument("--profile-loss", action="store_true",
-                        help="print torch.profiler's kernel table of the fused loss at the first vocabulary")
-    parser.add_argument("--profile-step", action="store_true",
-                        help="print the device time of one optimizer step by kernel family, and its top kernels")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="time more optimizer steps than --steps until this many seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--loss-reps",
+        type=int,
+        help="timed repetitions of the loss alone (default: 5; 2 with --tiny)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile (inductor) the blocks, as compile: true (default: the config's on a "
+        "GPU; off with --tiny)",
+    )
+    parser.add_argument(
+        "--loss-variants",
+        action="store_true",
+        help="also time the fused loss unpadded and with its eager chunk kernels",
+    )
+    parser.add_argument(
+        "--profile-loss",
+        action="store_true",
+        help="print torch.profiler's kernel table of the fused loss at the first vocabulary",
+    )
+    parser.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="print the device time of one optimizer step by kernel family, and its top kernels",
+    )
     parser.add_argument("--micro-batch", type=int, help="micro batch size (default: the config's)")
-    parser.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the config's)")
-    parser.add_argument("--adamw", help="comma-separated AdamW implementations, each timed per row and round: "
-                                        "fused, foreach (default: build_optimizer's pick)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds over the --adamw choices (default: %(default)s)")
-    parser.add_argument("--attention-backends", action="store_true",
-                        help="also time causal SDPA alone on each CUDA backend at the rows' shapes")
+    parser.add_argument(
+        "--grad-accum", type=int, help="micro batches per optimizer step (default: the config's)"
+    )
+    parser.add_argument(
+        "--adamw",
+        help="comma-separated AdamW implementations, each timed per row and round: "
+        "fused, foreach (default: build_optimizer's pick)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds over the --adamw choices (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--attention-backends",
+        action="store_true",
+        help="also time causal SDPA alone on each CUDA backend at the rows' shapes",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
 
     import torch
 
     import launch.distributed as dist
+    from common.configure import load_config
     from launch.config import TrainConfig
     from launch.metrics import measure_gemm_flops, peak_flops, set_fp32_matmul
-    from common.configure import load_config
 
     cuda = torch.cuda.is_available()
     tiny = args.tiny or not cuda
@@ -472,95 +587,184 @@ def main(argv: list[str] | None = None) -> int:
         args.compile = shipped.compile and not tiny
     tf32 = set_fp32_matmul(shipped.tf32)  # as launch.train sets it
     peak, source = peak_flops(args.precision, tf32=tf32)
-    print(f"peak: {peak / 1e12:.3f} TFLOP/s ({source}; launch.metrics.peak_flops, as the trainer's MFU)", flush=True)
+    print(
+        f"peak: {peak / 1e12:.3f} TFLOP/s ({source}; launch.metrics.peak_flops, as the trainer's MFU)",
+        flush=True,
+    )
     if cuda:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
         measured = measure_gemm_flops(dtype, 8192, seconds=1.0, device="cuda")
-        print(f"reference: an (8192 x 8192) {args.precision} GEMM runs at {measured / 1e12:.1f} TFLOP/s here "
-              f"({100 * measured / peak:.0f}% of that peak)", flush=True)
+        print(
+            f"reference: an (8192 x 8192) {args.precision} GEMM runs at {measured / 1e12:.1f} TFLOP/s here "
+            f"({100 * measured / peak:.0f}% of that peak)",
+            flush=True,
+        )
 
     results = []
     for vocab in vocabs:
-        overrides = [f"model.vocab_size={vocab}", f"deepspeed.precision={args.precision}", "data.num_workers=0",
-                     f"max_steps={args.warmup + args.steps + 1}", *(TINY["overrides"] if tiny else []),
-                     *([f"data.micro_batch_size={args.micro_batch}"] if args.micro_batch else []),
-                     *([f"grad_accum={args.grad_accum}"] if args.grad_accum else [])]
+        overrides = [
+            f"model.vocab_size={vocab}",
+            f"deepspeed.precision={args.precision}",
+            "data.num_workers=0",
+            f"max_steps={args.warmup + args.steps + 1}",
+            *(TINY["overrides"] if tiny else []),
+            *([f"data.micro_batch_size={args.micro_batch}"] if args.micro_batch else []),
+            *([f"grad_accum={args.grad_accum}"] if args.grad_accum else []),
+        ]
         cfg = load_config(TrainConfig, CONFIG, overrides)
         batches = make_batches(cfg, BATCHES)
         rows = cfg.data.micro_batch_size * cfg.model.max_seq_len
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
-        loss = time_loss(vocab, rows, cfg.model.max_seq_len, cfg.model.d_model, dtype, device, args.loss_reps,
-                         args.loss_variants, args.profile_loss and vocab == vocabs[0])
-        print(f"V={vocab:,}: LM loss alone, forward + backward over {rows:,} rows: fused {loss['fused_ms']:.2f} ms "
-              f"(peak {gib(loss['fused_peak_bytes'])}), materialised logits {loss['materialised_ms']:.2f} ms "
-              f"(peak {gib(loss['materialised_peak_bytes'])})", flush=True)
+        loss = time_loss(
+            vocab,
+            rows,
+            cfg.model.max_seq_len,
+            cfg.model.d_model,
+            dtype,
+            device,
+            args.loss_reps,
+            args.loss_variants,
+            args.profile_loss and vocab == vocabs[0],
+        )
+        print(
+            f"V={vocab:,}: LM loss alone, forward + backward over {rows:,} rows: fused {loss['fused_ms']:.2f} ms "
+            f"(peak {gib(loss['fused_peak_bytes'])}), materialised logits {loss['materialised_ms']:.2f} ms "
+            f"(peak {gib(loss['materialised_peak_bytes'])})",
+            flush=True,
+        )
         if args.loss_variants:
-            print(f"V={vocab:,}: fused loss variants: as run {loss['fused_ms']:.2f} ms (compiled chunk, vocabulary "
-                  f"padded to a multiple of {__import__('model.loss').loss.PAD_VOCAB_MULTIPLE} where compiled), "
-                  f"unpadded {loss['fused_unpadded_ms']:.2f} ms, eager chunk {loss['fused_eager_chunk_ms']:.2f} ms",
-                  flush=True)
+            print(
+                f"V={vocab:,}: fused loss variants: as run {loss['fused_ms']:.2f} ms (compiled chunk, vocabulary "
+                f"padded to a multiple of {__import__('model.loss').loss.PAD_VOCAB_MULTIPLE} where compiled), "
+                f"unpadded {loss['fused_unpadded_ms']:.2f} ms, eager chunk {loss['fused_eager_chunk_ms']:.2f} ms",
+                flush=True,
+            )
         if args.attention_backends:
             heads = cfg.model.n_heads
-            times = time_attention(cfg.data.micro_batch_size, heads, cfg.model.max_seq_len, cfg.model.d_model // heads,
-                                   dtype, device, args.loss_reps)
-            print(f"V={vocab:,}: causal SDPA alone, forward + backward of one layer: "
-                  + ", ".join(f"{name} {t}" for name, t in times.items()), flush=True)
-        runs = [(stage, adamw, round_) for stage in stages for round_ in range(args.rounds) for adamw in adamws]
+            times = time_attention(
+                cfg.data.micro_batch_size,
+                heads,
+                cfg.model.max_seq_len,
+                cfg.model.d_model // heads,
+                dtype,
+                device,
+                args.loss_reps,
+            )
+            print(
+                f"V={vocab:,}: causal SDPA alone, forward + backward of one layer: "
+                + ", ".join(f"{name} {t}" for name, t in times.items()),
+                flush=True,
+            )
+        runs = [
+            (stage, adamw, round_)
+            for stage in stages
+            for round_ in range(args.rounds)
+            for adamw in adamws
+        ]
         for stage, adamw, round_ in runs:
             started = time.time()
-            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's own prints: stdout holds the figures
+            # DeepSpeed's own prints: stdout holds the figures
+            with contextlib.redirect_stdout(sys.stderr):
                 first = round_ == 0 and adamw == adamws[0]  # profiled once per row
-                r = run_config(cfg, stage, argparse.Namespace(**{**vars(args), "profile_step": args.profile_step and first}),
-                               device, batches, adamw)
+                r = run_config(
+                    cfg,
+                    stage,
+                    argparse.Namespace(
+                        **{**vars(args), "profile_step": args.profile_step and first}
+                    ),
+                    device,
+                    batches,
+                    adamw,
+                )
             r["loss"] = loss
             if r["profile"]:
                 print(r["profile"], flush=True)
             if args.compile:
-                print(f"compiled by launch.train.setup.compile_model: the forward of {', '.join(r['compiled'])}", flush=True)
+                print(
+                    f"compiled by launch.train.setup.compile_model: the forward of {', '.join(r['compiled'])}",
+                    flush=True,
+                )
             s = row_figures(r, loss, peak)
-            leftover = f", {gib(r['memory_before_bytes'])} left before it" if r["memory_before_bytes"] > 2**27 else ""
-            print(f"V={vocab:,} ZeRO-{stage}: {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% (ours) "
-                  f"{100 * s['mfu_llmc']:.1f}% (llm.c), peak memory {gib(r['peak_memory_bytes'])} ({r['memory_kind']}"
-                  f"{leftover}), {s['ms_per_micro_batch']:.1f} ms per micro batch, LM loss {100 * s['loss_share']:.1f}% "
-                  f"of it fused ({100 * s['loss_share_materialised']:.1f}% materialised); {r['parameters']:,} "
-                  f"parameters, last loss {r['last_loss']:.3f}; {r['optimizer']}"
-                  f"{f'; AdamW {adamw}, round {round_ + 1}' if adamw else ''}; {time.time() - started:.0f} s", flush=True)
+            leftover = (
+                f", {gib(r['memory_before_bytes'])} left before it"
+                if r["memory_before_bytes"] > 2**27
+                else ""
+            )
+            print(
+                f"V={vocab:,} ZeRO-{stage}: {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% (ours) "
+                f"{100 * s['mfu_llmc']:.1f}% (llm.c), peak memory {gib(r['peak_memory_bytes'])} ({r['memory_kind']}"
+                f"{leftover}), {s['ms_per_micro_batch']:.1f} ms per micro batch, LM loss {100 * s['loss_share']:.1f}% "
+                f"of it fused ({100 * s['loss_share_materialised']:.1f}% materialised); {r['parameters']:,} "
+                f"parameters, last loss {r['last_loss']:.3f}; {r['optimizer']}"
+                f"{f'; AdamW {adamw}, round {round_ + 1}' if adamw else ''}; {time.time() - started:.0f} s",
+                flush=True,
+            )
             results.append(r)
         if len(adamws) > 1:
             for stage in stages:
-                ms = {a: statistics.median(r["ms_per_micro_batch"] for r in results if r["vocab_size"] == vocab
-                                           and r["zero_stage"] == stage and r["adamw"] == a) for a in adamws}
-                print(f"V={vocab:,} ZeRO-{stage}: AdamW, median ms per micro batch over {args.rounds} round(s), "
-                      f"alternating: " + ", ".join(f"{a} {t:.1f}" for a, t in ms.items())
-                      + f"; {adamws[1]} / {adamws[0]} = {ms[adamws[1]] / ms[adamws[0]]:.3f}", flush=True)
+                ms = {
+                    a: statistics.median(
+                        r["ms_per_micro_batch"]
+                        for r in results
+                        if r["vocab_size"] == vocab and r["zero_stage"] == stage and r["adamw"] == a
+                    )
+                    for a in adamws
+                }
+                print(
+                    f"V={vocab:,} ZeRO-{stage}: AdamW, median ms per micro batch over {args.rounds} round(s), "
+                    f"alternating: "
+                    + ", ".join(f"{a} {t:.1f}" for a, t in ms.items())
+                    + f"; {adamws[1]} / {adamws[0]} = {ms[adamws[1]] / ms[adamws[0]]:.3f}",
+                    flush=True,
+                )
     dist.destroy()
 
     r0 = results[0]
     print()
-    timed = f"{args.steps} timed optimizer steps" + (f" (more until {args.min_seconds:g} s)" if args.min_seconds else "")
-    print(f"{r0['micro_batch_size']} x {r0['seq_len']} tokens per micro batch, grad_accum {r0['grad_accum']}, "
-          f"{timed} after {args.warmup} untimed, {args.precision}, 1 rank; device: {device.type}")
-    print("| vocab | ZeRO | params | tokens/s | MFU ours | MFU llm.c | peak memory | ms / micro batch | "
-          "LM loss share (fused) | LM loss share (materialised) |")
+    timed = f"{args.steps} timed optimizer steps" + (
+        f" (more until {args.min_seconds:g} s)" if args.min_seconds else ""
+    )
+    print(
+        f"{r0['micro_batch_size']} x {r0['seq_len']} tokens per micro batch, grad_accum {r0['grad_accum']}, "
+        f"{timed} after {args.warmup} untimed, {args.precision}, 1 rank; device: {device.type}"
+    )
+    print(
+        "| vocab | ZeRO | params | tokens/s | MFU ours | MFU llm.c | peak memory | ms / micro batch | "
+        "LM loss share (fused) | LM loss share (materialised) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['vocab_size']:,} | {r['zero_stage']} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:,.0f} | "
-              f"{100 * r['mfu']:.1f}% | {100 * r['mfu_llmc']:.1f}% | {gib(r['peak_memory_bytes'])} | "
-              f"{r['ms_per_micro_batch']:.1f} | {100 * r['loss_share']:.1f}% | {100 * r['loss_share_materialised']:.1f}% |")
-    print(f"\nMFU = model FLOPs (ours: model.flops.training_flops; llm.c: llmc_flops_per_token) x tokens/s / "
-          f"{peak / 1e12:.3f} TFLOP/s ({source}). Peak memory: {r0['memory_kind']}. LM loss share: the loss "
-          f"alone (forward + backward at these shapes) / time per micro batch; 'materialised' is F.cross_entropy "
-          f"on float32 logits in a step otherwise the same (a share above 100% means the machine's load changed "
-          f"between the two timings).")
+        print(
+            f"| {r['vocab_size']:,} | {r['zero_stage']} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {100 * r['mfu_llmc']:.1f}% | {gib(r['peak_memory_bytes'])} | "
+            f"{r['ms_per_micro_batch']:.1f} | {100 * r['loss_share']:.1f}% | {100 * r['loss_share_materialised']:.1f}% |"
+        )
+    print(
+        f"\nMFU = model FLOPs (ours: model.flops.training_flops; llm.c: llmc_flops_per_token) x tokens/s / "
+        f"{peak / 1e12:.3f} TFLOP/s ({source}). Peak memory: {r0['memory_kind']}. LM loss share: the loss "
+        f"alone (forward + backward at these shapes) / time per micro batch; 'materialised' is F.cross_entropy "
+        f"on float32 logits in a step otherwise the same (a share above 100% means the machine's load changed "
+        f"between the two timings)."
+    )
     gpt2 = [r for r in results if r["vocab_size"] == 50257]
-    if cuda and not tiny and args.precision == "bf16" and "H100" in torch.cuda.get_device_name() and gpt2:
+    if (
+        cuda
+        and not tiny
+        and args.precision == "bf16"
+        and "H100" in torch.cuda.get_device_name()
+        and gpt2
+    ):
         best = max(gpt2, key=lambda r: r["mfu_llmc"])
         verdict = "met" if best["mfu_llmc"] >= MFU_TARGET else "NOT met"
-        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: {verdict} "
-              f"(best {100 * best['mfu_llmc']:.1f}% at ZeRO-{best['zero_stage']}; {100 * best['mfu']:.1f}% by ours)")
+        print(
+            f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: {verdict} "
+            f"(best {100 * best['mfu_llmc']:.1f}% at ZeRO-{best['zero_stage']}; {100 * best['mfu']:.1f}% by ours)"
+        )
     else:
-        print(f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: not measured here "
-              f"({'tiny shapes on ' + device.type if tiny else 'not an H100, bf16 and vocabulary 50,257'})")
+        print(
+            f"target: >= {100 * MFU_TARGET:.0f}% MFU (llm.c's count) for GPT-2 124M bf16 on one H100: not measured here "
+            f"({'tiny shapes on ' + device.type if tiny else 'not an H100, bf16 and vocabulary 50,257'})"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

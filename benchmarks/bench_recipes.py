@@ -39,17 +39,40 @@ PAIRS = {
 def tokens_per_s(config: str, data: Path, nproc: int, steps: int, work: Path) -> float:
     """One short run of `config`; the median tokens/s of its log windows after the first."""
     run_dir = work / f"{config}-{len(list(work.iterdir()))}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "launch.train", str(ROOT / "configs" / f"{config}.yaml"), f"data.data_dir={data}",
-           f"run_dir={run_dir}", f"max_steps={steps}", "eval_every=0", "checkpoint.every_steps=0", "log_every=10",
-           "wandb.mode=disabled"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / f"{config}.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        f"max_steps={steps}",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+        "log_every=10",
+        "wandb.mode=disabled",
+    ]
+    run = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     if run.returncode != 0:
-        raise SystemExit(f"error: {config}: launch.train exited {run.returncode}: {run.stderr.strip()[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        raise SystemExit(
+            f"error: {config}: launch.train exited {run.returncode}: {run.stderr.strip()[-2000:]}"
+        )
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     rates = [row["perf/tokens_per_s"] for row in rows if "perf/tokens_per_s" in row][1:]
     if not rates:
-        raise SystemExit(f"error: {config}: no tokens/s windows after the first in {steps} steps (raise --steps)")
+        raise SystemExit(
+            f"error: {config}: no tokens/s windows after the first in {steps} steps (raise --steps)"
+        )
     return statistics.median(rates)
 
 
@@ -57,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "gettext-en-de")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each config (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs of each config (default: %(default)s)"
+    )
     parser.add_argument("--pairs", default="gpt,bert,translation")
     args = parser.parse_args(argv)
     pairs = [p for p in args.pairs.split(",") if p]
@@ -66,12 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--pairs: unknown {', '.join(unknown)} (known: {', '.join(PAIRS)})")
     if not (args.data / "manifest.json").is_file():
-        print(f"error: --data {args.data}: no prepared dataset (make main, or python -m pipeline.prepare "
-              f"configs/prepare_gettext_en_de.yaml)", file=sys.stderr)
+        print(
+            f"error: --data {args.data}: no prepared dataset (make main, or python -m pipeline.prepare "
+            f"configs/prepare_gettext_en_de.yaml)",
+            file=sys.stderr,
+        )
         return 2
     load = os.getloadavg()[0]
-    print(f"{platform.machine()} {os.cpu_count()} cores, load average {load:.2f} at the start; {args.nproc} ranks, "
-          f"{args.steps} steps per run, {args.rounds} rounds, alternating", flush=True)
+    print(
+        f"{platform.machine()} {os.cpu_count()} cores, load average {load:.2f} at the start; {args.nproc} ranks, "
+        f"{args.steps} steps per run, {args.rounds} rounds, alternating",
+        flush=True,
+    )
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_recipes_") as tmp:
         work = Path(tmp)
@@ -79,8 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             figures: dict[str, list[float]] = {config: [] for config in PAIRS[pair]}
             for round_ in range(args.rounds):
                 for config in PAIRS[pair]:
-                    figures[config].append(tokens_per_s(config, args.data, args.nproc, args.steps, work))
-                    print(f"{pair} round {round_ + 1}: {config} {figures[config][-1]:,.0f} tokens/s", flush=True)
+                    figures[config].append(
+                        tokens_per_s(config, args.data, args.nproc, args.steps, work)
+                    )
+                    print(
+                        f"{pair} round {round_ + 1}: {config} {figures[config][-1]:,.0f} tokens/s",
+                        flush=True,
+                    )
             old, new = (statistics.median(figures[config]) for config in PAIRS[pair])
             table.append((pair, *PAIRS[pair], old, new))
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end\n")

@@ -84,8 +84,12 @@ def open_rank(config: Path, overrides: list[str], n_batches: int):
     dist.set_threads(cfg.threads_per_rank, denv)
     dist.init_process_group(denv, cfg.dist_timeout_s)
     task = TASKS[cfg.task]
-    loader = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size))
+    loader = ShardLoader.from_config(
+        cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size
+    )
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size)
+    )
     batches = []
     for batch in loader:
         batches.append(batch)
@@ -108,15 +112,27 @@ def worker(args: argparse.Namespace) -> None:
     from model.loss import IGNORE_INDEX
 
     overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
-    cfg, denv, task, batches = open_rank(ROOT / CONFIGS[args.arch], [
-        *overrides, f"data.data_dir={args.data}", f"deepspeed.precision={args.precision}", "deepspeed.zero_stage=2",
-        f"max_steps={(args.rounds + 1) * args.steps * 2}", "data.num_workers=0", f"optim.implementation={args.adamw}",
-        f"compile_scope={args.compile_scope}"],
-        args.steps)
+    cfg, denv, task, batches = open_rank(
+        ROOT / CONFIGS[args.arch],
+        [
+            *overrides,
+            f"data.data_dir={args.data}",
+            f"deepspeed.precision={args.precision}",
+            "deepspeed.zero_stage=2",
+            f"max_steps={(args.rounds + 1) * args.steps * 2}",
+            "data.num_workers=0",
+            f"optim.implementation={args.adamw}",
+            f"compile_scope={args.compile_scope}",
+        ],
+        args.steps,
+    )
 
     # Peaks first, every rank at once: the same contention as training.
     dist.barrier()
-    peaks = {p: measure_gemm_flops(dtype, 1024, seconds=1.0) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    peaks = {
+        p: measure_gemm_flops(dtype, 1024, seconds=1.0)
+        for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
     peaks = dict(zip(peaks, dist.all_reduce_sum(list(peaks.values()))))
 
     torch.manual_seed(0)
@@ -128,11 +144,13 @@ def worker(args: argparse.Namespace) -> None:
         ours = copy.deepcopy(initial)
         theirs = hf.gpt_to_hf(ours) if args.arch == "gpt" else hf.bert_to_hf(ours)
         if args.arch == "bert":
-            # BERT's token-type table (one type, zeros after conversion) is a bias ours does not have:
+            # BERT's token-type table (one type, zeros after conversion) is a bias ours does not
+            # have:
             # frozen, the two models train the same parameters.
             theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
         if suffix:
-            compile_model(ours, resolved_compile_scope(cfg, torch.cuda.is_available()))  # as launch.train does
+            # as launch.train does
+            compile_model(ours, resolved_compile_scope(cfg, torch.cuda.is_available()))
             theirs.compile()  # what their users would do: the whole model, in place
         models["ours" + suffix], models["hf" + suffix] = ours, theirs
     plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
@@ -140,20 +158,30 @@ def worker(args: argparse.Namespace) -> None:
     for name, model in models.items():
         model.train()
         optimizer = build_optimizer(model, cfg.optim)
-        engines[name] = Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
-                               deepspeed_config(cfg, plan))
+        engines[name] = Engine(
+            model,
+            optimizer,
+            build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
+            deepspeed_config(cfg, plan),
+        )
     inputs = [task.model_inputs(batch) for batch in batches]
     tokens = dist.all_reduce_sum([float(sum(task.tokens(x) for x in inputs))])[0]
     flops = dist.all_reduce_sum([float(sum(task.flops(cfg.model, x) for x in inputs))])[0]
     # Our labels are aligned with the predicting positions; GPT2LMHeadModel shifts its own, so it
     # is given the unshifted ids (the same targets). BERT's are the same for both.
-    theirs_inputs = [{**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
-                     if args.arch == "gpt" else x for x in inputs]
+    theirs_inputs = [
+        {**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
+        if args.arch == "gpt"
+        else x
+        for x in inputs
+    ]
     device = next(iter(engines.values())).device  # `--compile on` builds no eager engine
     # Ours as the trainer feeds it (`Task.to_device`: packed blocks' all-ones mask dropped on the
     # host, so that a compiled graph takes SDPA's causal path too); theirs as their users do.
-    on_device = {"ours": [task.to_device(x, device) for x in inputs],
-                 "hf": [{k: v.to(device) for k, v in x.items()} for x in theirs_inputs]}
+    on_device = {
+        "ours": [task.to_device(x, device) for x in inputs],
+        "hf": [{k: v.to(device) for k, v in x.items()} for x in theirs_inputs],
+    }
     on_device.update({name + COMPILED: batches_of for name, batches_of in list(on_device.items())})
 
     def run_round(name: str, engine: Engine) -> tuple[float, float]:
@@ -174,14 +202,27 @@ def worker(args: argparse.Namespace) -> None:
             if round_index:  # round 0 warms up: allocator, kernels, DeepSpeed buffers
                 seconds[name].append(elapsed)
     if denv.is_main:
-        result = {"arch": args.arch, "shape": args.shape, "precision": args.precision, "world_size": denv.world_size,
-                  "threads": torch.get_num_threads(), "micro_batch": cfg.data.micro_batch_size,
-                  "seq_len": int(batches[0]["input_ids"].shape[1]), "vocab_size": cfg.model.vocab_size,
-                  "parameters": n_params, "steps": len(inputs), "tokens_per_round": tokens, "flops_per_round": flops,
-                  "seconds": seconds, "last_loss": losses, "peaks": peaks, "hf_class": type(theirs).__name__,
-                  "hf_attention": getattr(theirs.config, "_attn_implementation", None),
-                  "compile_scope": resolved_compile_scope(cfg, torch.cuda.is_available()),
-                  "torch": torch.__version__}
+        result = {
+            "arch": args.arch,
+            "shape": args.shape,
+            "precision": args.precision,
+            "world_size": denv.world_size,
+            "threads": torch.get_num_threads(),
+            "micro_batch": cfg.data.micro_batch_size,
+            "seq_len": int(batches[0]["input_ids"].shape[1]),
+            "vocab_size": cfg.model.vocab_size,
+            "parameters": n_params,
+            "steps": len(inputs),
+            "tokens_per_round": tokens,
+            "flops_per_round": flops,
+            "seconds": seconds,
+            "last_loss": losses,
+            "peaks": peaks,
+            "hf_class": type(theirs).__name__,
+            "hf_attention": getattr(theirs.config, "_attn_implementation", None),
+            "compile_scope": resolved_compile_scope(cfg, torch.cuda.is_available()),
+            "torch": torch.__version__,
+        }
         Path(args.result).write_text(json.dumps(result))
     dist.destroy()
 
@@ -190,19 +231,50 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, result: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               __file__, "--worker", "--arch", arch, "--shape", shape, "--precision", precision, "--data", str(args.data),
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--compile", args.compile, "--adamw", args.adamw,
-               "--compile-scope", args.compile_scope,
-               "--result", str(result)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        __file__,
+        "--worker",
+        "--arch",
+        arch,
+        "--shape",
+        shape,
+        "--precision",
+        precision,
+        "--data",
+        str(args.data),
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--compile",
+        args.compile,
+        "--adamw",
+        args.adamw,
+        "--compile-scope",
+        args.compile_scope,
+        "--result",
+        str(result),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONWARNINGS": "ignore",
+    }
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         # The worker's own error (a rank's traceback), not only torchrun's summary after it.
         lines = proc.stderr.strip().splitlines()
         errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
         tail = "\n".join(errors[-2:] + lines[-15:])
-        raise SystemExit(f"error: benchmark job {arch}/{shape}/{precision} failed (exit {proc.returncode}):\n{tail}")
+        raise SystemExit(
+            f"error: benchmark job {arch}/{shape}/{precision} failed (exit {proc.returncode}):\n{tail}"
+        )
     return json.loads(result.read_text())
 
 
@@ -213,44 +285,76 @@ def modes(r: dict) -> list[str]:
 
 def summarize(r: dict, suffix: str = "") -> dict:
     """Figures of one pair, ours and theirs both eager (suffix "") or both compiled (COMPILED)."""
-    ours, theirs = statistics.median(r["seconds"]["ours" + suffix]), statistics.median(r["seconds"]["hf" + suffix])
+    ours, theirs = (
+        statistics.median(r["seconds"]["ours" + suffix]),
+        statistics.median(r["seconds"]["hf" + suffix]),
+    )
     achieved = r["flops_per_round"] / ours
-    return {"ours_tps": r["tokens_per_round"] / ours, "hf_tps": r["tokens_per_round"] / theirs, "ratio": theirs / ours,
-            "achieved": achieved, "mfu": achieved / r["peaks"][r["precision"]],
-            "mfu_fp32": achieved / r["peaks"]["fp32"], "mfu_bf16": achieved / r["peaks"]["bf16"]}
+    return {
+        "ours_tps": r["tokens_per_round"] / ours,
+        "hf_tps": r["tokens_per_round"] / theirs,
+        "ratio": theirs / ours,
+        "achieved": achieved,
+        "mfu": achieved / r["peaks"][r["precision"]],
+        "mfu_fp32": achieved / r["peaks"]["fp32"],
+        "mfu_bf16": achieved / r["peaks"]["bf16"],
+    }
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model (ours vs HF) | shape | params | precision | ours tok/s | HF tok/s | ours / HF | ours GFLOP/s | "
-             "GEMM peak fp32 / bf16 | MFU vs fp32 peak | MFU vs bf16 peak |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model (ours vs HF) | shape | params | precision | ours tok/s | HF tok/s | ours / HF | ours GFLOP/s | "
+        "GEMM peak fp32 / bf16 | MFU vs fp32 peak | MFU vs bf16 peak |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r, suffix in [(r, suffix) for r in results for suffix in modes(r)]:
         s = summarize(r, suffix)
         precision = r["precision"] + (", both compiled" if suffix else "")
-        lines.append(f"| {r['arch'].upper()} vs {r['hf_class']} | {r['shape']} | {r['parameters'] / 1e6:.2f} M | {precision} | "
-                     f"{s['ours_tps']:,.0f} | {s['hf_tps']:,.0f} | **{s['ratio']:.2f}x** | {s['achieved'] / 1e9:.1f} | "
-                     f"{r['peaks']['fp32'] / 1e9:.0f} / {r['peaks']['bf16'] / 1e9:.0f} | {100 * s['mfu_fp32']:.1f}% | "
-                     f"{100 * s['mfu_bf16']:.1f}% |")
+        lines.append(
+            f"| {r['arch'].upper()} vs {r['hf_class']} | {r['shape']} | {r['parameters'] / 1e6:.2f} M | {precision} | "
+            f"{s['ours_tps']:,.0f} | {s['hf_tps']:,.0f} | **{s['ratio']:.2f}x** | {s['achieved'] / 1e9:.1f} | "
+            f"{r['peaks']['fp32'] / 1e9:.0f} / {r['peaks']['bf16'] / 1e9:.0f} | {100 * s['mfu_fp32']:.1f}% | "
+            f"{100 * s['mfu_bf16']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
+    parser.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
     parser.add_argument("--archs", default="gpt,bert")
-    parser.add_argument("--shapes", default="tiny,small", help=f"of {', '.join(SHAPES)} (default: %(default)s)")
+    parser.add_argument(
+        "--shapes", default="tiny,small", help=f"of {', '.join(SHAPES)} (default: %(default)s)"
+    )
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--compile", default="off,on", choices=("off", "on", "off,on"),
-                        help="eager pairs, compiled pairs or both in each job (default: %(default)s)")
+    parser.add_argument(
+        "--compile",
+        default="off,on",
+        choices=("off", "on", "off,on"),
+        help="eager pairs, compiled pairs or both in each job (default: %(default)s)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each model")
     from launch.config import COMPILE_SCOPES  # no torch behind it: --help stays quick
 
-    parser.add_argument("--compile-scope", default="auto", choices=COMPILE_SCOPES,
-                        help="compile_scope of ours when compiled (default: %(default)s, the trainer's default)")
-    parser.add_argument("--adamw", default="auto", choices=("auto", "fused", "foreach", "for_loop"),
-                        help="torch AdamW's kernel for both sides (optim.implementation; default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round")
+    parser.add_argument(
+        "--compile-scope",
+        default="auto",
+        choices=COMPILE_SCOPES,
+        help="compile_scope of ours when compiled (default: %(default)s, the trainer's default)",
+    )
+    parser.add_argument(
+        "--adamw",
+        default="auto",
+        choices=("auto", "fused", "foreach", "for_loop"),
+        help="torch AdamW's kernel for both sides (optim.implementation; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round"
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     # Internal: one rank of one torchrun job.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -263,11 +367,20 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if not (args.data / "manifest.json").is_file():
-        print(f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
-              f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
+        print(
+            f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
+            f"configs/prepare_gettext_en_de.yaml` (or `make main`)",
+            file=sys.stderr,
+        )
         return 2
     if args.quick:
-        args.shapes, args.precisions, args.compile, args.steps, args.rounds = "tiny", "fp32", "off", 4, 1
+        args.shapes, args.precisions, args.compile, args.steps, args.rounds = (
+            "tiny",
+            "fp32",
+            "off",
+            4,
+            1,
+        )
     shapes = args.shapes.split(",")
     for shape in shapes:
         if shape not in SHAPES:
@@ -275,10 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
-          f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}; "
-          f"ours compile_scope {args.compile_scope}; AdamW {args.adamw}", flush=True)
+    print(
+        f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
+        f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}; "
+        f"ours compile_scope {args.compile_scope}; AdamW {args.adamw}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
@@ -289,23 +405,30 @@ def main(argv: list[str] | None = None) -> int:
                     for suffix in modes(r):
                         s = summarize(r, suffix)
                         ours, theirs = "ours" + suffix, "hf" + suffix
-                        print(f"{arch} {shape} {precision}{', both compiled' if suffix else ''}: ours {s['ours_tps']:,.0f} "
-                              f"tok/s, HF {s['hf_tps']:,.0f} tok/s, {s['ratio']:.2f}x; MFU {100 * s['mfu']:.1f}% of "
-                              f"{r['peaks'][precision] / 1e9:.1f} GFLOP/s ({precision} GEMM peak, all ranks); rounds ours "
-                              f"{[round(x, 2) for x in r['seconds'][ours]]} s, HF {[round(x, 2) for x in r['seconds'][theirs]]} s; "
-                              f"last losses ours {r['last_loss'][ours]:.3f}, HF {r['last_loss'][theirs]:.3f}", flush=True)
+                        print(
+                            f"{arch} {shape} {precision}{', both compiled' if suffix else ''}: ours {s['ours_tps']:,.0f} "
+                            f"tok/s, HF {s['hf_tps']:,.0f} tok/s, {s['ratio']:.2f}x; MFU {100 * s['mfu']:.1f}% of "
+                            f"{r['peaks'][precision] / 1e9:.1f} GFLOP/s ({precision} GEMM peak, all ranks); rounds ours "
+                            f"{[round(x, 2) for x in r['seconds'][ours]]} s, HF {[round(x, 2) for x in r['seconds'][theirs]]} s; "
+                            f"last losses ours {r['last_loss'][ours]:.3f}, HF {r['last_loss'][theirs]:.3f}",
+                            flush=True,
+                        )
                     speedup = ""
                     if len(modes(r)) == 2:
                         eager, compiled = summarize(r), summarize(r, COMPILED)
-                        speedup = (f"compiled / eager: ours {compiled['ours_tps'] / eager['ours_tps']:.2f}x, "
-                                   f"HF {compiled['hf_tps'] / eager['hf_tps']:.2f}x; ")
+                        speedup = (
+                            f"compiled / eager: ours {compiled['ours_tps'] / eager['ours_tps']:.2f}x, "
+                            f"HF {compiled['hf_tps'] / eager['hf_tps']:.2f}x; "
+                        )
                     print(f"  {speedup}{time.time() - started:.0f} s", flush=True)
                     results.append(r)
     print()
     print(table(results))
-    print(f"\nGEMM peaks: (1024 x 1024) @ (1024 x 1024) for 1 s on every rank at once in each job, summed over "
-          f"the {args.nproc} ranks. MFU = model FLOPs of the timed steps (model.flops, as the trainer logs it) / "
-          f"time / peak. Tokens/s: every input token of every rank.")
+    print(
+        f"\nGEMM peaks: (1024 x 1024) @ (1024 x 1024) for 1 s on every rank at once in each job, summed over "
+        f"the {args.nproc} ranks. MFU = model FLOPs of the timed steps (model.flops, as the trainer logs it) / "
+        f"time / peak. Tokens/s: every input token of every rank."
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

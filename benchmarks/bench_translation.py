@@ -110,18 +110,25 @@ DIFFERENCES = (
 
 def resolve_config(args: argparse.Namespace):
     """CONFIG with the bench's keys and the user's overrides; the vocabulary from the dataset."""
-    from launch.config import TrainConfig, check_config
     from common.configure import load_config
+    from launch.config import TrainConfig, check_config
 
-    cfg = load_config(TrainConfig, args.config, [f"data.data_dir={args.data}", f"max_steps={args.steps}", *args.overrides])
+    cfg = load_config(
+        TrainConfig,
+        args.config,
+        [f"data.data_dir={args.data}", f"max_steps={args.steps}", *args.overrides],
+    )
     check_config(cfg)
     if cfg.task != "translation":
         raise SystemExit(f"error: {args.config}: task {cfg.task}, not translation")
     tokenizer = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer["vocab_size"]))
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer["vocab_size"])
+    )
 
 
-# ---------------------------------------------------------------- theirs: one torchrun job (every rank)
+# ---------------------------------------------------------------- theirs: one torchrun job (every
+# rank)
 
 
 def marian_config(model_cfg, tokenizer: dict):
@@ -130,19 +137,35 @@ def marian_config(model_cfg, tokenizer: dict):
 
     special = tokenizer["special_tokens"]
     encoder, decoder = model_cfg.for_stack("encoder"), model_cfg.for_stack("decoder")
-    assert (special["<pad>"], special["<s>"], special["</s>"]) == (model_cfg.pad_id, model_cfg.bos_id, model_cfg.eos_id)
+    assert (special["<pad>"], special["<s>"], special["</s>"]) == (
+        model_cfg.pad_id,
+        model_cfg.bos_id,
+        model_cfg.eos_id,
+    )
     return MarianConfig(
-        vocab_size=tokenizer["vocab_size"], decoder_vocab_size=tokenizer["vocab_size"], d_model=model_cfg.d_model,
-        encoder_layers=encoder.n_layers, decoder_layers=decoder.n_layers,
-        encoder_attention_heads=encoder.n_heads, decoder_attention_heads=decoder.n_heads,
-        encoder_ffn_dim=encoder.d_ff, decoder_ffn_dim=decoder.d_ff,
+        vocab_size=tokenizer["vocab_size"],
+        decoder_vocab_size=tokenizer["vocab_size"],
+        d_model=model_cfg.d_model,
+        encoder_layers=encoder.n_layers,
+        decoder_layers=decoder.n_layers,
+        encoder_attention_heads=encoder.n_heads,
+        decoder_attention_heads=decoder.n_heads,
+        encoder_ffn_dim=encoder.d_ff,
+        decoder_ffn_dim=decoder.d_ff,
         activation_function=MARIAN_ACTIVATIONS[encoder.activation],
         max_position_embeddings=model_cfg.max_seq_len,
-        dropout=model_cfg.dropout, attention_dropout=model_cfg.dropout, activation_dropout=0.0,
-        init_std=model_cfg.init_std, scale_embedding=True,
-        pad_token_id=model_cfg.pad_id, bos_token_id=model_cfg.bos_id, eos_token_id=model_cfg.eos_id,
-        decoder_start_token_id=model_cfg.bos_id, forced_eos_token_id=None,
-        share_encoder_decoder_embeddings=model_cfg.share_embeddings, tie_word_embeddings=True,
+        dropout=model_cfg.dropout,
+        attention_dropout=model_cfg.dropout,
+        activation_dropout=0.0,
+        init_std=model_cfg.init_std,
+        scale_embedding=True,
+        pad_token_id=model_cfg.pad_id,
+        bos_token_id=model_cfg.bos_id,
+        eos_token_id=model_cfg.eos_id,
+        decoder_start_token_id=model_cfg.bos_id,
+        forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=model_cfg.share_embeddings,
+        tie_word_embeddings=True,
     )
 
 
@@ -150,15 +173,25 @@ def scheduler_arguments(cfg) -> dict:
     """Our `schedule` as TrainingArguments (lr_scheduler_type and its kwargs, warmup)."""
     s = cfg.schedule
     if s.decay == "cosine":
-        kind = ("cosine_with_min_lr", {"min_lr_rate": s.min_lr_ratio}) if s.min_lr_ratio else ("cosine", {})
+        kind = (
+            ("cosine_with_min_lr", {"min_lr_rate": s.min_lr_ratio})
+            if s.min_lr_ratio
+            else ("cosine", {})
+        )
     elif s.decay == "linear" and not s.min_lr_ratio:
         kind = ("linear", {})
     elif s.decay == "constant":
         kind = ("constant_with_warmup", {})
     else:
-        raise SystemExit(f"error: schedule.decay={s.decay} with min_lr_ratio={s.min_lr_ratio} has no Hugging Face "
-                         f"scheduler here; use cosine, linear with schedule.min_lr_ratio=0, or constant")
-    return {"lr_scheduler_type": kind[0], "lr_scheduler_kwargs": kind[1], "warmup_steps": s.warmup_steps}
+        raise SystemExit(
+            f"error: schedule.decay={s.decay} with min_lr_ratio={s.min_lr_ratio} has no Hugging Face "
+            f"scheduler here; use cosine, linear with schedule.min_lr_ratio=0, or constant"
+        )
+    return {
+        "lr_scheduler_type": kind[0],
+        "lr_scheduler_kwargs": kind[1],
+        "warmup_steps": s.warmup_steps,
+    }
 
 
 class PairDataset:
@@ -168,8 +201,13 @@ class PairDataset:
     def __init__(self, pairs, max_seq_len: int):
         from launch.decoding import source_ids
 
-        self.rows = [{"input_ids": source_ids(src, max_seq_len - 1)[0], "target": [int(t) for t in tgt[: max_seq_len - 1]]}
-                     for src, tgt in pairs]
+        self.rows = [
+            {
+                "input_ids": source_ids(src, max_seq_len - 1)[0],
+                "target": [int(t) for t in tgt[: max_seq_len - 1]],
+            }
+            for src, tgt in pairs
+        ]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -193,15 +231,23 @@ def collate(rows) -> dict:
         return out
 
     input_ids = pad([row["input_ids"] for row in rows], PAD_ID)
-    return {"input_ids": input_ids, "attention_mask": (input_ids != PAD_ID).long(),
-            "decoder_input_ids": pad([[BOS_ID, *row["target"]] for row in rows], PAD_ID),
-            "labels": pad([[*row["target"], EOS_ID] for row in rows], IGNORE_INDEX)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": (input_ids != PAD_ID).long(),
+        "decoder_input_ids": pad([[BOS_ID, *row["target"]] for row in rows], PAD_ID),
+        "labels": pad([[*row["target"], EOS_ID] for row in rows], IGNORE_INDEX),
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed
-    from transformers import MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
+    from transformers import (
+        MarianMTModel,
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+        TrainerCallback,
+    )
 
     import launch.distributed as dist
     from launch.config import batch_plan
@@ -241,7 +287,9 @@ def worker(args: argparse.Namespace) -> None:
         tokens, padded, step_loss, loss_step = 0, 0, 0.0, -1
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            self.tokens += int(inputs["attention_mask"].sum()) + int((inputs["labels"] != IGNORE_INDEX).sum())
+            self.tokens += int(inputs["attention_mask"].sum()) + int(
+                (inputs["labels"] != IGNORE_INDEX).sum()
+            )
             self.padded += inputs["input_ids"].numel() + inputs["labels"].numel()
             loss = super().training_step(model, inputs, num_items_in_batch)  # already / grad_accum
             if self.state.global_step != self.loss_step:
@@ -250,35 +298,69 @@ def worker(args: argparse.Namespace) -> None:
             return loss
 
     training_args = Seq2SeqTrainingArguments(
-        output_dir=str(out), max_steps=cfg.max_steps, per_device_train_batch_size=plan.micro_batch_size,
-        gradient_accumulation_steps=plan.grad_accum, learning_rate=cfg.optim.lr, adam_beta1=cfg.optim.beta1,
-        adam_beta2=cfg.optim.beta2, adam_epsilon=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-        optim="adamw_torch", max_grad_norm=cfg.optim.grad_clip, label_smoothing_factor=cfg.model.label_smoothing,
-        **scheduler_arguments(cfg), bf16=cfg.deepspeed.precision == "bf16", use_cpu=cpu,
-        ddp_backend="gloo" if cpu else "nccl", ddp_find_unused_parameters=False, ddp_broadcast_buffers=False,
-        average_tokens_across_devices=True, eval_strategy="no", save_strategy="no", logging_steps=cfg.log_every,
-        report_to="none", disable_tqdm=True, seed=cfg.seed, dataloader_num_workers=cfg.data.num_workers,
-        dataloader_pin_memory=not cpu, remove_unused_columns=False,
+        output_dir=str(out),
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum,
+        learning_rate=cfg.optim.lr,
+        adam_beta1=cfg.optim.beta1,
+        adam_beta2=cfg.optim.beta2,
+        adam_epsilon=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        optim="adamw_torch",
+        max_grad_norm=cfg.optim.grad_clip,
+        label_smoothing_factor=cfg.model.label_smoothing,
+        **scheduler_arguments(cfg),
+        bf16=cfg.deepspeed.precision == "bf16",
+        use_cpu=cpu,
+        ddp_backend="gloo" if cpu else "nccl",
+        ddp_find_unused_parameters=False,
+        ddp_broadcast_buffers=False,
+        average_tokens_across_devices=True,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=cfg.log_every,
+        report_to="none",
+        disable_tqdm=True,
+        seed=cfg.seed,
+        dataloader_num_workers=cfg.data.num_workers,
+        dataloader_pin_memory=not cpu,
+        remove_unused_columns=False,
         train_sampling_strategy="group_by_length" if cfg.data.length_grouping else "random",
     )
     clock = Clock()
-    trainer = CountingTrainer(model=model, args=training_args, train_dataset=dataset, data_collator=collate,
-                              callbacks=[clock])
+    trainer = CountingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[clock],
+    )
     trainer.train()
-    tokens, padded, loss = dist.all_reduce_sum([float(trainer.tokens), float(trainer.padded), trainer.step_loss])
+    tokens, padded, loss = dist.all_reduce_sum(
+        [float(trainer.tokens), float(trainer.padded), trainer.step_loss]
+    )
     trainer.save_model(str(out / "model"))
     if denv.is_main:
         unwrapped = trainer.model
         positions = unwrapped.model.encoder.embed_positions.weight
         result = {
-            "steps": trainer.state.global_step, "seconds": clock.end - clock.start, "tokens": tokens,
+            "steps": trainer.state.global_step,
+            "seconds": clock.end - clock.start,
+            "tokens": tokens,
             "padding": padded / tokens,  # padded batch positions per real token
-            "final_loss": loss / denv.world_size, "world_size": denv.world_size, "threads": clock.threads,
+            "final_loss": loss / denv.world_size,
+            "world_size": denv.world_size,
+            "threads": clock.threads,
             "mixed_precision": str(trainer.accelerator.mixed_precision),
             "distributed": str(trainer.accelerator.distributed_type),
-            "parameters": sum(p.numel() for p in {id(p): p for p in unwrapped.parameters()}.values() if p.requires_grad),
-            "positions_trained": bool(positions.requires_grad), "loss_log": [row for row in trainer.state.log_history
-                                                                              if "loss" in row],
+            "parameters": sum(
+                p.numel()
+                for p in {id(p): p for p in unwrapped.parameters()}.values()
+                if p.requires_grad
+            ),
+            "positions_trained": bool(positions.requires_grad),
+            "loss_log": [row for row in trainer.state.log_history if "loss" in row],
             "marian_config": unwrapped.config.to_diff_dict(),
         }
         (out / "train.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -290,10 +372,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(command: list[str], log: Path, what: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "WANDB_MODE": "disabled",
+    }
     started = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True
+        )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
         raise SystemExit(f"error: {what} failed (exit {proc.returncode}), log {log}:\n{tail}")
@@ -301,45 +389,117 @@ def launch(command: list[str], log: Path, what: str) -> None:
 
 
 def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+    ]
 
 
-def run_ours(args: argparse.Namespace, out: Path, name: str = "ours", extra: tuple[str, ...] = (),
-             scored: bool = True) -> dict:
+def run_ours(
+    args: argparse.Namespace,
+    out: Path,
+    name: str = "ours",
+    extra: tuple[str, ...] = (),
+    scored: bool = True,
+) -> dict:
     """One training job of ours into OUT/NAME (with `extra` overrides: a variant), then its scores."""
     from model import build_model
 
     run_dir = out / name
-    launch([*torchrun(args.nproc), "-m", "launch.train", str(args.config), f"data.data_dir={args.data}",
-            f"run_dir={run_dir}", f"max_steps={args.steps}", "eval_every=0", "checkpoint.every_steps=0",
-            "wandb.mode=disabled", *args.overrides, *extra], out / f"{name}.log", f"{name}: launch.train")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    launch(
+        [
+            *torchrun(args.nproc),
+            "-m",
+            "launch.train",
+            str(args.config),
+            f"data.data_dir={args.data}",
+            f"run_dir={run_dir}",
+            f"max_steps={args.steps}",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            "wandb.mode=disabled",
+            *args.overrides,
+            *extra,
+        ],
+        out / f"{name}.log",
+        f"{name}: launch.train",
+    )
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     windows = [row for row in rows if "perf/tokens_per_s" in row]
     seconds, seen = 0.0, 0
     for row in windows:  # each logged window: its tokens / its tokens per second
         seconds += (row["train/tokens_seen"] - seen) / row["perf/tokens_per_s"]
         seen = row["train/tokens_seen"]
     final = json.loads((run_dir / "final.json").read_text())
-    result = {"steps": final["step"], "seconds": seconds, "tokens": seen, "final_loss": windows[-1]["train/loss"]}
+    result = {
+        "steps": final["step"],
+        "seconds": seconds,
+        "tokens": seen,
+        "final_loss": windows[-1]["train/loss"],
+    }
     if not scored:
         return result
     eval_dir = run_dir / f"eval-{args.split}"
-    launch([sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}", f"data_dir={args.data}",
-            f"split={args.split}", f"beam={args.beam}", f"out={eval_dir}", f"limit={args.limit}",
-            "max_len_a=0", "max_len_b=0"],  # one max_len for every source, as theirs
-           out / f"{name}-evaluate.log", f"{name}: launch.evaluate {args.split}")
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "launch.evaluate",
+            f"checkpoint={run_dir}",
+            f"data_dir={args.data}",
+            f"split={args.split}",
+            f"beam={args.beam}",
+            f"out={eval_dir}",
+            f"limit={args.limit}",
+            "max_len_a=0",
+            "max_len_b=0",
+        ],  # one max_len for every source, as theirs
+        out / f"{name}-evaluate.log",
+        f"{name}: launch.evaluate {args.split}",
+    )
     scores = json.loads((eval_dir / "scores.json").read_text())
-    parameters = sum(p.numel() for p in build_model(resolve_config(args).model).parameters())  # tied: counted once
-    return {**result, "parameters": parameters,
-            "bleu": scores["bleu"], "chrf": scores["chrf"], "signature_bleu": scores["signature_bleu"],
-            "signature_chrf": scores["signature_chrf"], "decode_seconds": scores["decode_seconds"], "n": scores["n"]}
+    # tied: counted once
+    parameters = sum(p.numel() for p in build_model(resolve_config(args).model).parameters())
+    return {
+        **result,
+        "parameters": parameters,
+        "bleu": scores["bleu"],
+        "chrf": scores["chrf"],
+        "signature_bleu": scores["signature_bleu"],
+        "signature_chrf": scores["signature_chrf"],
+        "decode_seconds": scores["decode_seconds"],
+        "n": scores["n"],
+    }
 
 
 def run_theirs(args: argparse.Namespace, out: Path, scored: bool = True) -> dict:
     (out / "theirs").mkdir(parents=True, exist_ok=True)
-    launch([*torchrun(args.nproc), __file__, "--worker", "--config", str(args.config), "--data", str(args.data),
-            "--steps", str(args.steps), "--out", str(out), *args.overrides], out / "theirs.log",
-           "theirs: Seq2SeqTrainer")
+    launch(
+        [
+            *torchrun(args.nproc),
+            __file__,
+            "--worker",
+            "--config",
+            str(args.config),
+            "--data",
+            str(args.data),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+            *args.overrides,
+        ],
+        out / "theirs.log",
+        "theirs: Seq2SeqTrainer",
+    )
     result = json.loads((out / "theirs" / "train.json").read_text())
     if not scored:
         return result
@@ -364,7 +524,9 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     defaults = EvaluateConfig(checkpoint="")
     cfg = resolve_config(args)
     max_len = check_decoding(cfg.model, args.beam, defaults.max_len, defaults.micro_batch_size)
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    torch.set_num_threads(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     hf_logging.disable_progress_bar()
     model = MarianMTModel.from_pretrained(out / "model").eval()
     pairs = read_pairs(args.data, args.split, args.limit)
@@ -373,15 +535,28 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     start = time.perf_counter()
     with torch.no_grad():
         for batch in length_sorted_batches([len(s) for s in sources], defaults.micro_batch_size):
-            ids = torch.full((len(batch), max(len(sources[i]) for i in batch)), PAD_ID, dtype=torch.long)
+            ids = torch.full(
+                (len(batch), max(len(sources[i]) for i in batch)), PAD_ID, dtype=torch.long
+            )
             for row, i in enumerate(batch):
                 ids[row, : len(sources[i])] = torch.tensor(sources[i])
-            generated = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(), num_beams=args.beam,
-                                       length_penalty=defaults.length_penalty, max_new_tokens=max_len,
-                                       early_stopping=False, do_sample=False, num_return_sequences=1)
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=(ids != PAD_ID).long(),
+                num_beams=args.beam,
+                length_penalty=defaults.length_penalty,
+                max_new_tokens=max_len,
+                early_stopping=False,
+                do_sample=False,
+                num_return_sequences=1,
+            )
             for row, i in enumerate(batch):
                 tokens = generated[row, 1:].tolist()  # after the decoder start <s>
-                hypotheses[i] = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else [t for t in tokens if t != PAD_ID]
+                hypotheses[i] = (
+                    tokens[: tokens.index(EOS_ID)]
+                    if EOS_ID in tokens
+                    else [t for t in tokens if t != PAD_ID]
+                )
     seconds = time.perf_counter() - start
     tokenizer = load_tokenizer(Path(args.data) / "tokenizer.model")
     hyp_text = [detokenize(tokenizer, hypotheses[i]) for i in range(len(pairs))]
@@ -389,12 +564,23 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     scores = score(hyp_text, ref_text)
     eval_dir = out / f"eval-{args.split}"
     eval_dir.mkdir(parents=True, exist_ok=True)
-    (eval_dir / "hypotheses.txt").write_text("".join(line + "\n" for line in hyp_text), encoding="utf-8")
-    result = {"bleu": scores["bleu"], "chrf": scores["chrf"], "signature_bleu": scores["signature_bleu"],
-              "signature_chrf": scores["signature_chrf"], "decode_seconds": round(seconds, 3), "n": len(pairs),
-              "max_len": max_len, "length_penalty": defaults.length_penalty}
-    (eval_dir / "scores.json").write_text(json.dumps({**result, **{k: scores[k] for k in ("bleu_detail", "chrf_detail")}},
-                                                      indent=1) + "\n")
+    (eval_dir / "hypotheses.txt").write_text(
+        "".join(line + "\n" for line in hyp_text), encoding="utf-8"
+    )
+    result = {
+        "bleu": scores["bleu"],
+        "chrf": scores["chrf"],
+        "signature_bleu": scores["signature_bleu"],
+        "signature_chrf": scores["signature_chrf"],
+        "decode_seconds": round(seconds, 3),
+        "n": len(pairs),
+        "max_len": max_len,
+        "length_penalty": defaults.length_penalty,
+    }
+    (eval_dir / "scores.json").write_text(
+        json.dumps({**result, **{k: scores[k] for k in ("bleu_detail", "chrf_detail")}}, indent=1)
+        + "\n"
+    )
     return result
 
 
@@ -405,9 +591,14 @@ def tokens_per_s(r: dict) -> float:
 def rounds_table(rounds: list[dict[str, dict]], medians: dict[str, float]) -> str:
     """Each round's tokens/s per side, in the order they ran, and the medians."""
     names = list(medians)
-    lines = ["| round | " + " | ".join(f"{n} tokens/s" for n in names) + " |", "|---:|" + "---:|" * len(names)]
+    lines = [
+        "| round | " + " | ".join(f"{n} tokens/s" for n in names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
     for k, sides in enumerate(rounds, 1):
-        lines.append(f"| {k} | " + " | ".join(f"{tokens_per_s(sides[n]):,.0f}" for n in names) + " |")
+        lines.append(
+            f"| {k} | " + " | ".join(f"{tokens_per_s(sides[n]):,.0f}" for n in names) + " |"
+        )
     lines.append("| median | " + " | ".join(f"{medians[n]:,.0f}" for n in names) + " |")
     return "\n".join(lines)
 
@@ -422,43 +613,95 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def table(sides: dict[str, dict], split: str) -> str:
-    lines = [f"| side | steps | train seconds | tokens/s | final train loss | {split} BLEU | {split} chrF |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| side | steps | train seconds | tokens/s | final train loss | {split} BLEU | {split} chrF |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in sides.items():
-        lines.append(f"| {name} | {r['steps']} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:,.0f} | "
-                     f"{r['final_loss']:.3f} | {r['bleu']:.1f} | {r['chrf']:.1f} |")
+        lines.append(
+            f"| {name} | {r['steps']} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:,.0f} | "
+            f"{r['final_loss']:.3f} | {r['bleu']:.1f} | {r['chrf']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="our TrainConfig YAML (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each side (default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks of each training job (default: %(default)s)")
-    parser.add_argument("--beam", type=int, default=4, help="beam size of both evaluations (default: %(default)s)")
-    parser.add_argument("--split", default="test", choices=("train", "valid", "test"), help="scored split (default: %(default)s)")
-    parser.add_argument("--limit", type=int, default=0, help="score the split's first N pairs only; 0 = all (smoke runs)")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_translation", help="(default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="train each side this many times, alternating (ours, variants, theirs, ours, ...); tokens/s "
-                             "ratio of the medians; BLEU scored on round 1's models (default: %(default)s)")
-    parser.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME:key=value,...",
-                        help="one more side of ours with these overrides (after CONFIG's and the shared ones), timed in "
-                             "every round; repeatable (e.g. zero1:deepspeed.zero_stage=1)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of CONFIG, for both sides")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one rank of theirs
+    parser.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        help="our TrainConfig YAML (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=400, help="optimizer steps of each side (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks of each training job (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--beam", type=int, default=4, help="beam size of both evaluations (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "valid", "test"),
+        help="scored split (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="score the split's first N pairs only; 0 = all (smoke runs)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "runs" / "bench_translation",
+        help="(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="train each side this many times, alternating (ours, variants, theirs, ours, ...); tokens/s "
+        "ratio of the medians; BLEU scored on round 1's models (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="NAME:key=value,...",
+        help="one more side of ours with these overrides (after CONFIG's and the shared ones), timed in "
+        "every round; repeatable (e.g. zero1:deepspeed.zero_stage=1)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="key.sub=value overrides of CONFIG, for both sides"
+    )
+    # internal: one rank of theirs
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.data, args.config, args.out = args.data.resolve(), args.config.resolve(), args.out.resolve()
+    args.data, args.config, args.out = (
+        args.data.resolve(),
+        args.config.resolve(),
+        args.out.resolve(),
+    )
     if args.worker:
         worker(args)
         return 0
     if not (args.data / "manifest.json").is_file():
-        print(f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
-              f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
+        print(
+            f"error: no prepared dataset at {args.data}; make it with `python -m pipeline.prepare "
+            f"configs/prepare_gettext_en_de.yaml` (or `make main`)",
+            file=sys.stderr,
+        )
         return 2
-    from launch.config import batch_plan
     from common.configure import UserError
+    from launch.config import batch_plan
 
     try:
         cfg = resolve_config(args)
@@ -476,13 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("ours", "theirs", *variants, *(f"round-{k}" for k in range(2, args.rounds + 1))):
         shutil.rmtree(args.out / side, ignore_errors=True)
     m = cfg.model
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}; {args.config.name}: d_model {m.d_model}, {m.n_layers}+{m.n_decoder_layers or m.n_layers} "
-          f"layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}, {cfg.deepspeed.precision}, micro batch "
-          f"{cfg.data.micro_batch_size} x {args.nproc} ranks, {args.steps} steps; {args.split} beam {args.beam}"
-          f"{f', first {args.limit} pairs' if args.limit else ''}", flush=True)
+    print(
+        f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; {args.config.name}: d_model {m.d_model}, {m.n_layers}+{m.n_decoder_layers or m.n_layers} "
+        f"layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}, {cfg.deepspeed.precision}, micro batch "
+        f"{cfg.data.micro_batch_size} x {args.nproc} ranks, {args.steps} steps; {args.split} beam {args.beam}"
+        f"{f', first {args.limit} pairs' if args.limit else ''}",
+        flush=True,
+    )
     rounds: list[dict[str, dict]] = []
-    for k in range(1, args.rounds + 1):  # alternating, so that the machine's drift reaches every side alike
+    # alternating, so that the machine's drift reaches every side alike
+    for k in range(1, args.rounds + 1):
         out = args.out if k == 1 else args.out / f"round-{k}"
         out.mkdir(parents=True, exist_ok=True)
         if args.rounds > 1:
@@ -494,7 +741,10 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(sides)
     first = rounds[0]
     medians = {name: statistics.median(tokens_per_s(r[name]) for r in rounds) for name in first}
-    sides = {"ours (random/random)": first["ours"], "HF MarianMTModel + Seq2SeqTrainer": first["theirs"]}
+    sides = {
+        "ours (random/random)": first["ours"],
+        "HF MarianMTModel + Seq2SeqTrainer": first["theirs"],
+    }
     ours, theirs = sides.values()
     ratio = medians["ours"] / medians["theirs"]
     global_batch = batch_plan(cfg, args.nproc).global_batch_size
@@ -503,26 +753,52 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1 or variants:
         print(f"\n{rounds_table(rounds, medians)}")
         for name, extra in variants.items():
-            print(f"variant {name} ({' '.join(extra)}): {medians[name] / medians['theirs']:.2f}x theirs, "
-                  f"{medians[name] / medians['ours']:.3f}x ours (medians of {args.rounds} round(s))")
-    print(f"\ntokens/s ours / theirs{f' (medians of {args.rounds} rounds)' if args.rounds > 1 else ''}: "
-          f"**{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
-          f"trained: ours {ours['tokens']:,.0f}, theirs {theirs['tokens']:,.0f} (the same steps of {global_batch} pairs, drawn "
-          f"by each side's own sampler)")
-    print("Tokens: source + target tokens (each with its </s>) of every rank. Train seconds: the optimizer steps only. "
-          "Loss: nats per target token, label-smoothed, the last step's.")
-    print(f"Parameters: ours {ours['parameters'] / 1e6:.2f} M, theirs {theirs['parameters'] / 1e6:.2f} M trained "
-          f"(sinusoidal positions {'trained' if theirs['positions_trained'] else 'fixed'}). {DIFFERENCES}")
+            print(
+                f"variant {name} ({' '.join(extra)}): {medians[name] / medians['theirs']:.2f}x theirs, "
+                f"{medians[name] / medians['ours']:.3f}x ours (medians of {args.rounds} round(s))"
+            )
+    print(
+        f"\ntokens/s ours / theirs{f' (medians of {args.rounds} rounds)' if args.rounds > 1 else ''}: "
+        f"**{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
+        f"trained: ours {ours['tokens']:,.0f}, theirs {theirs['tokens']:,.0f} (the same steps of {global_batch} pairs, drawn "
+        f"by each side's own sampler)"
+    )
+    print(
+        "Tokens: source + target tokens (each with its </s>) of every rank. Train seconds: the optimizer steps only. "
+        "Loss: nats per target token, label-smoothed, the last step's."
+    )
+    print(
+        f"Parameters: ours {ours['parameters'] / 1e6:.2f} M, theirs {theirs['parameters'] / 1e6:.2f} M trained "
+        f"(sinusoidal positions {'trained' if theirs['positions_trained'] else 'fixed'}). {DIFFERENCES}"
+    )
     print(f"sacrebleu: {ours['signature_bleu']} | {ours['signature_chrf']}")
-    if (ours["signature_bleu"], ours["signature_chrf"]) != (theirs["signature_bleu"], theirs["signature_chrf"]):
-        print(f"warning: theirs was scored with another signature: {theirs['signature_bleu']} | {theirs['signature_chrf']}")
-    summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"},
-               "ours": ours, "theirs": {k: v for k, v in theirs.items() if k not in ("marian_config", "loss_log")},
-               "tokens_per_s_ratio": ratio, "table": table(sides, args.split),
-               "rounds": [{name: {k: r[name][k] for k in ("steps", "seconds", "tokens", "final_loss")} for name in r}
-                          for r in rounds],
-               "median_tokens_per_s": medians, "variants": {name: list(extra) for name, extra in variants.items()},
-               "signature": f"{ours['signature_bleu']} | {ours['signature_chrf']}", "marian_config": theirs["marian_config"]}
+    if (ours["signature_bleu"], ours["signature_chrf"]) != (
+        theirs["signature_bleu"],
+        theirs["signature_chrf"],
+    ):
+        print(
+            f"warning: theirs was scored with another signature: {theirs['signature_bleu']} | {theirs['signature_chrf']}"
+        )
+    summary = {
+        "args": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"
+        },
+        "ours": ours,
+        "theirs": {k: v for k, v in theirs.items() if k not in ("marian_config", "loss_log")},
+        "tokens_per_s_ratio": ratio,
+        "table": table(sides, args.split),
+        "rounds": [
+            {
+                name: {k: r[name][k] for k in ("steps", "seconds", "tokens", "final_loss")}
+                for name in r
+            }
+            for r in rounds
+        ],
+        "median_tokens_per_s": medians,
+        "variants": {name: list(extra) for name, extra in variants.items()},
+        "signature": f"{ours['signature_bleu']} | {ours['signature_chrf']}",
+        "marian_config": theirs["marian_config"],
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"(also in {args.out / 'summary.json'})")
     return 0

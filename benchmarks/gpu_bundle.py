@@ -33,9 +33,16 @@ def wheelhouse(argv: list[str]) -> None:
     pyver, glibc, skip_arg, out = argv[0], argv[1], argv[2], Path(argv[3])
     never = ["torch", "triton", "nvidia-*", "ray", "pretrain-pipeline"]
     skip = never + [canonicalize_name(n) for n in skip_arg.split()]
-    env = {"python_version": pyver, "python_full_version": pyver + ".0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    env = {
+        "python_version": pyver,
+        "python_full_version": pyver + ".0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
 
     def wanted(req, extras=("",)):
         return req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in extras)
@@ -55,7 +62,8 @@ def wheelhouse(argv: list[str]) -> None:
         extras_seen.setdefault(name, set()).update(extras)
         try:
             dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:  # needed on the node's Python only: the newest that fits
+        # needed on the node's Python only: the newest that fits
+        except metadata.PackageNotFoundError:
             unpinned[name] = str(req.specifier)
             continue
         pins[name] = dist.version
@@ -69,14 +77,33 @@ def wheelhouse(argv: list[str]) -> None:
     major, minor = (int(x) for x in glibc.split("."))
     platforms = [f"manylinux_{major}_{m}_x86_64" for m in range(minor, 4, -1)]
     platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
-    download = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", pyver,
-                "--implementation", "cp", "--abi", tag, "--abi", "abi3", "--abi", "none", "-d", str(out)]
+    download = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        pyver,
+        "--implementation",
+        "cp",
+        "--abi",
+        tag,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        "-d",
+        str(out),
+    ]
     for platform in platforms:
         download += ["--platform", platform]
     binary = {n: f"{n}=={v}" for n, v in pins.items()}
     binary.update({n: n + spec for n, spec in unpinned.items()})
     sdist_only = {}
-    while binary:  # pip names the first requirement it finds no wheel for: build that one from its sdist
+    # pip names the first requirement it finds no wheel for: build that one from its sdist
+    while binary:
         listing = out / "download.txt"
         listing.write_text("\n".join(sorted(binary.values())) + "\n")
         run = subprocess.run([*download, "-r", str(listing)], capture_output=True, text=True)
@@ -88,19 +115,44 @@ def wheelhouse(argv: list[str]) -> None:
             sys.exit("pip download failed:\n" + run.stderr[-3000:])
         name = canonicalize_name(found.group(1))
         sdist_only[name] = binary.pop(name)
-        print(f"{name}: no wheel for CPython {pyver} on manylinux x86_64; building one from its sdist", flush=True)
+        print(
+            f"{name}: no wheel for CPython {pyver} on manylinux x86_64; building one from its sdist",
+            flush=True,
+        )
     for name, spec in sorted(sdist_only.items()):
         # deepspeed: built against .venv's torch with no ops prebuilt (they JIT on the node), so its
         # wheel is pure Python; other sdists are built in pip's usual isolated environment
         isolation = ["--no-build-isolation"] if name == "deepspeed" else []
         build_env = {**os.environ, "DS_BUILD_OPS": "0"}
         before = set(out.iterdir())
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-cache-dir", "--no-binary", name,
-                        *isolation, "-w", str(out), spec], check=True, env=build_env)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-cache-dir",
+                "--no-binary",
+                name,
+                *isolation,
+                "-w",
+                str(out),
+                spec,
+            ],
+            check=True,
+            env=build_env,
+        )
         for wheel in set(out.iterdir()) - before:
             tags = parse_wheel_filename(wheel.name)[3]
-            if not any(t.interpreter.startswith("py3") and t.abi == "none" and t.platform == "any" for t in tags):
-                sys.exit(f"{wheel.name}: built for this Python only, not a pure-Python wheel the node can use")
+            if not any(
+                t.interpreter.startswith("py3") and t.abi == "none" and t.platform == "any"
+                for t in tags
+            ):
+                sys.exit(
+                    f"{wheel.name}: built for this Python only, not a pure-Python wheel the node can use"
+                )
     wheels = sorted(out.glob("*.whl"))
     names = {canonicalize_name(parse_wheel_filename(w.name)[0]) for w in wheels}
     missing = sorted((set(pins) | set(unpinned)) - names)
@@ -109,14 +161,24 @@ def wheelhouse(argv: list[str]) -> None:
     top = sorted(str(Requirement(str(r).split(";")[0])) for r in roots)
     (out / "requirements.txt").write_text(
         "# What benchmarks/gpu_check.sh installs from this folder: this project's requirements less torch,\n"
-        f"# ray and {skip_arg}. Made by `make gpu-wheelhouse` from .venv's versions.\n" + "\n".join(top) + "\n")
+        f"# ray and {skip_arg}. Made by `make gpu-wheelhouse` from .venv's versions.\n"
+        + "\n".join(top)
+        + "\n"
+    )
     size = sum(w.stat().st_size for w in wheels)
     (out / "bundle.txt").write_text(
         f"python={pyver}\nglibc={glibc}\nskipped={skip_arg}\nwheels={len(wheels)}\nmib={size / 2**20:.1f}\n"
-        f"built={time.strftime('%Y-%m-%d %H:%M:%S %z')}\nsdist_built={' '.join(sorted(sdist_only))}\n")
-    print(f"{out}: {len(wheels)} wheels, {size / 2**20:.1f} MiB, for CPython {pyver} manylinux_{glibc.replace('.', '_')} x86_64; "
-          f"largest: " + ", ".join(f"{w.name.split('-')[0]} {w.stat().st_size / 2**20:.1f}" for w in
-                                   sorted(wheels, key=lambda w: -w.stat().st_size)[:5]) + " MiB")
+        f"built={time.strftime('%Y-%m-%d %H:%M:%S %z')}\nsdist_built={' '.join(sorted(sdist_only))}\n"
+    )
+    print(
+        f"{out}: {len(wheels)} wheels, {size / 2**20:.1f} MiB, for CPython {pyver} manylinux_{glibc.replace('.', '_')} x86_64; "
+        f"largest: "
+        + ", ".join(
+            f"{w.name.split('-')[0]} {w.stat().st_size / 2**20:.1f}"
+            for w in sorted(wheels, key=lambda w: -w.stat().st_size)[:5]
+        )
+        + " MiB"
+    )
 
 
 def corpus(argv: list[str]) -> None:

@@ -6,6 +6,7 @@ lacks), cuda (a kernel runs on the GPU, or one line why not: status 3), probes (
 depends on and a CPU run cannot show), data (the bundle's dataset), compare (the training run's
 throughput against the benchmark's row). The script passes its folders in GPU_CHECK_ROOT, _OUT
 and _WORK."""
+
 import importlib
 import json
 import os
@@ -18,7 +19,9 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
-ROOT, OUT, WORK = (Path(os.environ[k]) for k in ("GPU_CHECK_ROOT", "GPU_CHECK_OUT", "GPU_CHECK_WORK"))
+ROOT, OUT, WORK = (
+    Path(os.environ[k]) for k in ("GPU_CHECK_ROOT", "GPU_CHECK_OUT", "GPU_CHECK_WORK")
+)
 
 
 def version_tuple(text):
@@ -37,16 +40,22 @@ def stage_torch():
     try:
         import torch
     except ImportError as err:
-        print(f"torch: STOP: this Python has no usable torch ({err}); the check uses the node's own torch "
-              f"(>= {minimum}) and never installs one")
+        print(
+            f"torch: STOP: this Python has no usable torch ({err}); the check uses the node's own torch "
+            f"(>= {minimum}) and never installs one"
+        )
         return 2
     cuda = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     print(f"torch {torch.__version__} ({cuda}) at {Path(torch.__file__).parent}")
     if version_tuple(torch.__version__) < version_tuple(minimum):
-        print(f"torch: STOP: torch {torch.__version__} is older than this project's minimum, torch>={minimum} "
-              f"(pyproject.toml); the check does not replace the node's torch")
+        print(
+            f"torch: STOP: torch {torch.__version__} is older than this project's minimum, torch>={minimum} "
+            f"(pyproject.toml); the check does not replace the node's torch"
+        )
         return 2
-    print(f"torch: OK, {torch.__version__} >= {minimum} (pyproject.toml's minimum); used as the node has it")
+    print(
+        f"torch: OK, {torch.__version__} >= {minimum} (pyproject.toml's minimum); used as the node has it"
+    )
     return 0
 
 
@@ -58,44 +67,91 @@ def stage_install(bundle):
         print(f"install: {requirements} is missing: not a wheelhouse made by `make gpu-wheelhouse`")
         return 2
     info = wheels / "bundle.txt"
-    built = dict(line.split("=", 1) for line in info.read_text().splitlines() if "=" in line) if info.is_file() else {}
+    built = (
+        dict(line.split("=", 1) for line in info.read_text().splitlines() if "=" in line)
+        if info.is_file()
+        else {}
+    )
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    print(f"wheelhouse {wheels}: {len(list(wheels.glob('*.whl')))} wheels, built for Python {built.get('python', '?')}"
-          f" (this is {here}), skipped: {built.get('skipped', '?')}")
+    print(
+        f"wheelhouse {wheels}: {len(list(wheels.glob('*.whl')))} wheels, built for Python {built.get('python', '?')}"
+        f" (this is {here}), skipped: {built.get('skipped', '?')}"
+    )
     if built.get("python", here) != here:
-        print(f"WARNING: the wheelhouse's compiled wheels are for Python {built['python']}, not {here}: "
-              f"pip can take only what this environment lacks among its pure-Python wheels")
+        print(
+            f"WARNING: the wheelhouse's compiled wheels are for Python {built['python']}, not {here}: "
+            f"pip can take only what this environment lacks among its pure-Python wheels"
+        )
 
     def installed():
-        return {canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+        return {
+            canonical(d.metadata["Name"]): d.version
+            for d in metadata.distributions()
+            if d.metadata["Name"]
+        }
 
     before = installed()
     # The CUDA stack stays as the node has it: a constraint pins each of its packages, so a
     # requirement that would need another torch fails here instead of replacing it.
-    pinned = {n: v for n, v in before.items() if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))}
+    pinned = {
+        n: v
+        for n, v in before.items()
+        if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))
+    }
     constraints = WORK / "constraints.txt"
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(pinned.items())))
-    command = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--no-index", "--find-links", str(wheels),
-               "--only-binary=:all:", "--no-input", "--disable-pip-version-check", "--progress-bar", "off",
-               "-c", str(constraints), "-r", str(requirements)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--isolated",
+        "install",
+        "-q",
+        "--no-index",
+        "--find-links",
+        str(wheels),
+        "--only-binary=:all:",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "-c",
+        str(constraints),
+        "-r",
+        str(requirements),
+    ]
     print("$ PIP_CONFIG_FILE=/dev/null " + " ".join(command), flush=True)
-    # No configuration file either (a pip.conf's index or find-links): the wheelhouse is the only source.
-    # Nor PYTHONPATH: pip would count the checkout's own metadata (an egg-info) as an installed package.
+    # No configuration file either (a pip.conf's index or find-links): the wheelhouse is the only
+    # source.
+    # Nor PYTHONPATH: pip would count the checkout's own metadata (an egg-info) as an installed
+    # package.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     rc = subprocess.run(command, env={**env, "PIP_CONFIG_FILE": os.devnull}).returncode
     after = installed()
     added = sorted(f"{n} {v}" for n, v in after.items() if n not in before)
-    changed = sorted(f"{n} {before[n]} -> {v}" for n, v in after.items() if n in before and before[n] != v)
-    print(f"pip exit status {rc}; installed from the wheelhouse: {', '.join(added) or 'nothing'}"
-          + (f"; replaced: {', '.join(changed)}" if changed else ""))
+    changed = sorted(
+        f"{n} {before[n]} -> {v}" for n, v in after.items() if n in before and before[n] != v
+    )
+    print(
+        f"pip exit status {rc}; installed from the wheelhouse: {', '.join(added) or 'nothing'}"
+        + (f"; replaced: {', '.join(changed)}" if changed else "")
+    )
     touched = [n for n in pinned if after.get(n) != pinned[n]]
     if touched:
         print(f"install: ERROR: pip changed the CUDA stack: {', '.join(touched)}")
         rc = rc or 1
     (OUT / "pip_freeze.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(after.items())))
     failed = []
-    for module in ("deepspeed", "webdataset", "omegaconf", "polib", "zstandard", "sentencepiece", "pytest",
-                   "launch.train"):
+    for module in (
+        "deepspeed",
+        "webdataset",
+        "omegaconf",
+        "polib",
+        "zstandard",
+        "sentencepiece",
+        "pytest",
+        "launch.train",
+    ):
         started = time.time()
         try:
             with warnings.catch_warnings():
@@ -103,11 +159,16 @@ def stage_install(bundle):
                 imported = importlib.import_module(module)
             version = getattr(imported, "__version__", "")
             print(f"import {module}: OK {version} ({time.time() - started:.1f} s)")
-        except Exception as err:  # any: a missing package, a binary that does not load, a version clash
+        # any: a missing package, a binary that does not load, a version clash
+        except Exception as err:
             failed.append(module)
-            print(f"import {module}: FAILED: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-    for optional, why in (("wandb", "launch.train runs with wandb.mode=disabled"),
-                          ("ray", "only pipeline.prepare needs it, and the bundle's data is prepared")):
+            print(
+                f"import {module}: FAILED: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            )
+    for optional, why in (
+        ("wandb", "launch.train runs with wandb.mode=disabled"),
+        ("ray", "only pipeline.prepare needs it, and the bundle's data is prepared"),
+    ):
         try:
             print(f"{optional}: {metadata.version(optional)} installed (optional)")
         except metadata.PackageNotFoundError:
@@ -132,12 +193,16 @@ def stage_cuda():
             torch.cuda.synchronize()
             assert value == 2048.0, value
         except Exception as err:
-            return stop(f"torch sees {torch.cuda.get_device_name()} but cannot run a kernel on it: "
-                        f"{type(err).__name__}: {str(err).splitlines()[0]}")
+            return stop(
+                f"torch sees {torch.cuda.get_device_name()} but cannot run a kernel on it: "
+                f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            )
         props = torch.cuda.get_device_properties(0)
-        print(f"CUDA probe: OK: {torch.cuda.device_count()} GPU(s), {props.name}, compute capability "
-              f"{props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__} for CUDA "
-              f"{torch.version.cuda}, driver CUDA {driver_cuda() or '?'}; bf16: {torch.cuda.is_bf16_supported()}")
+        print(
+            f"CUDA probe: OK: {torch.cuda.device_count()} GPU(s), {props.name}, compute capability "
+            f"{props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__} for CUDA "
+            f"{torch.version.cuda}, driver CUDA {driver_cuda() or '?'}; bf16: {torch.cuda.is_bf16_supported()}"
+        )
         return 0
     return stop(f"torch cannot use CUDA: {why_no_cuda(torch, caught)}")
 
@@ -164,21 +229,33 @@ def driver_cuda():
 
 def why_no_cuda(torch, caught):
     if not torch.version.cuda:
-        hip = f" (a ROCm build, HIP {torch.version.hip})" if getattr(torch.version, "hip", None) else ""
-        return (f"torch {torch.__version__} is a CPU-only build{hip}: torch.version.cuda is None; "
-                f"this node needs a CUDA build of torch")
+        hip = (
+            f" (a ROCm build, HIP {torch.version.hip})"
+            if getattr(torch.version, "hip", None)
+            else ""
+        )
+        return (
+            f"torch {torch.__version__} is a CPU-only build{hip}: torch.version.cuda is None; "
+            f"this node needs a CUDA build of torch"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
-    told = "; ".join(str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip())
+    told = "; ".join(
+        str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()
+    )
     driver = driver_cuda()
     if not driver:
-        return (f"no NVIDIA driver: libcuda.so.1 cannot be loaded (torch {torch.__version__} is built for CUDA "
-                f"{torch.version.cuda}; no GPU, or the container was started without one)"
-                + (f"; torch says: {told}" if told else ""))
+        return (
+            f"no NVIDIA driver: libcuda.so.1 cannot be loaded (torch {torch.__version__} is built for CUDA "
+            f"{torch.version.cuda}; no GPU, or the container was started without one)"
+            + (f"; torch says: {told}" if told else "")
+        )
     if version_tuple(driver)[:1] < version_tuple(torch.version.cuda)[:1]:
-        return (f"the driver is too old for this torch: it supports CUDA {driver}, torch {torch.__version__} is "
-                f"built for CUDA {torch.version.cuda}" + (f"; torch says: {told}" if told else ""))
+        return (
+            f"the driver is too old for this torch: it supports CUDA {driver}, torch {torch.__version__} is "
+            f"built for CUDA {torch.version.cuda}" + (f"; torch says: {told}" if told else "")
+        )
     try:
         count = torch.cuda.device_count()
     except Exception as err:
@@ -212,7 +289,9 @@ def stage_probes():
         from launch.deepspeed.engine import deepspeed_accelerator
 
         version, name = deepspeed_accelerator()
-        print(f"deepspeed {version}: accelerator {name!r} ({time.time() - started:.0f} s to import)")
+        print(
+            f"deepspeed {version}: accelerator {name!r} ({time.time() - started:.0f} s to import)"
+        )
         if name != "cuda":
             problems.append(f"deepspeed's accelerator is {name!r}, not 'cuda'")
 
@@ -225,10 +304,14 @@ def stage_probes():
             triton_version = f"not importable ({type(err).__name__})"
         header = Path(sysconfig.get_paths()["include"]) / "Python.h"
         compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-        print(f"triton {triton_version}; C compiler {compiler or 'NONE'}; Python.h {'present' if header.exists() else 'MISSING'} "
-              f"({header}): Triton, so torch.compile and FlexAttention, builds its launcher with both")
-        print(f"nvcc {shutil.which('nvcc') or 'none'}, CUDA_HOME {os.environ.get('CUDA_HOME', 'unset')}: only DeepSpeed's "
-              f"JIT CUDA ops would need them, and the check's runs use none")
+        print(
+            f"triton {triton_version}; C compiler {compiler or 'NONE'}; Python.h {'present' if header.exists() else 'MISSING'} "
+            f"({header}): Triton, so torch.compile and FlexAttention, builds its launcher with both"
+        )
+        print(
+            f"nvcc {shutil.which('nvcc') or 'none'}, CUDA_HOME {os.environ.get('CUDA_HOME', 'unset')}: only DeepSpeed's "
+            f"JIT CUDA ops would need them, and the check's runs use none"
+        )
         if not compiler or not header.exists():
             problems.append("Triton cannot build its launcher (no C compiler or no Python.h)")
 
@@ -236,18 +319,26 @@ def stage_probes():
         from model import loss
 
         mode = loss._out_dtype_gemms(torch.device("cuda"))
-        print(f"fused loss GEMM mode on CUDA: {mode!r} ('addmm' or 'mm': 16-bit GEMMs into float32; '': the "
-              f"float32 fallback, slow)")
+        print(
+            f"fused loss GEMM mode on CUDA: {mode!r} ('addmm' or 'mm': 16-bit GEMMs into float32; '': the "
+            f"float32 fallback, slow)"
+        )
         if not mode:
-            problems.append("the fused loss has no 16-bit GEMM with float32 output here (its float32 fallback runs)")
+            problems.append(
+                "the fused loss has no 16-bit GEMM with float32 output here (its float32 fallback runs)"
+            )
 
     def tf32_getters():
         from launch.metrics import set_fp32_matmul
 
-        print(f"launch.metrics.set_fp32_matmul(True) -> {set_fp32_matmul(True)} (whether TF32 is in use); then each getter:")
+        print(
+            f"launch.metrics.set_fp32_matmul(True) -> {set_fp32_matmul(True)} (whether TF32 is in use); then each getter:"
+        )
         getters = {
             "torch.backends.cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
-            "torch.backends.cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+            "torch.backends.cuda.matmul.fp32_precision": lambda: (
+                torch.backends.cuda.matmul.fp32_precision
+            ),
             "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision,
             "torch._C._get_cublas_allow_tf32()": lambda: torch._C._get_cublas_allow_tf32(),
             "torch.backends.cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
@@ -268,14 +359,19 @@ def stage_probes():
         got, want = compiled(x).float(), torch.nn.functional.gelu(x @ x).sum(dim=-1).float()
         torch.cuda.synchronize()
         error = float((got - want).abs().max() / want.abs().max())
-        print(f"torch.compile on CUDA after set_fp32_matmul(True): OK in {time.time() - started:.0f} s (max "
-              f"difference to eager {error:.1e} of the largest value)")
+        print(
+            f"torch.compile on CUDA after set_fp32_matmul(True): OK in {time.time() - started:.0f} s (max "
+            f"difference to eager {error:.1e} of the largest value)"
+        )
 
     probe("deepspeed", deepspeed_accelerator)
     probe("toolchain", toolchain)
     probe("fused loss GEMM mode", gemm_mode)
     probe("TF32 getters", tf32_getters)
-    probe("torch.compile on CUDA (what compile=true and the document mask's FlexAttention need)", compile_on_cuda)
+    probe(
+        "torch.compile on CUDA (what compile=true and the document mask's FlexAttention need)",
+        compile_on_cuda,
+    )
     for problem in problems:
         print(f"probes: PROBLEM: {problem}")
     return 1 if problems else 0
@@ -289,12 +385,18 @@ def stage_data(bundle):
         seq_len, tasks = m["config"]["seq_len"], m["config"]["tasks"]
         vocab = m["tokenizer"]["vocab_size"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"data: {manifest}: not a dataset of pipeline.prepare ({type(err).__name__}: {err})", file=sys.stderr)
+        print(
+            f"data: {manifest}: not a dataset of pipeline.prepare ({type(err).__name__}: {err})",
+            file=sys.stderr,
+        )
         print(0)
         return 1
-    print(f"data: {manifest.parent}: seq_len {seq_len}, vocabulary {vocab}, tasks {tasks}", file=sys.stderr)
+    print(
+        f"data: {manifest.parent}: seq_len {seq_len}, vocabulary {vocab}, tasks {tasks}",
+        file=sys.stderr,
+    )
     if seq_len != 1024 or "causal_lm" not in tasks:
-        print(f"data: configs/gpt2_small.yaml needs seq_len 1024 and causal_lm", file=sys.stderr)
+        print("data: configs/gpt2_small.yaml needs seq_len 1024 and causal_lm", file=sys.stderr)
         print(0)
         return 1
     print(vocab)
@@ -336,36 +438,52 @@ def stage_compare(metrics_path, bench_path, vocab, zero_stage):
         print(f"train: no throughput logged in {metrics_path}")
         return 1
     steady = perf[2:] if len(perf) >= 5 else perf[1:] or perf  # the first windows hold the warm-up
-    med = {k: statistics.median(r.get(k, float("nan")) for r in steady)
-           for k in ("perf/tokens_per_s", "perf/mfu", "perf/mfu_llmc")}
+    med = {
+        k: statistics.median(r.get(k, float("nan")) for r in steady)
+        for k in ("perf/tokens_per_s", "perf/mfu", "perf/mfu_llmc")
+    }
     last = perf[-1]
-    print(f"train: {len(perf)} windows of {perf[1]['step'] - perf[0]['step'] if len(perf) > 1 else '?'} steps to step "
-          f"{last['step']}, loss {perf[0].get('train/loss', float('nan')):.3f} -> {last.get('train/loss', float('nan')):.3f}, "
-          f"GPU peak {last.get('memory/gpu_max_allocated_mb', float('nan')):,.0f} MB")
-    print(f"train: steady state (median of {len(steady)} windows): {med['perf/tokens_per_s']:,.0f} tokens/s, MFU "
-          f"{100 * med['perf/mfu']:.1f}% (ours), {100 * med['perf/mfu_llmc']:.1f}% (llm.c)")
+    print(
+        f"train: {len(perf)} windows of {perf[1]['step'] - perf[0]['step'] if len(perf) > 1 else '?'} steps to step "
+        f"{last['step']}, loss {perf[0].get('train/loss', float('nan')):.3f} -> {last.get('train/loss', float('nan')):.3f}, "
+        f"GPU peak {last.get('memory/gpu_max_allocated_mb', float('nan')):,.0f} MB"
+    )
+    print(
+        f"train: steady state (median of {len(steady)} windows): {med['perf/tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{100 * med['perf/mfu']:.1f}% (ours), {100 * med['perf/mfu_llmc']:.1f}% (llm.c)"
+    )
     try:
         bench = json.loads(Path(bench_path).read_text())
     except (OSError, ValueError):
         print(f"train-vs-bench: no {bench_path} to compare with")
         return 1
-    match = [r for r in bench if r.get("vocab_size") == int(vocab) and r.get("zero_stage") == int(zero_stage)]
+    match = [
+        r
+        for r in bench
+        if r.get("vocab_size") == int(vocab) and r.get("zero_stage") == int(zero_stage)
+    ]
     if not match:
-        print(f"train-vs-bench: bench_gpu.json has no row for vocabulary {vocab} and ZeRO-{zero_stage}")
+        print(
+            f"train-vs-bench: bench_gpu.json has no row for vocabulary {vocab} and ZeRO-{zero_stage}"
+        )
         return 1
     b = match[0]
     clocks = busy_clocks(OUT / "nvidia_smi.csv")
     if clocks:
-        print(f"clocks: while the GPU was busy (nvidia_smi.csv samples at >= 50% utilisation, nearly all of them "
-              f"the train stage's): SM clock median {clocks[0]:.0f} MHz (min {clocks[1]:.0f}, max {clocks[2]:.0f}), "
-              f"power median {clocks[3]:.0f} W; the bench's timed steps last about a second, at the clock of a GPU "
-              f"that has just started working")
+        print(
+            f"clocks: while the GPU was busy (nvidia_smi.csv samples at >= 50% utilisation, nearly all of them "
+            f"the train stage's): SM clock median {clocks[0]:.0f} MHz (min {clocks[1]:.0f}, max {clocks[2]:.0f}), "
+            f"power median {clocks[3]:.0f} W; the bench's timed steps last about a second, at the clock of a GPU "
+            f"that has just started working"
+        )
     ratio = med["perf/tokens_per_s"] / b["tokens_per_s"]
     within = abs(ratio - 1) <= 0.10
-    print(f"train-vs-bench: V={int(vocab):,} ZeRO-{zero_stage}: train {med['perf/tokens_per_s']:,.0f} tokens/s "
-          f"(MFU {100 * med['perf/mfu']:.1f}% / {100 * med['perf/mfu_llmc']:.1f}%), bench {b['tokens_per_s']:,.0f} "
-          f"tokens/s (MFU {100 * b['mfu']:.1f}% / {100 * b['mfu_llmc']:.1f}%): ratio {ratio:.3f}, "
-          f"{'within' if within else 'NOT within'} 10%")
+    print(
+        f"train-vs-bench: V={int(vocab):,} ZeRO-{zero_stage}: train {med['perf/tokens_per_s']:,.0f} tokens/s "
+        f"(MFU {100 * med['perf/mfu']:.1f}% / {100 * med['perf/mfu_llmc']:.1f}%), bench {b['tokens_per_s']:,.0f} "
+        f"tokens/s (MFU {100 * b['mfu']:.1f}% / {100 * b['mfu_llmc']:.1f}%): ratio {ratio:.3f}, "
+        f"{'within' if within else 'NOT within'} 10%"
+    )
     return 0 if within else 1
 
 

@@ -44,12 +44,16 @@ def read_compare(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("export", type=Path, help="a translation model exported with launch.export format=hf")
+    parser.add_argument(
+        "export", type=Path, help="a translation model exported with launch.export format=hf"
+    )
     parser.add_argument("data", type=Path, help="the prepared dataset it was trained on")
     parser.add_argument("--split", default="test")
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--limit", type=int, default=0, help="first N pairs only (default: all)")
-    parser.add_argument("--compare", type=Path, help="launch.evaluate's output directory or scores JSON")
+    parser.add_argument(
+        "--compare", type=Path, help="launch.evaluate's output directory or scores JSON"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -63,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     model = EncoderDecoderModel.from_pretrained(args.export).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.export)
     ours = load_tokenizer(args.data / "tokenizer.model")
-    max_source = model.config.encoder.max_position_embeddings - 1  # room for </s>, as the trainer cuts them
-    max_len = model.config.decoder.max_position_embeddings - 1  # the decoder's positions, its start token first
+    # room for </s>, as the trainer cuts them
+    max_source = model.config.encoder.max_position_embeddings - 1
+    # the decoder's positions, its start token first
+    max_len = model.config.decoder.max_position_embeddings - 1
     pairs = read_pairs(args.data, args.split, args.limit)
     sources = [source_ids(src, max_source)[0] for src, _ in pairs]
 
@@ -77,21 +83,35 @@ def main(argv: list[str] | None = None) -> int:
         limit = max(1, min(max_len, math.floor(MAX_LEN_A * length + MAX_LEN_B)))
         for at in range(0, len(indices), BATCH):
             batch = indices[at : at + BATCH]
-            out = model.generate(torch.tensor([sources[i] for i in batch]), num_beams=args.beam, length_penalty=1.0,
-                                 max_new_tokens=limit, do_sample=False, early_stopping=False)
+            out = model.generate(
+                torch.tensor([sources[i] for i in batch]),
+                num_beams=args.beam,
+                length_penalty=1.0,
+                max_new_tokens=limit,
+                do_sample=False,
+                early_stopping=False,
+            )
             for i, row in zip(batch, out.tolist()):
                 hypotheses[i] = row[1:]  # the decoder's start token first
     seconds = time.perf_counter() - start
 
-    hyp_text = [" ".join(tokenizer.decode(hypotheses[i], skip_special_tokens=True).splitlines())
-                for i in range(len(pairs))]
+    hyp_text = [
+        " ".join(tokenizer.decode(hypotheses[i], skip_special_tokens=True).splitlines())
+        for i in range(len(pairs))
+    ]
     ref_text = [detokenize(ours, tgt) for _, tgt in pairs]
     result = score(hyp_text, ref_text)
-    print(f"{args.export} on {args.data} {args.split}: {len(pairs)} pairs, transformers generate, beam {args.beam}, "
-          f"{seconds:.0f} s")
+    print(
+        f"{args.export} on {args.data} {args.split}: {len(pairs)} pairs, transformers generate, beam {args.beam}, "
+        f"{seconds:.0f} s"
+    )
     print(f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f}  ({result['signature_bleu']})")
     if args.compare:
-        ours_hyp = args.compare / "hypotheses.txt" if args.compare.is_dir() else args.compare.parent / "hypotheses.txt"
+        ours_hyp = (
+            args.compare / "hypotheses.txt"
+            if args.compare.is_dir()
+            else args.compare.parent / "hypotheses.txt"
+        )
         if ours_hyp.is_file():
             lines = ours_hyp.read_text(encoding="utf-8").splitlines()[: len(hyp_text)]
             same = sum(a == b for a, b in zip(hyp_text, lines))
@@ -100,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit:
             print(f"(--limit {args.limit}: launch.evaluate's BLEU below is of the whole split)")
         diff = result["bleu"] - theirs["bleu"]
-        print(f"launch.evaluate: BLEU {theirs['bleu']:.2f}, chrF {theirs['chrf']:.2f}; difference {diff:+.2f} BLEU "
-              f"({'within' if abs(diff) <= 0.3 else 'NOT within'} 0.3)")
+        print(
+            f"launch.evaluate: BLEU {theirs['bleu']:.2f}, chrF {theirs['chrf']:.2f}; difference {diff:+.2f} BLEU "
+            f"({'within' if abs(diff) <= 0.3 else 'NOT within'} 0.3)"
+        )
     return 0
 
 

@@ -48,21 +48,28 @@ def build(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     from model.loss import IGNORE_INDEX
 
     overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
-    cfg = load_config(TrainConfig, ROOT / CONFIGS[args.arch], [*overrides, f"model.vocab_size={VOCAB}"])
+    cfg = load_config(
+        TrainConfig, ROOT / CONFIGS[args.arch], [*overrides, f"model.vocab_size={VOCAB}"]
+    )
     torch.manual_seed(0)
     initial = build_model(cfg.model)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(5, VOCAB, (BATCH, LENGTH), generator=generator)
-    if args.arch == "gpt":  # ours: labels aligned with the predicting positions; theirs shifts its own
-        ours_in = {"input_ids": ids, "labels": torch.cat([ids[:, 1:], torch.full((BATCH, 1), IGNORE_INDEX)], 1)}
+    # ours: labels aligned with the predicting positions; theirs shifts its own
+    if args.arch == "gpt":
+        ours_in = {
+            "input_ids": ids,
+            "labels": torch.cat([ids[:, 1:], torch.full((BATCH, 1), IGNORE_INDEX)], 1),
+        }
         hf_in = {"input_ids": ids, "labels": ids}
     else:
         labels = torch.full_like(ids, IGNORE_INDEX)
         scored = torch.rand(BATCH, LENGTH, generator=generator) < 0.15
         labels[scored] = ids[scored]
         hf_in = {"input_ids": ids, "labels": labels}
-        ours_in = {**hf_in, "scored_index": (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)}  # as launch.tasks
+        # as launch.tasks
+        ours_in = {**hf_in, "scored_index": (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)}
     models = {}
     for variant in args.variants.split(","):
         model = copy.deepcopy(initial)
@@ -84,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=10, help="micro batches per timed round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--profile", default="", help="variants to profile after timing (comma-separated)")
+    parser.add_argument(
+        "--profile", default="", help="variants to profile after timing (comma-separated)"
+    )
     args = parser.parse_args(argv)
     for variant in {*args.variants.split(","), *filter(None, args.profile.split(","))}:
         if variant not in VARIANTS:
@@ -112,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{variant}: loss {loss:.4f}", flush=True)
     for variant, seconds in times.items():
-        print(f"{args.arch} {args.shape} {args.precision} {variant:12s} {1000 * statistics.median(seconds):7.1f} ms "
-              f"per micro batch (rounds: {', '.join(f'{1000 * s:.1f}' for s in seconds)})")
+        print(
+            f"{args.arch} {args.shape} {args.precision} {variant:12s} {1000 * statistics.median(seconds):7.1f} ms "
+            f"per micro batch (rounds: {', '.join(f'{1000 * s:.1f}' for s in seconds)})"
+        )
     if args.profile:
         print(profile_table(step, args.profile.split(",")))
     return 0
@@ -123,7 +134,11 @@ def category(name: str, shapes: str) -> str:
     if name in GEMMS:
         if str(VOCAB) in shapes:
             return "GEMM: vocabulary (logits and their gradients)"
-        return "GEMM: attention (recomputed scores)" if name in ("aten::bmm", "aten::baddbmm") else "GEMM: blocks"
+        return (
+            "GEMM: attention (recomputed scores)"
+            if name in ("aten::bmm", "aten::baddbmm")
+            else "GEMM: blocks"
+        )
     if "flash_attention" in name:
         return "SDPA flash backward" if "backward" in name else "SDPA flash forward"
     if "CompiledFxGraph" in name:
@@ -142,11 +157,21 @@ def profile_table(step, variants: list[str], repeat: int = 5) -> str:
         rows[variant] = {}
         for event in prof.key_averages(group_by_input_shape=True):
             key = category(event.key, str(event.input_shapes))
-            rows[variant][key] = rows[variant].get(key, 0.0) + event.self_cpu_time_total / 1000 / repeat
+            rows[variant][key] = (
+                rows[variant].get(key, 0.0) + event.self_cpu_time_total / 1000 / repeat
+            )
     keys = sorted({key for row in rows.values() for key in row})
-    lines = ["| ms per micro batch (op self time) | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
-    lines += [f"| {key} | " + " | ".join(f"{row.get(key, 0.0):.1f}" for row in rows.values()) + " |" for key in keys]
-    lines.append("| total | " + " | ".join(f"{sum(row.values()):.1f}" for row in rows.values()) + " |")
+    lines = [
+        "| ms per micro batch (op self time) | " + " | ".join(rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    lines += [
+        f"| {key} | " + " | ".join(f"{row.get(key, 0.0):.1f}" for row in rows.values()) + " |"
+        for key in keys
+    ]
+    lines.append(
+        "| total | " + " | ".join(f"{sum(row.values()):.1f}" for row in rows.values()) + " |"
+    )
     return "\n".join(lines)
 
 

@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if not (args.data / "manifest.json").exists():
-        print(f"error: no prepared dataset at {args.data}: run `python -m pipeline.prepare "
-              f"configs/prepare_gettext_en_de.yaml` (or `make main`)", file=sys.stderr)
+        print(
+            f"error: no prepared dataset at {args.data}: run `python -m pipeline.prepare "
+            f"configs/prepare_gettext_en_de.yaml` (or `make main`)",
+            file=sys.stderr,
+        )
         return 2
     import torch
     import torch.nn.functional as F
@@ -55,22 +58,39 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.loader import ShardLoader
 
     torch.set_num_threads(1)
-    cfg = load_config(TrainConfig, args.config, [f"data.data_dir={args.data}", "data.num_workers=0"])
+    cfg = load_config(
+        TrainConfig, args.config, [f"data.data_dir={args.data}", "data.num_workers=0"]
+    )
     loader = ShardLoader.from_config(cfg.data, "translation", "train", rank=0, world_size=2)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size))
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size)
+    )
     task = TASKS["translation"]
     ours_batches = []
     for batch in loader:
         ours_batches.append(task.model_inputs(batch))
         if len(ours_batches) == args.batches:
             break
-    real = sum(int(x["src_mask"].sum() + x["decoder_mask"].sum()) for x in ours_batches) / len(ours_batches)
-    padded = sum(x["src_ids"].numel() + x["decoder_input_ids"].numel() for x in ours_batches) / len(ours_batches)
-    print(f"{len(ours_batches)} micro batches of {cfg.data.micro_batch_size} pairs: {real:.0f} real tokens and "
-          f"{padded:.0f} padded positions each on average")
-    theirs_batches = [{"input_ids": x["src_ids"], "attention_mask": x["src_mask"],
-                       "decoder_input_ids": x["decoder_input_ids"], "decoder_attention_mask": x["decoder_mask"],
-                       "labels": x["labels"]} for x in ours_batches]
+    real = sum(int(x["src_mask"].sum() + x["decoder_mask"].sum()) for x in ours_batches) / len(
+        ours_batches
+    )
+    padded = sum(x["src_ids"].numel() + x["decoder_input_ids"].numel() for x in ours_batches) / len(
+        ours_batches
+    )
+    print(
+        f"{len(ours_batches)} micro batches of {cfg.data.micro_batch_size} pairs: {real:.0f} real tokens and "
+        f"{padded:.0f} padded positions each on average"
+    )
+    theirs_batches = [
+        {
+            "input_ids": x["src_ids"],
+            "attention_mask": x["src_mask"],
+            "decoder_input_ids": x["decoder_input_ids"],
+            "decoder_attention_mask": x["decoder_mask"],
+            "labels": x["labels"],
+        }
+        for x in ours_batches
+    ]
     tokenizer = json.loads((args.data / "manifest.json").read_text())["tokenizer"]
     torch.manual_seed(0)
     ours = build_model(cfg.model).to(torch.bfloat16).train()
@@ -84,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     def theirs_step(x: dict) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = theirs(**{k: v for k, v in x.items() if k != "labels"}).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x["labels"].flatten(), label_smoothing=smoothing)
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), x["labels"].flatten(), label_smoothing=smoothing
+        )
         loss.backward()
         theirs.zero_grad(set_to_none=True)
 
@@ -98,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             if round_index:
                 seconds[name].append((time.perf_counter() - start) / len(batches))
     for name, times in seconds.items():
-        print(f"{name:7s} {1000 * statistics.median(times):6.1f} ms per micro batch "
-              f"(rounds: {', '.join(f'{1000 * t:.1f}' for t in times)})")
+        print(
+            f"{name:7s} {1000 * statistics.median(times):6.1f} ms per micro batch "
+            f"(rounds: {', '.join(f'{1000 * t:.1f}' for t in times)})"
+        )
     vocab = str(cfg.model.vocab_size)
     rows: dict[str, dict[str, float]] = {}
     for name, (step, batches) in sides.items():
@@ -111,19 +135,38 @@ def main(argv: list[str] | None = None) -> int:
             key = event.key
             if key in ("aten::mm", "aten::addmm", "aten::bmm"):
                 key = "GEMM: vocabulary" if vocab in str(event.input_shapes) else "GEMM: the rest"
-            rows[name][key] = rows[name].get(key, 0.0) + event.self_cpu_time_total / 1000 / len(batches)
-    # The two GEMM rows always, then the costliest other ops by name, the remainder summed in one row
+            rows[name][key] = rows[name].get(key, 0.0) + event.self_cpu_time_total / 1000 / len(
+                batches
+            )
+    # The two GEMM rows always, then the costliest other ops by name, the remainder summed in one
+    # row
     # (where GEMMs are fast, as with AMX, the vocabulary's would otherwise fall below the cut).
     gemms = ["GEMM: vocabulary", "GEMM: the rest"]
-    others = sorted({k for row in rows.values() for k in row} - set(gemms),
-                    key=lambda k: -max(row.get(k, 0.0) for row in rows.values()))
+    others = sorted(
+        {k for row in rows.values() for k in row} - set(gemms),
+        key=lambda k: -max(row.get(k, 0.0) for row in rows.values()),
+    )
     shown, rest = others[:12], others[12:]
-    print("| ms per micro batch (op self time) | " + " | ".join(rows) + " |\n|---|" + "---:|" * len(rows))
+    print(
+        "| ms per micro batch (op self time) | "
+        + " | ".join(rows)
+        + " |\n|---|"
+        + "---:|" * len(rows)
+    )
     for key in gemms + shown:
-        print(f"| {key} | " + " | ".join(f"{row.get(key, 0.0):.1f}" for row in rows.values()) + " |")
-    print(f"| {len(rest)} other ops | " + " | ".join(f"{sum(row.get(k, 0.0) for k in rest):.1f}"
-                                                   for row in rows.values()) + " |")
-    print("| total (all ops) | " + " | ".join(f"{sum(row.values()):.1f}" for row in rows.values()) + " |")
+        print(
+            f"| {key} | " + " | ".join(f"{row.get(key, 0.0):.1f}" for row in rows.values()) + " |"
+        )
+    print(
+        f"| {len(rest)} other ops | "
+        + " | ".join(f"{sum(row.get(k, 0.0) for k in rest):.1f}" for row in rows.values())
+        + " |"
+    )
+    print(
+        "| total (all ops) | "
+        + " | ".join(f"{sum(row.values()):.1f}" for row in rows.values())
+        + " |"
+    )
     return 0
 
 

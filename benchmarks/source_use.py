@@ -33,8 +33,10 @@ def main() -> None:
     pairs = read_pairs(args.data, args.split)
     for path in args.checkpoints:
         own, rolled, tokens = source_losses(path, pairs, args.batch)
-        print(f"{path}: own source {own:.3f}, rolled sources {rolled:.3f}, "
-              f"the source is worth {rolled - own:.3f} nats/token ({tokens:,} target tokens, {args.split})")
+        print(
+            f"{path}: own source {own:.3f}, rolled sources {rolled:.3f}, "
+            f"the source is worth {rolled - own:.3f} nats/token ({tokens:,} target tokens, {args.split})"
+        )
 
 
 @torch.no_grad()

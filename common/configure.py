@@ -65,7 +65,9 @@ def _first_line(err: Exception) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
+def load_config(
+    schema: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()
+) -> T:
     """Build a `schema` instance from defaults, then the YAML at `path`, then `overrides`."""
     base = OmegaConf.structured(schema)
     if path is not None:
@@ -88,9 +90,12 @@ def load_config(schema: type[T], path: str | os.PathLike | None, overrides: Sequ
             parsed = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as err:
             raise UserError(f"command line {item!r}: {_describe(err, schema)}") from err
-        except Exception as err:  # the value as YAML: a tag it refuses (`!!python/name:...`), a bad `!!int`, `[1`
-            raise UserError(f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
-                            f"{_first_line(err)}") from err
+        # the value as YAML: a tag it refuses (`!!python/name:...`), a bad `!!int`, `[1`
+        except Exception as err:
+            raise UserError(
+                f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
+                f"{_first_line(err)}"
+            ) from err
         try:
             base = OmegaConf.merge(base, parsed)
         except OmegaConfBaseException as err:
@@ -129,7 +134,9 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 HELP_FLAGS = ("-h", "--help")
 
 
-def parse_cli(schema: type[T], argv: Sequence[str] | None = None, *, usage: str, config_optional: bool = False) -> T:
+def parse_cli(
+    schema: type[T], argv: Sequence[str] | None = None, *, usage: str, config_optional: bool = False
+) -> T:
     """The command line into a `schema` instance: `CONFIG.yaml [key.sub=value ...]`, or with
     `config_optional` `[CONFIG.yaml] [key.sub=value ...]`, where a first argument is the file
     when it ends in .yaml/.yml and has no `=`.
@@ -152,7 +159,9 @@ def parse_cli(schema: type[T], argv: Sequence[str] | None = None, *, usage: str,
             return load_config(schema, argv[0], argv[1:])
         return load_config(schema, None, argv)
     if "=" in argv[0]:
-        raise UserError(f"{argv[0]!r}: the first argument is the CONFIG.yaml file; key.sub=value overrides follow it")
+        raise UserError(
+            f"{argv[0]!r}: the first argument is the CONFIG.yaml file; key.sub=value overrides follow it"
+        )
     return load_config(schema, argv[0], argv[1:])
 
 
@@ -189,7 +198,9 @@ def help_text(schema: type, usage: str, width: int | None = None) -> str:
         if len(head) >= column - 1:  # a long key=default gets a line of its own
             lines.append(head)
             head = ""
-        lines.append(textwrap.fill(body, width, initial_indent=head.ljust(column), subsequent_indent=indent))
+        lines.append(
+            textwrap.fill(body, width, initial_indent=head.ljust(column), subsequent_indent=indent)
+        )
     return "\n".join(lines)
 
 
@@ -207,7 +218,8 @@ def field_comments(cls: type) -> dict[str, str]:
     for node in ast.parse(source).body[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        if ast.unparse(node.annotation).startswith(("ClassVar", "typing.ClassVar")):  # not a field: RENAMED
+        # not a field: RENAMED
+        if ast.unparse(node.annotation).startswith(("ClassVar", "typing.ClassVar")):
             continue
         above, n = [], node.lineno - 1
         while n in comments and lines[n - 1].lstrip().startswith("#"):

@@ -53,7 +53,9 @@ class DirLock:
 
 
 @contextlib.contextmanager
-def dir_lock(directory: str | os.PathLike, what: str = "job", *, lock_file: str | os.PathLike | None = None) -> Iterator[DirLock]:
+def dir_lock(
+    directory: str | os.PathLike, what: str = "job", *, lock_file: str | os.PathLike | None = None
+) -> Iterator[DirLock]:
     """Hold an exclusive lock on `directory` for the duration of the `with` block.
 
     `lock_file` defaults to `directory/.lock` (the directory is created if missing); pass a
@@ -62,12 +64,18 @@ def dir_lock(directory: str | os.PathLike, what: str = "job", *, lock_file: str 
     """
     directory = Path(directory)
     path = Path(lock_file) if lock_file is not None else directory / LOCK_FILE
-    me = Holder(host=socket.gethostname(), pid=os.getpid(), what=what,
-                since=datetime.now().astimezone().isoformat(timespec="seconds"))
+    me = Holder(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        what=what,
+        since=datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"cannot lock {directory}: cannot create {path.parent}: {err.strerror}") from err
+        raise UserError(
+            f"cannot lock {directory}: cannot create {path.parent}: {err.strerror}"
+        ) from err
     fd, stale_bytes = _acquire(directory, path, me)
     previous = _parse_holder(stale_bytes)
     if fd is None:
@@ -75,12 +83,26 @@ def dir_lock(directory: str | os.PathLike, what: str = "job", *, lock_file: str 
         return
     try:
         if previous is not None:
-            state = "no longer running" if previous.host == me.host else (
-                f"its lock is free; if it still runs on {previous.host}, this file system does not honour locks across hosts")
-            logger.warning("%s: taking over the stale lock of pid %d on host %s (%s since %s; %s)",
-                           directory, previous.pid, previous.host, previous.what, previous.since, state)
+            state = (
+                "no longer running"
+                if previous.host == me.host
+                else (
+                    f"its lock is free; if it still runs on {previous.host}, this file system does not honour locks across hosts"
+                )
+            )
+            logger.warning(
+                "%s: taking over the stale lock of pid %d on host %s (%s since %s; %s)",
+                directory,
+                previous.pid,
+                previous.host,
+                previous.what,
+                previous.since,
+                state,
+            )
         elif stale_bytes:
-            logger.warning("%s: taking over a stale lock whose file %s names no holder", directory, path)
+            logger.warning(
+                "%s: taking over a stale lock whose file %s names no holder", directory, path
+            )
         yield DirLock(directory, path, me, previous, locked=True)
     finally:
         _release(fd, path)
@@ -98,13 +120,22 @@ def _acquire(directory: Path, path: Path, me: Holder) -> tuple[Optional[int], by
         except BlockingIOError:
             holder = _wait_for_holder(fd)
             os.close(fd)
-            who = holder.describe() if holder else "another process (it has not written its name yet)"
-            raise UserError(f"{directory} is locked by {who} (lock file {path}); wait for it to end or stop it") from None
+            who = (
+                holder.describe() if holder else "another process (it has not written its name yet)"
+            )
+            raise UserError(
+                f"{directory} is locked by {who} (lock file {path}); wait for it to end or stop it"
+            ) from None
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                logger.warning("%s: not locked: the file system refuses flock on %s (%s); nothing stops a second job "
-                               "from using it at the same time", directory, path, err.strerror)
+                logger.warning(
+                    "%s: not locked: the file system refuses flock on %s (%s); nothing stops a second job "
+                    "from using it at the same time",
+                    directory,
+                    path,
+                    err.strerror,
+                )
                 return None, b""
             raise UserError(f"cannot lock {directory}: flock on {path}: {err.strerror}") from err
         # A holder deletes the file as it releases; if that happened between our open and our
@@ -118,12 +149,16 @@ def _acquire(directory: Path, path: Path, me: Holder) -> tuple[Optional[int], by
             os.close(fd)
             continue
         stale_bytes = os.pread(fd, 4096, 0).strip()
-        record = json.dumps({"host": me.host, "pid": me.pid, "since": me.since, "what": me.what}) + "\n"
+        record = (
+            json.dumps({"host": me.host, "pid": me.pid, "since": me.since, "what": me.what}) + "\n"
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode(), 0)
         _HELD.add(fd)
         return fd, stale_bytes
-    raise UserError(f"cannot lock {directory}: {path} was replaced {_ATTEMPTS} times while taking it")
+    raise UserError(
+        f"cannot lock {directory}: {path} was replaced {_ATTEMPTS} times while taking it"
+    )
 
 
 # The descriptors of the locks this process holds: a forked child closes them (see the module
@@ -168,6 +203,11 @@ def _wait_for_holder(fd: int) -> Optional[Holder]:
 def _parse_holder(data: bytes) -> Optional[Holder]:
     try:
         record = json.loads(data.decode("utf-8"))
-        return Holder(host=str(record["host"]), pid=int(record["pid"]), since=str(record["since"]), what=str(record["what"]))
+        return Holder(
+            host=str(record["host"]),
+            pid=int(record["pid"]),
+            since=str(record["since"]),
+            what=str(record["what"]),
+        )
     except (ValueError, KeyError, TypeError):
         return None

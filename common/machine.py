@@ -30,7 +30,18 @@ def cpu_key(cpuinfo: str) -> str:
                 break  # the blank line after the first processor
             continue
         fields.setdefault(key.strip(), value.strip())
-    name = re.sub(r"[^a-z0-9]+", "-", fields.get("model name", fields.get("CPU part", "unknown")).lower()).strip("-")
-    keys = ("vendor_id", "cpu family", "model", "flags", "CPU implementer", "CPU architecture", "CPU part", "Features")
+    name = re.sub(
+        r"[^a-z0-9]+", "-", fields.get("model name", fields.get("CPU part", "unknown")).lower()
+    ).strip("-")
+    keys = (
+        "vendor_id",
+        "cpu family",
+        "model",
+        "flags",
+        "CPU implementer",
+        "CPU architecture",
+        "CPU part",
+        "Features",
+    )
     identity = "\n".join(f"{key}={' '.join(sorted(fields.get(key, '').split()))}" for key in keys)
     return f"{name or 'unknown'}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from common.configure import UserError, parse_cli, run_main
 from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
 from launch.export import provenance, read_json, read_run_checkpoint, save_model_dir
-from common.configure import UserError, parse_cli, run_main
 from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR
@@ -49,12 +49,16 @@ def last_tags(run_dir: str | Path, last: int) -> tuple[Path, list[str]]:
         raise UserError(f"no complete checkpoint at {run_dir}")
     tags = [tag for tag in checkpoint_tags(root) if tag <= current]
     if len(tags) < last:
-        raise UserError(f"last: {run_dir} has {len(tags)} complete checkpoint(s) ({', '.join(tags)}), not {last}; "
-                        "train with checkpoint.keep_last >= last")
+        raise UserError(
+            f"last: {run_dir} has {len(tags)} complete checkpoint(s) ({', '.join(tags)}), not {last}; "
+            "train with checkpoint.keep_last >= last"
+        )
     return root, tags[-last:]
 
 
-def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
+def average_state_dicts(
+    states: list[dict[str, torch.Tensor]], names: list[str]
+) -> dict[str, torch.Tensor]:
     """The elementwise mean of state dicts with the same keys and shapes, in their dtype (`names`
     label them in the error when they differ). Summed in float64, one tensor at a time: the sum
     of a few fp32 numbers is exact there, so the mean is the fp32 mean correctly rounded, and N
@@ -63,11 +67,15 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str])
     for state, name in zip(states[1:], names[1:]):
         if state.keys() != first.keys():
             odd = sorted(state.keys() ^ first.keys())[:3]
-            raise UserError(f"{name} and {names[0]} hold different weights ({', '.join(odd)}): not the same model config")
+            raise UserError(
+                f"{name} and {names[0]} hold different weights ({', '.join(odd)}): not the same model config"
+            )
         for key, tensor in state.items():
             if tensor.shape != first[key].shape:
-                raise UserError(f"{name} and {names[0]} differ in {key} ({tuple(tensor.shape)} vs "
-                                f"{tuple(first[key].shape)}): not the same model config")
+                raise UserError(
+                    f"{name} and {names[0]} differ in {key} ({tuple(tensor.shape)} vs "
+                    f"{tuple(first[key].shape)}): not the same model config"
+                )
     mean = {}
     for key, tensor in first.items():
         total = torch.zeros(tensor.shape, dtype=torch.float64)
@@ -78,7 +86,8 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str])
 
 
 def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
-    from launch.deepspeed.safe_load import consolidated_state_dict  # DeepSpeed is imported by launch/deepspeed/ alone
+    # DeepSpeed is imported by launch/deepspeed/ alone
+    from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
 
     check_writable_dir(Path(out).absolute().parent, "out")
@@ -86,28 +95,49 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
     run = read_run_checkpoint(root / tags[-1])
     if not run.tokenizer.is_file():
         raise UserError(f"{run.tokenizer} not found")
-    clients = [read_json(root / tag / "client_state.json") if (root / tag / "client_state.json").is_file() else {}
-               for tag in tags]
+    clients = [
+        read_json(root / tag / "client_state.json")
+        if (root / tag / "client_state.json").is_file()
+        else {}
+        for tag in tags
+    ]
     tokenizers = {client.get("tokenizer_sha256") for client in clients}
     if len(tokenizers) > 1:
-        raise UserError(f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers")
+        raise UserError(
+            f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers"
+        )
     states = []
     with meter(len(tags), "average", "checkpoint") as shown:
         for tag in tags:
             states.append(consolidated_state_dict(root, tag))
             shown.update()
     mean = average_state_dicts(states, [str(root / tag) for tag in tags])
-    meta = {"task": run.config.task, "step": run.client.get("step"), "tokens_seen": run.client.get("tokens_seen"),
-            "source": str((root / tags[-1]).resolve()),
-            "averaged": [str((root / tag).resolve()) for tag in tags]}
-    save_model_dir(out, mean, run.config.model, run.tokenizer, meta, provenance(run) | {"averaged": meta["averaged"]})
+    meta = {
+        "task": run.config.task,
+        "step": run.client.get("step"),
+        "tokens_seen": run.client.get("tokens_seen"),
+        "source": str((root / tags[-1]).resolve()),
+        "averaged": [str((root / tag).resolve()) for tag in tags],
+    }
+    save_model_dir(
+        out,
+        mean,
+        run.config.model,
+        run.tokenizer,
+        meta,
+        provenance(run) | {"averaged": meta["averaged"]},
+    )
     return meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     meta = average(cfg.checkpoint, cfg.last, cfg.out)
-    print(f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}")
+    print(
+        f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}"
+    )
     return 0
 
 

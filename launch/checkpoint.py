@@ -43,7 +43,8 @@ POINTER = "latest"
 UNIVERSAL_SUFFIX = ".universal"
 UNIVERSAL_INFO = "universal.json"  # written last into a universal copy: it is complete
 INTEGRITY = "integrity.json"  # every file's size and sha256, written once all ranks have written
-# A ZeRO rank's optimizer partition (stages 1-3, or DeepSpeed's BF16_Optimizer; "bf16_" in bf16 runs).
+# A ZeRO rank's optimizer partition (stages 1-3, or DeepSpeed's BF16_Optimizer; "bf16_" in bf16
+# runs).
 _RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 # The module's weights: whole below ZeRO-3 (`mp_rank_00_...`), one file per rank under ZeRO-3.
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -92,7 +93,9 @@ def checkpoint_tags(root: str | Path) -> list[str]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(UNIVERSAL_SUFFIX))
+    return sorted(
+        p.name for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(UNIVERSAL_SUFFIX)
+    )
 
 
 def discard(root: str | Path, tag: str) -> None:
@@ -135,8 +138,11 @@ def saved_shape(root: str | Path, tag: str) -> dict:
     the trainer's `client_state.json` where it says, `global_batch_size`, `micro_batch_size` and
     `grad_accum` (absent in checkpoints written before the global batch was recorded)."""
     saved = client_info(root, tag)
-    shape = {key: saved[key] for key in ("global_batch_size", "micro_batch_size", "grad_accum")
-             if isinstance(saved.get(key), int)}
+    shape = {
+        key: saved[key]
+        for key in ("global_batch_size", "micro_batch_size", "grad_accum")
+        if isinstance(saved.get(key), int)
+    }
     return {"world_size": saved_world_size(root, tag), **shape}
 
 
@@ -150,7 +156,11 @@ def saved_model_config(root: str | Path, tag: str) -> dict | None:
         return model
     config_file = Path(root).parent / "config.yaml"
     try:
-        model = OmegaConf.to_container(OmegaConf.load(config_file)).get("model") if config_file.is_file() else None
+        model = (
+            OmegaConf.to_container(OmegaConf.load(config_file)).get("model")
+            if config_file.is_file()
+            else None
+        )
     except Exception:  # noqa: BLE001 - unreadable: no record, as without the file
         return None
     return model if isinstance(model, dict) else None
@@ -178,7 +188,8 @@ def _rank_files(directory: Path) -> list[re.Match]:
     return [m for m in (_RANK_FILE.match(p.name) for p in directory.iterdir()) if m]
 
 
-# ----------------------------------------------------------------------------- resume from an intact checkpoint
+# ----------------------------------------------------------------------------- resume from an
+# intact checkpoint
 #
 # On every rank, in the trainer (it owns the process group; this module stays free of it):
 #     candidates = rank 0's resume_candidates(resume, run_dir), broadcast
@@ -194,7 +205,9 @@ def resume_candidates(resume: str, run_dir: str | Path) -> list[tuple[Path, str]
     root = checkpoint_root(run_dir)
     if resume == "none":
         if latest_tag(root) is not None:
-            raise UserError(f"{run_dir} already holds checkpoints; use resume=auto, or another run_dir")
+            raise UserError(
+                f"{run_dir} already holds checkpoints; use resume=auto, or another run_dir"
+            )
         return []
     if resume != "auto":
         path = Path(resume)
@@ -203,19 +216,27 @@ def resume_candidates(resume: str, run_dir: str | Path) -> list[tuple[Path, str]
         elif path.is_dir() and path.name.startswith("step_"):
             return [(path.parent, path.name)]
         else:
-            raise UserError(f"resume: {resume!r} is not auto, none, a checkpoints directory or a step_* checkpoint")
+            raise UserError(
+                f"resume: {resume!r} is not auto, none, a checkpoints directory or a step_* checkpoint"
+            )
     pointer = root / POINTER
     newest = pointer.read_text().strip() if pointer.is_file() else ""
     if not newest:
         return []
-    # The pointer's own tag even if its directory is gone: the verdict says so, and the older ones follow.
+    # The pointer's own tag even if its directory is gone: the verdict says so, and the older ones
+    # follow.
     tags = sorted({tag for tag in checkpoint_tags(root) if tag <= newest} | {newest}, reverse=True)
     return [(root, tag) for tag in tags]
 
 
-def choose_resume(resume: str, candidates: Sequence[tuple[Path, str]],
-                  verify_here: Callable[[tuple[Path, str]], str | None] | None = None,
-                  all_agree: Callable[[str | None], list] | None = None, *, report: bool = True) -> tuple[Path, str] | None:
+def choose_resume(
+    resume: str,
+    candidates: Sequence[tuple[Path, str]],
+    verify_here: Callable[[tuple[Path, str]], str | None] | None = None,
+    all_agree: Callable[[str | None], list] | None = None,
+    *,
+    report: bool = True,
+) -> tuple[Path, str] | None:
     """The newest of `candidates` (`resume_candidates`) that every rank finds intact; None for
     none. Call on every rank with the same candidates; `verify_here` is this rank's check
     (`resume_verdict` with its rank), `all_agree` gathers one value from every rank (an
@@ -227,7 +248,9 @@ def choose_resume(resume: str, candidates: Sequence[tuple[Path, str]],
     every rank, so a UserError raised here is raised everywhere."""
     if not candidates:
         return None
-    chosen, skipped = first_intact(candidates, verify_here or resume_verdict, all_agree or (lambda verdict: [verdict]))
+    chosen, skipped = first_intact(
+        candidates, verify_here or resume_verdict, all_agree or (lambda verdict: [verdict])
+    )
     named = resume not in ("auto", "none") and Path(resume).name.startswith("step_")
     if named and chosen is None:
         (root, tag), reason = skipped[0]
@@ -237,16 +260,25 @@ def choose_resume(resume: str, candidates: Sequence[tuple[Path, str]],
             print(f"warning: skipping checkpoint {root / tag}: {reason}", file=sys.stderr)
     if chosen is None:
         (root, tag), reason = skipped[0]
-        raise UserError(f"resume: no intact checkpoint in {root} ({len(skipped)} tried; the newest, {tag}: {reason}); "
-                        f"name one with resume=..., or remove them or use another run_dir to start afresh")
+        raise UserError(
+            f"resume: no intact checkpoint in {root} ({len(skipped)} tried; the newest, {tag}: {reason}); "
+            f"name one with resume=..., or remove them or use another run_dir to start afresh"
+        )
     root, tag = chosen
     if report and not (root / tag / INTEGRITY).is_file():
-        print(f"warning: checkpoint {root / tag} has no {INTEGRITY} (written before checkpoints were verified): "
-              f"only checked that its torch files are whole archives; resuming from it", file=sys.stderr)
+        print(
+            f"warning: checkpoint {root / tag} has no {INTEGRITY} (written before checkpoints were verified): "
+            f"only checked that its torch files are whole archives; resuming from it",
+            file=sys.stderr,
+        )
     return chosen
 
 
-def first_intact(candidates: Sequence, verify_here: Callable[..., str | None], all_agree: Callable[[str | None], list]):
+def first_intact(
+    candidates: Sequence,
+    verify_here: Callable[..., str | None],
+    all_agree: Callable[[str | None], list],
+):
     """(the first candidate that no rank finds a fault in, or None; [(candidate, reason)] for
     those before it). Every rank calls `all_agree` once per candidate tried, in the same order, so
     the collective inside it pairs up across ranks; `verify_here` raising on one rank would leave
@@ -262,7 +294,9 @@ def first_intact(candidates: Sequence, verify_here: Callable[..., str | None], a
         if not faults:
             return candidate, skipped
         rank, reason = faults[0]
-        skipped.append((candidate, reason + (f" (found by rank {rank})" if len(verdicts) > 1 else "")))
+        skipped.append(
+            (candidate, reason + (f" (found by rank {rank})" if len(verdicts) > 1 else ""))
+        )
     return None, skipped
 
 
@@ -288,8 +322,11 @@ def require_intact(root: str | Path, tag: str) -> None:
     else:
         reason = _check_unrecorded(root, tag)
         if reason is None:
-            print(f"warning: checkpoint {tag_dir} has no {INTEGRITY} (written before checkpoints were verified): "
-                  f"only checked that its torch files are whole archives", file=sys.stderr)
+            print(
+                f"warning: checkpoint {tag_dir} has no {INTEGRITY} (written before checkpoints were verified): "
+                f"only checked that its torch files are whole archives",
+                file=sys.stderr,
+            )
     if reason is not None:
         older = [t for t in checkpoint_tags(root) if t < tag]
         hint = f"; the next older checkpoint is {root / older[-1]}" if older else ""
@@ -303,7 +340,9 @@ def _check_unrecorded(root: Path, tag: str) -> str | None:
     far as that goes (`check_archives`)."""
     recorded = [t for t in checkpoint_tags(root) if t < tag and (root / t / INTEGRITY).is_file()]
     if recorded:
-        return f"no {INTEGRITY}, though the older {recorded[-1]} has one: a save that did not complete"
+        return (
+            f"no {INTEGRITY}, though the older {recorded[-1]} has one: a save that did not complete"
+        )
     return check_archives(root / tag)
 
 
@@ -320,7 +359,9 @@ def write_integrity(tag_dir: str | Path, files: dict[str, dict] | None = None) -
     if files is None:
         files = hash_files(tag_dir, sorted(files_on_disk(tag_dir)))
     partial = tag_dir / (INTEGRITY + ".partial")
-    partial.write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}, indent=1) + "\n")
+    partial.write_text(
+        json.dumps({"version": 1, "files": dict(sorted(files.items()))}, indent=1) + "\n"
+    )
     os.replace(partial, tag_dir / INTEGRITY)
     return tag_dir / INTEGRITY
 
@@ -328,14 +369,20 @@ def write_integrity(tag_dir: str | Path, files: dict[str, dict] | None = None) -
 def files_on_disk(tag_dir: str | Path) -> dict[str, int]:
     """{relative path: size} of the files of checkpoint `tag_dir` that integrity.json covers."""
     tag_dir = Path(tag_dir)
-    return {path.relative_to(tag_dir).as_posix(): path.stat().st_size for path in sorted(tag_dir.rglob("*"))
-            if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial")}
+    return {
+        path.relative_to(tag_dir).as_posix(): path.stat().st_size
+        for path in sorted(tag_dir.rglob("*"))
+        if path.is_file() and path.name != INTEGRITY and not path.name.endswith(".partial")
+    }
 
 
 def hash_files(tag_dir: str | Path, names: Sequence[str]) -> dict[str, dict]:
     """{name: {"size", "sha256"}} of files `names` (relative to `tag_dir`), as integrity.json records them."""
     tag_dir = Path(tag_dir)
-    return {name: {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)} for name in names}
+    return {
+        name: {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)}
+        for name in names
+    }
 
 
 def hashing_shares(sizes: dict[str, int], world_size: int) -> list[list[str]]:
@@ -417,7 +464,9 @@ def check_archives(tag_dir: str | Path) -> str | None:
         ranks = {int(m.group(1)) for m in map(_RANK_FILE.match, top) if m}
         ranks |= {int(m.group(1)) for m in model_states if m.group(1) is not None}  # ZeRO-3
         if ranks and ranks != set(range(max(ranks) + 1)):
-            return f"the per-rank files of rank {min(set(range(max(ranks) + 1)) - ranks)} are missing"
+            return (
+                f"the per-rank files of rank {min(set(range(max(ranks) + 1)) - ranks)} are missing"
+            )
         for path in sorted(tag_dir.rglob("*.pt")):
             name = path.relative_to(tag_dir).as_posix()
             try:
@@ -435,10 +484,15 @@ def _read_integrity(tag_dir: Path) -> tuple[dict | None, str | None]:
     """({relative path: {"size", "sha256"}}, None), or (None, why not)."""
     path = tag_dir / INTEGRITY
     if not path.is_file():
-        return None, f"no {INTEGRITY} (a checkpoint written before checkpoints were verified, or not complete)"
+        return (
+            None,
+            f"no {INTEGRITY} (a checkpoint written before checkpoints were verified, or not complete)",
+        )
     try:
         files = json.loads(path.read_text())["files"]
-        if not all(isinstance(e["size"], int) and isinstance(e["sha256"], str) for e in files.values()):
+        if not all(
+            isinstance(e["size"], int) and isinstance(e["sha256"], str) for e in files.values()
+        ):
             raise ValueError("an entry without an integer size and a sha256")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return None, f"{INTEGRITY} is unreadable ({type(err).__name__}: {err})"

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, ClassVar, List
 
 from omegaconf import MISSING
 
+from common.configure import UserError
 from model.config import ModelConfig
 from pipeline.config import LoaderConfig
 from pipeline.config import global_batch_size as samples_per_step
-from common.configure import UserError
 
 if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need it
     from launch.tasks import Task
@@ -24,7 +24,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
-ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")  # optim.implementation (launch.optim.adamw_kernels)
+# optim.implementation (launch.optim.adamw_kernels)
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 COMPILE_SCOPES = ("auto", "model", "blocks")  # compile_scope (`resolved_compile_scope`)
 
 
@@ -45,7 +46,8 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 100  # linear warmup to optim.lr over this many optimizer steps
-    # cosine | linear | constant | inverse_sqrt: optim.lr * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5)
+    # cosine | linear | constant | inverse_sqrt: optim.lr * d_model^-0.5 * min(n^-0.5, n *
+    # warmup_steps^-1.5)
     # at optimizer step n = 1, 2, ... (Vaswani et al. 2017; linear rise, then 1/sqrt decay)
     decay: str = "cosine"
     min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr (cosine and linear)
@@ -80,7 +82,8 @@ class WandbConfig:
     mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else offline
     project: str = ""  # W&B project; "" = $WANDB_PROJECT, else pretrain-pipeline
     entity: str = ""  # W&B team or user; "" = $WANDB_ENTITY, else your default entity
-    group: str = ""  # W&B run group (a main job's stages share one); "" = $WANDB_RUN_GROUP, else none
+    # W&B run group (a main job's stages share one); "" = $WANDB_RUN_GROUP, else none
+    group: str = ""
     name: str = ""  # W&B run name; "" = the name of run_dir
     tags: list = field(default_factory=list)  # W&B run tags
 
@@ -89,12 +92,15 @@ class WandbConfig:
 class GuardConfig:
     """Guarded steps: a step is skipped on every rank when its loss is not finite on any rank, or spikes."""
 
-    # End the job (with a checkpoint of the last good weights) after more skipped steps in a row than this.
+    # End the job (with a checkpoint of the last good weights) after more skipped steps in a row
+    # than this.
     max_consecutive_skips: int = 5
-    # Skip a step whose loss exceeds the mean of the last spike_window steps by this many standard deviations; 0: off.
+    # Skip a step whose loss exceeds the mean of the last spike_window steps by this many standard
+    # deviations; 0: off.
     spike_factor: float = 0.0
     spike_warmup_steps: int = 100  # applied steps before the spike test starts
-    spike_window: int = 100  # applied steps whose losses give the running mean and standard deviation
+    # applied steps whose losses give the running mean and standard deviation
+    spike_window: int = 100
 
 
 @dataclass
@@ -104,8 +110,10 @@ class InitConfig:
 
     encoder: str = ""  # translation: exported BERT (or GPT) directory; "" = random
     decoder: str = ""  # translation: exported GPT (or BERT) directory; "" = random
-    # an export of ours, or a Hugging Face directory (GPT-2/Llama, BERT, BERT + GPT-2 encoder-decoder), of the
-    # task's model; the model config is the directory's; step 0, fresh optimizer. "" = random (or encoder/decoder)
+    # an export of ours, or a Hugging Face directory (GPT-2/Llama, BERT, BERT + GPT-2
+    # encoder-decoder), of the
+    # task's model; the model config is the directory's; step 0, fresh optimizer. "" = random (or
+    # encoder/decoder)
     model: str = ""
 
 
@@ -113,7 +121,8 @@ class InitConfig:
 class LmEvalTrainConfig:
     """lm-evaluation-harness tasks run on the model in training, logged as lm_eval/TASK/METRIC."""
 
-    every: int = 0  # optimizer steps between two scorings (on every rank, logged by rank 0); 0 = never
+    # optimizer steps between two scorings (on every rank, logged by rank 0); 0 = never
+    every: int = 0
     tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])  # cloze | choice
     split: str = "valid"  # the held-out split of data.data_dir the tasks are built from
     limit: int = 100  # the first N docs of each task (a cheap, fixed sample); 0 = all
@@ -136,7 +145,8 @@ class TrainConfig:
     profile_steps: int = 3
     grad_accum: int = 1  # micro batches per optimizer step; global batch = micro x this x ranks
     # Sequences per optimizer step, whatever the world size: grad_accum is derived from it
-    # (global / (micro x ranks)), so a job requeued onto another number of nodes keeps it. 0: use grad_accum.
+    # (global / (micro x ranks)), so a job requeued onto another number of nodes keeps it. 0: use
+    # grad_accum.
     global_batch_size: int = 0
     eval_every: int = 200  # 0: only at the end
     eval_batches: int = 50  # per rank; 0 = the whole split
@@ -198,11 +208,20 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
         return BatchPlan(micro, cfg.grad_accum, world_size)
     accum, remainder = divmod(cfg.global_batch_size, micro * world_size)
     if remainder or not accum:
-        fits = [m for m in range(1, cfg.global_batch_size + 1) if cfg.global_batch_size % (m * world_size) == 0]
-        hint = (f"; data.micro_batch_size={min(fits, key=lambda m: abs(m - micro))} fits" if fits
-                else f"; no micro batch fits {world_size} ranks")
-        raise UserError(f"global_batch_size: {cfg.global_batch_size} is not a multiple of data.micro_batch_size x ranks "
-                        f"= {micro} x {world_size}{hint}")
+        fits = [
+            m
+            for m in range(1, cfg.global_batch_size + 1)
+            if cfg.global_batch_size % (m * world_size) == 0
+        ]
+        hint = (
+            f"; data.micro_batch_size={min(fits, key=lambda m: abs(m - micro))} fits"
+            if fits
+            else f"; no micro batch fits {world_size} ranks"
+        )
+        raise UserError(
+            f"global_batch_size: {cfg.global_batch_size} is not a multiple of data.micro_batch_size x ranks "
+            f"= {micro} x {world_size}{hint}"
+        )
     return BatchPlan(micro, accum, world_size)
 
 
@@ -212,7 +231,11 @@ def resolved_compile_scope(cfg: TrainConfig, cuda: bool) -> str:
     float32 output inside it) has not yet been run (docs/design.md#what-compile-compiles)."""
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
-    return "model" if cfg.task in ("causal_lm", "mlm") and cfg.deepspeed.zero_stage < 3 and not cuda else "blocks"
+    return (
+        "model"
+        if cfg.task in ("causal_lm", "mlm") and cfg.deepspeed.zero_stage < 3 and not cuda
+        else "blocks"
+    )
 
 
 def check_config(cfg: TrainConfig) -> Task:
@@ -267,20 +290,43 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.max_steps > 0, "max_steps: must be positive"),
         (cfg.grad_accum > 0, "grad_accum: must be positive"),
         (cfg.global_batch_size >= 0, "global_batch_size: must be 0 (use grad_accum) or positive"),
-        (not (cfg.global_batch_size and cfg.grad_accum != 1),
-         "global_batch_size: set it or grad_accum, not both (grad_accum is derived from it)"),
+        (
+            not (cfg.global_batch_size and cfg.grad_accum != 1),
+            "global_batch_size: set it or grad_accum, not both (grad_accum is derived from it)",
+        ),
         (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
-        (cfg.deepspeed.zero_stage in (0, 1, 2, 3), f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3"),
-        (cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}"),
-        (not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3, "deepspeed.offload_params: needs zero_stage 3"),
-        (not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1, "deepspeed.offload_optimizer: needs zero_stage >= 1"),
-        (cfg.optim.implementation in ADAMW_IMPLEMENTATIONS,
-         f"optim.implementation: {cfg.optim.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}"),
-        (cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
-         "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's CPU Adam steps; leave it auto"),
-        (cfg.schedule.decay in DECAYS, f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}"),
-        (cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
-         "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)"),
+        (
+            cfg.deepspeed.zero_stage in (0, 1, 2, 3),
+            f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3",
+        ),
+        (
+            cfg.deepspeed.precision in PRECISIONS,
+            f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}",
+        ),
+        (
+            not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
+            "deepspeed.offload_params: needs zero_stage 3",
+        ),
+        (
+            not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
+            "deepspeed.offload_optimizer: needs zero_stage >= 1",
+        ),
+        (
+            cfg.optim.implementation in ADAMW_IMPLEMENTATIONS,
+            f"optim.implementation: {cfg.optim.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}",
+        ),
+        (
+            cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
+            "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's CPU Adam steps; leave it auto",
+        ),
+        (
+            cfg.schedule.decay in DECAYS,
+            f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}",
+        ),
+        (
+            cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
+            "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)",
+        ),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
         (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
         (cfg.guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
@@ -290,19 +336,38 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (cfg.lm_eval.limit >= 0, "lm_eval.limit: must be 0 (all) or positive"),
         (cfg.profile_start >= 0, "profile_start: must be 0 (off) or a step number"),
         (cfg.profile_steps >= 1, "profile_steps: must be at least 1"),
-        (cfg.compile_scope in COMPILE_SCOPES, f"compile_scope: {cfg.compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}"),
-        (not (cfg.compile_scope == "model" and cfg.deepspeed.zero_stage == 3),
-         "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in hooks that break the "
-         "graph); use blocks or auto"),
+        (
+            cfg.compile_scope in COMPILE_SCOPES,
+            f"compile_scope: {cfg.compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}",
+        ),
+        (
+            not (cfg.compile_scope == "model" and cfg.deepspeed.zero_stage == 3),
+            "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in hooks that break the "
+            "graph); use blocks or auto",
+        ),
     ]
     checks.append(_wandb_check(cfg.wandb))
     if task is not None:  # the rules below depend on what the task is
-        checks.append((cfg.model.arch == task.arch, f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}"))
+        checks.append(
+            (
+                cfg.model.arch == task.arch,
+                f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}",
+            )
+        )
         warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
-        checks.append((task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
-                       f"init: warm starting is for task {' or '.join(warm_startable)}"))
+        checks.append(
+            (
+                task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
+                f"init: warm starting is for task {' or '.join(warm_startable)}",
+            )
+        )
     if cfg.lm_eval.every:
-        checks.append((cfg.task == "causal_lm", f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}"))
+        checks.append(
+            (
+                cfg.task == "causal_lm",
+                f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}",
+            )
+        )
         checks.append(_lm_eval_check(cfg.lm_eval))
     return [message for ok, message in checks if not ok]
 
@@ -329,22 +394,30 @@ class MainConfig:
 
     RENAMED: ClassVar[dict] = {"zero_stage": "deepspeed.zero_stage"}
 
-    out_dir: str = "runs/main"  # every stage's outputs and logs; the summary and plots in its report/
-    prepare_config: str = "configs/prepare_gettext_en_de.yaml"  # PrepareConfig YAML of the data stage
-    # key.sub=value overrides of the prepare config, before the job's own (output_dir: data_dir), e.g. [seq_len=1024]
+    # every stage's outputs and logs; the summary and plots in its report/
+    out_dir: str = "runs/main"
+    # PrepareConfig YAML of the data stage
+    prepare_config: str = "configs/prepare_gettext_en_de.yaml"
+    # key.sub=value overrides of the prepare config, before the job's own (output_dir: data_dir),
+    # e.g. [seq_len=1024]
     prepare_overrides: List[str] = field(default_factory=list)
-    data_dir: str = "data/gettext-en-de"  # the dataset; overrides the configs' output_dir and data.data_dir
+    # the dataset; overrides the configs' output_dir and data.data_dir
+    data_dir: str = "data/gettext-en-de"
     nproc: int = 2  # ranks of the pretraining and fine-tuning runs
-    deepspeed: StageDeepSpeedConfig = field(default_factory=StageDeepSpeedConfig)  # of every training run
+    # of every training run
+    deepspeed: StageDeepSpeedConfig = field(default_factory=StageDeepSpeedConfig)
     gpt_config: str = "configs/tiny_gpt.yaml"  # TrainConfig YAML of the GPT pretraining
     bert_config: str = "configs/tiny_bert.yaml"  # TrainConfig YAML of the BERT pretraining
-    translation_config: str = "configs/tiny_translation.yaml"  # TrainConfig YAML of the fine-tuning runs
+    # TrainConfig YAML of the fine-tuning runs
+    translation_config: str = "configs/tiny_translation.yaml"
     # key.sub=value overrides of one stage's training config, after the job's own (data_dir,
     # run_dir, steps, ZeRO stage): e.g. [model.max_seq_len=1024] for a BERT whose YAML has fewer
     # positions than the data's blocks
     gpt_overrides: List[str] = field(default_factory=list)
-    bert_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for the BERT pretraining
-    translation_overrides: List[str] = field(default_factory=list)  # as gpt_overrides, for every fine-tuning run
+    # as gpt_overrides, for the BERT pretraining
+    bert_overrides: List[str] = field(default_factory=list)
+    # as gpt_overrides, for every fine-tuning run
+    translation_overrides: List[str] = field(default_factory=list)
     pretrain_steps: int = 500  # max_steps of each pretraining run
     # max_steps of the BERT pretraining if not pretrain_steps (0): a BERT step predicts only the
     # masked tokens and costs less than a GPT step, so equal steps are not an equal budget
@@ -353,9 +426,11 @@ class MainConfig:
     # encoder/decoder starts of the fine-tuning runs
     starts: List[str] = field(default_factory=lambda: ["random/random", "bert/gpt"])
     beam: int = 4  # beam size of the evaluation
-    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])  # splits scored with BLEU and chrF
+    # splits scored with BLEU and chrF
+    eval_splits: List[str] = field(default_factory=lambda: ["valid", "test"])
     wandb_mode: str = ""  # wandb.mode of every training run; "" = $WANDB_MODE, else offline
-    # The W&B group the job's runs share; "" = $WANDB_RUN_GROUP, else out_dir's name and the time it first ran
+    # The W&B group the job's runs share; "" = $WANDB_RUN_GROUP, else out_dir's name and the time it
+    # first ran
     wandb_group: str = ""
 
 
@@ -363,9 +438,12 @@ class MainConfig:
 class ExportConfig:
     """A run's checkpoint to plain weights (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
 
-    checkpoint: str = MISSING  # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
-    out: str = MISSING  # the model directory written: model.safetensors, config.json, tokenizer.model, provenance.json
-    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, BERT or a BERT + GPT-2 encoder-decoder),
+    # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
+    checkpoint: str = MISSING
+    # the model directory written: model.safetensors, config.json, tokenizer.model, provenance.json
+    out: str = MISSING
+    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, BERT or a BERT + GPT-2
+    # encoder-decoder),
     # its fast tokenizer beside the weights
     format: str = "ours"
 
@@ -376,8 +454,10 @@ class AverageConfig:
 
     RENAMED: ClassVar[dict] = {"run_dir": "checkpoint"}
 
-    checkpoint: str = MISSING  # a training run directory (its checkpoints/ holds the step_* checkpoints)
-    last: int = 5  # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
+    # a training run directory (its checkpoints/ holds the step_* checkpoints)
+    checkpoint: str = MISSING
+    # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
+    last: int = 5
     out: str = MISSING  # the model directory written, as launch.export writes it
 
 
@@ -385,7 +465,10 @@ class AverageConfig:
 class EvaluateConfig:
     """BLEU and chrF of a translation model on one split (`python -m launch.evaluate checkpoint=...`)."""
 
-    RENAMED: ClassVar[dict] = {"zero_stage": "deepspeed.zero_stage", "deepspeed_config": "deepspeed.config_file"}
+    RENAMED: ClassVar[dict] = {
+        "zero_stage": "deepspeed.zero_stage",
+        "deepspeed_config": "deepspeed.config_file",
+    }
 
     checkpoint: str = MISSING  # an exported model directory (launch.export) or a training run
     data_dir: str = ""  # the prepared dataset; "" = the one the checkpoint was trained on
@@ -401,7 +484,8 @@ class EvaluateConfig:
     micro_batch_size: int = 32  # sources per batch and rank
     limit: int = 0  # the split's first N pairs only; 0 = all
     out: str = ""  # output directory; "" = CHECKPOINT/eval-SPLIT
-    deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)  # ZeRO stage and a user JSON
+    # ZeRO stage and a user JSON
+    deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)
     threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
     dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
 
@@ -411,8 +495,10 @@ class LmEvalConfig:
     """A GPT's scores on lm-evaluation-harness tasks built from held-out text (`python -m launch.lm_eval checkpoint=DIR`)."""
 
     checkpoint: str = MISSING  # an exported GPT directory (launch.export, format=ours or format=hf)
-    tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])  # cloze | choice (docs/design.md#scoring-with-lm-evaluation-harness)
-    data_dir: str = ""  # the prepared dataset the tasks are built from; "" = the one the model was trained on
+    # cloze | choice (docs/design.md#scoring-with-lm-evaluation-harness)
+    tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])
+    # the prepared dataset the tasks are built from; "" = the one the model was trained on
+    data_dir: str = ""
     split: str = "valid"  # the held-out split read: valid | test
     limit: int = 0  # the first N docs of each task; 0 = all
     seed: int = 1234  # draws the choice task's distractors and their order
@@ -423,7 +509,8 @@ class LmEvalConfig:
     micro_batch_size: int = 16  # requests per forward
     device: str = ""  # torch device; "" = cuda if available, else cpu
     bootstrap_iters: int = 0  # lm-eval's bootstrap resamples for standard errors; 0 = none
-    wandb: WandbConfig = field(default_factory=WandbConfig)  # W&B run of the scores (mode disabled: none)
+    # W&B run of the scores (mode disabled: none)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -435,7 +522,8 @@ class TranslateConfig:
     beam: int = 4  # beam size (1: greedy)
     length_penalty: float = 1.0  # beam scores are divided by length ** this (0: no normalisation)
     max_len: int = 0  # most tokens per translation, </s> included; 0 = the model's max_seq_len
-    max_len_a: float = 1.5  # a line's own limit: min(max_len, max_len_a x its tokens + max_len_b); 0 and 0 = off
+    # a line's own limit: min(max_len, max_len_a x its tokens + max_len_b); 0 and 0 = off
+    max_len_a: float = 1.5
     max_len_b: int = 10  # see max_len_a
     micro_batch_size: int = 32  # lines per batch; output is flushed after each
     device: str = ""  # torch device; "" = cuda if available, else cpu
@@ -447,4 +535,5 @@ class ReportConfig:
     """Loss curves of finished runs (`python -m launch.report out=OUT.png runs=[RUN_DIR,...]`)."""
 
     out: str = MISSING  # the PNG written
-    runs: List[str] = MISSING  # run directories with a metrics.jsonl, e.g. [runs/tiny_gpt,runs/tiny_bert]
+    # run directories with a metrics.jsonl, e.g. [runs/tiny_gpt,runs/tiny_bert]
+    runs: List[str] = MISSING

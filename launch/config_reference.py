@@ -23,10 +23,18 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from launch.config import (AverageConfig, EvaluateConfig, ExportConfig, LmEvalConfig, MainConfig, ReportConfig, TrainConfig,
-                           TranslateConfig)
-from pipeline.config import PrepareConfig
 from common.configure import leaf_rows, show
+from launch.config import (
+    AverageConfig,
+    EvaluateConfig,
+    ExportConfig,
+    LmEvalConfig,
+    MainConfig,
+    ReportConfig,
+    TrainConfig,
+    TranslateConfig,
+)
+from pipeline.config import PrepareConfig
 from pipeline.validate import ValidateConfig
 
 BEGIN = "<!-- config-reference:begin -->"
@@ -65,10 +73,18 @@ def reference() -> str:
     out = []
     for entry, cls, config_optional in SCHEMAS:
         config = "[CONFIG.yaml]" if config_optional else "CONFIG.yaml"
-        out += [f"### {entry}", "",
-                f"`python -m {entry} {config} [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.", "",
-                "| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{key}` | {_cell(kind)} | {_default(value)} | {_cell(text)} |" for key, kind, value, text in leaf_rows(cls)]
+        out += [
+            f"### {entry}",
+            "",
+            f"`python -m {entry} {config} [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.",
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+        ]
+        out += [
+            f"| `{key}` | {_cell(kind)} | {_default(value)} | {_cell(text)} |"
+            for key, kind, value, text in leaf_rows(cls)
+        ]
         out.append("")
     return "\n".join(out)
 
@@ -111,12 +127,24 @@ def block_span(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.config_reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.config_reference", description=__doc__.splitlines()[0]
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", metavar="FILE", nargs="?", const=DEFAULT_PATH,
-                      help="exit 1 if FILE's block differs from the generated text (default: docs/configuration.md)")
-    mode.add_argument("--write", metavar="FILE", nargs="?", const=DEFAULT_PATH,
-                      help="replace FILE's block with the generated text (default: docs/configuration.md)")
+    mode.add_argument(
+        "--check",
+        metavar="FILE",
+        nargs="?",
+        const=DEFAULT_PATH,
+        help="exit 1 if FILE's block differs from the generated text (default: docs/configuration.md)",
+    )
+    mode.add_argument(
+        "--write",
+        metavar="FILE",
+        nargs="?",
+        const=DEFAULT_PATH,
+        help="replace FILE's block with the generated text (default: docs/configuration.md)",
+    )
     args = parser.parse_args(argv)
     generated = reference()
     if not (args.check or args.write):
@@ -133,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     difference = first_difference(text[start:end], generated)
     if args.check:
         if difference:
-            print(f"error: {path}: config reference is stale ({difference}); "
-                  f"run python -m launch.config_reference --write{'' if path == DEFAULT_PATH else f' {path}'}",
-                  file=sys.stderr)
+            print(
+                f"error: {path}: config reference is stale ({difference}); "
+                f"run python -m launch.config_reference --write{'' if path == DEFAULT_PATH else f' {path}'}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if difference:

@@ -19,12 +19,19 @@ from typing import Iterator, Sequence, TextIO
 
 import torch
 
-from launch.config import TrainConfig
-from launch.export import CONFIG, TOKENIZER, WEIGHTS, load_model_dir, read_model_config, read_run_checkpoint
-from model import ModelConfig, Seq2Seq, build_model
 from common.configure import UserError, load_config
-from pipeline.format import EOS_ID, PAD_ID
 from common.hashing import file_sha256
+from launch.config import TrainConfig
+from launch.export import (
+    CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    load_model_dir,
+    read_model_config,
+    read_run_checkpoint,
+)
+from model import ModelConfig, Seq2Seq, build_model
+from pipeline.format import EOS_ID, PAD_ID
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,9 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         raise UserError(f"{tokenizer} not found")
     sha = file_sha256(tokenizer)
     if recorded and recorded != sha:
-        raise UserError(f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})")
+        raise UserError(
+            f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})"
+        )
     return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag)
 
 
@@ -92,9 +101,13 @@ def load_model(ckpt: Checkpoint) -> Seq2Seq:
     from launch.deepspeed.safe_load import consolidated_state_dict
 
     model = build_model(ckpt.model_cfg)
-    missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt.root, ckpt.tag), strict=False)
+    missing, unexpected = model.load_state_dict(
+        consolidated_state_dict(ckpt.root, ckpt.tag), strict=False
+    )
     if missing or unexpected:
-        raise UserError(f"{ckpt.root / ckpt.tag} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(
+            f"{ckpt.root / ckpt.tag} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     return model.eval()
 
 
@@ -109,10 +122,14 @@ def length_sorted_batches(lengths: Sequence[int], micro_batch_size: int) -> list
     """Batches of indices, longest sources first (less padding); ties keep their order.
     A function of the lengths alone, so every rank and every world size makes the same batches."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+    return [
+        order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)
+    ]
 
 
-def pad(sources: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad(
+    sources: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S) ids padded with <pad> and their (B, S) mask, 1 on real tokens."""
     width = max(len(s) for s in sources)
     ids = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
@@ -137,8 +154,16 @@ def translate_ids(
     """One batch of encoder inputs (`source_ids`) -> one hypothesis (ids, no </s>) per source.
     synced=True runs exactly max_len decoder steps (ZeRO-3: every rank in every forward)."""
     src_ids, src_mask = pad(sources, device)
-    out = model.generate(src_ids, src_mask, max_len=max_len, beam_size=beam, length_penalty=length_penalty, synced=synced,
-                         max_len_a=max_len_a, max_len_b=max_len_b)
+    out = model.generate(
+        src_ids,
+        src_mask,
+        max_len=max_len,
+        beam_size=beam,
+        length_penalty=length_penalty,
+        synced=synced,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+    )
     tokens, lengths = out.tokens.cpu(), out.lengths.cpu()
     return [tokens[row, : int(lengths[row])].tolist() for row in range(len(sources))]
 
@@ -164,7 +189,9 @@ def check_decoding(model_cfg: ModelConfig, beam: int, max_len: int, micro_batch_
     if not 1 <= max_len <= limit:
         raise UserError(f"max_len={max_len}: must be in [1, the model's max_seq_len={limit}]")
     if beam < 1 or 2 * beam > model_cfg.vocab_size:
-        raise UserError(f"beam={beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})")
+        raise UserError(
+            f"beam={beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})"
+        )
     if micro_batch_size < 1:
         raise UserError(f"micro_batch_size={micro_batch_size}: must be at least 1")
     return max_len

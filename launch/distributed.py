@@ -49,7 +49,13 @@ def _first_slurm_host() -> str:
     rendezvous until its timeout."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True)
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         host = out.stdout.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         host = nodelist.split(",")[0]
@@ -60,16 +66,23 @@ def _first_slurm_host() -> str:
             return addr
         except OSError:
             continue
-    raise UserError(f"the first node of the allocation, {host!r} (SLURM_JOB_NODELIST={nodelist}), does not resolve"
-                    f"{' and SLURM gives no address for it' if len(candidates) < 2 else ''}: the ranks could not meet "
-                    "there; set MASTER_ADDR to its address (an IP every node reaches)")
+    raise UserError(
+        f"the first node of the allocation, {host!r} (SLURM_JOB_NODELIST={nodelist}), does not resolve"
+        f"{' and SLURM gives no address for it' if len(candidates) < 2 else ''}: the ranks could not meet "
+        "there; set MASTER_ADDR to its address (an IP every node reaches)"
+    )
 
 
 def _slurm_node_addr(host: str) -> str | None:
     """SLURM's NodeAddr for a node, or None where scontrol is missing or does not know it."""
     try:
-        out = subprocess.run(["scontrol", "show", "node", host, "--oneliner"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "node", host, "--oneliner"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"\bNodeAddr=(\S+)", out)
@@ -95,7 +108,9 @@ def read_env() -> DistEnv:
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         ntasks = int(env["SLURM_NTASKS"])
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or ntasks // int(env.get("SLURM_NNODES", "1"))
+        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or ntasks // int(
+            env.get("SLURM_NNODES", "1")
+        )
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
@@ -112,7 +127,9 @@ def read_env() -> DistEnv:
 def set_threads(threads_per_rank: int, denv: DistEnv) -> int:
     """One rank per core share: oversubscribed ranks on a CPU are many times slower."""
     # The CPUs this process may run on (SLURM and taskset restrict them), not the machine's.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     threads = threads_per_rank or max(1, cores // denv.local_world_size)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -121,8 +138,13 @@ def set_threads(threads_per_rank: int, denv: DistEnv) -> int:
 
 def init_process_group(denv: DistEnv, timeout_s: int) -> str:
     """Join the job's process group (gloo on CPU, NCCL with CUDA); returns the backend."""
-    for key, value in (("RANK", denv.rank), ("WORLD_SIZE", denv.world_size), ("LOCAL_RANK", denv.local_rank),
-                       ("MASTER_ADDR", denv.master_addr), ("MASTER_PORT", denv.master_port)):
+    for key, value in (
+        ("RANK", denv.rank),
+        ("WORLD_SIZE", denv.world_size),
+        ("LOCAL_RANK", denv.local_rank),
+        ("MASTER_ADDR", denv.master_addr),
+        ("MASTER_PORT", denv.master_port),
+    ):
         os.environ[key] = str(value)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -130,8 +152,12 @@ def init_process_group(denv: DistEnv, timeout_s: int) -> str:
         torch.cuda.set_device(denv.local_rank)
     if not dist.is_initialized():
         try:
-            dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                backend,
+                rank=denv.rank,
+                world_size=denv.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         except dist.DistNetworkError as err:
             problem = rendezvous_problem(denv)
             if problem is None:
@@ -148,10 +174,12 @@ def check_gpus_per_node(denv: DistEnv, gpus: int) -> None:
     k of its node; the ranks beyond the last GPU would die with "invalid device ordinal")."""
     if denv.local_world_size > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        raise UserError(f"{denv.local_world_size} ranks per node, but this node has {gpus} visible GPU"
-                        f"{'' if gpus == 1 else 's'}{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: "
-                        f"start at most {gpus} per node (torchrun/deepspeed --nproc_per_node, srun --ntasks-per-node), "
-                        "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+        raise UserError(
+            f"{denv.local_world_size} ranks per node, but this node has {gpus} visible GPU"
+            f"{'' if gpus == 1 else 's'}{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: "
+            f"start at most {gpus} per node (torchrun/deepspeed --nproc_per_node, srun --ntasks-per-node), "
+            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+        )
 
 
 def rendezvous_problem(denv: DistEnv) -> str | None:
@@ -159,12 +187,16 @@ def rendezvous_problem(denv: DistEnv) -> str | None:
     rank 0 hosts the rendezvous store on MASTER_PORT, and another program holds that port.
     Asked after the failure, not before: under torchrun the agent already holds the port for
     the ranks (TORCHELASTIC_USE_AGENT_STORE), so a port in use beforehand is no sign of trouble."""
-    hosts_store = denv.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    hosts_store = (
+        denv.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    )
     if not hosts_store or not port_in_use(denv.master_port):
         return None
-    return (f"MASTER_PORT={denv.master_port}: port {denv.master_port} on this node is already in use (another job "
-            f"or rendezvous?), so rank 0 cannot host the rendezvous at {denv.master_addr}:{denv.master_port}; "
-            "set MASTER_PORT (torchrun/deepspeed --master_port) to a free port")
+    return (
+        f"MASTER_PORT={denv.master_port}: port {denv.master_port} on this node is already in use (another job "
+        f"or rendezvous?), so rank 0 cannot host the rendezvous at {denv.master_addr}:{denv.master_port}; "
+        "set MASTER_PORT (torchrun/deepspeed --master_port) to a free port"
+    )
 
 
 def port_in_use(port: int) -> bool:
@@ -180,6 +212,7 @@ def port_in_use(port: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- ending a rank
+
 
 def run_rank(main) -> None:
     """A rank's entry point: `run_main(main)`, then end the process with `os._exit`, skipping
@@ -252,10 +285,20 @@ def all_reduce_sum_tensor(values: list) -> torch.Tensor:
     host = torch.tensor(numbers, dtype=torch.float64)
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)
-    on_device = iter([value.detach().to(device, torch.float64).reshape(1) for value in values
-                      if isinstance(value, torch.Tensor)])
+    on_device = iter(
+        [
+            value.detach().to(device, torch.float64).reshape(1)
+            for value in values
+            if isinstance(value, torch.Tensor)
+        ]
+    )
     from_host = iter(host.split(1))
-    tensor = torch.cat([next(on_device) if isinstance(value, torch.Tensor) else next(from_host) for value in values])
+    tensor = torch.cat(
+        [
+            next(on_device) if isinstance(value, torch.Tensor) else next(from_host)
+            for value in values
+        ]
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor

@@ -37,25 +37,25 @@ from typing import TextIO
 import numpy as np
 import torch
 
+from common.configure import UserError, parse_cli, strip_launcher_args
+from common.hashing import file_sha256
 from launch import distributed as dist
 from launch import launcher
 from launch.config import EvaluateConfig
-from launch.preconditions import check_writable_dir
 from launch.decoding import (
     Checkpoint,
-    length_sorted_batches,
     check_decoding,
     detokenize,
     inspect_checkpoint,
+    length_sorted_batches,
     load_model,
     results_only_on_stdout,
     source_ids,
     translate_ids,
 )
+from launch.preconditions import check_writable_dir
 from pipeline import remote
-from common.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
-from common.hashing import file_sha256
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
@@ -64,19 +64,29 @@ USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.su
 Corpus BLEU and chrF of a translation model on one split; also under torchrun or the deepspeed launcher."""
 
 
-def read_pairs(data_dir: str | Path, split: str, limit: int = 0,
-               fetch: remote.FetchConfig | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def read_pairs(
+    data_dir: str | Path, split: str, limit: int = 0, fetch: remote.FetchConfig | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(source ids, target ids) of a split's translation shards, in manifest order, then tar order."""
-    data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)  # a URL: read through the shard cache
+    # a URL: read through the shard cache
+    data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
     fields = FIELDS["translation"]
     pairs: list[tuple[np.ndarray, np.ndarray]] = []
     for entry in shard_entries(read_manifest(data_dir, fetch), "translation", split):
         if limit and len(pairs) >= limit:
             break
-        path = Path(remote.local_file(remote.join(data_dir, entry["path"]), fetch, size=entry.get("bytes"),
-                                      sha256=entry.get("sha256")))
+        path = Path(
+            remote.local_file(
+                remote.join(data_dir, entry["path"]),
+                fetch,
+                size=entry.get("bytes"),
+                sha256=entry.get("sha256"),
+            )
+        )
         if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
-            raise UserError(f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair")
+            raise UserError(
+                f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair"
+            )
         samples: dict[str, dict[str, bytes]] = {}
         with tarfile.open(path) as tar:
             for member in tar:
@@ -97,8 +107,10 @@ def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
     manifest = read_manifest(data_dir)
     data_sha = (manifest.get("tokenizer") or {}).get("sha256")
     if data_sha != ckpt.tokenizer_sha256:
-        raise UserError(f"tokenizer mismatch: {ckpt.path} was trained with tokenizer {ckpt.tokenizer_sha256[:12]}, "
-                        f"{data_dir} was prepared with {str(data_sha)[:12]}; evaluate on data prepared with the model's tokenizer")
+        raise UserError(
+            f"tokenizer mismatch: {ckpt.path} was trained with tokenizer {ckpt.tokenizer_sha256[:12]}, "
+            f"{data_dir} was prepared with {str(data_sha)[:12]}; evaluate on data prepared with the model's tokenizer"
+        )
     return manifest
 
 
@@ -113,9 +125,14 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
     bleu, chrf = BLEU(), CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])
-    return {"bleu": bleu_score.score, "chrf": chrf_score.score, "signature_bleu": str(bleu.get_signature()),
-            "signature_chrf": str(chrf.get_signature()), "bleu_detail": str(bleu_score),
-            "chrf_detail": str(chrf_score)}
+    return {
+        "bleu": bleu_score.score,
+        "chrf": chrf_score.score,
+        "signature_bleu": str(bleu.get_signature()),
+        "signature_chrf": str(chrf.get_signature()),
+        "bleu_detail": str(bleu_score),
+        "chrf_detail": str(chrf_score),
+    }
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
@@ -131,7 +148,9 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     ckpt = inspect_checkpoint(cfg.checkpoint)
     data_dir = cfg.data_dir or ckpt.data_dir
     if not data_dir:
-        raise UserError(f"data_dir: {cfg.checkpoint} does not say which dataset it was trained on; name one")
+        raise UserError(
+            f"data_dir: {cfg.checkpoint} does not say which dataset it was trained on; name one"
+        )
     check_tokenizer(ckpt, data_dir)  # before any compute
     max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
     if cfg.limit < 0:
@@ -153,13 +172,24 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     if denv.world_size > 1 or zero3:
         dist.init_process_group(denv, cfg.dist_timeout_s)
     try:
-        return _evaluate(cfg, ckpt, data_dir, max_len, user_ds, out, denv, zero3, stdout or sys.stdout)
+        return _evaluate(
+            cfg, ckpt, data_dir, max_len, user_ds, out, denv, zero3, stdout or sys.stdout
+        )
     finally:
         dist.destroy()
 
 
-def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, user_ds: dict, out: Path, denv: dist.DistEnv,
-              zero3: bool, stdout: TextIO) -> dict | None:
+def _evaluate(
+    cfg: EvaluateConfig,
+    ckpt: Checkpoint,
+    data_dir,
+    max_len: int,
+    user_ds: dict,
+    out: Path,
+    denv: dist.DistEnv,
+    zero3: bool,
+    stdout: TextIO,
+) -> dict | None:
     pairs = read_pairs(data_dir, cfg.split, cfg.limit)
     sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
     model = load_model(ckpt)
@@ -167,20 +197,35 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
         from launch.deepspeed.config import inference_config
         from launch.deepspeed.engine import Engine
 
-        engine = Engine(model, None, None, inference_config(cfg.micro_batch_size, denv.world_size, user_ds))
+        engine = Engine(
+            model, None, None, inference_config(cfg.micro_batch_size, denv.world_size, user_ds)
+        )
         model, device = engine.module, engine.device
         if denv.is_main:
             split, total = engine.partitioned()
-            print(f"ZeRO-3: {split} of {total} parameter tensors partitioned over {denv.world_size} ranks", file=sys.stderr)
+            print(
+                f"ZeRO-3: {split} of {total} parameter tensors partitioned over {denv.world_size} ranks",
+                file=sys.stderr,
+            )
     else:
-        device = torch.device(f"cuda:{denv.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device(f"cuda:{denv.local_rank}")
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         model = model.to(device)
     if denv.is_main:
-        print(f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam {cfg.beam}, max_len {max_len}, "
-              f"world {denv.world_size}, ZeRO-{cfg.deepspeed.zero_stage}", file=sys.stderr)
+        print(
+            f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam {cfg.beam}, max_len {max_len}, "
+            f"world {denv.world_size}, ZeRO-{cfg.deepspeed.zero_stage}",
+            file=sys.stderr,
+        )
         if any(truncated):
-            print(f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
-                  "were truncated", file=sys.stderr)
+            print(
+                f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
+                "were truncated",
+                file=sys.stderr,
+            )
 
     batches = length_sorted_batches([len(s) for s in sources], cfg.micro_batch_size)
     mine = rank_batches(batches, denv.rank, denv.world_size)
@@ -189,13 +234,25 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     start = time.perf_counter()
     hypotheses: dict[int, list[int]] = {}
     # Rank 0's share of the sentences: the ranks' batches are dealt alike, so its ETA is the job's.
-    desc = f"evaluate {cfg.split}" + (f" (rank 0 of {denv.world_size})" if denv.world_size > 1 else "")
+    desc = f"evaluate {cfg.split}" + (
+        f" (rank 0 of {denv.world_size})" if denv.world_size > 1 else ""
+    )
     with meter(sum(map(len, mine)), desc, "sentence", enabled=denv.is_main) as shown:
         for round_index in range(rounds if synced else len(mine)):
             indices = mine[round_index] if round_index < len(mine) else []
-            batch = [sources[i] for i in indices] or [[EOS_ID]]  # a dummy row keeps this rank in every forward
-            outputs = translate_ids(model, batch, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                    synced=synced, device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+            # a dummy row keeps this rank in every forward
+            batch = [sources[i] for i in indices] or [[EOS_ID]]
+            outputs = translate_ids(
+                model,
+                batch,
+                beam=cfg.beam,
+                max_len=max_len,
+                length_penalty=cfg.length_penalty,
+                synced=synced,
+                device=device,
+                max_len_a=cfg.max_len_a,
+                max_len_b=cfg.max_len_b,
+            )
             hypotheses.update(zip(indices, outputs))
             shown.update(len(indices))
     gathered = dist.all_gather_object(hypotheses)
@@ -210,12 +267,22 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     hyp_text = [detokenize(tokenizer, merged[i]) for i in range(len(pairs))]
     ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
     src_text = [detokenize(tokenizer, src) for src, _ in pairs]
-    result = {**score(hyp_text, ref_text), "n": len(pairs), "beam": cfg.beam, "split": cfg.split,
-              "checkpoint": str(Path(cfg.checkpoint).resolve()),
-              "data": data_dir if remote.is_url(data_dir) else str(Path(data_dir).resolve()),
-              "max_len": max_len, "max_len_a": cfg.max_len_a, "max_len_b": cfg.max_len_b,
-              "length_penalty": cfg.length_penalty, "truncated_sources": sum(truncated),
-              "world_size": denv.world_size, "zero_stage": cfg.deepspeed.zero_stage, "decode_seconds": round(elapsed, 3)}
+    result = {
+        **score(hyp_text, ref_text),
+        "n": len(pairs),
+        "beam": cfg.beam,
+        "split": cfg.split,
+        "checkpoint": str(Path(cfg.checkpoint).resolve()),
+        "data": data_dir if remote.is_url(data_dir) else str(Path(data_dir).resolve()),
+        "max_len": max_len,
+        "max_len_a": cfg.max_len_a,
+        "max_len_b": cfg.max_len_b,
+        "length_penalty": cfg.length_penalty,
+        "truncated_sources": sum(truncated),
+        "world_size": denv.world_size,
+        "zero_stage": cfg.deepspeed.zero_stage,
+        "decode_seconds": round(elapsed, 3),
+    }
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / "hypotheses.txt", hyp_text)
     _write_lines(out / "references.txt", ref_text)
@@ -223,12 +290,16 @@ def _evaluate(cfg: EvaluateConfig, ckpt: Checkpoint, data_dir, max_len: int, use
     (out / "scores.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['bleu_detail']} | {result['signature_bleu']}", file=stdout)
     print(f"{result['chrf_detail']} | {result['signature_chrf']}", file=stdout, flush=True)
-    print(f"{len(pairs)} pairs decoded in {elapsed:.1f} s; hypotheses and scores in {out}", file=sys.stderr)
+    print(
+        f"{len(pairs)} pairs decoded in {elapsed:.1f} s; hypotheses and scores in {out}",
+        file=sys.stderr,
+    )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Under the deepspeed launcher every rank also gets --local_rank=N; the rank comes from the environment.
+    # Under the deepspeed launcher every rank also gets --local_rank=N; the rank comes from the
+    # environment.
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     cfg = parse_cli(EvaluateConfig, argv, usage=USAGE, config_optional=True)
     with results_only_on_stdout() as stdout:

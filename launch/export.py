@@ -36,18 +36,30 @@ from pathlib import Path
 
 import torch
 
+from common.configure import (
+    UserError,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    parse_cli,
+    run_main,
+)
+from common.hashing import file_sha256
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from common.configure import UserError, config_from_dict, config_to_dict, load_config, parse_cli, run_main
-from common.hashing import file_sha256
 from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 
 A training checkpoint of any ZeRO stage to plain weights, config.json and tokenizer.model
 (format=hf: a Hugging Face model directory with its tokenizer)."""
-WEIGHTS, CONFIG, TOKENIZER, PROVENANCE = "model.safetensors", "config.json", "tokenizer.model", "provenance.json"
+WEIGHTS, CONFIG, TOKENIZER, PROVENANCE = (
+    "model.safetensors",
+    "config.json",
+    "tokenizer.model",
+    "provenance.json",
+)
 FORMATS = ("ours", "hf")
 
 
@@ -81,13 +93,21 @@ def model_with(state_dict: dict, model_cfg: ModelConfig) -> torch.nn.Module:
     model = build_model(model_cfg)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if missing or unexpected:
-        raise UserError(f"checkpoint does not match its model config: missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]}")
+        raise UserError(
+            f"checkpoint does not match its model config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
     return model
 
 
-def save_model_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path, meta: dict,
-                   provenance: dict | None = None) -> None:
+def save_model_dir(
+    out: str | Path,
+    state_dict: dict,
+    model_cfg: ModelConfig,
+    tokenizer: str | Path,
+    meta: dict,
+    provenance: dict | None = None,
+) -> None:
     """Write weights, config, tokenizer (and provenance); the directory appears complete only at the end."""
     from safetensors.torch import save_model
 
@@ -96,14 +116,23 @@ def save_model_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, to
         # save_model stores each tied tensor once and records the alias.
         save_model(model, str(partial / WEIGHTS))
         shutil.copyfile(tokenizer, partial / TOKENIZER)
-        config = {"model": dataclasses.asdict(model_cfg), "tokenizer_sha256": file_sha256(tokenizer), **meta}
+        config = {
+            "model": dataclasses.asdict(model_cfg),
+            "tokenizer_sha256": file_sha256(tokenizer),
+            **meta,
+        }
         (partial / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if provenance is not None:
             (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
 
 
-def save_hf_dir(out: str | Path, state_dict: dict, model_cfg: ModelConfig, tokenizer: str | Path,
-                provenance: dict) -> None:
+def save_hf_dir(
+    out: str | Path,
+    state_dict: dict,
+    model_cfg: ModelConfig,
+    tokenizer: str | Path,
+    provenance: dict,
+) -> None:
     """Write a Hugging Face model directory with its fast tokenizer, tokenizer.model and provenance."""
     from launch.hf_tokenizer import save_hf_tokenizer
     from model.hf_dir import to_hf
@@ -169,7 +198,9 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
         raise UserError(f"{config_file} not found: the run directory of {root / tag} is incomplete")
     client_file = root / tag / "client_state.json"
     client = read_json(client_file) if client_file.is_file() else {}
-    return RunCheckpoint(root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client)
+    return RunCheckpoint(
+        root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client
+    )
 
 
 def provenance(run: RunCheckpoint) -> dict:
@@ -183,9 +214,15 @@ def provenance(run: RunCheckpoint) -> dict:
         "tokens_seen": run.client.get("tokens_seen"),
         "tokens_by_source": run.client.get("tokens_by_source"),
         "tokenizer_sha256": file_sha256(run.tokenizer),
-        "dataset": {"data_dir": run.config.data.data_dir, "manifest_sha256": dataset.get("manifest_sha256"),
-                    "train_shards_sha256": dataset.get("train_shards_sha256")},
-        "mixture": {"weights": dict(run.config.data.mixture), "samples_per_epoch": dataset.get("mixture")},
+        "dataset": {
+            "data_dir": run.config.data.data_dir,
+            "manifest_sha256": dataset.get("manifest_sha256"),
+            "train_shards_sha256": dataset.get("train_shards_sha256"),
+        },
+        "mixture": {
+            "weights": dict(run.config.data.mixture),
+            "samples_per_epoch": dataset.get("mixture"),
+        },
         "checkpoint": str((run.root / run.tag).resolve()),
         "config": config_to_dict(run.config),
     }
@@ -211,7 +248,9 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
         if format == "hf":
             save_hf_dir(out, state, run.config.model, run.tokenizer, record)
         else:
-            meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {"source": record["checkpoint"]}
+            meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {
+                "source": record["checkpoint"]
+            }
             save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
         shown.update()
     return record
@@ -230,9 +269,13 @@ def check_hf_exportable(model_cfg: ModelConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     record = export(cfg.checkpoint, cfg.out, cfg.format)
-    print(f"exported {record['task']} step {record['step']} from {record['checkpoint']} to {cfg.out} ({cfg.format})")
+    print(
+        f"exported {record['task']} step {record['step']} from {record['checkpoint']} to {cfg.out} ({cfg.format})"
+    )
     return 0
 
 

@@ -23,8 +23,12 @@ NEVER = -1e9
 # SentencePiece's piece types (sentencepiece_model.proto, ModelProto.SentencePiece.Type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # Hugging Face's names of our reserved pieces (pipeline.format.SPECIAL_TOKENS, ids 0-5).
-SPECIAL_NAMES = dict(zip(("pad_token", "unk_token", "bos_token", "eos_token", "mask_token", "sep_token"),
-                         SPECIAL_TOKENS))
+SPECIAL_NAMES = dict(
+    zip(
+        ("pad_token", "unk_token", "bos_token", "eos_token", "mask_token", "sep_token"),
+        SPECIAL_TOKENS,
+    )
+)
 
 
 def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
@@ -40,33 +44,61 @@ def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
     proto.ParseFromString(model_bytes)
     spec, trainer = proto.normalizer_spec, proto.trainer_spec
     if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
-        raise ValueError(f"{model_path}: only unigram SentencePiece models convert (pipeline.prepare's default)")
-    if trainer.treat_whitespace_as_suffix or not spec.escape_whitespaces or spec.normalization_rule_tsv:
-        raise ValueError(f"{model_path}: a whitespace or normalisation option that the conversion does not rebuild")
+        raise ValueError(
+            f"{model_path}: only unigram SentencePiece models convert (pipeline.prepare's default)"
+        )
+    if (
+        trainer.treat_whitespace_as_suffix
+        or not spec.escape_whitespaces
+        or spec.normalization_rule_tsv
+    ):
+        raise ValueError(
+            f"{model_path}: a whitespace or normalisation option that the conversion does not rebuild"
+        )
     if any(piece.type == USER_DEFINED for piece in proto.pieces):
         raise ValueError(f"{model_path}: user-defined pieces are not converted")
 
-    vocab = [(piece.piece, piece.score if piece.type == NORMAL else NEVER) for piece in proto.pieces]
+    vocab = [
+        (piece.piece, piece.score if piece.type == NORMAL else NEVER) for piece in proto.pieces
+    ]
     unk_id = next(i for i, piece in enumerate(proto.pieces) if piece.type == UNKNOWN)
     tokenizer = Tokenizer(models.Unigram(vocab, unk_id=unk_id, byte_fallback=trainer.byte_fallback))
-    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    steps = (
+        [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    )
     if spec.remove_extra_whitespaces:
-        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+        steps += [
+            normalizers.Replace(Regex("^ +| +$"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
     if steps:
         tokenizer.normalizer = normalizers.Sequence(steps)
     prepend = "always" if spec.add_dummy_prefix else "never"
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme=prepend, split=False
+    )
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []))
-    control = [piece.piece for piece in proto.pieces if piece.type == CONTROL and piece.piece not in SPECIAL_TOKENS]
+        + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else [])
+    )
+    control = [
+        piece.piece
+        for piece in proto.pieces
+        if piece.type == CONTROL and piece.piece not in SPECIAL_TOKENS
+    ]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, **SPECIAL_NAMES, additional_special_tokens=control,
-        split_special_tokens=True, clean_up_tokenization_spaces=False,
-        **({"model_max_length": model_max_length} if model_max_length else {}))
+        tokenizer_object=tokenizer,
+        **SPECIAL_NAMES,
+        additional_special_tokens=control,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+        **({"model_max_length": model_max_length} if model_max_length else {}),
+    )
 
 
-def save_hf_tokenizer(model_path: str | Path, out: str | Path, model_max_length: int | None = None) -> None:
+def save_hf_tokenizer(
+    model_path: str | Path, out: str | Path, model_max_length: int | None = None
+) -> None:
     """The fast tokenizer of `model_path` in `out` (tokenizer.json, tokenizer_config.json, ...).
 
     Its class is recorded as `PreTrainedTokenizerFast`, which transformers 5 loads as it loads

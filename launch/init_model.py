@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
+from common.configure import UserError, show
+from common.hashing import file_sha256
 from launch.config import TrainConfig
 from launch.export import CONFIG, TOKENIZER, load_model_dir, read_json, read_model_config
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.config import TRAINING_ONLY_FIELDS
-from common.configure import UserError, show
-from common.hashing import file_sha256
 from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
 # Our reserved ids (pipeline.format): what a model trained on our datasets uses, whatever a
@@ -46,22 +46,37 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
     if task is None:
         return cfg  # check_config names the unknown task
     if cfg.init.encoder or cfg.init.decoder:
-        raise UserError("init.model: starts the whole model, init.encoder / init.decoder warm-start a translation "
-                        "model's stacks apart: give one or the other")
+        raise UserError(
+            "init.model: starts the whole model, init.encoder / init.decoder warm-start a translation "
+            "model's stacks apart: give one or the other"
+        )
     directory = cfg.init.model
     found = model_config(directory)
     if found.arch != task.arch:
-        raise UserError(f"init.model: {directory} holds a {found.arch} model; task {cfg.task} trains {task.arch}")
-    given = {arg.split("=", 1)[0].lstrip("+") for arg in argv if "=" in arg and arg.startswith(("model.", "+model."))}
+        raise UserError(
+            f"init.model: {directory} holds a {found.arch} model; task {cfg.task} trains {task.arch}"
+        )
+    given = {
+        arg.split("=", 1)[0].lstrip("+")
+        for arg in argv
+        if "=" in arg and arg.startswith(("model.", "+model."))
+    }
     training_only = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
-    contradicting = [key for key in sorted(given - training_only)
-                     if _value(cfg.model, key) != _value(found, key, resolved=True)
-                     and not (key == "model.vocab_size" and cfg.model.vocab_size == 0)]
+    contradicting = [
+        key
+        for key in sorted(given - training_only)
+        if _value(cfg.model, key) != _value(found, key, resolved=True)
+        and not (key == "model.vocab_size" and cfg.model.vocab_size == 0)
+    ]
     if contradicting:
-        there = ", ".join(f"{key}={show(_value(found, key, resolved=True))}" for key in contradicting)
+        there = ", ".join(
+            f"{key}={show(_value(found, key, resolved=True))}" for key in contradicting
+        )
         here = ", ".join(f"{key}={show(_value(cfg.model, key))}" for key in contradicting)
-        raise UserError(f"init.model: {directory} has {there}; the override {here} contradicts it (the model config "
-                        "is the directory's: drop the override)")
+        raise UserError(
+            f"init.model: {directory} has {there}; the override {here} contradicts it (the model config "
+            "is the directory's: drop the override)"
+        )
     kept = {name: getattr(cfg.model, name) for name in TRAINING_ONLY_FIELDS}
     return dataclasses.replace(cfg, model=dataclasses.replace(found, **kept))
 
@@ -70,7 +85,12 @@ def _value(cfg: ModelConfig, key: str, resolved: bool = False):
     """The value of "model.field" or "model.encoder.field"; `resolved`: a stack's field as the
     stack is built (its override, else the shared value), where a directory may leave it None."""
     parts = key.split(".")[1:]
-    if resolved and len(parts) == 2 and parts[0] in ("encoder", "decoder") and cfg.arch == "seq2seq":
+    if (
+        resolved
+        and len(parts) == 2
+        and parts[0] in ("encoder", "decoder")
+        and cfg.arch == "seq2seq"
+    ):
         return getattr(cfg.for_stack(parts[0]), parts[1], None)
     value = cfg
     for part in parts:
@@ -95,12 +115,18 @@ def model_config(directory: str) -> ModelConfig:
     from model.hf import config_from_hf_bert, config_from_hf_gpt2, config_from_hf_llama
     from model.hf_seq2seq import config_from_hf_encoder_decoder
 
-    readers = {"gpt2": config_from_hf_gpt2, "llama": config_from_hf_llama, "bert": config_from_hf_bert,
-               "encoder-decoder": config_from_hf_encoder_decoder}
+    readers = {
+        "gpt2": config_from_hf_gpt2,
+        "llama": config_from_hf_llama,
+        "bert": config_from_hf_bert,
+        "encoder-decoder": config_from_hf_encoder_decoder,
+    }
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     if hf_config.model_type not in readers:
-        raise UserError(f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, Llama, "
-                        "BERT and BERT + GPT-2 encoder-decoder directories start a run")
+        raise UserError(
+            f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, Llama, "
+            "BERT and BERT + GPT-2 encoder-decoder directories start a run"
+        )
     try:
         return readers[hf_config.model_type](hf_config, **OUR_IDS)
     except ValueError as err:
@@ -132,23 +158,31 @@ def check_tokenizer(directory: str, dataset_tokenizer: str | Path) -> None:
     if not is_hf_dir(directory):
         theirs = read_json(Path(directory) / CONFIG).get("tokenizer_sha256")
         if theirs != dataset_sha256:
-            raise UserError(f"init.model: {directory} was trained with tokenizer sha256 {theirs}, the dataset's "
-                            f"tokenizer {dataset_tokenizer} is {dataset_sha256}")
+            raise UserError(
+                f"init.model: {directory} was trained with tokenizer sha256 {theirs}, the dataset's "
+                f"tokenizer {dataset_tokenizer} is {dataset_sha256}"
+            )
         return
     if (Path(directory) / TOKENIZER).is_file():  # our HF export: the SentencePiece model itself
         theirs = file_sha256(Path(directory) / TOKENIZER)
         if theirs != dataset_sha256:
-            raise UserError(f"init.model: {directory}/{TOKENIZER} has sha256 {theirs}, the dataset's tokenizer "
-                            f"{dataset_tokenizer} {dataset_sha256}")
+            raise UserError(
+                f"init.model: {directory}/{TOKENIZER} has sha256 {theirs}, the dataset's tokenizer "
+                f"{dataset_tokenizer} {dataset_sha256}"
+            )
         return
     text, theirs, ours = first_difference(directory, dataset_tokenizer)
     if text is not None:
-        raise UserError(f"init.model: the tokenizer of {directory} gives other ids than the dataset's tokenizer "
-                        f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> {theirs[:8]} there, "
-                        f"{ours[:8]} here")
+        raise UserError(
+            f"init.model: the tokenizer of {directory} gives other ids than the dataset's tokenizer "
+            f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> {theirs[:8]} there, "
+            f"{ours[:8]} here"
+        )
 
 
-def first_difference(directory: str, dataset_tokenizer: str | Path) -> tuple[str | None, list, list]:
+def first_difference(
+    directory: str, dataset_tokenizer: str | Path
+) -> tuple[str | None, list, list]:
     """The first text of the sample on which the directory's tokenizer and the dataset's disagree
     (None if none), with both tokenizations; the sample: every piece of the dataset's vocabulary
     as text, sentences of consecutive pieces, and runs of rare characters (for the byte pieces)."""
@@ -160,13 +194,24 @@ def first_difference(directory: str, dataset_tokenizer: str | Path) -> tuple[str
     try:
         hf = transformers.AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as err:
-        raise UserError(f"init.model: {directory} has no tokenizer to check against the dataset's: "
-                        f"{str(err).splitlines()[0]}") from None
-    words = [sp.id_to_piece(i).replace("\u2581", " ") for i in range(sp.get_piece_size())
-             if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))]
-    sentences = ["".join(words[i : i + SAMPLE_SENTENCE_PIECES]) for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)]
+        raise UserError(
+            f"init.model: {directory} has no tokenizer to check against the dataset's: "
+            f"{str(err).splitlines()[0]}"
+        ) from None
+    words = [
+        sp.id_to_piece(i).replace("\u2581", " ")
+        for i in range(sp.get_piece_size())
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))
+    ]
+    sentences = [
+        "".join(words[i : i + SAMPLE_SENTENCE_PIECES])
+        for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)
+    ]
     # Characters a vocabulary rarely holds, for its byte pieces: private use, Cyrillic, CJK, emoji.
-    rare = ["".join(map(chr, range(start, start + 64))) for start in (0xE000, 0xE040, 0x0400, 0x4E00, 0x1F600)]
+    rare = [
+        "".join(map(chr, range(start, start + 64)))
+        for start in (0xE000, 0xE040, 0x0400, 0x4E00, 0x1F600)
+    ]
     sample = words + sentences + rare
     theirs = hf(sample, add_special_tokens=False)["input_ids"]
     for text, there in zip(sample, theirs):

@@ -17,14 +17,14 @@ import sys
 import threading
 import time
 
-
 # Linux's prctl(2) option: the signal this process gets when the thread that forked it exits.
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL_S = 1.0
 LAUNCHER_GONE_GRACE_S = 30.0  # as long as torchrun gives its ranks between SIGTERM and SIGKILL
 _armed = False
 _pdeathsig = False  # whether the kernel signals this rank when its launcher dies
-_stop_on_death: tuple[int, float] | None = None  # (signal, grace) once `stop_with_launcher` is called
+# (signal, grace) once `stop_with_launcher` is called
+_stop_on_death: tuple[int, float] | None = None
 
 
 def launcher_kind(env=None) -> str:
@@ -71,14 +71,18 @@ def die_with_parent(interval_s: float = WATCH_INTERVAL_S) -> str | None:
         return None
     parent = os.getppid()
     if kind != "plain" and not _runs_launcher(parent, kind):
-        _die(f"the {kind} launcher that started this rank is gone (the parent is now pid {parent}, "
-             f"{os.path.basename(_program(parent).split(' ')[0]) or 'unknown'})")
+        _die(
+            f"the {kind} launcher that started this rank is gone (the parent is now pid {parent}, "
+            f"{os.path.basename(_program(parent).split(' ')[0]) or 'unknown'})"
+        )
     _pdeathsig = kind in ("torchrun", "deepspeed") and _set_pdeathsig(signal.SIGKILL)
     if _pdeathsig and os.getppid() != parent:
-        _die(f"the {kind} launcher (pid {parent}) died as this rank started")  # between the read and prctl
+        # between the read and prctl
+        _die(f"the {kind} launcher (pid {parent}) died as this rank started")
     runner = _deepspeed_runner(parent) if kind == "deepspeed" else None
-    threading.Thread(target=_watch, args=(kind, parent, runner, interval_s), name="die-with-parent",
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch, args=(kind, parent, runner, interval_s), name="die-with-parent", daemon=True
+    ).start()
     _armed = True
     return kind
 
@@ -109,7 +113,8 @@ def _watch(kind: str, parent: int, runner: int | None, interval_s: float) -> Non
         time.sleep(interval_s)
         if os.getppid() != parent:
             return _launcher_gone(f"the {kind} launcher (pid {parent}) died")
-        # DeepSpeed's launch.py outlives a killed runner (it is reparented), so ask who its parent is now.
+        # DeepSpeed's launch.py outlives a killed runner (it is reparented), so ask who its parent
+        # is now.
         if runner is not None and _parent_of(parent) not in (runner, None):
             return _launcher_gone(f"the deepspeed runner (pid {runner}) died")
 
@@ -171,7 +176,8 @@ def _parent_of(pid: int) -> int | None:
     stat = _read_proc(pid, "stat")
     if stat is None:
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last
+    # ')'.
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 

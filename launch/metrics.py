@@ -61,7 +61,9 @@ def table_peak(device_name: str, precision: str, tf32: bool = False) -> float:
     return 0.0
 
 
-def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5, device: str = "cpu") -> float:
+def measure_gemm_flops(
+    dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5, device: str = "cpu"
+) -> float:
     """Achieved FLOP/s of repeated (size x size) @ (size x size) products on this rank's threads."""
     # Its own generator: the global one drives dropout and must be the same after a resume.
     generator = torch.Generator(device=device).manual_seed(0)
@@ -92,8 +94,11 @@ def peak_flops(precision: str, tf32: bool = False) -> tuple[float, str]:
 
 
 def cpu_gemm_peak_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pretrain-pipeline",
-                "cpu_gemm_peak.json")
+    return Path(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "pretrain-pipeline",
+        "cpu_gemm_peak.json",
+    )
 
 
 def cpu_gemm_peak(dtype: torch.dtype, path: Path | None = None) -> tuple[float, str]:
@@ -112,7 +117,11 @@ def cpu_gemm_peak(dtype: torch.dtype, path: Path | None = None) -> tuple[float, 
     except (OSError, ValueError):
         table = {}
     entry = table.get(key) if isinstance(table, dict) else None
-    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+    if (
+        isinstance(entry, dict)
+        and isinstance(entry.get("flops"), (int, float))
+        and entry["flops"] > 0
+    ):
         return float(entry["flops"]), f"measured: {label}, {entry.get('date', '?')}, kept in {path}"
     flops = measure_gemm_flops(dtype)
     table = table if isinstance(table, dict) else {}

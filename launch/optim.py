@@ -24,7 +24,10 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(param))
         (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 class AdamW(torch.optim.AdamW):
@@ -39,15 +42,20 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.overflow = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        grads = [
+            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
+        self.overflow = bool(grads) and not bool(
+            torch.stack(torch._foreach_norm(grads)).isfinite().all()
+        )
         if self.overflow:
             return None
         return super().step(closure)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False,
-                    cpu_offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False, cpu_offload: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over `parameter_groups`; the step-dropping `AdamW` above with `skip_non_finite`
     (ZeRO-0, where DeepSpeed has no check of its own; under ZeRO it would only add a pass over
     the gradients, and DeepSpeed would warn about an optimizer it has not tested).
@@ -59,7 +67,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool
     groups = parameter_groups(model, cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
     if cpu_offload:
-        from launch.deepspeed.engine import cpu_adam  # DeepSpeed is imported by launch/deepspeed/ alone
+        # DeepSpeed is imported by launch/deepspeed/ alone
+        from launch.deepspeed.engine import cpu_adam
 
         return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     adamw = AdamW if skip_non_finite else torch.optim.AdamW
@@ -74,7 +83,9 @@ def adamw_kernels(implementation: str = "auto") -> dict:
     one tensor at a time, 4.6x the fused kernel's time, with the same steps to float32 rounding
     (docs/results.md#adamws-kernels-on-a-cpu)."""
     if implementation not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"optim.implementation: {implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+        raise ValueError(
+            f"optim.implementation: {implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}"
+        )
     if implementation == "auto":
         return {"fused": True}
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
@@ -90,9 +101,11 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, d_model: int =
     optim.lr * (d_model * warmup)^-0.5: 7.0e-4 for d_model 512, warmup 4000)."""
     if cfg.decay == "inverse_sqrt":
         if d_model <= 0 or cfg.warmup_steps <= 0:
-            raise ValueError("schedule.decay inverse_sqrt needs d_model and schedule.warmup_steps > 0")
+            raise ValueError(
+                "schedule.decay inverse_sqrt needs d_model and schedule.warmup_steps > 0"
+            )
         n = step + 1
-        return d_model ** -0.5 * min(n ** -0.5, n * cfg.warmup_steps ** -1.5)
+        return d_model**-0.5 * min(n**-0.5, n * cfg.warmup_steps**-1.5)
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
@@ -102,6 +115,10 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, d_model: int =
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int, d_model: int = 0):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int, d_model: int = 0
+):
     """`d_model` (the model's width) is read by `inverse_sqrt` alone."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps, d_model))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg, max_steps, d_model)
+    )

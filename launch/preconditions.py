@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from common.configure import UserError
 from launch.tasks import TASKS
 from model import ModelConfig
 from pipeline import remote
 from pipeline.collate import pack, unpack
-from common.configure import UserError
 from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
 from pipeline.shards import Shard, ShardError, read_shard, stored_fields
 
@@ -37,22 +37,30 @@ class LongestInput:
     """The most positions one model input of the data takes, and where that figure comes from."""
 
     positions: int
-    source: str  # for the message: "packed blocks of seq_len 128", "the longest source, 40 tokens, in the train split"
+    # for the message: "packed blocks of seq_len 128", "the longest source, 40 tokens, in the train
+    # split"
+    source: str
 
 
-def with_data_vocabulary(model_cfg: ModelConfig, data_vocab: int, data_dir: str | os.PathLike) -> tuple[ModelConfig, str | None]:
+def with_data_vocabulary(
+    model_cfg: ModelConfig, data_vocab: int, data_dir: str | os.PathLike
+) -> tuple[ModelConfig, str | None]:
     """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it), and
     the problem, in words, when the config names another size: the one rule of the trainer and
     its dry run."""
     if model_cfg.vocab_size == 0:
         return replace(model_cfg, vocab_size=int(data_vocab)), None
     if model_cfg.vocab_size != data_vocab:
-        return model_cfg, (f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has {data_vocab} "
-                           f"pieces (set model.vocab_size=0 to take it from the data)")
+        return model_cfg, (
+            f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has {data_vocab} "
+            f"pieces (set model.vocab_size=0 to take it from the data)"
+        )
     return model_cfg, None
 
 
-def data_fits_model(data_dir: str | os.PathLike, manifest: dict, task: str, model_cfg: ModelConfig) -> str | None:
+def data_fits_model(
+    data_dir: str | os.PathLike, manifest: dict, task: str, model_cfg: ModelConfig
+) -> str | None:
     """One line if some input of `task`'s data needs more positions than `model.max_seq_len`, else None.
 
     Packed blocks (causal_lm, mlm) are exactly the manifest's `seq_len` long. A translation pair's
@@ -62,31 +70,41 @@ def data_fits_model(data_dir: str | os.PathLike, manifest: dict, task: str, mode
     longest = longest_input(data_dir, manifest, task, bound_ok=model_cfg.max_seq_len)
     if longest is None or longest.positions <= model_cfg.max_seq_len:
         return None
-    return (f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the inputs of {data_dir}, which need "
-            f"{longest.positions} positions ({longest.source}); set model.max_seq_len={longest.positions} or more")
+    return (
+        f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the inputs of {data_dir}, which need "
+        f"{longest.positions} positions ({longest.source}); set model.max_seq_len={longest.positions} or more"
+    )
 
 
-def longest_input(data_dir: str | os.PathLike, manifest: dict, task: str, bound_ok: int = 0) -> LongestInput | None:
+def longest_input(
+    data_dir: str | os.PathLike, manifest: dict, task: str, bound_ok: int = 0
+) -> LongestInput | None:
     """The most positions an input of `task`'s training splits takes; None if there are no samples.
     A recorded bound that needs at most `bound_ok` positions is answer enough (no shard is read)."""
     dataset = DATASET_FOR_TASK[task]
     record = manifest.get("datasets", {}).get(dataset, {})
     if dataset == "packed" and isinstance(record.get("seq_len"), int):
         seq_len = record["seq_len"]
-        return LongestInput(input_positions(task, {"input_ids": seq_len})["input_ids"],
-                            f"packed blocks of seq_len {seq_len}")
+        return LongestInput(
+            input_positions(task, {"input_ids": seq_len})["input_ids"],
+            f"packed blocks of seq_len {seq_len}",
+        )
     max_tokens = ((manifest.get("config") or {}).get("translation") or {}).get("max_tokens")
     if dataset == "translation" and isinstance(max_tokens, int):
         bound = max(input_positions(task, {name: max_tokens for name in FIELDS[dataset]}).values())
         if bound <= bound_ok:
-            return LongestInput(bound, f"pairs of at most translation.max_tokens={max_tokens} tokens a side")
+            return LongestInput(
+                bound, f"pairs of at most translation.max_tokens={max_tokens} tokens a side"
+            )
     stored = _longest_stored(data_dir, manifest, task)
     if not stored:
         return None
     positions = input_positions(task, {name: length for name, (length, _) in stored.items()})
     name = max(positions, key=positions.get)
     length, split = stored[name]
-    return LongestInput(positions[name], f"the longest {_SIDE[name]}, {length} tokens, in the {split} split")
+    return LongestInput(
+        positions[name], f"the longest {_SIDE[name]}, {length} tokens, in the {split} split"
+    )
 
 
 # Each stored field, by the model input it becomes and what the message calls it.
@@ -101,13 +119,16 @@ def input_positions(task: str, lengths: dict[str, int]) -> dict[str, int]:
     without its last token), so that what they add or drop is counted in one place: theirs."""
     dataset = DATASET_FOR_TASK[task]
     collated_as = "causal_lm" if dataset == "packed" else task  # MLM's masking changes no length
-    token_fields = [name for name in FIELDS[dataset] if name in _MODEL_INPUT]  # not doc_starts: no input of its own
+    # not doc_starts: no input of its own
+    token_fields = [name for name in FIELDS[dataset] if name in _MODEL_INPUT]
     sample = [np.full(lengths[name], FIRST_ORDINARY_ID, dtype=np.int64) for name in token_fields]
     inputs = TASKS[collated_as].model_inputs(unpack(collated_as, pack(collated_as, [sample])))
     return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in token_fields}
 
 
-def _longest_stored(data_dir: str | os.PathLike, manifest: dict, task: str) -> dict[str, tuple[int, str]]:
+def _longest_stored(
+    data_dir: str | os.PathLike, manifest: dict, task: str
+) -> dict[str, tuple[int, str]]:
     """Per field, the longest array of the training splits' shards and its split, from the .npy
     headers. A shard or sample that cannot be read is passed over, as the loader passes it over."""
     fields = stored_fields(manifest, task)  # every member, as the loader reads them
@@ -118,8 +139,13 @@ def _longest_stored(data_dir: str | os.PathLike, manifest: dict, task: str) -> d
         except UserError:  # no such split: the loader says so where it matters
             continue
         for index, entry in enumerate(entries):
-            shard = Shard(index, remote.join(data_dir, entry["path"]), int(entry["samples"]), entry.get("bytes"),
-                          entry.get("sha256"))
+            shard = Shard(
+                index,
+                remote.join(data_dir, entry["path"]),
+                int(entry["samples"]),
+                entry.get("bytes"),
+                entry.get("sha256"),
+            )
             try:
                 samples = read_shard(shard, fields, set(range(shard.samples)))
             except ShardError:
@@ -137,7 +163,11 @@ def _npy_length(raw: bytes) -> int | None:
     stream = io.BytesIO(raw)
     try:
         major, _ = np.lib.format.read_magic(stream)
-        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
         shape, _, _ = read_header(stream)
     except ValueError:
         return None

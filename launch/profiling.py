@@ -14,7 +14,24 @@ import torch
 # Kernel families by name fragment (first match wins).
 KERNEL_FAMILIES = (
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "ampere_", "sm80_", "cublas", "matmul", "mm_", "::mm", "addmm", "bmm", "linear")),
+    (
+        "GEMM",
+        (
+            "gemm",
+            "sm90_xmma",
+            "cutlass",
+            "nvjet",
+            "ampere_",
+            "sm80_",
+            "cublas",
+            "matmul",
+            "mm_",
+            "::mm",
+            "addmm",
+            "bmm",
+            "linear",
+        ),
+    ),
     ("optimizer", ("adam", "foreach", "multi_tensor", "_amp_", "clip")),
     ("communication", ("nccl", "allreduce", "all_gather", "reduce_scatter")),
     ("copy", ("memcpy", "memset", "copy_", "cat", "fill")),
@@ -25,7 +42,9 @@ KERNEL_FAMILIES = (
 
 def kernel_family(name: str) -> str:
     low = name.lower()
-    return next((family for family, parts in KERNEL_FAMILIES if any(part in low for part in parts)), "other")
+    return next(
+        (family for family, parts in KERNEL_FAMILIES if any(part in low for part in parts)), "other"
+    )
 
 
 class Profiled:
@@ -36,7 +55,9 @@ class Profiled:
         from torch.profiler import ProfilerActivity, profile
 
         self.cuda = cuda
-        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self.prof = profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        )
 
     def __enter__(self) -> "Profiled":
         self.prof.__enter__()
@@ -52,26 +73,50 @@ class Profiled:
     def summary(self, what: str, kernels: int = 25, host_ops: int = 0) -> str:
         averages = self.prof.key_averages()
         if self.cuda:  # the kernels: events that ran on the device
-            events = [e for e in averages if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
-            attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+            events = [
+                e
+                for e in averages
+                if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"
+            ]
+            attr = (
+                "self_device_time_total"
+                if hasattr(averages[0], "self_device_time_total")
+                else "self_cuda_time_total"
+            )
         else:  # the operators' own CPU time stands in: the path kept alive, not a GPU figure
             events, attr = list(averages), "self_cpu_time_total"
         total = sum(getattr(e, attr, 0) for e in events) or 1
         families: dict[str, float] = {}
         for e in events:
-            families[kernel_family(e.key)] = families.get(kernel_family(e.key), 0) + getattr(e, attr, 0)
-        lines = [f"profile of {what}: wall {1e3 * self.wall:.1f} ms (profiled), "
-                 f"{'kernel' if self.cuda else 'CPU self'} time {total / 1e3:.1f} ms"]
-        lines += [f"  {family:<14} {us / 1e3:9.2f} ms  {100 * us / total:5.1f}%"
-                  for family, us in sorted(families.items(), key=lambda kv: -kv[1])]
-        lines += [f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% x{e.count:<5} "
-                  f"[{kernel_family(e.key)}] {e.key[:110]}"
-                  for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:kernels]]
+            families[kernel_family(e.key)] = families.get(kernel_family(e.key), 0) + getattr(
+                e, attr, 0
+            )
+        lines = [
+            f"profile of {what}: wall {1e3 * self.wall:.1f} ms (profiled), "
+            f"{'kernel' if self.cuda else 'CPU self'} time {total / 1e3:.1f} ms"
+        ]
+        lines += [
+            f"  {family:<14} {us / 1e3:9.2f} ms  {100 * us / total:5.1f}%"
+            for family, us in sorted(families.items(), key=lambda kv: -kv[1])
+        ]
+        lines += [
+            f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% x{e.count:<5} "
+            f"[{kernel_family(e.key)}] {e.key[:110]}"
+            for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:kernels]
+        ]
         if host_ops:
-            host = [e for e in averages if getattr(getattr(e, "device_type", None), "name", "CPU") == "CPU"]
-            lines.append(f"host operators by CPU time of their own (the host's share of the {1e3 * self.wall:.1f} ms):")
-            lines += [f"  {e.self_cpu_time_total / 1e3:9.2f} ms x{e.count:<6} {e.key[:100]}"
-                      for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:host_ops]]
+            host = [
+                e
+                for e in averages
+                if getattr(getattr(e, "device_type", None), "name", "CPU") == "CPU"
+            ]
+            lines.append(
+                f"host operators by CPU time of their own (the host's share of the {1e3 * self.wall:.1f} ms):"
+            )
+            lines += [
+                f"  {e.self_cpu_time_total / 1e3:9.2f} ms x{e.count:<6} {e.key[:100]}"
+                for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:host_ops]
+            ]
         return "\n".join(lines)
 
     def export(self, path: Path) -> None:

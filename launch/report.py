@@ -15,9 +15,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 
+from common.configure import UserError, parse_cli, run_main  # noqa: E402
 from launch.config import ReportConfig  # noqa: E402
 from launch.tracking import read_metrics_rows  # noqa: E402
-from common.configure import UserError, parse_cli, run_main  # noqa: E402
 
 USAGE = """usage: python -m launch.report [CONFIG.yaml] out=OUT.png runs=[RUN_DIR,...]
 
@@ -54,7 +54,15 @@ def plot_losses(runs: dict[str, Path], path: Path, title: str) -> Path:
         ax.plot(*_series(rows, "train/loss"), color=colour, linewidth=1.2, label=f"{name} train")
         xs, ys = _series(rows, "eval/loss")
         if xs:
-            ax.plot(xs, ys, color=colour, marker="o", linestyle="--", linewidth=0.8, label=f"{name} valid")
+            ax.plot(
+                xs,
+                ys,
+                color=colour,
+                marker="o",
+                linestyle="--",
+                linewidth=0.8,
+                label=f"{name} valid",
+            )
     ax.set_xlabel("tokens seen (millions, all ranks)")
     ax.set_ylabel("loss (nats per target token)")
     ax.set_title(title)
@@ -68,7 +76,9 @@ def plot_losses(runs: dict[str, Path], path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(ReportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        ReportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     if not cfg.runs:
         raise UserError("runs: name at least one run directory, e.g. runs=[runs/tiny_gpt]")
     out, run_dirs = Path(cfg.out), [Path(d) for d in cfg.runs]

@@ -34,8 +34,10 @@ class StopRequested(BaseException):
 
 
 _signals: list[str] = []  # the stop signals this rank received, by name
-_waiting_since: float | None = None  # when the main thread began a stoppable wait (None: not in one)
-_pid: int | None = None  # the rank's: a DataLoader worker inherits the handler, and leaves stopping to it
+# when the main thread began a stoppable wait (None: not in one)
+_waiting_since: float | None = None
+# the rank's: a DataLoader worker inherits the handler, and leaves stopping to it
+_pid: int | None = None
 
 
 def install(run_dir: str | Path) -> None:
@@ -46,7 +48,9 @@ def install(run_dir: str | Path) -> None:
     _pid = os.getpid()
     for signum in SIGNALS:
         signal.signal(signum, _on_signal)
-    threading.Thread(target=_watch_stop_file, args=(Path(run_dir),), name="stop-file", daemon=True).start()
+    threading.Thread(
+        target=_watch_stop_file, args=(Path(run_dir),), name="stop-file", daemon=True
+    ).start()
     launcher.stop_with_launcher(signal.SIGUSR1)
 
 
@@ -99,6 +103,10 @@ def _watch_stop_file(run_dir: Path) -> None:
     while True:
         time.sleep(WATCH_INTERVAL_S)
         since = _waiting_since
-        if since is not None and time.monotonic() - since >= WATCH_INTERVAL_S and not _signals \
-                and stop_file(run_dir):
+        if (
+            since is not None
+            and time.monotonic() - since >= WATCH_INTERVAL_S
+            and not _signals
+            and stop_file(run_dir)
+        ):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)

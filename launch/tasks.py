@@ -45,7 +45,9 @@ def _documents(batch: Batch) -> Batch:
 def _causal_lm_inputs(batch: Batch) -> Batch:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # Position t predicts token t + 1; the last position and padding predict nothing.
-    labels = F.pad(ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
+    labels = F.pad(
+        ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX), (0, 1), value=IGNORE_INDEX
+    )
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, **_documents(batch)}
 
 
@@ -55,8 +57,13 @@ def _mlm_inputs(batch: Batch) -> Batch:
     # make the device wait for the count at every batch.
     labels = batch["original_ids"].masked_fill(~batch["masked_positions"], IGNORE_INDEX)
     scored_index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels,
-            "scored_index": scored_index, **_documents(batch)}
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+        "scored_index": scored_index,
+        **_documents(batch),
+    }
 
 
 def _translation_inputs(batch: Batch) -> Batch:
@@ -80,7 +87,8 @@ def _lm_flops(cfg: ModelConfig, inputs: Batch) -> float:
 
 def _mlm_flops(cfg: ModelConfig, inputs: Batch) -> float:
     rows, seq_len = inputs["input_ids"].shape
-    scored = host_value((inputs["labels"] != IGNORE_INDEX).sum()) / rows  # BERT's head runs on these only (host inputs)
+    # BERT's head runs on these only (host inputs)
+    scored = host_value((inputs["labels"] != IGNORE_INDEX).sum()) / rows
     return training_flops(cfg, seq_len, scored=scored) * rows
 
 
@@ -107,7 +115,9 @@ def host_value(tensor: torch.Tensor) -> float | int | bool:
     for any device; refused for a device tensor, whose read would wait for its queued work. The
     training step's figures from the device are read once per step (`launch.train.loop.train_step`)."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"host_value: a {tensor.device.type} tensor: reading it would wait for the device")
+        raise ValueError(
+            f"host_value: a {tensor.device.type} tensor: reading it would wait for the device"
+        )
     return tensor.item()
 
 
@@ -115,8 +125,10 @@ def host_value(tensor: torch.Tensor) -> float | int | bool:
 class Task:
     name: str
     arch: str  # the model it trains
-    make_inputs: Callable[[Batch], Batch]  # token batch -> the model's keyword arguments, labels made here
-    flops: Callable[[ModelConfig, Batch], float]  # training FLOPs of one micro batch of model inputs
+    # token batch -> the model's keyword arguments, labels made here
+    make_inputs: Callable[[Batch], Batch]
+    # training FLOPs of one micro batch of model inputs
+    flops: Callable[[ModelConfig, Batch], float]
     warm_startable: bool = False  # init.encoder / init.decoder apply
     # Extra evaluation: per-batch sums (all-reduced over ranks), then the metrics made of them.
     eval_sums: Callable[[ModelOutput, Batch], dict[str, float]] | None = None
@@ -141,13 +153,23 @@ class Task:
         every tensor goes from pinned memory (the loader pins its batches; the labels made here
         are pinned now), so the copies are asynchronous: a non_blocking copy from pageable
         memory is a synchronous one."""
-        kept = {key: value for key, value in inputs.items()
-                if not (key == "attention_mask" and value.device.type == "cpu" and host_value(value.all()))}
+        kept = {
+            key: value
+            for key, value in inputs.items()
+            if not (
+                key == "attention_mask" and value.device.type == "cpu" and host_value(value.all())
+            )
+        }
         if torch.device(device).type == "cuda":
-            kept = {key: value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
-                    for key, value in kept.items()}
+            kept = {
+                key: value
+                if value.device.type != "cpu" or value.is_pinned()
+                else value.pin_memory()
+                for key, value in kept.items()
+            }
         moved = {key: value.to(device, non_blocking=True) for key, value in kept.items()}
-        dynamo = sys.modules.get("torch._dynamo")  # imported where a model is compiled; else nothing to mark
+        # imported where a model is compiled; else nothing to mark
+        dynamo = sys.modules.get("torch._dynamo")
         if dynamo is not None:
             for key in PER_BATCH_LENGTHS.intersection(moved):
                 dynamo.maybe_mark_dynamic(moved[key], 0)
@@ -167,6 +189,15 @@ class Task:
 
 TASKS = {
     "causal_lm": Task("causal_lm", "gpt", _causal_lm_inputs, _lm_flops),
-    "mlm": Task("mlm", "bert", _mlm_inputs, _mlm_flops, eval_sums=_masked_accuracy_sums, eval_metrics=_accuracy),
-    "translation": Task("translation", "seq2seq", _translation_inputs, _translation_flops, warm_startable=True),
+    "mlm": Task(
+        "mlm",
+        "bert",
+        _mlm_inputs,
+        _mlm_flops,
+        eval_sums=_masked_accuracy_sums,
+        eval_metrics=_accuracy,
+    ),
+    "translation": Task(
+        "translation", "seq2seq", _translation_inputs, _translation_flops, warm_startable=True
+    ),
 }

@@ -37,17 +37,33 @@ def read_metrics_rows(run_dir: Path) -> list[dict]:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent.parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-# W&B's own names for its modes, as WANDB_MODE may spell them ("dryrun" and "run" are its older ones).
-WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
-WANDB_SETTINGS = (("mode", "WANDB_MODE", "offline"), ("project", "WANDB_PROJECT", "pretrain-pipeline"),
-                  ("entity", "WANDB_ENTITY", ""), ("group", "WANDB_RUN_GROUP", ""))
+# W&B's own names for its modes, as WANDB_MODE may spell them ("dryrun" and "run" are its older
+# ones).
+WANDB_MODES = {
+    "online": "online",
+    "run": "online",
+    "offline": "offline",
+    "dryrun": "offline",
+    "disabled": "disabled",
+}
+WANDB_SETTINGS = (
+    ("mode", "WANDB_MODE", "offline"),
+    ("project", "WANDB_PROJECT", "pretrain-pipeline"),
+    ("entity", "WANDB_ENTITY", ""),
+    ("group", "WANDB_RUN_GROUP", ""),
+)
 
 
 def resolve_wandb(cfg, env=None) -> dict:
@@ -81,8 +97,17 @@ def new_run_id() -> str:
 class Tracker:
     """Logs metrics to W&B (when enabled) and a compact progress line, on rank 0 only."""
 
-    def __init__(self, *, enabled: bool, settings, run_dir: str | Path, run_id: str, config: dict, summary: dict,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        settings,
+        run_dir: str | Path,
+        run_id: str,
+        config: dict,
+        summary: dict,
+        start_step: int = 0,
+    ):
         """`settings`: the config's WandbConfig, resolved against the environment here;
         `start_step`: the step this process starts from (a resume's), which its ETA counts from."""
         self.enabled = enabled
@@ -101,9 +126,16 @@ class Tracker:
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
-            project=resolved["project"][0], entity=resolved["entity"][0] or None, group=resolved["group"][0] or None,
-            name=settings.name or Path(run_dir).name, tags=list(settings.tags) or None,
-            id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config,
+            project=resolved["project"][0],
+            entity=resolved["entity"][0] or None,
+            group=resolved["group"][0] or None,
+            name=settings.name or Path(run_dir).name,
+            tags=list(settings.tags) or None,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=mode,
+            config=config,
         )
         self.run.summary.update(summary)
         print(self.where(mode, source), file=sys.stderr, flush=True)
@@ -115,8 +147,10 @@ class Tracker:
             return f"W&B: online run {self.run.url} (project {self.run.project}{group}; mode from {source})"
         files = Path(self.run.dir)  # RUN_DIR/wandb/offline-run-DATE-ID/files
         offline = files.parent if files.name == "files" else files
-        return (f"W&B: offline run in {offline} (project {self.run.project}{group}; mode from {source}); "
-                f"upload it with: wandb sync {offline}")
+        return (
+            f"W&B: offline run in {offline} (project {self.run.project}{group}; mode from {source}); "
+            f"upload it with: wandb sync {offline}"
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:
@@ -132,17 +166,28 @@ class Tracker:
         if not self.enabled:
             return
         parts = [f"step {step}/{max_steps}"]
-        for key, fmt in (("train/loss", "loss {:.4f}"), ("train/lr", "lr {:.2e}"), ("train/grad_norm", "gnorm {:.3f}"),
-                         ("perf/tokens_per_s", "{:.0f} tok/s"), ("perf/mfu", "mfu {:.2%}"),
-                         ("eval/loss", "eval {:.4f}"), ("eval/perplexity", "ppl {:.2f}"), ("eval/accuracy", "acc {:.3f}")):
+        for key, fmt in (
+            ("train/loss", "loss {:.4f}"),
+            ("train/lr", "lr {:.2e}"),
+            ("train/grad_norm", "gnorm {:.3f}"),
+            ("perf/tokens_per_s", "{:.0f} tok/s"),
+            ("perf/mfu", "mfu {:.2%}"),
+            ("eval/loss", "eval {:.4f}"),
+            ("eval/perplexity", "ppl {:.2f}"),
+            ("eval/accuracy", "acc {:.3f}"),
+        ):
             value = metrics.get(key)
             if value is not None and not (isinstance(value, float) and math.isnan(value)):
                 parts.append(fmt.format(value))
         elapsed = time.time() - self.started
         parts.append(f"{elapsed:.0f}s")
-        parts.append(f"ETA {interval(remaining(step - self.start_step, max_steps - self.start_step, elapsed))}")
+        parts.append(
+            f"ETA {interval(remaining(step - self.start_step, max_steps - self.start_step, elapsed))}"
+        )
         if self.saved:
-            parts.append(f"last ckpt step {self.saved[0]} at {time.strftime('%H:%M:%S', time.localtime(self.saved[1]))}")
+            parts.append(
+                f"last ckpt step {self.saved[0]} at {time.strftime('%H:%M:%S', time.localtime(self.saved[1]))}"
+            )
         else:
             parts.append("last ckpt none yet")
         print(" | ".join(parts), file=sys.stderr, flush=True)

@@ -17,8 +17,8 @@ import itertools
 import sys
 from typing import BinaryIO, Iterable, TextIO
 
-from launch.config import TranslateConfig
 from common.configure import UserError, parse_cli, run_main
+from launch.config import TranslateConfig
 from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
@@ -27,12 +27,22 @@ USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input
 Translate UTF-8 text, one sentence per line, from standard input (or input=FILE) to standard output."""
 
 
-def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO, total: int | None = None) -> dict:
+def translate_lines(
+    cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err: TextIO, total: int | None = None
+) -> dict:
     """Translate `lines` (without their newlines) to `out`; returns counts. With their number
     `total` (an input file's), progress is shown on `err`."""
-    import torch  # with the model code, once the command line is read: --help and its errors answer at once
+    # with the model code, once the command line is read: --help and its errors answer at once
+    import torch
 
-    from launch.decoding import check_decoding, detokenize, inspect_checkpoint, load_model, source_ids, translate_ids
+    from launch.decoding import (
+        check_decoding,
+        detokenize,
+        inspect_checkpoint,
+        load_model,
+        source_ids,
+        translate_ids,
+    )
 
     ckpt = inspect_checkpoint(cfg.checkpoint)
     max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
@@ -51,12 +61,31 @@ def translate_lines(cfg: TranslateConfig, lines: Iterable[str], out: TextIO, err
                     sources.append(src)
                     if cut:
                         counts["truncated"] += 1
-                        print(f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
-                              f"limit of {ckpt.max_source_tokens} (+ </s>)", file=err, flush=True)
-            outputs = iter(translate_ids(model, sources, beam=cfg.beam, max_len=max_len, length_penalty=cfg.length_penalty,
-                                         device=device, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
-                           if sources else [])
-            out.write("".join((detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded))
+                        print(
+                            f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
+                            f"limit of {ckpt.max_source_tokens} (+ </s>)",
+                            file=err,
+                            flush=True,
+                        )
+            outputs = iter(
+                translate_ids(
+                    model,
+                    sources,
+                    beam=cfg.beam,
+                    max_len=max_len,
+                    length_penalty=cfg.length_penalty,
+                    device=device,
+                    max_len_a=cfg.max_len_a,
+                    max_len_b=cfg.max_len_b,
+                )
+                if sources
+                else []
+            )
+            out.write(
+                "".join(
+                    (detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded
+                )
+            )
             out.flush()
             counts["lines"] += len(chunk)
             counts["empty"] += len(chunk) - len(sources)
@@ -87,7 +116,9 @@ def _count_lines(stream: BinaryIO) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(TranslateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        TranslateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     import torch
 
     from launch.decoding import results_only_on_stdout
@@ -109,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             counts = translate_lines(cfg, _read_lines(source), out, sys.stderr, total)
         finally:
             out.detach()  # sys.stdout keeps its buffer
-    print(f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",
-          file=sys.stderr)
+    print(
+        f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",
+        file=sys.stderr,
+    )
     return 0
 
 

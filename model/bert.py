@@ -44,8 +44,13 @@ class BERT(Transformer):
         self.head = MLMHead(cfg, self.embed.tok)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-        scored_index: Optional[Tensor] = None, *, document_ids: Optional[Tensor] = None,
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+        scored_index: Optional[Tensor] = None,
+        *,
+        document_ids: Optional[Tensor] = None,
     ) -> ModelOutput:
         """input_ids (B, T) with masked positions replaced; attention_mask (B, T) 1 = real;
         labels (B, T): the original token at masked positions, IGNORE_INDEX elsewhere;
@@ -65,5 +70,7 @@ class BERT(Transformer):
         if scored_index is None:
             scored_index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
         logits = self.head(h.reshape(-1, h.shape[-1]).index_select(0, scored_index))  # (N, V)
-        return ModelOutput(loss=cross_entropy(logits, labels.reshape(-1).index_select(0, scored_index)),
-                           scored_logits=logits)
+        return ModelOutput(
+            loss=cross_entropy(logits, labels.reshape(-1).index_select(0, scored_index)),
+            scored_logits=logits,
+        )

@@ -26,7 +26,8 @@ class ModelOutput(NamedTuple):
     hook its backward-pass parameter handling onto; it cannot see into a dataclass.
     """
 
-    # (B, T, V) at every position; given only when no labels were (a training step never needs them).
+    # (B, T, V) at every position; given only when no labels were (a training step never needs
+    # them).
     logits: Optional[Tensor] = None
     # Mean cross-entropy over the scored positions (labels != IGNORE_INDEX), when labels were given.
     loss: Optional[Tensor] = None
@@ -37,8 +38,13 @@ class ModelOutput(NamedTuple):
 
 def make_activation(name: str) -> nn.Module:
     """The nonlinearity `name` applies; for a gated activation, the one its gate applies."""
-    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "relu": nn.ReLU(),
-            "swiglu": nn.SiLU(), "geglu": nn.GELU()}[name]
+    return {
+        "gelu": nn.GELU(),
+        "gelu_tanh": nn.GELU(approximate="tanh"),
+        "relu": nn.ReLU(),
+        "swiglu": nn.SiLU(),
+        "geglu": nn.GELU(),
+    }[name]
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -123,14 +129,17 @@ def self_attention_mask(
     mask = None
     if causal:
         # Bottom-right aligned: query i sits at key position k_len - q_len + i.
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)  # (T, S)
+        # (T, S)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
     if key_mask is not None:
         keys = key_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
         mask = keys if mask is None else keys & mask  # (B, 1, T, S)
     return _never_empty(mask), False
 
 
-def document_attention_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal: bool) -> Tensor:
+def document_attention_mask(
+    document_ids: Tensor, key_mask: Optional[Tensor], causal: bool
+) -> Tensor:
     """The (B, 1, T, T) SDPA mask, True = may attend, that keeps each token within its document.
 
     `document_ids` (B, T) numbers the documents of each row (contiguous runs of one id);
@@ -167,7 +176,8 @@ def document_block_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal
 @functools.cache
 def flex_attention_available() -> bool:
     """Whether this torch has FlexAttention and Triton, which its CUDA kernels are compiled with."""
-    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None  # torch >= 2.5
+    # torch >= 2.5
+    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     return has_flex and importlib.util.find_spec("triton") is not None
 
 
@@ -210,7 +220,9 @@ def expand_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, is_causal: bool) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, is_causal: bool
+) -> Tensor:
     """q (B, H, T, Dh); k, v (B, Hkv, S, Dh), Hkv dividing H (grouped-query attention), each
     key/value head serving H / Hkv consecutive query heads.
 
@@ -227,17 +239,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p
     (float32 for the scores and their gradient, bf16 for the three that produce q, k and v's
     gradients) and float32 element-wise work, which inductor fuses. Like the flash kernel it saves no
     (T x S) matrix; the backward holds one for each layer in turn."""
-    if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout_p == 0.0 and torch.is_grad_enabled()
-            and torch.compiler.is_compiling() and k.shape[-2] <= RECOMPUTE_MAX_KEYS
-            and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and dropout_p == 0.0
+        and torch.is_grad_enabled()
+        and torch.compiler.is_compiling()
+        and k.shape[-2] <= RECOMPUTE_MAX_KEYS
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
         return _RecomputedAttention.apply(q, *expand_kv(k, v, q.shape[1]), mask, is_causal)
     if k.shape[1] != q.shape[1]:
         flash = mask is None and q.dtype in (torch.float16, torch.bfloat16)
         if SDPA_TAKES_GQA and (q.device.type == "cpu" or flash):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+            )
         k, v = expand_kv(k, v, q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+    )
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -247,12 +268,27 @@ class _RecomputedAttention(torch.autograd.Function):
     log-sum-exp (the equations of Dao et al. 2022, "FlashAttention", appendix B, unblocked)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool) -> Tensor:
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool
+    ) -> Tensor:
         scale = q.shape[-1] ** -0.5
-        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            ~mask, float("-inf"))  # the kernel takes a mask in the query's dtype
+        additive = (
+            None
+            if mask is None
+            else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~mask, float("-inf")
+            )
+        )  # the kernel takes a mask in the query's dtype
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=additive, scale=scale)  # (B, H, T, Dh), (B, H, T) float32
+            # (B, H, T, Dh), (B, H, T) float32
+            q,
+            k,
+            v,
+            0.0,
+            is_causal,
+            attn_mask=additive,
+            scale=scale,
+        )
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -267,7 +303,9 @@ class _RecomputedAttention(torch.autograd.Function):
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * ctx.scale  # (B, H, T, S)
         T, S = scores.shape[-2:]
         if ctx.is_causal:
-            scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+            scores = scores.masked_fill(
+                ~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(), float("-inf")
+            )
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.exp(scores - lse.unsqueeze(-1))  # the forward's probabilities
@@ -275,7 +313,13 @@ class _RecomputedAttention(torch.autograd.Function):
         grad_p = torch.matmul(grad.float(), v.float().transpose(-2, -1))
         delta = (grad.float() * out.float()).sum(dim=-1, keepdim=True)  # rowsum(p * grad_p)
         grad_s = (p * (grad_p - delta) * ctx.scale).to(q.dtype)
-        return torch.matmul(grad_s, k), torch.matmul(grad_s.transpose(-2, -1), q), grad_v, None, None
+        return (
+            torch.matmul(grad_s, k),
+            torch.matmul(grad_s.transpose(-2, -1), q),
+            grad_v,
+            None,
+            None,
+        )
 
 
 def padding_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -290,7 +334,9 @@ def _never_empty(mask: Tensor) -> Tensor:
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
-def positions_from_mask(key_mask: Optional[Tensor], past: int, length: int, device: torch.device) -> Tensor:
+def positions_from_mask(
+    key_mask: Optional[Tensor], past: int, length: int, device: torch.device
+) -> Tensor:
     """Position ids of the last `length` tokens, counted from each row's first real token.
 
     Counting from the first real token makes a left-padded prompt see the same positions as
@@ -307,7 +353,8 @@ def positions_in_documents(document_ids: Tensor) -> Tensor:
     t = torch.arange(T, device=document_ids.device)  # (T,)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, t, 0).cummax(dim=1).values  # (B, T): where each token's document starts
+    # (B, T): where each token's document starts
+    first = torch.where(starts, t, 0).cummax(dim=1).values
     return t - first  # (B, T)
 
 
@@ -323,7 +370,9 @@ class Attention(nn.Module):
     self-attention only: a cross-attention key is a source position, whose distance from a target
     position means nothing, and the encoder has put its own positions into the memory already."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, n_kv_heads: int = 0, bias: bool = True):
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float, n_kv_heads: int = 0, bias: bool = True
+    ):
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
@@ -367,10 +416,13 @@ class Attention(nn.Module):
                 cache.k, cache.v = k, v
         if mask is not None and not isinstance(mask, Tensor):
             if self.training and self.dropout > 0:
-                raise ValueError("FlexAttention has no attention dropout: use SDPA's mask when dropout is on")
+                raise ValueError(
+                    "FlexAttention has no attention dropout: use SDPA's mask when dropout is on"
+                )
             y = _flex_attention(q, k, v, mask)  # (B, H, T, Dh)
         else:
-            y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal)  # (B, H, T, Dh)
+            # (B, H, T, Dh)
+            y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
 
 
@@ -425,12 +477,19 @@ class Block(nn.Module):
         return [self.attn.out_proj, self.mlp.proj]
 
     def forward(
-        self, x: Tensor, mask: Optional[Tensor], is_causal: bool, cache: Optional[LayerCache] = None,
+        self,
+        x: Tensor,
+        mask: Optional[Tensor],
+        is_causal: bool,
+        cache: Optional[LayerCache] = None,
         rotary: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Tensor:
         kv = None if cache is None else cache.self_attn
-        x = self.residual(x, self.attn_norm,
-                          lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary))
+        x = self.residual(
+            x,
+            self.attn_norm,
+            lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary),
+        )
         return self.residual(x, self.mlp_norm, self.mlp)
 
 
@@ -456,11 +515,16 @@ class DecoderBlock(Block):
         memory_mask: Optional[Tensor] = None,
     ) -> Tensor:
         kv = None if cache is None else cache.self_attn
-        x = self.residual(x, self.attn_norm,
-                          lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary))
+        x = self.residual(
+            x,
+            self.attn_norm,
+            lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=kv, rotary=rotary),
+        )
         cross_kv = None if cache is None else cache.cross_attn  # no rotary: see `Attention`
         x = self.residual(
-            x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory=memory, mask=memory_mask, cache=cross_kv)
+            x,
+            self.cross_attn_norm,
+            lambda h: self.cross_attn(h, memory=memory, mask=memory_mask, cache=cross_kv),
         )
         return self.residual(x, self.mlp_norm, self.mlp)
 
@@ -468,7 +532,9 @@ class DecoderBlock(Block):
 def sinusoids(length: int, d_model: int) -> Tensor:
     """The (length, d_model) sinusoidal position table of Vaswani et al. 2017, section 3.5."""
     position = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
-    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    frequency = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model)
+    )
     table = torch.zeros(length, d_model)
     table[:, 0::2] = torch.sin(position * frequency)
     table[:, 1::2] = torch.cos(position * frequency)
@@ -488,9 +554,14 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
-        inverse_frequency = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (Dh/2,)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inverse_frequency)  # (L, Dh/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (L, Dh): each pair's angle on both its dimensions
+        # (Dh/2,)
+        inverse_frequency = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        )
+        # (L, Dh/2)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inverse_frequency)
+        # (L, Dh): each pair's angle on both its dimensions
+        angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
@@ -503,7 +574,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, H, T, Dh) rotated by its positions' angles: computed in float32, returned in x's dtype."""
     half = x.shape[-1] // 2
     x32 = x.float()
-    x_rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # each pair turned by 90 degrees
+    # each pair turned by 90 degrees
+    x_rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
     return (x32 * cos + x_rotated * sin).to(x.dtype)
 
 
@@ -519,11 +591,17 @@ class Embeddings(nn.Module):
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         elif self.positions == "sinusoidal":
             # Not a parameter and not saved: a sinusoidal stack has no position keys.
-            self.register_buffer("pos_table", sinusoids(cfg.max_seq_len, cfg.d_model), persistent=False)
+            self.register_buffer(
+                "pos_table", sinusoids(cfg.max_seq_len, cfg.d_model), persistent=False
+            )
         # Vaswani et al. scale token embeddings by sqrt(d_model), so that the fixed,
         # unit-amplitude sinusoids do not drown them, and in a Seq2Seq whose embeddings are the
         # output projection too (`share_embeddings`), whatever the positions.
-        self.scale = math.sqrt(cfg.d_model) if self.positions == "sinusoidal" or cfg.share_embeddings else 1.0
+        self.scale = (
+            math.sqrt(cfg.d_model)
+            if self.positions == "sinusoidal" or cfg.share_embeddings
+            else 1.0
+        )
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         tok = self.tok(input_ids) * self.scale  # (B, T, C)
@@ -554,7 +632,13 @@ def init_weights(module: nn.Module, std: float) -> None:
 
 def attention_kernels(model: nn.Module) -> list[str]:
     """What the stacks of `model` ran their self-attention on in their last forward."""
-    return sorted({m.attention_kernel for m in model.modules() if isinstance(m, Transformer) and m.attention_kernel})
+    return sorted(
+        {
+            m.attention_kernel
+            for m in model.modules()
+            if isinstance(m, Transformer) and m.attention_kernel
+        }
+    )
 
 
 class Transformer(nn.Module):
@@ -577,7 +661,11 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         # Rotary positions: one (cos, sin) table for every block's self-attention.
-        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.positions == "rope" else None
+        self.rotary = (
+            Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            if cfg.positions == "rope"
+            else None
+        )
         # The kernel of document masks: "auto" (FlexAttention where it can run, see the module
         # doc), "sdpa" or "flex_attention" (eager on the CPU: for tests). Not a parameter.
         self.document_attention = "auto"
@@ -596,7 +684,9 @@ class Transformer(nn.Module):
             # renormalised, so scale their output layers by 1/sqrt(number of branches).
             projections = [p for b in self.blocks for p in b.residual_projections()]
             for proj in projections:
-                nn.init.normal_(proj.weight, mean=0.0, std=cfg.init_std / math.sqrt(len(projections)))
+                nn.init.normal_(
+                    proj.weight, mean=0.0, std=cfg.init_std / math.sqrt(len(projections))
+                )
 
     def forward(
         self,
@@ -613,28 +703,41 @@ class Transformer(nn.Module):
         document_ids (B, T), the document of each token of a packed block (contiguous runs of
         one id per row): each token attends within its document only, positions from its start."""
         if (memory is not None) != self.cross_attention:
-            raise ValueError("encoder memory is required by, and only by, a stack with cross-attention")
+            raise ValueError(
+                "encoder memory is required by, and only by, a stack with cross-attention"
+            )
         B, T = input_ids.shape
         past = 0 if cache is None else cache.length
         if past + T > self.cfg.max_seq_len:
             raise ValueError(f"{past + T} positions exceed max_seq_len={self.cfg.max_seq_len}")
         if attention_mask is not None and attention_mask.shape != (B, past + T):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}")
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)}"
+            )
         if document_ids is not None:
             if cache is not None:
-                raise ValueError("document_ids mark the documents of whole packed blocks; decoding takes none")
+                raise ValueError(
+                    "document_ids mark the documents of whole packed blocks; decoding takes none"
+                )
             if document_ids.shape != (B, T):
-                raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, expected {(B, T)}")
+                raise ValueError(
+                    f"document_ids has shape {tuple(document_ids.shape)}, expected {(B, T)}"
+                )
 
-        if (attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
-                and bool(attention_mask.all())):
+        if (
+            attention_mask is not None
+            and attention_mask.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and bool(attention_mask.all())
+        ):
             # Nothing is padded: without an explicit mask SDPA takes its fused causal path,
             # and positions are the plain arange either way. Asked of a mask on the host only,
             # where it costs no device sync; the trainer drops an all-ones mask before moving
             # a batch (`launch.tasks.Task.to_device`).
             attention_mask = None
         if document_ids is None:
-            positions = positions_from_mask(attention_mask, past, T, input_ids.device)  # (1 or B, T)
+            # (1 or B, T)
+            positions = positions_from_mask(attention_mask, past, T, input_ids.device)
         else:
             positions = positions_in_documents(document_ids)  # (B, T)
         x = self.embed(input_ids, positions)  # (B, T, C)
@@ -643,29 +746,43 @@ class Transformer(nn.Module):
             x = self.norm(x)
         x = self.drop(x)
         if document_ids is None:
-            mask, is_causal = self_attention_mask(attention_mask, T, past + T, self.causal, x.device)
+            mask, is_causal = self_attention_mask(
+                attention_mask, T, past + T, self.causal, x.device
+            )
             self.attention_kernel = "sdpa"
         else:
             kernel = self._document_kernel(x.device)
-            make_mask = document_block_mask if kernel == "flex_attention" else document_attention_mask
+            make_mask = (
+                document_block_mask if kernel == "flex_attention" else document_attention_mask
+            )
             mask, is_causal = make_mask(document_ids, attention_mask, self.causal), False
             self.attention_kernel = f"{kernel} (document mask)"
         cross = (memory, padding_mask(memory_mask)) if self.cross_attention else ()
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, mask, is_causal, layer_cache, rotary, *cross, use_reentrant=False)
+                x = checkpoint(
+                    block, x, mask, is_causal, layer_cache, rotary, *cross, use_reentrant=False
+                )
             else:
                 x = block(x, mask, is_causal, layer_cache, rotary, *cross)
         return self.norm(x) if self.pre_norm else x  # (B, T, C)
 
     def _document_kernel(self, device: torch.device) -> str:
         if self.document_attention not in ("auto", "sdpa", "flex_attention"):
-            raise ValueError(f"document_attention={self.document_attention!r}: expected auto, sdpa or flex_attention")
+            raise ValueError(
+                f"document_attention={self.document_attention!r}: expected auto, sdpa or flex_attention"
+            )
         head_dim = self.cfg.d_model // self.cfg.n_heads
-        if self.document_attention == "flex_attention" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
-            raise ValueError(f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / n_heads); "
-                             f"FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}")
+        if (
+            self.document_attention == "flex_attention"
+            and device.type == "cuda"
+            and head_dim < FLEX_MIN_HEAD_DIM
+        ):
+            raise ValueError(
+                f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / n_heads); "
+                f"FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}"
+            )
         if self.document_attention != "auto":
             return self.document_attention
         dropout_active = self.training and self.cfg.dropout > 0

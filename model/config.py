@@ -74,7 +74,8 @@ class ModelConfig:
     d_ff: int = 0
     max_seq_len: int = 512  # positions the model has (and the longest input it takes)
     dropout: float = 0.1  # embeddings, attention probabilities and residual branches
-    # gelu | gelu_tanh (GPT-2's gelu_new) | relu | swiglu | geglu: the last two gated, silu(x W) * (x V)
+    # gelu | gelu_tanh (GPT-2's gelu_new) | relu | swiglu | geglu: the last two gated, silu(x W) *
+    # (x V)
     # and gelu(x W) * (x V) (Shazeer 2020), as in Llama and ModernBERT
     activation: str = "gelu"
     # pre: x + f(norm(x)) with a final norm after the last block (GPT-2);
@@ -82,14 +83,17 @@ class ModelConfig:
     # Pre-LN stacks also get GPT-2's 1/sqrt(number of residual branches) scaling of the
     # residual projections at init: post-LN renormalises every branch, so BERT has none.
     norm_position: str = "pre"
-    norm: str = "layernorm"  # layernorm | rmsnorm (Zhang & Sennrich 2019, as in Llama): every norm of the model
+    # layernorm | rmsnorm (Zhang & Sennrich 2019, as in Llama): every norm of the model
+    norm: str = "layernorm"
     # learned | sinusoidal (added to the token embeddings) | rope (rotary: queries and keys of
     # self-attention rotated by their position, Su et al. 2021)
     positions: str = "learned"
     rope_theta: float = 10000.0  # rope only: the base of the rotary frequencies
     layer_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm or RMSNorm)
-    bias: bool = True  # biases in the linear layers and LayerNorms; false: none anywhere (Llama, ModernBERT)
-    activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
+    # biases in the linear layers and LayerNorms; false: none anywhere (Llama, ModernBERT)
+    bias: bool = True
+    # recompute each block in the backward pass to save memory
+    activation_checkpointing: bool = False
     label_smoothing: float = 0.1  # seq2seq only
     # seq2seq only: the source embedding, target embedding and output projection are one
     # matrix over the shared vocabulary, and token embeddings are scaled by sqrt(d_model)
@@ -113,7 +117,11 @@ class ModelConfig:
             self.d_ff = default_d_ff(self.d_model, self.activation)
             # A Seq2Seq stack with an activation of its own gets its own width by the same rule.
             for stack in (self.encoder, self.decoder):
-                if isinstance(stack, StackConfig) and stack.d_ff is None and stack.activation is not None:
+                if (
+                    isinstance(stack, StackConfig)
+                    and stack.d_ff is None
+                    and stack.activation is not None
+                ):
                     stack.d_ff = default_d_ff(self.d_model, stack.activation)
 
     @property
@@ -130,7 +138,9 @@ class ModelConfig:
         (arch stays "seq2seq"; the stack's own overrides are cleared)."""
         if stack not in STACKS:
             raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
-        overrides = {k: v for k, v in dataclasses.asdict(getattr(self, stack)).items() if v is not None}
+        overrides = {
+            k: v for k, v in dataclasses.asdict(getattr(self, stack)).items() if v is not None
+        }
         if stack == "decoder":
             overrides["n_layers"] = self.n_decoder_layers or self.n_layers
         return dataclasses.replace(
@@ -142,27 +152,43 @@ class ModelConfig:
         _check(self.arch in ARCHS, f"arch={self.arch!r}: expected one of {ARCHS}")
         for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be positive")
-        _check(self.n_decoder_layers >= 0, f"n_decoder_layers={self.n_decoder_layers}: must be >= 0")
+        _check(
+            self.n_decoder_layers >= 0, f"n_decoder_layers={self.n_decoder_layers}: must be >= 0"
+        )
         _check(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}: must be in [0, 1)")
-        _check(0.0 <= self.label_smoothing < 1.0, f"label_smoothing={self.label_smoothing}: must be in [0, 1)")
+        _check(
+            0.0 <= self.label_smoothing < 1.0,
+            f"label_smoothing={self.label_smoothing}: must be in [0, 1)",
+        )
         _check(self.init_std > 0, f"init_std={self.init_std}: must be positive")
         for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
             value = getattr(self, name)
-            _check(0 <= value < self.vocab_size, f"{name}={value}: outside the vocabulary [0, {self.vocab_size})")
-        _check(self.tie_embeddings or not self.share_embeddings,
-               "share_embeddings=True makes the output layer the shared embedding: it needs tie_embeddings=True")
+            _check(
+                0 <= value < self.vocab_size,
+                f"{name}={value}: outside the vocabulary [0, {self.vocab_size})",
+            )
+        _check(
+            self.tie_embeddings or not self.share_embeddings,
+            "share_embeddings=True makes the output layer the shared embedding: it needs tie_embeddings=True",
+        )
         if self.arch == "seq2seq":
             for stack in STACKS:
                 _check_stack(self.for_stack(stack), self, stack)
         else:
-            _check(not self.share_embeddings, "share_embeddings=True: only arch=seq2seq has two embeddings to share")
+            _check(
+                not self.share_embeddings,
+                "share_embeddings=True: only arch=seq2seq has two embeddings to share",
+            )
             _check(
                 self.n_decoder_layers == 0,
                 f"n_decoder_layers={self.n_decoder_layers}: only arch=seq2seq has a decoder",
             )
             for stack in STACKS:
                 for name, value in dataclasses.asdict(getattr(self, stack)).items():
-                    _check(value is None, f"{stack}.{name}={value!r}: per-stack overrides only apply to arch=seq2seq")
+                    _check(
+                        value is None,
+                        f"{stack}.{name}={value!r}: per-stack overrides only apply to arch=seq2seq",
+                    )
             _check_stack(self, self, "")
         return self
 
@@ -172,23 +198,43 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
 
     def named(name: str) -> str:
         overridden = stack and getattr(getattr(parent, stack), name) is not None
-        return f"{stack}.{name}={getattr(cfg, name)!r}" if overridden else f"{name}={getattr(cfg, name)!r}"
+        return (
+            f"{stack}.{name}={getattr(cfg, name)!r}"
+            if overridden
+            else f"{name}={getattr(cfg, name)!r}"
+        )
 
     _check(cfg.n_heads > 0, f"{named('n_heads')}: must be positive")
-    _check(cfg.d_model % cfg.n_heads == 0, f"d_model={cfg.d_model} is not divisible by {named('n_heads')}")
-    _check(cfg.d_ff > 0, f"{named('d_ff')}: must be positive (0 in a config file means 4 * d_model)")
+    _check(
+        cfg.d_model % cfg.n_heads == 0,
+        f"d_model={cfg.d_model} is not divisible by {named('n_heads')}",
+    )
+    _check(
+        cfg.d_ff > 0, f"{named('d_ff')}: must be positive (0 in a config file means 4 * d_model)"
+    )
     _check(cfg.activation in ACTIVATIONS, f"{named('activation')}: expected one of {ACTIVATIONS}")
-    _check(cfg.norm_position in NORM_POSITIONS, f"{named('norm_position')}: expected one of {NORM_POSITIONS}")
+    _check(
+        cfg.norm_position in NORM_POSITIONS,
+        f"{named('norm_position')}: expected one of {NORM_POSITIONS}",
+    )
     _check(cfg.positions in POSITIONS, f"{named('positions')}: expected one of {POSITIONS}")
     _check(cfg.n_kv_heads >= 0, f"{named('n_kv_heads')}: must be >= 0 (0 = n_heads)")
-    _check(cfg.n_heads % cfg.kv_heads == 0, f"{named('n_kv_heads')} does not divide {named('n_heads')}")
+    _check(
+        cfg.n_heads % cfg.kv_heads == 0, f"{named('n_kv_heads')} does not divide {named('n_heads')}"
+    )
     _check(cfg.norm in NORMS, f"{named('norm')}: expected one of {NORMS}")
     _check(cfg.layer_norm_eps > 0, f"{named('layer_norm_eps')}: must be positive")
     if cfg.positions == "sinusoidal":
-        _check(cfg.d_model % 2 == 0, f"d_model={cfg.d_model}: sinusoidal positions need an even d_model")
+        _check(
+            cfg.d_model % 2 == 0,
+            f"d_model={cfg.d_model}: sinusoidal positions need an even d_model",
+        )
     if cfg.positions == "rope":
-        _check(cfg.head_dim % 2 == 0, f"d_model={cfg.d_model} / {named('n_heads')}: heads of {cfg.head_dim} "
-                                      "dimensions; rotary positions turn pairs of them, so the number must be even")
+        _check(
+            cfg.head_dim % 2 == 0,
+            f"d_model={cfg.d_model} / {named('n_heads')}: heads of {cfg.head_dim} "
+            "dimensions; rotary positions turn pairs of them, so the number must be even",
+        )
         _check(cfg.rope_theta > 0, f"{named('rope_theta')}: must be positive")
 
 

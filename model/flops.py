@@ -31,10 +31,16 @@ def matmul_params(cfg: ModelConfig) -> int:
     if cfg.arch == "bert":
         return cfg.n_layers * _block_params(cfg) + cfg.d_model**2 + head
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
-    return enc.n_layers * _block_params(enc) + dec.n_layers * (_block_params(dec) + _attention_params(dec)) + head
+    return (
+        enc.n_layers * _block_params(enc)
+        + dec.n_layers * (_block_params(dec) + _attention_params(dec))
+        + head
+    )
 
 
-def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: float | None = None) -> float:
+def training_flops(
+    cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: float | None = None
+) -> float:
     """Forward + backward FLOPs of one sequence of seq_len tokens (Seq2Seq: one pair with a
     source of seq_len and a target of tgt_len tokens); for BERT, `scored` is the number of
     masked positions the head runs on (default: all seq_len)."""
@@ -48,7 +54,8 @@ def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: flo
     S, T = seq_len, tgt_len
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
     encoder = 6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * d
-    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * cfg.vocab_size  # cross: q, out
+    # cross: q, out
+    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * cfg.vocab_size
     memory_kv = dec.n_layers * 2 * d * _kv_dim(dec) * S  # cross: k, v of the memory
     attention = 12 * dec.n_layers * (T + S) * T * d
     return encoder + 6 * per_target_token * T + 6 * memory_kv + attention
@@ -56,7 +63,9 @@ def training_flops(cfg: ModelConfig, seq_len: int, tgt_len: int = 0, scored: flo
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> float:
     """`training_flops` divided by the tokens of the sequence (Seq2Seq: seq_len + tgt_len)."""
-    return training_flops(cfg, seq_len, tgt_len) / (seq_len + (tgt_len if cfg.arch == "seq2seq" else 0))
+    return training_flops(cfg, seq_len, tgt_len) / (
+        seq_len + (tgt_len if cfg.arch == "seq2seq" else 0)
+    )
 
 
 def llmc_flops_per_token(cfg: ModelConfig, n_parameters: int, seq_len: int) -> float:

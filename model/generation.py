@@ -120,7 +120,8 @@ def _extend(
         if eos_id is not None:
             done |= token == eos_id
         if limits is not None:
-            done |= limits == i + 1  # a row's own limit (max_len_a/b) acts as max_steps does for all
+            # a row's own limit (max_len_a/b) acts as max_steps does for all
+            done |= limits == i + 1
         if i + 1 == max_steps or (not synced and bool(done.all())):
             break
         logits = step(token)
@@ -195,7 +196,9 @@ def generate_seq2seq(
     """
     cfg = model.decoder.cfg
     if not 1 <= max_len <= cfg.max_seq_len:
-        raise ValueError(f"max_len={max_len}: must be in [1, the decoder's max_seq_len={cfg.max_seq_len}]")
+        raise ValueError(
+            f"max_len={max_len}: must be in [1, the decoder's max_seq_len={cfg.max_seq_len}]"
+        )
     if beam_size < 1 or 2 * beam_size > cfg.vocab_size:
         raise ValueError(f"beam_size={beam_size}: must be >= 1 and at most vocab_size / 2")
     limits = row_limits(src_ids, src_mask, max_len, max_len_a, max_len_b)
@@ -203,33 +206,49 @@ def generate_seq2seq(
         memory = model.encoder(src_ids, src_mask)  # (B, S, C)
         if beam_size == 1:
             return _greedy(model, memory, src_mask, max_len, length_penalty, synced, limits)
-        return _beam_search(model, memory, src_mask, beam_size, max_len, length_penalty, synced, limits)
+        return _beam_search(
+            model, memory, src_mask, beam_size, max_len, length_penalty, synced, limits
+        )
 
 
-def row_limits(src_ids: Tensor, src_mask: Optional[Tensor], max_len: int, a: float, b: int) -> Optional[Tensor]:
+def row_limits(
+    src_ids: Tensor, src_mask: Optional[Tensor], max_len: int, a: float, b: int
+) -> Optional[Tensor]:
     """Each source's own limit, min(max_len, floor(a * source length + b)) and at least 1
     (fairseq's max_len_a / max_len_b; the source length counts its </s>); None when a and b are 0."""
     if a < 0 or b < 0:
         raise ValueError(f"max_len_a={a}, max_len_b={b}: must be >= 0")
     if a == 0 and b == 0:
         return None
-    lengths = src_mask.sum(dim=1) if src_mask is not None else torch.full((src_ids.shape[0],), src_ids.shape[1])
+    lengths = (
+        src_mask.sum(dim=1)
+        if src_mask is not None
+        else torch.full((src_ids.shape[0],), src_ids.shape[1])
+    )
     return (lengths.double() * a + b).floor().long().clamp(1, max_len).cpu()
 
 
 def _greedy(
-    model: "Seq2Seq", memory: Tensor, src_mask: Optional[Tensor], max_len: int, length_penalty: float, synced: bool,
+    model: "Seq2Seq",
+    memory: Tensor,
+    src_mask: Optional[Tensor],
+    max_len: int,
+    length_penalty: float,
+    synced: bool,
     limits: Optional[Tensor] = None,
 ) -> Hypotheses:
     cfg = model.decoder.cfg
     cache = KVCache(len(model.decoder.blocks))
 
     def step(token: Tensor) -> Tensor:
-        return model.decoder(token[:, None], memory=memory, memory_mask=src_mask, cache=cache).logits[:, -1]
+        return model.decoder(
+            token[:, None], memory=memory, memory_mask=src_mask, cache=cache
+        ).logits[:, -1]
 
     bos = torch.full((memory.shape[0],), cfg.bos_id, dtype=torch.long, device=memory.device)
-    tokens, lengths, scores = _extend(step, step(bos), max_len, lambda x: x.argmax(-1), cfg.eos_id, cfg.pad_id, synced,
-                                      limits)
+    tokens, lengths, scores = _extend(
+        step, step(bos), max_len, lambda x: x.argmax(-1), cfg.eos_id, cfg.pad_id, synced, limits
+    )
     scores = scores / lengths.float() ** length_penalty
     lengths = lengths - (tokens == cfg.eos_id).any(dim=1).long()  # </s> is not returned
     tokens = tokens.masked_fill(tokens == cfg.eos_id, cfg.pad_id)[:, : max(1, int(lengths.max()))]
@@ -261,10 +280,13 @@ def _beam_search(
     done = torch.zeros(B, dtype=torch.bool)
 
     for step in range(max_len):
-        logits = model.decoder(token[:, None], memory=memory, memory_mask=src_mask, cache=cache).logits[:, -1]
+        logits = model.decoder(
+            token[:, None], memory=memory, memory_mask=src_mask, cache=cache
+        ).logits[:, -1]
         logp = F.log_softmax(logits.float(), dim=-1).view(B, K, V)
         length = step + 1
-        top, flat = (scores[:, :, None] + logp).view(B, K * V).topk(2 * K, dim=1)  # (B, 2K), best first
+        # (B, 2K), best first
+        top, flat = (scores[:, :, None] + logp).view(B, K * V).topk(2 * K, dim=1)
         beam, tok = flat // V, flat % V
         is_eos = tok == cfg.eos_id
         ended = is_eos[:, :K] & top[:, :K].isfinite() & ~done[:, None].to(device)
@@ -303,7 +325,9 @@ def _beam_search(
             _finish_alive(finished[b], scores[b], prefixes[b * K : (b + 1) * K], length_penalty)
     best = [max(f, key=lambda h: h[0]) for f in finished]
     lengths = torch.tensor([len(h[1]) for h in best], dtype=torch.long, device=device)
-    tokens = torch.full((B, max(1, int(lengths.max()))), cfg.pad_id, dtype=torch.long, device=device)
+    tokens = torch.full(
+        (B, max(1, int(lengths.max()))), cfg.pad_id, dtype=torch.long, device=device
+    )
     for b, (_, hypothesis) in enumerate(best):
         tokens[b, : len(hypothesis)] = torch.tensor(hypothesis, dtype=torch.long)
     scores = torch.tensor([h[0] for h in best], device=device)

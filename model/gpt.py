@@ -49,8 +49,14 @@ class GPT(Transformer):
 
         With labels the output has the loss and no logits: `model.loss` computes it without
         materialising the (B, T, V) logits, which a training step never needs."""
-        h = super().forward(input_ids, attention_mask, memory=memory, memory_mask=memory_mask, cache=cache,
-                            document_ids=document_ids)
+        h = super().forward(
+            input_ids,
+            attention_mask,
+            memory=memory,
+            memory_mask=memory_mask,
+            cache=cache,
+            document_ids=document_ids,
+        )
         if labels is None:
             return ModelOutput(logits=self.lm_head(h))  # (B, T, V)
         return ModelOutput(loss=self.lm_head(h, labels, label_smoothing))

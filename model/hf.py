@@ -48,12 +48,19 @@ BERT_GLOBAL = {
     "head.decoder.bias": "cls.predictions.bias",
 }
 ACTIVATION_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
-ACTIVATION_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+ACTIVATION_FROM_HF = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 def _activation_from_hf(name: str) -> str:
     if name not in ACTIVATION_FROM_HF:
-        raise ValueError(f"activation {name!r} has no equivalent here; expected one of {sorted(ACTIVATION_FROM_HF)}")
+        raise ValueError(
+            f"activation {name!r} has no equivalent here; expected one of {sorted(ACTIVATION_FROM_HF)}"
+        )
     return ACTIVATION_FROM_HF[name]
 
 
@@ -67,12 +74,24 @@ def _require(cfg: ModelConfig, reference: str, **wanted) -> None:
 
 def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
     """GPT-2's and BERT's conventions (the module docstring)."""
-    _require(cfg, arch, arch=arch, norm_position=norm_position, positions="learned", norm="layernorm", bias=True,
-             tie_embeddings=True)
+    _require(
+        cfg,
+        arch,
+        arch=arch,
+        norm_position=norm_position,
+        positions="learned",
+        norm="layernorm",
+        bias=True,
+        tie_embeddings=True,
+    )
     if cfg.kv_heads != cfg.n_heads:
-        raise ValueError(f"n_kv_heads={cfg.n_kv_heads}: Hugging Face's {arch} has a key/value head per query head")
+        raise ValueError(
+            f"n_kv_heads={cfg.n_kv_heads}: Hugging Face's {arch} has a key/value head per query head"
+        )
     if cfg.activation not in ACTIVATION_TO_HF:
-        raise ValueError(f"activation {cfg.activation!r} has no equivalent in Hugging Face's {arch}")
+        raise ValueError(
+            f"activation {cfg.activation!r} has no equivalent in Hugging Face's {arch}"
+        )
 
 
 def _special_ids(hf_config) -> dict:
@@ -159,7 +178,9 @@ def gpt_state_dict_from_hf(hf: Mapping[str, Tensor], n_layers: int) -> StateDict
             ours[f"{mine}{our_name}.bias"] = hf[f"{theirs}{hf_name}.bias"]
         qkv_weight = hf[f"{theirs}attn.c_attn.weight"].t()  # (3C, C)
         qkv_bias = hf[f"{theirs}attn.c_attn.bias"]  # (3C,)
-        for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), qkv_weight.chunk(3), qkv_bias.chunk(3)):
+        for name, weight, bias in zip(
+            ("q_proj", "k_proj", "v_proj"), qkv_weight.chunk(3), qkv_bias.chunk(3)
+        ):
             ours[f"{mine}attn.{name}.weight"] = weight
             ours[f"{mine}attn.{name}.bias"] = bias
     return {k: v.contiguous() for k, v in ours.items()}
@@ -181,7 +202,10 @@ def gpt_state_dict_to_hf(ours: Mapping[str, Tensor], n_layers: int) -> StateDict
             hf[f"{theirs}{hf_name}.weight"] = weight.t() if our_name in GPT2_CONV1D else weight
             hf[f"{theirs}{hf_name}.bias"] = ours[f"{mine}{our_name}.bias"]
         projections = [f"{mine}attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
-        hf[f"{theirs}attn.c_attn.weight"] = torch.cat([ours[f"{p}.weight"] for p in projections]).t()  # (C, 3C)
+        # (C, 3C)
+        hf[f"{theirs}attn.c_attn.weight"] = torch.cat(
+            [ours[f"{p}.weight"] for p in projections]
+        ).t()
         hf[f"{theirs}attn.c_attn.bias"] = torch.cat([ours[f"{p}.bias"] for p in projections])
     return {k: v.contiguous() for k, v in hf.items()}
 
@@ -269,7 +293,9 @@ def bert_state_dict_from_hf(hf: Mapping[str, Tensor], n_layers: int) -> StateDic
     for i in range(n_layers):
         for our_name, hf_name in BERT_LAYER.items():
             for kind in ("weight", "bias"):
-                ours[f"blocks.{i}.{our_name}.{kind}"] = hf[f"bert.encoder.layer.{i}.{hf_name}.{kind}"]
+                ours[f"blocks.{i}.{our_name}.{kind}"] = hf[
+                    f"bert.encoder.layer.{i}.{hf_name}.{kind}"
+                ]
     return {k: v.contiguous() for k, v in ours.items()}
 
 
@@ -284,7 +310,9 @@ def bert_state_dict_to_hf(ours: Mapping[str, Tensor], n_layers: int) -> StateDic
     for i in range(n_layers):
         for our_name, hf_name in BERT_LAYER.items():
             for kind in ("weight", "bias"):
-                hf[f"bert.encoder.layer.{i}.{hf_name}.{kind}"] = ours[f"blocks.{i}.{our_name}.{kind}"]
+                hf[f"bert.encoder.layer.{i}.{hf_name}.{kind}"] = ours[
+                    f"blocks.{i}.{our_name}.{kind}"
+                ]
     return {k: v.contiguous() for k, v in hf.items()}
 
 
@@ -316,15 +344,22 @@ LLAMA_LAYER = {
     "mlp_norm": "post_attention_layernorm",
     "mlp.proj": "mlp.down_proj",
 }
-LLAMA_CONVENTIONS = dict(arch="gpt", norm_position="pre", positions="rope", norm="rmsnorm", activation="swiglu")
+LLAMA_CONVENTIONS = dict(
+    arch="gpt", norm_position="pre", positions="rope", norm="rmsnorm", activation="swiglu"
+)
 
 
 def _llama_rope_theta(hf_config) -> float:
     """The rotary base of a LlamaConfig, refusing the scaled variants (Llama 3.1's, YaRN, ...)."""
-    params = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf_config.rope_theta}
+    params = getattr(hf_config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": hf_config.rope_theta,
+    }
     if params.get("rope_type", "default") != "default":
-        raise ValueError(f"LlamaConfig rope_type={params['rope_type']!r} is not supported "
-                         "(plain rotary positions only)")
+        raise ValueError(
+            f"LlamaConfig rope_type={params['rope_type']!r} is not supported "
+            "(plain rotary positions only)"
+        )
     return float(params["rope_theta"])
 
 
@@ -333,8 +368,12 @@ def config_from_hf_llama(hf_config, **overrides) -> ModelConfig:
     Meta's 1 and 2 only fit its own vocabulary, so pass bos_id=..., eos_id=... for any other).
     Llama's only dropout is attention_dropout; it becomes our one `dropout`."""
     head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    for name, ok in (("hidden_act", "silu"), ("mlp_bias", hf_config.attention_bias), ("head_dim", head_dim),
-                     ("pretraining_tp", 1)):
+    for name, ok in (
+        ("hidden_act", "silu"),
+        ("mlp_bias", hf_config.attention_bias),
+        ("head_dim", head_dim),
+        ("pretraining_tp", 1),
+    ):
         if getattr(hf_config, name, ok) not in (ok, None):
             raise ValueError(f"LlamaConfig.{name}={getattr(hf_config, name)!r} is not supported")
     kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
@@ -400,7 +439,8 @@ def gpt_state_dict_from_llama(hf: Mapping[str, Tensor], n_layers: int) -> StateD
                     ours[f"{mine}{our_name}.{kind}"] = hf[f"{theirs}{hf_name}.{kind}"]
             if f"{theirs}mlp.gate_proj.{kind}" in hf:
                 gate, up = hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"]
-                ours[f"{mine}mlp.fc.{kind}"] = torch.cat([gate, up])  # (2 d_ff, ...): the gate first
+                # (2 d_ff, ...): the gate first
+                ours[f"{mine}mlp.fc.{kind}"] = torch.cat([gate, up])
     return {k: v.contiguous() for k, v in ours.items()}
 
 

@@ -12,11 +12,19 @@ import torch
 
 from model.bert import BERT
 from model.config import ModelConfig
-from model.hf import (bert_from_hf, bert_to_hf, gpt_from_hf, gpt_from_llama, gpt_to_hf, gpt_to_llama, hf_bert_config,
-                      hf_gpt2_config, hf_llama_config)
+from model.hf import (
+    bert_from_hf,
+    bert_to_hf,
+    gpt_from_hf,
+    gpt_from_llama,
+    gpt_to_hf,
+    gpt_to_llama,
+    hf_bert_config,
+    hf_gpt2_config,
+    hf_llama_config,
+)
 from model.hf_seq2seq import hf_encoder_decoder_config, seq2seq_from_hf, seq2seq_to_hf
 from model.seq2seq import Seq2Seq
-
 
 LLAMA_MARKS = {"positions": "rope", "norm": "rmsnorm", "activation": "swiglu"}
 
@@ -72,11 +80,17 @@ def load_hf_dir(directory: str, **overrides) -> torch.nn.Module:
 
     config = transformers.AutoConfig.from_pretrained(directory)
     if config.model_type not in HF_CLASSES:
-        raise ValueError(f"{directory} holds a {config.model_type} model: only {', '.join(HF_CLASSES)} convert")
+        raise ValueError(
+            f"{directory} holds a {config.model_type} model: only {', '.join(HF_CLASSES)} convert"
+        )
     hf_class = getattr(transformers, HF_CLASSES[config.model_type][0])
-    hf_model, info = hf_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    hf_model, info = hf_class.from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True
+    )
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise ValueError(f"{directory} lacks {len(missing)} weights of {hf_class.__name__} ({', '.join(missing[:3])}"
-                         f"{', ...' if len(missing) > 3 else ''})")
+        raise ValueError(
+            f"{directory} lacks {len(missing)} weights of {hf_class.__name__} ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})"
+        )
     return from_hf(hf_model, **overrides)

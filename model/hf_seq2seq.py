@@ -40,8 +40,10 @@ CROSS = "crossattention"
 def stack_configs(cfg: ModelConfig) -> tuple[ModelConfig, ModelConfig]:
     """The encoder as a BERT config and the decoder as a GPT config, for the HF config builders."""
     if cfg.share_embeddings:
-        raise ValueError("share_embeddings=True (one matrix scaled by sqrt(d_model)) has no equivalent in Hugging "
-                         "Face's BERT/GPT-2 encoder-decoder")
+        raise ValueError(
+            "share_embeddings=True (one matrix scaled by sqrt(d_model)) has no equivalent in Hugging "
+            "Face's BERT/GPT-2 encoder-decoder"
+        )
     # The encoder has no output layer, so tie_embeddings only describes the decoder's.
     encoder = dataclasses.replace(cfg.for_stack("encoder"), arch="bert", tie_embeddings=True)
     decoder = dataclasses.replace(cfg.for_stack("decoder"), arch="gpt")
@@ -65,7 +67,8 @@ def hf_encoder_decoder_config(cfg: ModelConfig):
     config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder_config, decoder_config)
     config.decoder_start_token_id, config.bos_token_id = cfg.bos_id, cfg.bos_id
     config.eos_token_id, config.pad_token_id = cfg.eos_id, cfg.pad_id
-    config.tie_word_embeddings = False  # the encoder's and the decoder's embeddings are two matrices
+    # the encoder's and the decoder's embeddings are two matrices
+    config.tie_word_embeddings = False
     return config
 
 
@@ -85,17 +88,25 @@ def seq2seq_state_dict_to_hf(ours: Mapping[str, Tensor], cfg: ModelConfig) -> St
     for i in range(n_encoder):
         for our_name, hf_name in BERT_LAYER.items():
             for kind in ("weight", "bias"):
-                hf[f"encoder.encoder.layer.{i}.{hf_name}.{kind}"] = ours[f"encoder.blocks.{i}.{our_name}.{kind}"]
-    decoder = {key[len("decoder."):]: value for key, value in ours.items() if key.startswith("decoder.")}
-    hf.update({f"decoder.{key}": value for key, value in gpt_state_dict_to_hf(decoder, n_decoder).items()})
+                hf[f"encoder.encoder.layer.{i}.{hf_name}.{kind}"] = ours[
+                    f"encoder.blocks.{i}.{our_name}.{kind}"
+                ]
+    decoder = {
+        key[len("decoder.") :]: value for key, value in ours.items() if key.startswith("decoder.")
+    }
+    hf.update(
+        {f"decoder.{key}": value for key, value in gpt_state_dict_to_hf(decoder, n_decoder).items()}
+    )
     for i in range(n_decoder):
         mine, theirs = f"blocks.{i}.cross_attn", f"decoder.transformer.h.{i}."
         hf[f"{theirs}ln_cross_attn.weight"] = decoder[f"blocks.{i}.cross_attn_norm.weight"]
         hf[f"{theirs}ln_cross_attn.bias"] = decoder[f"blocks.{i}.cross_attn_norm.bias"]
-        hf[f"{theirs}{CROSS}.q_attn.weight"] = decoder[f"{mine}.q_proj.weight"].t()  # Conv1D: (in, out)
+        # Conv1D: (in, out)
+        hf[f"{theirs}{CROSS}.q_attn.weight"] = decoder[f"{mine}.q_proj.weight"].t()
         hf[f"{theirs}{CROSS}.q_attn.bias"] = decoder[f"{mine}.q_proj.bias"]
         kv = [f"{mine}.k_proj", f"{mine}.v_proj"]
-        hf[f"{theirs}{CROSS}.c_attn.weight"] = torch.cat([decoder[f"{p}.weight"] for p in kv]).t()  # (C, 2C)
+        # (C, 2C)
+        hf[f"{theirs}{CROSS}.c_attn.weight"] = torch.cat([decoder[f"{p}.weight"] for p in kv]).t()
         hf[f"{theirs}{CROSS}.c_attn.bias"] = torch.cat([decoder[f"{p}.bias"] for p in kv])
         hf[f"{theirs}{CROSS}.c_proj.weight"] = decoder[f"{mine}.out_proj.weight"].t()
         hf[f"{theirs}{CROSS}.c_proj.bias"] = decoder[f"{mine}.out_proj.bias"]
@@ -109,19 +120,31 @@ def seq2seq_state_dict_from_hf(hf: Mapping[str, Tensor], cfg: ModelConfig) -> St
     token_type = hf["encoder.embeddings.token_type_embeddings.weight"][0]  # (C,)
     ours = {
         "encoder.embed.tok.weight": hf["encoder.embeddings.word_embeddings.weight"],
-        "encoder.embed.pos.weight": hf["encoder.embeddings.position_embeddings.weight"] + token_type,
+        "encoder.embed.pos.weight": hf["encoder.embeddings.position_embeddings.weight"]
+        + token_type,
         "encoder.norm.weight": hf["encoder.embeddings.LayerNorm.weight"],
         "encoder.norm.bias": hf["encoder.embeddings.LayerNorm.bias"],
     }
     for i in range(n_encoder):
         for our_name, hf_name in BERT_LAYER.items():
             for kind in ("weight", "bias"):
-                ours[f"encoder.blocks.{i}.{our_name}.{kind}"] = hf[f"encoder.encoder.layer.{i}.{hf_name}.{kind}"]
-    decoder = {key[len("decoder."):]: value for key, value in hf.items() if key.startswith("decoder.")}
-    ours.update({f"decoder.{key}": value for key, value in gpt_state_dict_from_hf(decoder, n_decoder).items()})
+                ours[f"encoder.blocks.{i}.{our_name}.{kind}"] = hf[
+                    f"encoder.encoder.layer.{i}.{hf_name}.{kind}"
+                ]
+    decoder = {
+        key[len("decoder.") :]: value for key, value in hf.items() if key.startswith("decoder.")
+    }
+    ours.update(
+        {
+            f"decoder.{key}": value
+            for key, value in gpt_state_dict_from_hf(decoder, n_decoder).items()
+        }
+    )
     for i in range(n_decoder):
         mine, theirs = f"decoder.blocks.{i}.cross_attn", f"transformer.h.{i}."
-        ours[f"decoder.blocks.{i}.cross_attn_norm.weight"] = decoder[f"{theirs}ln_cross_attn.weight"]
+        ours[f"decoder.blocks.{i}.cross_attn_norm.weight"] = decoder[
+            f"{theirs}ln_cross_attn.weight"
+        ]
         ours[f"decoder.blocks.{i}.cross_attn_norm.bias"] = decoder[f"{theirs}ln_cross_attn.bias"]
         ours[f"{mine}.q_proj.weight"] = decoder[f"{theirs}{CROSS}.q_attn.weight"].t()
         ours[f"{mine}.q_proj.bias"] = decoder[f"{theirs}{CROSS}.q_attn.bias"]
@@ -140,14 +163,22 @@ def config_from_hf_encoder_decoder(hf_config, **overrides) -> ModelConfig:
 
     kinds = (hf_config.encoder.model_type, hf_config.decoder.model_type)
     if kinds != ("bert", "gpt2"):
-        raise ValueError(f"an encoder-decoder of {kinds[0]} and {kinds[1]}: only BERT + GPT-2 converts")
+        raise ValueError(
+            f"an encoder-decoder of {kinds[0]} and {kinds[1]}: only BERT + GPT-2 converts"
+        )
     if not getattr(hf_config.decoder, "add_cross_attention", False):
         raise ValueError("the GPT-2 decoder has no cross-attention (add_cross_attention=False)")
     decoder_config = copy.deepcopy(hf_config.decoder)
     decoder_config.add_cross_attention, decoder_config.is_decoder = False, False
-    ids = {ours: getattr(hf_config, theirs) for ours, theirs in
-           (("bos_id", "decoder_start_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id"))
-           if getattr(hf_config, theirs, None) is not None}
+    ids = {
+        ours: getattr(hf_config, theirs)
+        for ours, theirs in (
+            ("bos_id", "decoder_start_token_id"),
+            ("eos_id", "eos_token_id"),
+            ("pad_id", "pad_token_id"),
+        )
+        if getattr(hf_config, theirs, None) is not None
+    }
     encoder = config_from_hf_bert(hf_config.encoder, **ids)
     decoder = config_from_hf_gpt2(decoder_config, **ids)
     return seq2seq_config(encoder, decoder, **overrides)

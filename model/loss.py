@@ -13,18 +13,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100  # the label torch's cross_entropy ignores by default
-CHUNK_ELEMENTS = 1 << 22  # CPU: float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
-GPU_CHUNK_BYTES = 1 << 29  # other devices: bytes of one chunk's float32 logits: 512 MiB, 2,560 rows at V = 50,257
-FP16_GRAD_SCALE = 2.0**14  # |d loss / d logit| <= 1 per row, so at most 2^14 after scaling: fp16 holds up to 65,504
+# CPU: float logits per chunk: 16 MiB, about what stays in a CPU's cache hierarchy
+CHUNK_ELEMENTS = 1 << 22
+# other devices: bytes of one chunk's float32 logits: 512 MiB, 2,560 rows at V = 50,257
+GPU_CHUNK_BYTES = 1 << 29
+# |d loss / d logit| <= 1 per row, so at most 2^14 after scaling: fp16 holds up to 65,504
+FP16_GRAD_SCALE = 2.0**14
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_OUT_DTYPE_GEMMS: dict = {}  # device type -> which 16-bit GEMMs with float32 output it has (`_out_dtype_gemms`)
+# device type -> which 16-bit GEMMs with float32 output it has (`_out_dtype_gemms`)
+_OUT_DTYPE_GEMMS: dict = {}
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """Mean cross-entropy of logits (..., V) over labels (...) that are not IGNORE_INDEX; 0 (not NaN) when there are none."""
     total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),  # a bf16 log-softmax over the vocabulary loses precision
+        # a bf16 log-softmax over the vocabulary loses precision
+        logits.reshape(-1, logits.shape[-1]).float(),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
@@ -88,8 +93,11 @@ class _Gemms:
         if h.dtype not in _LOW_PRECISION:
             self.mode = "native"
         else:
-            self.mode = _out_dtype_gemms(h.device) or ("bf16" if h.dtype == torch.bfloat16 and h.device.type == "cpu" else "upcast")
-        self.weight = self.logits_weight = weight  # as the gradient GEMMs and the logits GEMM take it
+            self.mode = _out_dtype_gemms(h.device) or (
+                "bf16" if h.dtype == torch.bfloat16 and h.device.type == "cpu" else "upcast"
+            )
+        # as the gradient GEMMs and the logits GEMM take it
+        self.weight = self.logits_weight = weight
         if self.mode in ("bf16", "upcast"):  # one cast per call, not per chunk
             self.logits_weight = weight.to(self.acc)
             self.bias = None if bias is None else bias.to(self.acc)
@@ -128,11 +136,14 @@ class _Gemms:
             c += torch.mm(a, b)
         else:
             # out=c, not c.addmm_: the same GEMM in place, and FLOP counters (torch's
-            # FlopCounterMode, the MFU check in tests/model/test_flops.py) count aten.addmm, not addmm_.
+            # FlopCounterMode, the MFU check in tests/model/test_flops.py) count aten.addmm, not
+            # addmm_.
             torch.addmm(c, a.to(self.acc), b.to(self.acc), out=c)
 
 
-def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, vocab: int) -> Tensor:
+def _chunk_loss(
+    logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, vocab: int
+) -> Tensor:
     """Summed loss of the kept rows of float log-probabilities (c, V'), of which the first `vocab`
     columns are the vocabulary (the rest padding, `PAD_VOCAB_MULTIPLE`)."""
     nll = -logp.gather(1, targets[:, None]).squeeze(1)  # (c,)
@@ -142,8 +153,15 @@ def _chunk_loss(logp: Tensor, targets: Tensor, keep: Tensor, label_smoothing: fl
     return (nll * keep).sum()
 
 
-def _loss_and_logit_grad(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float, scale: float,
-                         out_dtype: torch.dtype, vocab: int) -> tuple[Tensor, Tensor]:
+def _loss_and_logit_grad(
+    logits: Tensor,
+    targets: Tensor,
+    keep: Tensor,
+    label_smoothing: float,
+    scale: float,
+    out_dtype: torch.dtype,
+    vocab: int,
+) -> tuple[Tensor, Tensor]:
     """One chunk's summed loss over its kept rows, and the gradient of its logits (c, V') times
     `scale`, in `out_dtype`: softmax - (1 - e) one-hot - e / V per row, before the 1 / count;
     columns from `vocab` on are padding, of probability and gradient 0. Eager kernels, in place
@@ -170,8 +188,15 @@ def _loss_and_logit_grad(logits: Tensor, targets: Tensor, keep: Tensor, label_sm
     return total, g
 
 
-def _loss_and_logit_grad_fusable(logits: Tensor, targets: Tensor, keep: Tensor, label_smoothing: float,
-                                 scale: float, out_dtype: torch.dtype, vocab: int) -> tuple[Tensor, Tensor]:
+def _loss_and_logit_grad_fusable(
+    logits: Tensor,
+    targets: Tensor,
+    keep: Tensor,
+    label_smoothing: float,
+    scale: float,
+    out_dtype: torch.dtype,
+    vocab: int,
+) -> tuple[Tensor, Tensor]:
     """`_loss_and_logit_grad` written for inductor, which fuses it into a reduction over each row
     (max and sum of exponentials) and one element-wise pass that writes the 16-bit gradient:
     the float32 logits are read about three times and nothing of their size is written, where
@@ -215,7 +240,11 @@ def padded_vocab(vocab: int, device: torch.device) -> int:
 def _chunk_function(device: torch.device):
     """The chunk function for `device`: compiled where FUSED_CHUNK_DEVICES says, else eager; eager
     too inside another compilation (it inlines there) and once compiling has failed."""
-    if device.type not in FUSED_CHUNK_DEVICES or "failed" in _FUSED or torch.compiler.is_compiling():
+    if (
+        device.type not in FUSED_CHUNK_DEVICES
+        or "failed" in _FUSED
+        or torch.compiler.is_compiling()
+    ):
         return _loss_and_logit_grad
     if "fn" not in _FUSED:
         _FUSED["fn"] = torch.compile(_loss_and_logit_grad_fusable, fullgraph=True)
@@ -225,22 +254,34 @@ def _chunk_function(device: torch.device):
 def _run_chunk(logits: Tensor, *args) -> tuple[Tensor, Tensor]:
     fn = _chunk_function(logits.device)
     if fn is _loss_and_logit_grad:
-        box = [logits]  # handed over without a reference left here, so the eager kernels free it early
+        # handed over without a reference left here, so the eager kernels free it early
+        box = [logits]
         del logits
         return fn(box.pop(), *args)
     try:
         return fn(logits, *args)
-    except Exception as err:  # inductor or Triton unusable here (no compiler, an old driver): eager kernels
+    # inductor or Triton unusable here (no compiler, an old driver): eager kernels
+    except Exception as err:
         _FUSED["failed"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         import warnings
 
-        warnings.warn(f"model.loss: the compiled loss chunk failed ({_FUSED['failed']}); using eager kernels")
+        warnings.warn(
+            f"model.loss: the compiled loss chunk failed ({_FUSED['failed']}); using eager kernels"
+        )
         return _loss_and_logit_grad(logits, *args)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, label_smoothing: float, rows: int) -> Tensor:
+    def forward(
+        ctx,
+        h: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        targets: Tensor,
+        label_smoothing: float,
+        rows: int,
+    ) -> Tensor:
         # h (N, C), weight (V, C), bias (V,) or None, targets (N,) with IGNORE_INDEX ignored.
         vocab = weight.shape[0]
         width = padded_vocab(vocab, h.device)
@@ -259,15 +300,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(width, dtype=acc, device=weight.device) if bias is not None and need_b else None
+        grad_b = (
+            torch.zeros(width, dtype=acc, device=weight.device)
+            if bias is not None and need_b
+            else None
+        )
         total = h.new_zeros((), dtype=acc)
         for start in range(0, h.shape[0], rows):
             stop = start + rows
             hc, tc, kc = h[start:stop], safe[start:stop], valid[start:stop]
             # d loss / d logits = softmax - (1 - e) one-hot - e / V for each kept row (/ count in
             # backward), in the input dtype for 16-bit inputs; the float32 logits are gone after.
-            chunk_loss, g = _run_chunk(gemms.logits(hc), tc, kc, label_smoothing, scale, h.dtype if low else acc,
-                                       vocab)
+            chunk_loss, g = _run_chunk(
+                gemms.logits(hc), tc, kc, label_smoothing, scale, h.dtype if low else acc, vocab
+            )
             total += chunk_loss
             if grad_h is not None:
                 gemms.mm(g, gemms.weight, out=grad_h[start:stop])  # (c, C)
@@ -291,7 +337,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         def scaled(grad: Optional[Tensor], factor: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
             # One pass: the float product (loss scale included) rounded once to the input's dtype.
-            return None if grad is None else torch.mul(grad, factor, out=torch.empty_like(grad, dtype=dtype))
+            return (
+                None
+                if grad is None
+                else torch.mul(grad, factor, out=torch.empty_like(grad, dtype=dtype))
+            )
 
         factor = inv * grad_loss
         return (
@@ -318,7 +368,9 @@ def linear_cross_entropy(
     logits. h (..., C), targets (...); `chunk_rows` overrides the device's chunk size."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, C), (N,)
     rows = chunk_rows or rows_per_chunk(weight.shape[0], h.device)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _LinearCrossEntropy.apply(h, weight, bias, targets, label_smoothing, rows)
     gemms = _Gemms(h, weight, bias)
     valid = targets != IGNORE_INDEX
@@ -326,15 +378,22 @@ def linear_cross_entropy(
     total = h.new_zeros((), dtype=gemms.acc)
     for start in range(0, h.shape[0], rows):
         logp = gemms.log_probs(h[start : start + rows])
-        total += _chunk_loss(logp, safe[start : start + rows], valid[start : start + rows], label_smoothing,
-                             weight.shape[0])
+        total += _chunk_loss(
+            logp,
+            safe[start : start + rows],
+            valid[start : start + rows],
+            label_smoothing,
+            weight.shape[0],
+        )
     return total / valid.sum().clamp(min=1)
 
 
 class LMHead(nn.Linear):
     """The projection onto the vocabulary: logits without targets, the loss with them."""
 
-    def forward(self, h: Tensor, targets: Optional[Tensor] = None, label_smoothing: float = 0.0) -> Tensor:
+    def forward(
+        self, h: Tensor, targets: Optional[Tensor] = None, label_smoothing: float = 0.0
+    ) -> Tensor:
         if targets is None:
             return super().forward(h)  # (..., V)
         return linear_cross_entropy(h, self.weight, self.bias, targets, label_smoothing)

@@ -50,14 +50,24 @@ class Seq2Seq(nn.Module):
         target + </s>, padded with IGNORE_INDEX (aligned with the decoder's positions)."""
         memory = self.encoder(src_ids, src_mask)  # (B, S, C)
         # Logits (B, T, V) without labels; with them only the loss (see GPT.forward).
-        return self.decoder(decoder_input_ids, decoder_mask, labels, memory=memory, memory_mask=src_mask,
-                            label_smoothing=self.cfg.label_smoothing)
+        return self.decoder(
+            decoder_input_ids,
+            decoder_mask,
+            labels,
+            memory=memory,
+            memory_mask=src_mask,
+            label_smoothing=self.cfg.label_smoothing,
+        )
 
     # Decoding options are defined once, by the function: `seq2seq.generate(src_ids, ...)`.
     generate = generate_seq2seq
 
 
-SHARED_EMBEDDINGS = ("encoder.embed.tok.weight", "decoder.embed.tok.weight", "decoder.lm_head.weight")
+SHARED_EMBEDDINGS = (
+    "encoder.embed.tok.weight",
+    "decoder.embed.tok.weight",
+    "decoder.lm_head.weight",
+)
 
 
 def _refuse_different_shared_embeddings(module, state_dict, prefix, *args) -> None:
@@ -66,5 +76,6 @@ def _refuse_different_shared_embeddings(module, state_dict, prefix, *args) -> No
     error_msgs = args[-1]
     values = [state_dict[prefix + key] for key in SHARED_EMBEDDINGS if prefix + key in state_dict]
     if any(v.shape != values[0].shape or not torch.equal(v, values[0]) for v in values[1:]):
-        error_msgs.append(f"share_embeddings: {', '.join(SHARED_EMBEDDINGS)} must hold one matrix; they differ")
-
+        error_msgs.append(
+            f"share_embeddings: {', '.join(SHARED_EMBEDDINGS)} must hold one matrix; they differ"
+        )

@@ -81,7 +81,9 @@ def architecture_fields(side: str) -> tuple[str, ...]:
 
 
 def seq2seq_config(
-    encoder_config: Optional[ModelConfig] = None, decoder_config: Optional[ModelConfig] = None, **overrides
+    encoder_config: Optional[ModelConfig] = None,
+    decoder_config: Optional[ModelConfig] = None,
+    **overrides,
 ) -> ModelConfig:
     """The Seq2Seq config whose encoder and decoder stacks match the given source configs.
 
@@ -95,17 +97,30 @@ def seq2seq_config(
     for name in ("vocab_size", "d_model", "bias", "pad_id", "bos_id", "eos_id", "mask_id"):
         values = {getattr(c, name) for c in sources}
         if len(values) > 1:
-            why = " (share_embeddings=True needs one vocabulary)" if name == "vocab_size" and overrides.get(
-                "share_embeddings") else ""
-            raise WarmStartError(f"encoder and decoder sources differ in {name}: {sorted(values)}{why}")
+            why = (
+                " (share_embeddings=True needs one vocabulary)"
+                if name == "vocab_size" and overrides.get("share_embeddings")
+                else ""
+            )
+            raise WarmStartError(
+                f"encoder and decoder sources differ in {name}: {sorted(values)}{why}"
+            )
     base = sources[0] if sources else ModelConfig()
 
     def stack(c: Optional[ModelConfig]) -> StackConfig:
         if c is None:
             return StackConfig()
-        return StackConfig(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, d_ff=c.d_ff, activation=c.activation,
-                           norm=c.norm, norm_position=c.norm_position, positions=c.positions, rope_theta=c.rope_theta,
-                           layer_norm_eps=c.layer_norm_eps)
+        return StackConfig(
+            n_heads=c.n_heads,
+            n_kv_heads=c.n_kv_heads,
+            d_ff=c.d_ff,
+            activation=c.activation,
+            norm=c.norm,
+            norm_position=c.norm_position,
+            positions=c.positions,
+            rope_theta=c.rope_theta,
+            layer_norm_eps=c.layer_norm_eps,
+        )
 
     cfg = dataclasses.replace(
         base,
@@ -135,9 +150,13 @@ def warm_start(
     origins: Dict[str, TensorOrigin] = {}
     target = model.state_dict(keep_vars=True)
     target_aliases = _tied_aliases(model)
-    # share_embeddings: the side whose token matrix becomes the shared one (docs/design.md#modelwarm_startpy).
-    shared_side = (("decoder" if decoder is not None else "encoder" if encoder is not None else None)
-                   if cfg.share_embeddings else None)
+    # share_embeddings: the side whose token matrix becomes the shared one
+    # (docs/design.md#modelwarm_startpy).
+    shared_side = (
+        ("decoder" if decoder is not None else "encoder" if encoder is not None else None)
+        if cfg.share_embeddings
+        else None
+    )
     with torch.no_grad():
         for side, source in zip(STACKS, (encoder, decoder)):
             if source is not None:
@@ -145,25 +164,34 @@ def warm_start(
                 skip = {TOKEN_EMBEDDING} if shared_side not in (None, side) else set()
                 _load_side(side, source, target, target_aliases, origins, report, skip)
     if shared_side:
-        report.shared = _shared_origin(cfg, shared_side, (encoder, decoder)[STACKS.index(shared_side)])
+        report.shared = _shared_origin(
+            cfg, shared_side, (encoder, decoder)[STACKS.index(shared_side)]
+        )
         origin = TensorOrigin("copied", f"{shared_side}:{TOKEN_EMBEDDING}")
         for key in ("encoder", "decoder"):
             origins[f"{key}.{TOKEN_EMBEDDING}"] = origin
     for key in target:
         owner = target_aliases.get(key)
         origin = origins.get(key) or origins.get(owner) or TensorOrigin("new")
-        report.tensors[key] = dataclasses.replace(origin, note=f"tied to {owner}") if owner else origin
+        report.tensors[key] = (
+            dataclasses.replace(origin, note=f"tied to {owner}") if owner else origin
+        )
     return model, report
 
 
 def _shared_origin(cfg: ModelConfig, side: str, source: Pretrained) -> str:
     """The report's line on the shared matrix: its source, why, and how its scale changed."""
-    why = ("the decoder source trained it as its output layer, and the Seq2Seq's output projection is this matrix"
-           if side == "decoder" else "there is no decoder source; the encoder source's is the one pretrained matrix")
+    why = (
+        "the decoder source trained it as its output layer, and the Seq2Seq's output projection is this matrix"
+        if side == "decoder"
+        else "there is no decoder source; the encoder source's is the one pretrained matrix"
+    )
     line = f"share_embeddings: source, target and output embeddings <- {side}:{TOKEN_EMBEDDING} ({why})"
     if source.config.positions != "sinusoidal":
-        line += (f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the source"
-                 f" ({source.config.positions} positions) used 1")
+        line += (
+            f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the source"
+            f" ({source.config.positions} positions) used 1"
+        )
     if side == "decoder":
         line += f"; encoder:{TOKEN_EMBEDDING}, if given, is dropped"
     return line
@@ -177,7 +205,9 @@ def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_s
         )
     src = source.config
     if src.arch not in SOURCE_CLASSES:
-        raise WarmStartError(f"{side} source has arch={src.arch!r}; expected one of {sorted(SOURCE_CLASSES)}")
+        raise WarmStartError(
+            f"{side} source has arch={src.arch!r}; expected one of {sorted(SOURCE_CLASSES)}"
+        )
     if src.vocab_size != stack.vocab_size:
         why = " (share_embeddings=True needs one vocabulary)" if stack.share_embeddings else ""
         raise WarmStartError(
@@ -220,7 +250,9 @@ def _load_side(
             if key in state:
                 owner = source_aliases[key]
                 if owner in state and not torch.equal(state[key], state[owner]):
-                    raise WarmStartError(f"{side} source {key} should be tied to {owner} but differs from it")
+                    raise WarmStartError(
+                        f"{side} source {key} should be tied to {owner} but differs from it"
+                    )
                 if name in target:
                     origins[name] = TensorOrigin("copied", f"{side}:{key}")
                 else:
@@ -244,7 +276,9 @@ def _copy(side: str, key: str, value: Tensor, param: Tensor) -> TensorOrigin:
         rows = min(value.shape[0], param.shape[0])
         param[:rows].copy_(value[:rows])
         what = "extended, new rows initialised" if param.shape[0] > rows else "truncated"
-        return TensorOrigin("resized", origin, f"{value.shape[0]} -> {param.shape[0]} positions ({what})")
+        return TensorOrigin(
+            "resized", origin, f"{value.shape[0]} -> {param.shape[0]} positions ({what})"
+        )
     if key == "embed.tok.weight":
         raise WarmStartError(
             f"vocabulary mismatch: {side} source {key} has {value.shape[0]} rows, the Seq2Seq {param.shape[0]}"

@@ -25,8 +25,13 @@ import torch
 from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
 
-def pack(task: str, samples: list[list[np.ndarray]], mlm_masking: MLMMasking | None = None,
-         generators: list[torch.Generator] | None = None, document_mask: bool = False) -> dict[str, np.ndarray]:
+def pack(
+    task: str,
+    samples: list[list[np.ndarray]],
+    mlm_masking: MLMMasking | None = None,
+    generators: list[torch.Generator] | None = None,
+    document_mask: bool = False,
+) -> dict[str, np.ndarray]:
     """A micro batch of decoded samples (one list of field arrays each: input_ids, and
     doc_starts with `document_mask`) as numpy arrays; MLM draws each sample's mask from its own
     generator, so a mask depends on that seed alone."""
@@ -35,7 +40,11 @@ def pack(task: str, samples: list[list[np.ndarray]], mlm_masking: MLMMasking | N
     if document_mask:
         blocks, doc_starts = zip(*samples)
         ids, lengths = _stack(list(blocks))
-        packed = {"ids": ids, "lengths": lengths, "document_ids": _document_ids(doc_starts, ids.shape[1])}
+        packed = {
+            "ids": ids,
+            "lengths": lengths,
+            "document_ids": _document_ids(doc_starts, ids.shape[1]),
+        }
     else:
         ids, lengths = _stack([ids for (ids,) in samples])
         packed = {"ids": ids, "lengths": lengths}
@@ -53,7 +62,10 @@ def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
             "tgt_ids": _long(packed["tgt_ids"]),
             "tgt_mask": _mask(packed["tgt_lengths"], packed["tgt_ids"].shape[1]),
         }
-    batch = {"input_ids": _long(packed["ids"]), "attention_mask": _mask(packed["lengths"], packed["ids"].shape[1])}
+    batch = {
+        "input_ids": _long(packed["ids"]),
+        "attention_mask": _mask(packed["lengths"], packed["ids"].shape[1]),
+    }
     if task == "mlm":
         batch["original_ids"] = _long(packed["original_ids"])
         batch["masked_positions"] = torch.from_numpy(packed["masked_positions"])
@@ -67,15 +79,27 @@ class MLMMasking:
     non-special tokens; of those, `mask_fraction` become <mask>, `random_fraction` a random
     non-special token, the rest stay as they are."""
 
-    def __init__(self, vocab_size: int, special_ids: list[int], probability: float, mask_fraction: float,
-                 random_fraction: float):
+    def __init__(
+        self,
+        vocab_size: int,
+        special_ids: list[int],
+        probability: float,
+        mask_fraction: float,
+        random_fraction: float,
+    ):
         self.special_ids = torch.tensor(sorted(special_ids), dtype=torch.long)
         keep = np.ones(vocab_size, dtype=bool)
         keep[[i for i in special_ids if i < vocab_size]] = False
         self.replacement_ids = torch.from_numpy(np.flatnonzero(keep))
-        self.probability, self.mask_fraction, self.random_fraction = probability, mask_fraction, random_fraction
+        self.probability, self.mask_fraction, self.random_fraction = (
+            probability,
+            mask_fraction,
+            random_fraction,
+        )
 
-    def apply(self, ids: np.ndarray, lengths: np.ndarray, generators: list[torch.Generator]) -> dict[str, np.ndarray]:
+    def apply(
+        self, ids: np.ndarray, lengths: np.ndarray, generators: list[torch.Generator]
+    ) -> dict[str, np.ndarray]:
         """The masked ids (replacing `ids` in the batch), the original ids and the selected
         positions. Row b's draws come from generators[b] and cover its own length only, so a
         sample's mask does not depend on the batch it is in."""
@@ -87,18 +111,27 @@ class MLMMasking:
             select_draw[row, :length] = torch.rand(length, generator=generator)
             action[row, :length] = torch.rand(length, generator=generator)
             random_ids[row, :length] = self.replacement_ids[
-                torch.randint(len(self.replacement_ids), (length,), generator=generator)]
+                torch.randint(len(self.replacement_ids), (length,), generator=generator)
+            ]
         selected = ~torch.isin(original, self.special_ids) & (select_draw < self.probability)
         to_mask = selected & (action < self.mask_fraction)
-        to_random = selected & (action >= self.mask_fraction) & (action < self.mask_fraction + self.random_fraction)
+        to_random = (
+            selected
+            & (action >= self.mask_fraction)
+            & (action < self.mask_fraction + self.random_fraction)
+        )
         masked = torch.where(to_mask, torch.full_like(original, MASK_ID), original)
         masked = torch.where(to_random, random_ids, masked)
         return {"ids": masked.numpy(), "original_ids": ids, "masked_positions": selected.numpy()}
 
 
 def _pack_translation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-    src, src_lengths = _stack([np.concatenate([src, [EOS_ID]]).astype(src.dtype) for src, _ in pairs])
-    tgt, tgt_lengths = _stack([np.concatenate([[BOS_ID], tgt, [EOS_ID]]).astype(tgt.dtype) for _, tgt in pairs])
+    src, src_lengths = _stack(
+        [np.concatenate([src, [EOS_ID]]).astype(src.dtype) for src, _ in pairs]
+    )
+    tgt, tgt_lengths = _stack(
+        [np.concatenate([[BOS_ID], tgt, [EOS_ID]]).astype(tgt.dtype) for _, tgt in pairs]
+    )
     return {"src_ids": src, "src_lengths": src_lengths, "tgt_ids": tgt, "tgt_lengths": tgt_lengths}
 
 
@@ -109,7 +142,8 @@ def _stack(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     if (lengths == longest).all():  # packed blocks: all of one length
         return np.stack(sequences), lengths
     ids = np.full((len(sequences), longest), PAD_ID, dtype=np.result_type(*sequences))
-    ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)  # row by row, each row's start
+    # row by row, each row's start
+    ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)
     return ids, lengths
 
 

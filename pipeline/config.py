@@ -22,7 +22,8 @@ class SourceConfig:
     # jsonl: a document in `text_field` (a pair when `target_field` is set too);
     # tsv: (source, target) pairs in `source_column` and `target_column`;
     # gettext: compiled .mo or source .po catalogs, msgid -> msgstr pairs;
-    # parquet: a string column `text_field` (and `target_field` for pairs), read row group by row group;
+    # parquet: a string column `text_field` (and `target_field` for pairs), read row group by row
+    # group;
     # manpage: roff man pages (man(7) macros), their paragraphs of running text (monolingual).
     format: str = "gettext"
     # Files or globs; `.gz` and `.zst` files are read decompressed. The default is the system's
@@ -74,7 +75,8 @@ class TokenizerConfig:
     model_path: str = ""
     model_type: str = "unigram"  # unigram | bpe
     vocab_size: int = 8000  # requested size; a small corpus may give fewer pieces
-    character_coverage: float = 0.9995  # SentencePiece: fraction of characters the vocabulary covers
+    # SentencePiece: fraction of characters the vocabulary covers
+    character_coverage: float = 0.9995
     byte_fallback: bool = True  # SentencePiece: unknown characters become byte pieces, not `<unk>`
     # Size cap of the training sample: the texts with the smallest salted hashes, so the
     # sample is reproducible, independent of input order and drawn in one streaming pass.
@@ -114,7 +116,8 @@ class RayConfig:
 class PrepareConfig:
     output_dir: str = "data/gettext-en-de"  # the dataset: shards, manifest.json, tokenizer
     overwrite: bool = False  # replace an existing output_dir (refused otherwise)
-    keep_partial: bool = False  # keep OUTPUT_DIR.partial after a failed or interrupted run, to debug it
+    # keep OUTPUT_DIR.partial after a failed or interrupted run, to debug it
+    keep_partial: bool = False
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     # Bytes of input per scan work unit: larger text, jsonl and tsv files are cut into ranges
@@ -145,7 +148,8 @@ class LoaderConfig:
     # fsspec protocol whose package is installed) whose shards are fetched into `cache_dir`.
     data_dir: str = "data/gettext-en-de"
     # A URL's shards are downloaded here, whole, then read; ranks and workers of one node may
-    # share it (one download per shard, none read half-written). "" = ~/.cache/pretrain-pipeline/shards.
+    # share it (one download per shard, none read half-written). "" =
+    # ~/.cache/pretrain-pipeline/shards.
     cache_dir: str = ""
     # Size cap of cache_dir: the least recently used shards are removed to stay under it. Give
     # it room for (prefetch_shards + 2) shards per DataLoader worker at least.
@@ -155,7 +159,8 @@ class LoaderConfig:
     fetch_retries: int = 3
     fetch_backoff_s: float = 1.0  # the first wait before retrying a download
     fetch_timeout_s: float = 60.0  # a connection or a read that waits longer fails (and is retried)
-    prefetch_shards: int = 2  # shards downloaded ahead of the reader, per DataLoader worker (0: none)
+    # shards downloaded ahead of the reader, per DataLoader worker (0: none)
+    prefetch_shards: int = 2
     micro_batch_size: int = 8  # sequences per rank per forward pass
     num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
     seed: int = 0  # shard and sample order, and MLM masks

@@ -16,13 +16,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from common.configure import UserError
 from pipeline import remote
 from pipeline.collate import MLMMasking, pack
 from pipeline.config import global_batch_size
-from common.configure import UserError
 from pipeline.format import is_token_field
 from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
-
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
@@ -62,12 +61,30 @@ class _EpochBatches(IterableDataset):
     order drawn from (seed, q, shard). Unmixed, the one source is the whole dataset, i = epoch N +
     position and q = epoch: the orders of the loader design, 1."""
 
-    def __init__(self, *, task: str, sources: tuple[Source, ...], mixed: bool, seed: int, epoch: int, rank: int,
-                 world_size: int, micro_batch_size: int, grad_accum: int, num_batches: int, first_batch: int,
-                 vocab_size: int, mlm_masking: MLMMasking | None, stored_fields: tuple[str, ...],
-                 fields: tuple[str, ...], document_mask: bool, length_grouping: bool = False):
+    def __init__(
+        self,
+        *,
+        task: str,
+        sources: tuple[Source, ...],
+        mixed: bool,
+        seed: int,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        grad_accum: int,
+        num_batches: int,
+        first_batch: int,
+        vocab_size: int,
+        mlm_masking: MLMMasking | None,
+        stored_fields: tuple[str, ...],
+        fields: tuple[str, ...],
+        document_mask: bool,
+        length_grouping: bool = False,
+    ):
         self.task = task
-        self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask  # read, decoded
+        # read, decoded
+        self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask
         self.length_grouping = length_grouping
         self.sources, self.mixed = sources, mixed
         self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
@@ -100,9 +117,15 @@ class _EpochBatches(IterableDataset):
         """Source s's shards in the order of its pass q, and the pass index each one starts at."""
         if (s, q) not in self._passes:
             source = self.sources[s]
-            key = (self.seed, q, _SHARD_ORDER, source.tag) if self.mixed else (self.seed, q, _SHARD_ORDER)
+            key = (
+                (self.seed, q, _SHARD_ORDER, source.tag)
+                if self.mixed
+                else (self.seed, q, _SHARD_ORDER)
+            )
             shards = [source.shards[i] for i in _rng(*key).permutation(len(source.shards))]
-            starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(np.int64)
+            starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(
+                np.int64
+            )
             self._passes[(s, q)] = (shards, starts)
         return self._passes[(s, q)]
 
@@ -111,7 +134,9 @@ class _EpochBatches(IterableDataset):
         per source, its positions. The epoch holds n_s positions of source s, in an order drawn
         from (seed, epoch): over an epoch the shares are exactly the weights' (to one sample)."""
         if self._layout is None:
-            labels = np.repeat(np.arange(len(self.sources), dtype=np.int16), [s.per_epoch for s in self.sources])
+            labels = np.repeat(
+                np.arange(len(self.sources), dtype=np.int16), [s.per_epoch for s in self.sources]
+            )
             labels = labels[_rng(self.seed, self.epoch, _MIXTURE).permutation(len(labels))]
             where = [np.flatnonzero(labels == s) for s in range(len(self.sources))]
             occurrence = np.empty(len(labels), dtype=np.int64)
@@ -150,10 +175,14 @@ class _EpochBatches(IterableDataset):
 
     def sample_keys(self, j: int) -> list[str]:
         reader = _Reader(self, range(0))
-        return [f"{self.shard(key).path}#{int(reader.permutation(key)[offset])}"
-                for key, offset in zip(*self.locate(self.positions(j)))]
+        return [
+            f"{self.shard(key).path}#{int(reader.permutation(key)[offset])}"
+            for key, offset in zip(*self.locate(self.positions(j)))
+        ]
 
-    def build(self, j: int, reader: _Reader | None = None) -> tuple[int, dict[str, np.ndarray] | None, dict]:
+    def build(
+        self, j: int, reader: _Reader | None = None
+    ) -> tuple[int, dict[str, np.ndarray] | None, dict]:
         reader = reader or _Reader(self, range(j, j + 1))
         events = _new_events()
         positions = self.positions(j)
@@ -176,15 +205,26 @@ class _EpochBatches(IterableDataset):
         for key, sample in zip(keys, samples):
             name = self.sources[key[0]].name
             tokens[name] = tokens.get(name, 0) + sum(
-                array.size for field_name, array in zip(self.fields, sample) if is_token_field(field_name))
+                array.size
+                for field_name, array in zip(self.fields, sample)
+                if is_token_field(field_name)
+            )
         return j, self._pack(positions, samples), events
 
-    def _pack(self, positions: np.ndarray, samples: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
+    def _pack(
+        self, positions: np.ndarray, samples: list[list[np.ndarray]]
+    ) -> dict[str, np.ndarray]:
         # MLM masks are drawn here, in the worker, one generator per sample seeded by its stream
-        # position: where they are drawn, and which rank or batch the sample lands in, do not matter.
-        generators = [_torch_generator(self.seed, self.epoch, p, _MLM_MASK) for p in positions.tolist()] \
-            if self.mlm_masking else None
-        return pack(self.task, samples, self.mlm_masking, generators, document_mask=self.document_mask)
+        # position: where they are drawn, and which rank or batch the sample lands in, do not
+        # matter.
+        generators = (
+            [_torch_generator(self.seed, self.epoch, p, _MLM_MASK) for p in positions.tolist()]
+            if self.mlm_masking
+            else None
+        )
+        return pack(
+            self.task, samples, self.mlm_masking, generators, document_mask=self.document_mask
+        )
 
 
 class _Reader:
@@ -217,8 +257,10 @@ class _Reader:
         by_size = order[np.argsort(sizes[order], kind="stable")]
         body = by_size[head:]
         full = len(body) // b
-        groups = body[: full * b].reshape(full, b)[_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)]
-        return np.concatenate([by_size[:head], groups.ravel(), body[full * b:]])
+        groups = body[: full * b].reshape(full, b)[
+            _rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
+        ]
+        return np.concatenate([by_size[:head], groups.ravel(), body[full * b :]])
 
     def evict_before(self, keys: list[ShardKey]) -> None:
         # Each source's samples are read forward through its passes, so nothing behind the first
@@ -239,7 +281,10 @@ class _Reader:
         if e.mixed:  # index in the source's stream -> its position in this epoch, if it falls in it
             within = indices - e.epoch * source.per_epoch
             inside = (within >= 0) & (within < source.per_epoch)
-            offsets, positions = offsets[inside], e.mixture_layout()[2][source_index][within[inside]]
+            offsets, positions = (
+                offsets[inside],
+                e.mixture_layout()[2][source_index][within[inside]],
+            )
         else:
             positions = indices - e.epoch * source.samples
         # Invert `_EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
@@ -255,7 +300,9 @@ class _Reader:
             shard = self.epoch_batches.shard(key)
             events["shard_opens"] += 1
             try:
-                self.loaded[key] = read_shard(shard, self.epoch_batches.stored_fields, self.wanted(key))
+                self.loaded[key] = read_shard(
+                    shard, self.epoch_batches.stored_fields, self.wanted(key)
+                )
             except ShardError as err:
                 self.loaded[key] = None
                 events["skipped"].append((shard.path, str(err)))
@@ -264,28 +311,55 @@ class _Reader:
 
 def _new_events() -> dict:
     # Workers are other processes: what they notice travels to the main process with each batch.
-    return {"shard_opens": 0, "samples_decoded": 0, "skipped": [], "bad_samples": [], "tokens_by_source": {}}
+    return {
+        "shard_opens": 0,
+        "samples_decoded": 0,
+        "skipped": [],
+        "bad_samples": [],
+        "tokens_by_source": {},
+    }
 
 
-def _sources(by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str) -> tuple[Source, ...]:
+def _sources(
+    by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str
+) -> tuple[Source, ...]:
     """The sources an epoch draws from: unmixed, one holding every shard in manifest order;
     mixed, the named ones, each with its share of the epoch (see `mixture_shares`)."""
     if not mixture:
-        shards = tuple(sorted((shard for shards in by_source.values() for shard in shards), key=lambda s: s.index))
+        shards = tuple(
+            sorted(
+                (shard for shards in by_source.values() for shard in shards), key=lambda s: s.index
+            )
+        )
         total = sum(shard.samples for shard in shards)
-        return (Source(DEFAULT_SOURCE if len(by_source) != 1 else next(iter(by_source)), 0, shards, total, total),)
+        return (
+            Source(
+                DEFAULT_SOURCE if len(by_source) != 1 else next(iter(by_source)),
+                0,
+                shards,
+                total,
+                total,
+            ),
+        )
     unknown = [name for name in mixture if name not in by_source]
     if unknown:
-        raise UserError(f"data.mixture: {where} has no source {unknown[0]!r}; its sources: {', '.join(sorted(by_source))}")
+        raise UserError(
+            f"data.mixture: {where} has no source {unknown[0]!r}; its sources: {', '.join(sorted(by_source))}"
+        )
     for name, weight in mixture.items():
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise UserError(f"data.mixture.{name}: a weight must be a positive number, got {weight!r}")
+            raise UserError(
+                f"data.mixture.{name}: a weight must be a positive number, got {weight!r}"
+            )
     sizes = {name: sum(shard.samples for shard in by_source[name]) for name in mixture}
     empty = [name for name, size in sizes.items() if size == 0]
     if empty:
         raise UserError(f"data.mixture: source {empty[0]!r} has no samples in {where}")
     shares = mixture_shares(sizes, mixture)
-    return tuple(Source(name, _name_tag(name), tuple(by_source[name]), sizes[name], shares[name]) for name in mixture)
+    return tuple(
+        Source(name, _name_tag(name), tuple(by_source[name]), sizes[name], shares[name])
+        for name in mixture
+    )
 
 
 def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
@@ -296,7 +370,9 @@ def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str
     exact = {name: total * weight / weight_sum for name, weight in weights.items()}
     shares = {name: int(math.floor(value)) for name, value in exact.items()}
     names = list(weights)
-    by_remainder = sorted(names, key=lambda name: (-(exact[name] - shares[name]), names.index(name)))
+    by_remainder = sorted(
+        names, key=lambda name: (-(exact[name] - shares[name]), names.index(name))
+    )
     for name in by_remainder[: total - sum(shares.values())]:
         shares[name] += 1
     return shares
@@ -304,15 +380,20 @@ def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str
 
 def describe_mixture(sources: tuple[Source, ...]) -> str:
     total = sum(source.per_epoch for source in sources)
-    return ", ".join(f"{s.name} {s.per_epoch / total:.3f} ({s.per_epoch} of {total} samples per epoch, "
-                     f"{s.per_epoch / s.samples:.2f} passes over its {s.samples})" for s in sources)
+    return ", ".join(
+        f"{s.name} {s.per_epoch / total:.3f} ({s.per_epoch} of {total} samples per epoch, "
+        f"{s.per_epoch / s.samples:.2f} passes over its {s.samples})"
+        for s in sources
+    )
 
 
 def _shares(per_epoch: dict[str, int] | None) -> str:
     if not per_epoch:
         return "every source as it is (no mixture)"
     total = sum(per_epoch.values())
-    return "{" + ", ".join(f"{name}: {count / total:.3f}" for name, count in per_epoch.items()) + "}"
+    return (
+        "{" + ", ".join(f"{name}: {count / total:.3f}" for name, count in per_epoch.items()) + "}"
+    )
 
 
 def _name_tag(name: str) -> int:

@@ -81,13 +81,17 @@ def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
         try:
             text = remote.read_bytes(path, fetch)
         except FileNotFoundError as err:
-            raise UserError(f"no {MANIFEST} at {data_dir}: not a prepared dataset (run pipeline.prepare)") from err
+            raise UserError(
+                f"no {MANIFEST} at {data_dir}: not a prepared dataset (run pipeline.prepare)"
+            ) from err
         except remote.FetchError as err:
             raise UserError(f"{path}: cannot fetch the manifest: {err}") from err
     else:
         path = Path(data_dir) / MANIFEST
         if not path.is_file():
-            raise UserError(f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)")
+            raise UserError(
+                f"no {MANIFEST} in {data_dir}: not a prepared dataset (run pipeline.prepare)"
+            )
         text = path.read_bytes()
     try:
         manifest = json.loads(text.decode())
@@ -106,13 +110,20 @@ def _manifest_problem(manifest) -> str | None:
         return f"format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
     tokenizer = manifest.get("tokenizer")
     if not isinstance(tokenizer, dict):
-        return ("no tokenizer record (an object with the tokenizer's sha256 and vocab_size)" if tokenizer is None
-                else f"the tokenizer record is a JSON {_json_kind(tokenizer)}, expected an object")
+        return (
+            "no tokenizer record (an object with the tokenizer's sha256 and vocab_size)"
+            if tokenizer is None
+            else f"the tokenizer record is a JSON {_json_kind(tokenizer)}, expected an object"
+        )
     for key in ("sha256", "vocab_size"):
         if key not in tokenizer:
             return f"the tokenizer record has no {key}"
     sha256 = tokenizer["sha256"]
-    if not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdef" for c in sha256)):
+    if not (
+        isinstance(sha256, str)
+        and len(sha256) == 64
+        and all(c in "0123456789abcdef" for c in sha256)
+    ):
         return f"the tokenizer's sha256 {sha256!r} is not 64 hex digits"
     vocab_size = tokenizer["vocab_size"]
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
@@ -126,7 +137,8 @@ def _manifest_problem(manifest) -> str | None:
 
 def _json_kind(value) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number")
+        type(value), "number"
+    )
 
 
 class ManifestError(UserError):
@@ -144,13 +156,19 @@ def shard_entries(manifest: dict, task: str, split: str, where: str = MANIFEST) 
     name = DATASET_FOR_TASK[task]
     dataset = manifest.get("datasets", {}).get(name)
     if dataset is None:
-        raise UserError(f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}")
+        raise UserError(
+            f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}"
+        )
     if split not in dataset["splits"]:
         raise UserError(f"the {name!r} shards have no split {split!r}")
     shards = dataset["splits"][split]["shards"]
     problems = shard_list_problems(shards, f"{name}/{split}")
     if problems:
-        more = f" (and {len(problems) - 1} more; pipeline.validate lists them)" if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more; pipeline.validate lists them)"
+            if len(problems) > 1
+            else ""
+        )
         raise ManifestError(f"{where}: {problems[0]}{more}")
     return shards
 
@@ -172,14 +190,18 @@ def shard_list_problems(shards: list, where: str) -> list[str]:
             continue
         seen.add(key)
         if listed[key] > 1:
-            problems.append(f"{path}: listed {listed[key]} times in {where} (read {listed[key]} times an epoch)")
+            problems.append(
+                f"{path}: listed {listed[key]} times in {where} (read {listed[key]} times an epoch)"
+            )
         samples = entry.get("samples")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             problems.append(f"{path}: samples {samples!r} in the manifest, not a positive integer")
     return problems
 
 
-def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str, np.ndarray]]) -> dict:
+def write_shard(
+    path: str | os.PathLike, keys: list[str], samples: list[dict[str, np.ndarray]]
+) -> dict:
     """Write one WebDataset tar shard, byte-reproducibly (fixed mtime, owner and mode).
 
     Returns the shard's manifest record, with `path` as given. The file appears under its
@@ -192,7 +214,8 @@ def write_shard(path: str | os.PathLike, keys: list[str], samples: list[dict[str
 
 
 # The tar layout `write_shard` produces, byte for byte what webdataset.TarWriter(encoder=False,
-# mtime=0, user="", group="", mode=0o444) writes through tarfile (tests/pipeline/test_prepare.py checks
+# mtime=0, user="", group="", mode=0o444) writes through tarfile (tests/pipeline/test_prepare.py
+# checks
 # it): one ustar header per member, its data padded to 512 bytes, two zero blocks, then zeros
 # up to a multiple of 10240 bytes. Written directly because TarWriter (tarfile's header code,
 # np.save per member and importing webdataset, which imports torch) cost several times
@@ -208,8 +231,19 @@ def _octal(value: int, width: int) -> bytes:
 # The header's fields around the name (0:100) and size (124:136); the checksum field (148:156)
 # counts as spaces while the checksum is summed.
 _HEADER_MIDDLE = _octal(0o444, 8) + _octal(0, 8) + _octal(0, 8)  # mode, uid, gid
-_HEADER_TAIL = (_octal(0, 12) + b"        " + b"0" + bytes(100) + b"ustar\x0000" + bytes(32) + bytes(32)
-                + bytes(8) + bytes(8) + bytes(155) + bytes(12))  # mtime ... prefix, pad to 512
+_HEADER_TAIL = (
+    _octal(0, 12)
+    + b"        "
+    + b"0"
+    + bytes(100)
+    + b"ustar\x0000"
+    + bytes(32)
+    + bytes(32)
+    + bytes(8)
+    + bytes(8)
+    + bytes(155)
+    + bytes(12)
+)  # mtime ... prefix, pad to 512
 _HEADER_SUM = sum(_HEADER_MIDDLE) + sum(_HEADER_TAIL)
 
 
@@ -230,8 +264,9 @@ def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     key = (shape, dtype.str)
     header = _NPY_HEADERS.get(key)
     if header is None:
-        header = encode_array(np.zeros(shape, dtype=dtype))[: -np.dtype(dtype).itemsize * int(np.prod(shape))
-                                                            or None]
+        header = encode_array(np.zeros(shape, dtype=dtype))[
+            : -np.dtype(dtype).itemsize * int(np.prod(shape)) or None
+        ]
         _NPY_HEADERS[key] = header
     return header
 
@@ -290,8 +325,13 @@ class ShardWriter:
             self._flush()
             self._fh.close()
             os.replace(self.partial, self.path)
-            self.record = {"path": str(self.path), "samples": self.samples, "tokens": int(self.tokens),
-                           "bytes": self.bytes, "sha256": self._digest.hexdigest()}
+            self.record = {
+                "path": str(self.path),
+                "samples": self.samples,
+                "tokens": int(self.tokens),
+                "bytes": self.bytes,
+                "sha256": self._digest.hexdigest(),
+            }
         return self.record
 
     def abort(self) -> None:

@@ -19,12 +19,20 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from common.configure import UserError
 from pipeline import remote
 from pipeline.collate import MLMMasking, unpack
 from pipeline.config import LoaderConfig, global_batch_size
-from common.configure import UserError
-from pipeline.epoch import (_FILLER, DEFAULT_SOURCE, _EpochBatches, _epoch_batches, _rng, _shares, _sources,
-                            describe_mixture)
+from pipeline.epoch import (
+    _FILLER,
+    DEFAULT_SOURCE,
+    _epoch_batches,
+    _EpochBatches,
+    _rng,
+    _shares,
+    _sources,
+    describe_mixture,
+)
 from pipeline.format import MANIFEST, SPECIAL_TOKENS, read_manifest, shard_entries
 from pipeline.shards import Shard, sample_fields
 
@@ -45,61 +53,119 @@ class ShardLoader:
     One iteration at a time.
     """
 
-    def __init__(self, data_dir: str, task: str, split: str, *, micro_batch_size: int, grad_accum: int = 1,
-                 rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0, mlm_probability: float = 0.15,
-                 mlm_mask_fraction: float = 0.8, mlm_random_fraction: float = 0.1,
-                 expected_tokenizer_sha256: str | None = None, epoch: int = 0, pin_memory: bool = False,
-                 mixture: dict[str, float] | None = None, allow_mixture_change: bool = False,
-                 fetch: remote.FetchConfig | None = None, document_mask: bool = False, length_grouping: bool = False):
+    def __init__(
+        self,
+        data_dir: str,
+        task: str,
+        split: str,
+        *,
+        micro_batch_size: int,
+        grad_accum: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        seed: int = 0,
+        mlm_probability: float = 0.15,
+        mlm_mask_fraction: float = 0.8,
+        mlm_random_fraction: float = 0.1,
+        expected_tokenizer_sha256: str | None = None,
+        epoch: int = 0,
+        pin_memory: bool = False,
+        mixture: dict[str, float] | None = None,
+        allow_mixture_change: bool = False,
+        fetch: remote.FetchConfig | None = None,
+        document_mask: bool = False,
+        length_grouping: bool = False,
+    ):
         if micro_batch_size < 1 or grad_accum < 1:
-            raise UserError(f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1")
+            raise UserError(
+                f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1"
+            )
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is not in a world of size {world_size}")
         if num_workers < 0:
             raise UserError(f"num_workers must be 0 or more, got {num_workers}")
         if not 0.0 < mlm_probability <= 1.0:
             raise UserError(f"mlm_probability must be in (0, 1], got {mlm_probability}")
-        if mlm_mask_fraction < 0 or mlm_random_fraction < 0 or mlm_mask_fraction + mlm_random_fraction > 1:
+        if (
+            mlm_mask_fraction < 0
+            or mlm_random_fraction < 0
+            or mlm_mask_fraction + mlm_random_fraction > 1
+        ):
             raise UserError(
                 f"mlm_mask_fraction ({mlm_mask_fraction}) and mlm_random_fraction ({mlm_random_fraction}) "
                 "must be non-negative and add up to at most 1"
             )
-        self.data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)  # a URL: see pipeline.remote
+        # a URL: see pipeline.remote
+        self.data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
         manifest = read_manifest(self.data_dir, fetch)
         tokenizer = manifest.get("tokenizer") or {}
-        if expected_tokenizer_sha256 is not None and tokenizer.get("sha256") != expected_tokenizer_sha256:
+        if (
+            expected_tokenizer_sha256 is not None
+            and tokenizer.get("sha256") != expected_tokenizer_sha256
+        ):
             raise UserError(
                 f"{self.data_dir}: tokenizer sha256 {tokenizer.get('sha256')} differs from the expected "
                 f"{expected_tokenizer_sha256}: the data was prepared with another tokenizer than the model's"
             )
-        entries = shard_entries(manifest, task, split, remote.join(self.data_dir, MANIFEST))  # each once, none empty
+        # each once, none empty
+        entries = shard_entries(manifest, task, split, remote.join(self.data_dir, MANIFEST))
         # The members the shards hold (all read, for each shard's verdict) and those decoded.
-        self.stored_fields, self.fields = sample_fields(manifest, task, document_mask, str(self.data_dir))
+        self.stored_fields, self.fields = sample_fields(
+            manifest, task, document_mask, str(self.data_dir)
+        )
         self.document_mask = document_mask
         self.length_grouping = length_grouping
 
         self.task, self.split = task, split
-        self.micro_batch_size, self.grad_accum, self.rank, self.world_size = micro_batch_size, grad_accum, rank, world_size
+        self.micro_batch_size, self.grad_accum, self.rank, self.world_size = (
+            micro_batch_size,
+            grad_accum,
+            rank,
+            world_size,
+        )
         self.global_batch_size = global_batch_size(micro_batch_size, grad_accum, world_size)
         self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
         self.pin_memory = pin_memory
-        self._workers: DataLoader | None = None  # started at the first iteration, kept (the loader design in docs/design.md, 4)
-        self._cursor = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch) for the workers
-        self._closing: torch.Tensor | None = None  # set by `close` for the workers: see `_worker_lifetime`
+        # started at the first iteration, kept (the loader design in docs/design.md, 4)
+        self._workers: DataLoader | None = None
+        # (epoch, first batch) for the workers
+        self._cursor = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # set by `close` for the workers: see `_worker_lifetime`
+        self._closing: torch.Tensor | None = None
         self.vocab_size = int(tokenizer["vocab_size"])
         # The reserved ids are special in every tokenizer of this project, whatever the list says.
-        special_ids = sorted(set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", [])))
-        self.mlm_masking = MLMMasking(self.vocab_size, special_ids, mlm_probability, mlm_mask_fraction,
-                                      mlm_random_fraction) if task == "mlm" else None
+        special_ids = sorted(
+            set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", []))
+        )
+        self.mlm_masking = (
+            MLMMasking(
+                self.vocab_size,
+                special_ids,
+                mlm_probability,
+                mlm_mask_fraction,
+                mlm_random_fraction,
+            )
+            if task == "mlm"
+            else None
+        )
         by_source: dict[str, list[Shard]] = {}
         for index, entry in enumerate(entries):
-            shard = Shard(index, remote.join(self.data_dir, entry["path"]), int(entry["samples"]), entry.get("bytes"),
-                          entry.get("sha256"), fetch)
+            shard = Shard(
+                index,
+                remote.join(self.data_dir, entry["path"]),
+                int(entry["samples"]),
+                entry.get("bytes"),
+                entry.get("sha256"),
+                fetch,
+            )
             by_source.setdefault(str(entry.get("source", DEFAULT_SOURCE)), []).append(shard)
         self.sources = _sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
         self.mixed = bool(mixture)
         self.allow_mixture_change = allow_mixture_change
-        listing = json.dumps([[e["path"], int(e["samples"]), e.get("sha256")] for e in entries]).encode()
+        listing = json.dumps(
+            [[e["path"], int(e["samples"]), e.get("sha256")] for e in entries]
+        ).encode()
         self._fingerprint = {
             "task": task,
             "split": split,
@@ -109,7 +175,8 @@ class ShardLoader:
             # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
             "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
-        if length_grouping:  # the group size fixes which samples share a batch (the loader design, 9)
+        # the group size fixes which samples share a batch (the loader design, 9)
+        if length_grouping:
             self._fingerprint["length_grouping"] = micro_batch_size
 
         total = sum(source.per_epoch for source in self.sources)
@@ -138,29 +205,59 @@ class ShardLoader:
         self.skipped_shards: list[dict] = []
         self._skipped_seen: set[tuple[int, str]] = set()
         self._consumed = 0
-        self._tokens_at_step = dict(self.stats["tokens_by_source"])  # as they were at the last step boundary
-        self._served: tuple[_EpochBatches, int] | None = None  # the last batch handed out (a filler: its source)
+        # as they were at the last step boundary
+        self._tokens_at_step = dict(self.stats["tokens_by_source"])
+        # the last batch handed out (a filler: its source)
+        self._served: tuple[_EpochBatches, int] | None = None
         log.info(
             "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
             "%d samples per epoch dropped (remainder below one global batch)",
-            task, split, total, sum(len(s.shards) for s in self.sources), self.steps_per_epoch, self.global_batch_size,
-            self._num_batches, micro_batch_size, dropped,
+            task,
+            split,
+            total,
+            sum(len(s.shards) for s in self.sources),
+            self.steps_per_epoch,
+            self.global_batch_size,
+            self._num_batches,
+            micro_batch_size,
+            dropped,
         )
         if self.mixed:
             log.info("%s/%s mixture: %s", task, split, describe_mixture(self.sources))
 
     @classmethod
-    def from_config(cls, cfg: LoaderConfig, task: str, split: str, *, rank: int, world_size: int, grad_accum: int = 1,
-                    expected_tokenizer_sha256: str | None = None, pin_memory: bool = False) -> ShardLoader:
+    def from_config(
+        cls,
+        cfg: LoaderConfig,
+        task: str,
+        split: str,
+        *,
+        rank: int,
+        world_size: int,
+        grad_accum: int = 1,
+        expected_tokenizer_sha256: str | None = None,
+        pin_memory: bool = False,
+    ) -> ShardLoader:
         return cls(
-            cfg.data_dir, task, split,
-            micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum, rank=rank, world_size=world_size,
-            num_workers=cfg.num_workers, seed=cfg.seed, mlm_probability=cfg.mlm_probability,
-            mlm_mask_fraction=cfg.mlm_mask_fraction, mlm_random_fraction=cfg.mlm_random_fraction,
-            expected_tokenizer_sha256=expected_tokenizer_sha256, pin_memory=pin_memory,
+            cfg.data_dir,
+            task,
+            split,
+            micro_batch_size=cfg.micro_batch_size,
+            grad_accum=grad_accum,
+            rank=rank,
+            world_size=world_size,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed,
+            mlm_probability=cfg.mlm_probability,
+            mlm_mask_fraction=cfg.mlm_mask_fraction,
+            mlm_random_fraction=cfg.mlm_random_fraction,
+            expected_tokenizer_sha256=expected_tokenizer_sha256,
+            pin_memory=pin_memory,
             # Only training draws by weight: validation reads every source as it is.
-            mixture=dict(cfg.mixture) if split == "train" else None, allow_mixture_change=cfg.allow_mixture_change,
-            fetch=remote.FetchConfig.from_loader_config(cfg), document_mask=cfg.document_mask,
+            mixture=dict(cfg.mixture) if split == "train" else None,
+            allow_mixture_change=cfg.allow_mixture_change,
+            fetch=remote.FetchConfig.from_loader_config(cfg),
+            document_mask=cfg.document_mask,
             length_grouping=cfg.length_grouping,
         )
 
@@ -172,11 +269,23 @@ class ShardLoader:
 
     def _batch_spec(self) -> dict:
         """What fixes every epoch's batches apart from (epoch, first batch)."""
-        return dict(task=self.task, sources=self.sources, mixed=self.mixed, seed=self.seed, rank=self.rank, world_size=self.world_size,
-                    micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
-                    num_batches=self._num_batches, vocab_size=self.vocab_size, mlm_masking=self.mlm_masking,
-                    stored_fields=self.stored_fields, fields=self.fields, document_mask=self.document_mask,
-                    length_grouping=self.length_grouping)
+        return dict(
+            task=self.task,
+            sources=self.sources,
+            mixed=self.mixed,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            micro_batch_size=self.micro_batch_size,
+            grad_accum=self.grad_accum,
+            num_batches=self._num_batches,
+            vocab_size=self.vocab_size,
+            mlm_masking=self.mlm_masking,
+            stored_fields=self.stored_fields,
+            fields=self.fields,
+            document_mask=self.document_mask,
+            length_grouping=self.length_grouping,
+        )
 
     def _items(self, epoch: int, first: int):
         """(j, packed batch or None, events) for batches first.. of the epoch: in this process
@@ -190,10 +299,15 @@ class ShardLoader:
             # A private generator: creating a DataLoader iterator draws a seed from the one it
             # is given, and drawing from torch's global generator would shift the trainer's
             # dropout stream, so a resumed run would no longer repeat an uninterrupted one.
-            self._workers = DataLoader(_CursorBatches(self._batch_spec(), self._cursor), batch_size=None,
-                                       num_workers=self.num_workers, collate_fn=_as_is, persistent_workers=True,
-                                       generator=torch.Generator().manual_seed(self.seed),
-                                       worker_init_fn=functools.partial(_worker_lifetime, self._closing))
+            self._workers = DataLoader(
+                _CursorBatches(self._batch_spec(), self._cursor),
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_as_is,
+                persistent_workers=True,
+                generator=torch.Generator().manual_seed(self.seed),
+                worker_init_fn=functools.partial(_worker_lifetime, self._closing),
+            )
         return iter(self._workers)  # the workers restart their iteration at the cursor
 
     def close(self) -> None:
@@ -223,14 +337,16 @@ class ShardLoader:
                 self.stats["epoch_filler_batches"] = 0
             expected = first
             for j, packed, events in items:
-                # Exact resume rests on the DataLoader's round-robin order; a change there must fail loudly.
+                # Exact resume rests on the DataLoader's round-robin order; a change there must fail
+                # loudly.
                 if j != expected:
                     raise RuntimeError(f"batch {j} arrived where batch {expected} was due")
                 self._absorb(epoch, events)
                 if packed is None:
                     source, batch = self._filler(epoch_batches, j)
                 else:
-                    source, batch = j, unpack(self.task, packed)  # tensors and masks are made here, not sent
+                    # tensors and masks are made here, not sent
+                    source, batch = j, unpack(self.task, packed)
                 if self.pin_memory:
                     batch = {key: value.pin_memory() for key, value in batch.items()}
                 self._served = (epoch_batches, source)
@@ -241,7 +357,9 @@ class ShardLoader:
                 self.stats["batches_yielded"] += 1
                 yield batch
             if expected != self._num_batches:
-                raise RuntimeError(f"epoch {epoch} ended after {expected} of {self._num_batches} batches")
+                raise RuntimeError(
+                    f"epoch {epoch} ended after {expected} of {self._num_batches} batches"
+                )
         self.epoch, self._consumed = epoch + 1, 0
 
     def _filler(self, epoch_batches: _EpochBatches, j: int) -> tuple[int, dict]:
@@ -250,7 +368,9 @@ class ShardLoader:
         the same after a resume. Batches touching a shard already found bad are passed over unread."""
         epoch = epoch_batches.epoch
         bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
-        for i in _rng(self.seed, epoch, _FILLER, self.rank, j).permutation(self._num_batches).tolist():
+        for i in (
+            _rng(self.seed, epoch, _FILLER, self.rank, j).permutation(self._num_batches).tolist()
+        ):
             if i == j or epoch_batches.shard_paths(i) & bad_paths:
                 continue
             _, packed, events = epoch_batches.build(i)
@@ -258,7 +378,13 @@ class ShardLoader:
             if packed is not None:
                 self.stats["filler_batches"] += 1
                 self.stats["epoch_filler_batches"] += 1
-                log.warning("rank %d, epoch %d: batch %d is unreadable; batch %d stands in for it", self.rank, epoch, j, i)
+                log.warning(
+                    "rank %d, epoch %d: batch %d is unreadable; batch %d stands in for it",
+                    self.rank,
+                    epoch,
+                    j,
+                    i,
+                )
                 return i, unpack(self.task, packed)
             bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
         raise RuntimeError(
@@ -288,7 +414,8 @@ class ShardLoader:
         for name, tokens in events["tokens_by_source"].items():
             self.stats["tokens_by_source"][name] += tokens
         for path, reason in events["skipped"]:
-            if (epoch, path) in self._skipped_seen:  # every worker that reads a bad shard reports it
+            # every worker that reads a bad shard reports it
+            if (epoch, path) in self._skipped_seen:
                 continue
             self._skipped_seen.add((epoch, path))
             self.stats["shards_skipped"] += 1
@@ -296,18 +423,25 @@ class ShardLoader:
             log.warning("skipping shard %s (epoch %d): %s", path, epoch, reason)
         for path, member, reason in events["bad_samples"]:
             self.stats["samples_unreadable"] += 1
-            log.warning("skipping sample %d of shard %s (epoch %d): %s", member, path, epoch, reason)
+            log.warning(
+                "skipping sample %d of shard %s (epoch %d): %s", member, path, epoch, reason
+            )
 
     def state_dict(self) -> dict:
         """The position, valid at an optimizer-step boundary (after a multiple of grad_accum batches)."""
         epoch, consumed = self.epoch, self._consumed
         if consumed % self.grad_accum:
-            raise RuntimeError(f"loader state asked for mid-step: {consumed} batches of {self.grad_accum} per step")
+            raise RuntimeError(
+                f"loader state asked for mid-step: {consumed} batches of {self.grad_accum} per step"
+            )
         if consumed >= self._num_batches:  # a finished epoch resumes at the start of the next
             epoch, consumed = epoch + 1, 0
-        return {"version": STATE_VERSION, "epoch": epoch,
-                "samples_consumed": consumed * self.micro_batch_size * self.world_size,
-                "fingerprint": dict(self._fingerprint)}
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "samples_consumed": consumed * self.micro_batch_size * self.world_size,
+            "fingerprint": dict(self._fingerprint),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         version = state.get("version")
@@ -342,10 +476,20 @@ class ShardLoader:
         if mixture_changed:
             if consumed >= self._num_batches:  # the new mixture's epoch is shorter: it is over
                 epoch, consumed, remainder = epoch + 1, 0, 0
-            log.warning("data.mixture changed on resume (data.allow_mixture_change=true): was %s per epoch, now %s; "
-                        "continuing at epoch %d, batch %d with the new weights", _shares(saved.get("mixture")),
-                        _shares(self._fingerprint["mixture"]), epoch, consumed)
-        if epoch < 0 or remainder or consumed % self.grad_accum or not 0 <= consumed <= self._num_batches:
+            log.warning(
+                "data.mixture changed on resume (data.allow_mixture_change=true): was %s per epoch, now %s; "
+                "continuing at epoch %d, batch %d with the new weights",
+                _shares(saved.get("mixture")),
+                _shares(self._fingerprint["mixture"]),
+                epoch,
+                consumed,
+            )
+        if (
+            epoch < 0
+            or remainder
+            or consumed % self.grad_accum
+            or not 0 <= consumed <= self._num_batches
+        ):
             raise UserError(
                 f"loader state epoch {epoch}, {samples} samples consumed: not a whole number of global batches "
                 f"of {self.global_batch_size} within the epoch's {self.steps_per_epoch}"
@@ -407,5 +551,3 @@ def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
 
 def _as_is(item):
     return item
-
-

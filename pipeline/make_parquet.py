@@ -23,7 +23,9 @@ _SPACE = re.compile(r"\s+")
 
 def paragraphs(patterns=PATTERNS):
     """(path, paragraph) of the files matching `patterns`, in sorted order; short fragments skipped."""
-    for path in sorted({p for pattern in patterns for p in glob.glob(pattern) if Path(p).is_file()}):
+    for path in sorted(
+        {p for pattern in patterns for p in glob.glob(pattern) if Path(p).is_file()}
+    ):
         text = Path(path).read_bytes().decode("utf-8", errors="replace")
         for block in re.split(r"\n\s*\n", text):
             block = _SPACE.sub(" ", block).strip()
@@ -41,7 +43,8 @@ def write_parquet(out: str | Path, max_rows: int, row_group_rows: int) -> int:
         if len(rows) >= max_rows:
             break
     if not rows:
-        raise SystemExit(f"error: make_parquet: no text found in {', '.join(PATTERNS)}")  # exit 1: nothing to make
+        # exit 1: nothing to make
+        raise SystemExit(f"error: make_parquet: no text found in {', '.join(PATTERNS)}")
     table = pa.table({"text": [t for _, t in rows], "path": [p for p, _ in rows]})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, str(out), row_group_size=row_group_rows)
@@ -51,12 +54,18 @@ def write_parquet(out: str | Path, max_rows: int, row_group_rows: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the parquet file to write")
-    parser.add_argument("--max-rows", type=int, default=20000, help="paragraphs at most (default %(default)s)")
-    parser.add_argument("--row-group-rows", type=int, default=2000, help="rows per row group (default %(default)s)")
+    parser.add_argument(
+        "--max-rows", type=int, default=20000, help="paragraphs at most (default %(default)s)"
+    )
+    parser.add_argument(
+        "--row-group-rows", type=int, default=2000, help="rows per row group (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     for name in ("max_rows", "row_group_rows"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+            parser.error(
+                f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}"
+            )
     n = write_parquet(args.out, args.max_rows, args.row_group_rows)
     print(f"wrote {args.out}: {n} paragraphs")
     return 0

@@ -18,37 +18,157 @@ _PREDEFINED_STRINGS = {"R": "®", "Tm": "™", "lq": "“", "rq": "”"}
 
 # groff_char(7) names of the glyphs man pages use; accented letters are composed below.
 _GLYPHS = {
-    "em": "—", "en": "–", "hy": "-", "mi": "-", "aq": "'", "dq": '"', "lq": "“", "rq": "”",
-    "oq": "‘", "cq": "’", "bq": "‚", "Bq": "„", "Fo": "«", "Fc": "»", "fo": "‹", "fc": "›", "bu": "•",
-    "co": "(c)", "rg": "®", "tm": "™", "sc": "§", "ps": "¶", "dg": "†", "dd": "‡", "de": "°", "pl": "+",
-    "mu": "×", "di": "÷", "+-": "±", "<=": "≤", ">=": "≥", "!=": "≠", "==": "≡", "~=": "≅", "ap": "~",
-    "->": "→", "<-": "←", "<>": "↔", "=>": "⇒", "lA": "⇐", "rA": "⇒", "ua": "↑", "da": "↓", "**": "*",
-    "ga": "`", "aa": "´", "ti": "~", "ha": "^", "a^": "^", "a~": "~", "ad": "¨", "ba": "|", "or": "|",
-    "br": "|", "sl": "/", "rs": "\\", "lB": "[", "rB": "]", "lC": "{", "rC": "}", "la": "⟨", "ra": "⟩",
-    "at": "@", "sh": "#", "Do": "$", "Eu": "€", "eu": "€", "Po": "£", "Ye": "¥", "ct": "¢", "r!": "¡",
-    "r?": "¿", "ss": "ß", "ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "/o": "ø", "/O": "Ø", "oa": "å",
-    "oA": "Å", "12": "½", "14": "¼", "34": "¾", "S1": "¹", "S2": "²", "S3": "³", "fm": "′", "sd": "″",
-    "ul": "_", "ru": "_", "rn": "‾", "sq": "□", "ci": "○", "OK": "✓", "rh": "☞", "lh": "☜", "if": "∞",
-    "tno": "~", "pc": "·", "md": "⋅", "bv": "|", "-D": "Ð", "Sd": "ð", "TP": "Þ",
-    "Tp": "þ", "IJ": "Ĳ", "ij": "ĳ", ".i": "ı",
+    "em": "—",
+    "en": "–",
+    "hy": "-",
+    "mi": "-",
+    "aq": "'",
+    "dq": '"',
+    "lq": "“",
+    "rq": "”",
+    "oq": "‘",
+    "cq": "’",
+    "bq": "‚",
+    "Bq": "„",
+    "Fo": "«",
+    "Fc": "»",
+    "fo": "‹",
+    "fc": "›",
+    "bu": "•",
+    "co": "(c)",
+    "rg": "®",
+    "tm": "™",
+    "sc": "§",
+    "ps": "¶",
+    "dg": "†",
+    "dd": "‡",
+    "de": "°",
+    "pl": "+",
+    "mu": "×",
+    "di": "÷",
+    "+-": "±",
+    "<=": "≤",
+    ">=": "≥",
+    "!=": "≠",
+    "==": "≡",
+    "~=": "≅",
+    "ap": "~",
+    "->": "→",
+    "<-": "←",
+    "<>": "↔",
+    "=>": "⇒",
+    "lA": "⇐",
+    "rA": "⇒",
+    "ua": "↑",
+    "da": "↓",
+    "**": "*",
+    "ga": "`",
+    "aa": "´",
+    "ti": "~",
+    "ha": "^",
+    "a^": "^",
+    "a~": "~",
+    "ad": "¨",
+    "ba": "|",
+    "or": "|",
+    "br": "|",
+    "sl": "/",
+    "rs": "\\",
+    "lB": "[",
+    "rB": "]",
+    "lC": "{",
+    "rC": "}",
+    "la": "⟨",
+    "ra": "⟩",
+    "at": "@",
+    "sh": "#",
+    "Do": "$",
+    "Eu": "€",
+    "eu": "€",
+    "Po": "£",
+    "Ye": "¥",
+    "ct": "¢",
+    "r!": "¡",
+    "r?": "¿",
+    "ss": "ß",
+    "ae": "æ",
+    "AE": "Æ",
+    "oe": "œ",
+    "OE": "Œ",
+    "/o": "ø",
+    "/O": "Ø",
+    "oa": "å",
+    "oA": "Å",
+    "12": "½",
+    "14": "¼",
+    "34": "¾",
+    "S1": "¹",
+    "S2": "²",
+    "S3": "³",
+    "fm": "′",
+    "sd": "″",
+    "ul": "_",
+    "ru": "_",
+    "rn": "‾",
+    "sq": "□",
+    "ci": "○",
+    "OK": "✓",
+    "rh": "☞",
+    "lh": "☜",
+    "if": "∞",
+    "tno": "~",
+    "pc": "·",
+    "md": "⋅",
+    "bv": "|",
+    "-D": "Ð",
+    "Sd": "ð",
+    "TP": "Þ",
+    "Tp": "þ",
+    "IJ": "Ĳ",
+    "ij": "ĳ",
+    ".i": "ı",
 }
 # \(:a, \('e, \(`a, \(^o, \(~n, \(,c: the letter with a combining mark, composed by NFC.
-_ACCENTS = {":": "\u0308", "'": "\u0301", "`": "\u0300", "^": "\u0302", "~": "\u0303", ",": "\u0327", "v": "\u030c"}
+_ACCENTS = {
+    ":": "\u0308",
+    "'": "\u0301",
+    "`": "\u0300",
+    "^": "\u0302",
+    "~": "\u0303",
+    ",": "\u0327",
+    "v": "\u030c",
+}
 _GREEK = dict(zip("abgdezyhiklmncoprstufxqw", "αβγδεζηθικλμνξοπρστυφχψω"))
 
 # One escape: \(xx and \[name] glyphs, \* strings, escapes taking a one-character, (xx or
 # [name] argument (font, colour, register, mark...), \s sizes, escapes with a delimited
 # argument ('...'), and the one-character rest.
-_ESCAPE = re.compile(r"""\\(?:
+_ESCAPE = re.compile(
+    r"""\\(?:
     \((?P<glyph2>..) | \[(?P<glyph>[^\]]*)\]
   | \*(?:\((?P<string2>..)|\[(?P<string>[^\]\ ]*)[^\]]*\]|(?P<string1>.))
   | [fFmMgkVYn][-+]?(?:\(..|\[[^\]]*\]|.)
   | s(?:[-+]?(?:\(..|\[[^\]]*\]|'[^']*'|[1-3][0-9]|[0-9]))
   | (?P<delimited>[hvwlLDoXZbxRSHNBACO])(?P<delim>.)(?P<arg>.*?)(?P=delim)
   | (?P<one>.)
-  | $)""", re.X | re.S)
-_ONE = {"-": "-", "e": "\\", "E": "\\", "\\": "\\", ".": ".", "'": "'", "`": "`", "~": " ", " ": " ",
-        "0": " ", "t": " ", "c": _JOIN}  # every other one-character escape (\& \| \^ \/ \, \: \% ...) is nothing
+  | $)""",
+    re.X | re.S,
+)
+_ONE = {
+    "-": "-",
+    "e": "\\",
+    "E": "\\",
+    "\\": "\\",
+    ".": ".",
+    "'": "'",
+    "`": "`",
+    "~": " ",
+    " ": " ",
+    # every other one-character escape (\& \| \^ \/ \, \: \% ...) is nothing
+    "0": " ",
+    "t": " ",
+    "c": _JOIN,
+}
 _CONTROL = re.compile(r"[.']\s*([^\s\\]*)(.*)", re.S)
 _ARGUMENT = re.compile(r'\s*(?:"((?:[^"]|"")*)"?|((?:\\.|[^\s\\])+|\\$))', re.S)
 _BACKSLASH = re.compile(r"\\(.)", re.S)
@@ -111,12 +231,12 @@ def _logical_lines(text: str):
 
 def _strip_comment(line: str) -> tuple[str | None, bool]:
     """The line without its comment (None for a comment line), and whether the comment was `\\#` (it joins the next line)."""
-    if line.startswith((".\\\"", "'\\\"", ".\\#", "'\\#")):
+    if line.startswith(('.\\"', "'\\\"", ".\\#", "'\\#")):
         return None, False
     if "\\" not in line:
         return line, False
     for match in _BACKSLASH.finditer(line):
-        if match.group(1) in "\"#":
+        if match.group(1) in '"#':
             kept = line[: match.start()]
             return (kept if kept.strip() else None), match.group(1) == "#"
     return line, False
@@ -144,7 +264,9 @@ def _named_glyph(name: str) -> str:
         return letter.upper() if name[1].isupper() else letter
     if name.startswith("u") and len(name) > 1:  # \[u00E9], \[u0065_0301]
         try:
-            return unicodedata.normalize("NFC", "".join(_character(int(part, 16)) for part in name[1:].split("_")))
+            return unicodedata.normalize(
+                "NFC", "".join(_character(int(part, 16)) for part in name[1:].split("_"))
+            )
         except ValueError:
             return ""
     if name.startswith("char") and name[4:].isdigit():
@@ -336,7 +458,8 @@ class _Page:
             body = parts[1] if len(parts) > 1 else ""
         else:
             parts = rest.split(None, 1)
-            # groff (\n(.g) is the one numeric condition a page's text depends on; others are layout.
+            # groff (\n(.g) is the one numeric condition a page's text depends on; others are
+            # layout.
             value = bool(parts) and parts[0] in ("\\n(.g", "\\n[.g]")
             body = parts[1] if len(parts) > 1 else ""
         return value != negate, body.lstrip()
@@ -355,7 +478,10 @@ class _Page:
         self.strings[parts[0]] = value
 
     def _translation(self, rest: str) -> None:
-        glyphs = [self.render(match.group(0)) for match in re.finditer(r"\\(?:\(..|\[[^\]]*\]|.)|[^\s\\]", rest.strip())]
+        glyphs = [
+            self.render(match.group(0))
+            for match in re.finditer(r"\\(?:\(..|\[[^\]]*\]|.)|[^\s\\]", rest.strip())
+        ]
         for source, target in zip(glyphs[0::2], glyphs[1::2]):
             if len(source) == 1:
                 self.translate[ord(source)] = target
@@ -415,7 +541,8 @@ class _Page:
         if len(text.split()) < self.min_words:
             self.stats["short_paragraphs"] += 1
             return
-        if text.startswith("$ "):  # a shell command outside a no-fill block (the gcloud pages' examples)
+        # a shell command outside a no-fill block (the gcloud pages' examples)
+        if text.startswith("$ "):
             self.stats["command_examples"] += 1
             return
         self.paragraphs.append(text)

@@ -30,13 +30,35 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.config import TASKS, PrepareConfig
-from common.configure import UserError, config_from_dict, config_to_dict, parse_cli, run_main, save_config
-from pipeline.format import DATASET_FOR_TASK, FIELDS, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE
+from common.configure import (
+    UserError,
+    config_from_dict,
+    config_to_dict,
+    parse_cli,
+    run_main,
+    save_config,
+)
 from common.lock import dir_lock
+from pipeline.config import TASKS, PrepareConfig
+from pipeline.format import (
+    DATASET_FOR_TASK,
+    FIELDS,
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_FILE,
+)
 from pipeline.readers import check_usable, describe_skipped, is_parallel
-from pipeline.sources import (Unit, check_sources, expand_paths, plan_units, decompressed_size, source_list,
-                              source_where, stream_chunks)
+from pipeline.sources import (
+    Unit,
+    check_sources,
+    decompressed_size,
+    expand_paths,
+    plan_units,
+    source_list,
+    source_where,
+    stream_chunks,
+)
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
@@ -53,7 +75,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     for index, source in enumerate(source_list(cfg)):
         source_files = expand_paths(source, source_where(cfg, index))
         files.append(source_files)
-        units.extend(plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index)))
+        units.extend(
+            plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
+        )
     given_model = None
     if cfg.tokenizer.model_path:
         path = Path(cfg.tokenizer.model_path)
@@ -61,13 +85,21 @@ def prepare(cfg: PrepareConfig) -> dict:
             raise UserError(f"tokenizer.model_path: file not found: {path}")
         given_model = path.read_bytes()
         processor_from_bytes(given_model, source=str(path))
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress else (lambda msg: None)
+    log = (
+        (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if cfg.progress
+        else (lambda msg: None)
+    )
     need, why = scratch_need(cfg, files)
     where, free = free_space(output)
-    log(f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); {_size(free)} free on {where}")
+    log(
+        f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); {_size(free)} free on {where}"
+    )
     if need > free:
-        raise UserError(f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
-                        f"free; free some space or choose an output_dir on a larger file system")
+        raise UserError(
+            f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
+            f"free; free some space or choose an output_dir on a larger file system"
+        )
     # The lock file lies beside the output rather than in it or in its staging directory:
     # both are deleted and renamed during a run, and a lock must stay one file for as long as
     # anyone may contend for it. Taken before the staging directory is touched, since a
@@ -76,9 +108,15 @@ def prepare(cfg: PrepareConfig) -> dict:
         staging = _staging_dir(output, cfg.overwrite)
         try:
             streamed = sum(unit.stream for unit in units)
-            log(f"prepare: {sum(map(len, files))} files in {len(units)} units"
-                + (f" ({streamed} compressed, to be cut into chunks as they are read)" if streamed else "")
-                + f" -> {output} ({cfg.ray.num_workers} Ray workers)")
+            log(
+                f"prepare: {sum(map(len, files))} files in {len(units)} units"
+                + (
+                    f" ({streamed} compressed, to be cut into chunks as they are read)"
+                    if streamed
+                    else ""
+                )
+                + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
+            )
             manifest = _build(cfg, files, units, given_model, staging, started, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
@@ -96,12 +134,15 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
     need, text, twice = 0, 0, False
     for source, paths in zip(source_list(cfg), files):
         size = sum(decompressed_size(path) for path in paths)
-        copies = (any(task in cfg.tasks for task in ("causal_lm", "mlm"))
-                  + ("translation" in cfg.tasks and is_parallel(source)))
+        copies = any(task in cfg.tasks for task in ("causal_lm", "mlm")) + (
+            "translation" in cfg.tasks and is_parallel(source)
+        )
         text += size
         need += copies * size
         twice = twice or copies == 2
-    return need, f"{_size(text)} of decompressed input" + (", pairs twice: as texts and as pairs" if twice else "")
+    return need, f"{_size(text)} of decompressed input" + (
+        ", pairs twice: as texts and as pairs" if twice else ""
+    )
 
 
 def free_space(output: Path) -> tuple[str, int]:
@@ -129,22 +170,29 @@ def check_config(cfg: PrepareConfig) -> None:
     check_sources(cfg)
     if "translation" in cfg.tasks and not any(is_parallel(source) for source in source_list(cfg)):
         formats = ", ".join(source.format for source in source_list(cfg))
-        raise UserError(f"tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with target_field), not {formats}")
+        raise UserError(
+            f"tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with target_field), not {formats}"
+        )
     if cfg.seq_len < 2:
         raise UserError(f"seq_len: must be at least 2, got {cfg.seq_len}")
     if not (0 <= cfg.split.valid and 0 <= cfg.split.test and cfg.split.valid + cfg.split.test < 1):
-        raise UserError("split.valid and split.test: fractions in [0, 1) that leave some training data")
+        raise UserError(
+            "split.valid and split.test: fractions in [0, 1) that leave some training data"
+        )
     if cfg.shard.buckets < 1 or cfg.shard.max_samples < 1:
         raise UserError("shard.buckets and shard.max_samples: must be at least 1")
 
 
 def _staging_dir(output: Path, overwrite: bool) -> Path:
     if (output / MANIFEST).exists() and not overwrite:
-        raise UserError(f"{output} is already a prepared dataset; pass overwrite=true to replace it")
+        raise UserError(
+            f"{output} is already a prepared dataset; pass overwrite=true to replace it"
+        )
     if output.exists() and not overwrite and any(output.iterdir()):
         raise UserError(f"{output} exists and is not empty; pass overwrite=true to replace it")
     staging = output.with_name(output.name + ".partial")
-    if staging.exists():  # kept with keep_partial, or left by a run killed outright (kill -9, a lost node)
+    # kept with keep_partial, or left by a run killed outright (kill -9, a lost node)
+    if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     return staging
@@ -161,8 +209,15 @@ def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
     log(f"prepare: {why}; removed {staging}")
 
 
-def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_model: bytes | None, staging: Path,
-           started: float, log) -> dict:
+def _build(
+    cfg: PrepareConfig,
+    files: list[list[str]],
+    units: list[Unit],
+    given_model: bytes | None,
+    staging: Path,
+    started: float,
+    log,
+) -> dict:
     """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.ray_runner import ray_session, run_tasks
     from pipeline.work import encode_splits, scan_units
@@ -171,11 +226,18 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
     with ray_session(cfg.ray):
         scanned_units: list[Unit] = []  # `units` with each streamed file replaced by its chunks
         scanned = run_tasks(
-            scan_units, ((batch,) for batch in scan_batches(units, cfg.ray.num_workers, cfg.unit_bytes, scanned_units)),
-            num_workers=cfg.ray.num_workers, desc="scan", progress=cfg.progress,
+            scan_units,
+            (
+                (batch,)
+                for batch in scan_batches(units, cfg.ray.num_workers, cfg.unit_bytes, scanned_units)
+            ),
+            num_workers=cfg.ray.num_workers,
+            desc="scan",
+            progress=cfg.progress,
             shared={"cfg": cfg, "work_dir": str(work_dir)},
         )
-        scanned = [result for results in scanned for result in results]  # one per unit, in unit order
+        # one per unit, in unit order
+        scanned = [result for results in scanned for result in results]
         units = scanned_units
         sources = source_list(cfg)
         by_source = []
@@ -189,7 +251,9 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
             try:
                 check_usable(stats, source, len(files[index]), undecodable_by_file)
             except UserError as err:
-                raise UserError(f"{source_where(cfg, index)}: {err}" if cfg.sources else str(err)) from err
+                raise UserError(
+                    f"{source_where(cfg, index)}: {err}" if cfg.sources else str(err)
+                ) from err
             by_source.append(stats)
         source_stats = _merge_stats([{"stats": stats} for stats in by_source])
         if given_model is None:
@@ -209,41 +273,83 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
         # end while the others idle; results are put back in order below, so output is unchanged.
         jobs.sort(key=lambda job: -_job_bytes(work_dir, len(units), job[0], job[1]))
         encoded = run_tasks(
-            encode_splits, jobs, num_workers=cfg.ray.num_workers, desc="encode", progress=cfg.progress,
-            shared={"work_dir": str(work_dir), "out_dir": str(staging), "tokenizer_model": model_bytes, "cfg": cfg},
+            encode_splits,
+            jobs,
+            num_workers=cfg.ray.num_workers,
+            desc="encode",
+            progress=cfg.progress,
+            shared={
+                "work_dir": str(work_dir),
+                "out_dir": str(staging),
+                "tokenizer_model": model_bytes,
+                "cfg": cfg,
+            },
         )
-        # One task per (dataset, bucket) made all its splits; in (dataset, split, bucket) order, as shards are listed.
-        encoded = sorted((r for results in encoded for r in results),
-                         key=lambda r: (r["dataset"], SPLITS.index(r["split"]), r["bucket"]))
+        # One task per (dataset, bucket) made all its splits; in (dataset, split, bucket) order, as
+        # shards are listed.
+        encoded = sorted(
+            (r for results in encoded for r in results),
+            key=lambda r: (r["dataset"], SPLITS.index(r["split"]), r["bucket"]),
+        )
 
     manifest = {
         "format_version": FORMAT_VERSION,
-        "tokenizer": {"file": TOKENIZER_FILE, **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
-                      "trained": given_model is None},
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
+            "trained": given_model is None,
+        },
         "config": config_to_dict(cfg),
-        "sources": {"files": sum(map(len, files)), "units": len(units), **source_stats,
-                    "by_source": {source.name: {"format": source.format, "files": len(files[index]),
-                                                "units": sum(unit.source == index for unit in units), **by_source[index]}
-                                  for index, source in enumerate(sources)}},
+        "sources": {
+            "files": sum(map(len, files)),
+            "units": len(units),
+            **source_stats,
+            "by_source": {
+                source.name: {
+                    "format": source.format,
+                    "files": len(files[index]),
+                    "units": sum(unit.source == index for unit in units),
+                    **by_source[index],
+                }
+                for index, source in enumerate(sources)
+            },
+        },
         "datasets": {},
         "seconds": round(time.time() - started, 1),
     }
     for name in datasets:
         results = [r for r in encoded if r["dataset"] == name]
-        entry = {"tasks": [k for k in TASKS if DATASET_FOR_TASK[k] == name], "fields": list(FIELDS[name]),
-                 "splits": {}, "stats": _merge_stats(results),
-                 "stats_by_source": {source.name: _merge_stats([{"stats": r["source_stats"][source.name]} for r in results])
-                                     for source in sources}}
+        entry = {
+            "tasks": [k for k in TASKS if DATASET_FOR_TASK[k] == name],
+            "fields": list(FIELDS[name]),
+            "splits": {},
+            "stats": _merge_stats(results),
+            "stats_by_source": {
+                source.name: _merge_stats(
+                    [{"stats": r["source_stats"][source.name]} for r in results]
+                )
+                for source in sources
+            },
+        }
         if name == "packed":
             entry["seq_len"] = cfg.seq_len
         for split in SPLITS:
-            shards = [shard for r in encoded if r["dataset"] == name and r["split"] == split for shard in r["shards"]]
+            shards = [
+                shard
+                for r in encoded
+                if r["dataset"] == name and r["split"] == split
+                for shard in r["shards"]
+            ]
             entry["splits"][split] = {
                 "samples": sum(s["samples"] for s in shards),
                 "tokens": sum(s["tokens"] for s in shards),
-                "sources": {source.name: {"samples": sum(s["samples"] for s in shards if s["source"] == source.name),
-                                          "tokens": sum(s["tokens"] for s in shards if s["source"] == source.name)}
-                            for source in sources},
+                "sources": {
+                    source.name: {
+                        "samples": sum(s["samples"] for s in shards if s["source"] == source.name),
+                        "tokens": sum(s["tokens"] for s in shards if s["source"] == source.name),
+                    }
+                    for source in sources
+                },
                 "shards": shards,
             }
         manifest["datasets"][name] = entry
@@ -258,8 +364,9 @@ def _build(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], given_
 SCAN_TASKS_PER_WORKER = 4  # small units are batched into about this many scan tasks per worker
 
 
-def scan_batches(units: list[Unit], num_workers: int, unit_bytes: int,
-                 numbered: list[Unit] | None = None) -> Iterator[list[tuple[int, Unit]]]:
+def scan_batches(
+    units: list[Unit], num_workers: int, unit_bytes: int, numbered: list[Unit] | None = None
+) -> Iterator[list[tuple[int, Unit]]]:
     """Consecutive units grouped into scan tasks of about equal input bytes: enough tasks to keep
     the workers busy to the end, few enough that scheduling does not dominate small files. A
     `stream` unit is decompressed here, as its tasks are wanted, into chunks of `unit_bytes`,
@@ -294,7 +401,9 @@ def _job_bytes(work_dir: Path, n_units: int, dataset: str, bucket: int) -> int:
     from pipeline.work import MONO, PAIRS, bucket_file
 
     family = MONO if dataset == "packed" else PAIRS
-    paths = (bucket_file(work_dir, u, family, split, bucket) for u in range(n_units) for split in SPLITS)
+    paths = (
+        bucket_file(work_dir, u, family, split, bucket) for u in range(n_units) for split in SPLITS
+    )
     return sum(path.stat().st_size for path in paths if path.is_file())
 
 
@@ -318,7 +427,8 @@ def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict])
     items = [sample.items() for sample in samples]
     quota = [0] * len(sources)
     open_sources, slots = list(range(len(sources))), cfg.tokenizer.sample_texts
-    while open_sources and slots > 0:  # water-filling: the shares of the sources that still have texts
+    # water-filling: the shares of the sources that still have texts
+    while open_sources and slots > 0:
         total = sum(sources[i].tokenizer_share for i in open_sources)
         exact = {i: slots * sources[i].tokenizer_share / total for i in open_sources}
         offer = {i: int(exact[i]) for i in open_sources}
@@ -365,9 +475,21 @@ def summary(manifest: dict) -> str:
     lines = [f"{'dataset':<12}{'split':<7}{'shards':>7}{'samples':>10}{'tokens':>12}"]
     for name, dataset in manifest["datasets"].items():
         for split, entry in dataset["splits"].items():
-            lines.append(f"{name:<12}{split:<7}{len(entry['shards']):>7}{entry['samples']:>10}{entry['tokens']:>12}")
+            lines.append(
+                f"{name:<12}{split:<7}{len(entry['shards']):>7}{entry['samples']:>10}{entry['tokens']:>12}"
+            )
     sources = manifest["sources"]
-    keep = ("files", "records", "empty", "bad_bytes_replaced", "untranslated", "fuzzy", "malformed_records", "unreadable_files", "long_texts_cut")
+    keep = (
+        "files",
+        "records",
+        "empty",
+        "bad_bytes_replaced",
+        "untranslated",
+        "fuzzy",
+        "malformed_records",
+        "unreadable_files",
+        "long_texts_cut",
+    )
     lines.append("sources: " + ", ".join(f"{k}={sources[k]}" for k in keep if k in sources))
     cfg = config_from_dict(PrepareConfig, manifest["config"], "manifest")
     by_source = sources.get("by_source", {})
@@ -377,14 +499,21 @@ def summary(manifest: dict) -> str:
             lines.append(f"skipped{' in ' + source.name if cfg.sources else ''}: {skipped}")
     if cfg.sources:
         for name, entry in by_source.items():
-            counts = ", ".join(f"{d}/{split} {e['sources'][name]['samples']}" for d, dataset in manifest["datasets"].items()
-                               for split, e in dataset["splits"].items())
-            lines.append(f"source {name} ({entry['format']}): {entry['files']} files, {entry.get('records', 0)} records; "
-                         f"samples {counts}")
+            counts = ", ".join(
+                f"{d}/{split} {e['sources'][name]['samples']}"
+                for d, dataset in manifest["datasets"].items()
+                for split, e in dataset["splits"].items()
+            )
+            lines.append(
+                f"source {name} ({entry['format']}): {entry['files']} files, {entry.get('records', 0)} records; "
+                f"samples {counts}"
+            )
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
     tok = manifest["tokenizer"]
-    lines.append(f"tokenizer: vocab {tok['vocab_size']}, sha256 {tok['sha256'][:16]}…; {manifest['seconds']} s")
+    lines.append(
+        f"tokenizer: vocab {tok['vocab_size']}, sha256 {tok['sha256'][:16]}…; {manifest['seconds']} s"
+    )
     return "\n".join(lines)
 
 
@@ -393,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, scancel, a time limit) unwinds like Ctrl-C, through the cleanup in
     # `prepare`; Python's default would die on the spot and leave the staging directory.
     signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)  # the same, and noted for the task loop (ray_runner.INTERRUPTED)
+    # the same, and noted for the task loop (ray_runner.INTERRUPTED)
+    signal.signal(signal.SIGINT, _interrupt)
     manifest = prepare(cfg)
     print(summary(manifest))
     print(f"wrote {cfg.output_dir}/{MANIFEST}")

@@ -44,7 +44,15 @@ def every_s() -> float:
 class Meter:
     """`update(n)` as work is done, `close()` at the end (or use it as a context manager)."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, *, enabled: bool = True, stream: TextIO | None = None):
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        unit: str,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+    ):
         self.total, self.desc, self.unit = total, desc, unit
         self.stream = stream or sys.stderr
         self.n = self._said_n = 0
@@ -54,10 +62,18 @@ class Meter:
         if not enabled:
             return
         if self.stream.isatty():
-            # A terminal that reports no size (a bare pseudo-terminal: 0 x 0) would get no bar from tqdm.
+            # A terminal that reports no size (a bare pseudo-terminal: 0 x 0) would get no bar from
+            # tqdm.
             columns, rows = _size(self.stream)
-            self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, dynamic_ncols=columns > 0,
-                            ncols=None if columns else 80, nrows=None if rows else 24)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                file=self.stream,
+                dynamic_ncols=columns > 0,
+                ncols=None if columns else 80,
+                nrows=None if rows else 24,
+            )
         else:
             self.plain = True
             self.started = self._said_at = time.monotonic()
@@ -79,8 +95,14 @@ class Meter:
 
     def _say(self) -> None:
         now = time.monotonic()
-        line = tqdm.format_meter(self.n, self.total, now - self.started, prefix=self.desc, unit=self.unit,
-                                 bar_format=_PLAIN if self.total else _PLAIN_NO_TOTAL)
+        line = tqdm.format_meter(
+            self.n,
+            self.total,
+            now - self.started,
+            prefix=self.desc,
+            unit=self.unit,
+            bar_format=_PLAIN if self.total else _PLAIN_NO_TOTAL,
+        )
         self.stream.write(" ".join(line.split()) + "\n")  # one write: ranks' lines do not splice
         self.stream.flush()
         self._said_at, self._said_n = now, self.n
@@ -100,7 +122,14 @@ def _size(stream: TextIO) -> tuple[int, int]:
         return 0, 0
 
 
-def meter(total: int | None, desc: str, unit: str = "it", *, enabled: bool = True, stream: TextIO | None = None) -> Meter:
+def meter(
+    total: int | None,
+    desc: str,
+    unit: str = "it",
+    *,
+    enabled: bool = True,
+    stream: TextIO | None = None,
+) -> Meter:
     """A progress meter over `total` units (None: unknown) on `stream` (stderr): a tqdm bar on a
     terminal, plain lines otherwise, nothing when not `enabled` (a rank other than the main one)."""
     return Meter(total, desc, unit, enabled=enabled, stream=stream)

@@ -15,8 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sized
 
-from pipeline.config import RayConfig
 from common.configure import UserError
+from pipeline.config import RayConfig
 from pipeline.progress import meter
 
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -41,12 +41,14 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
         yield
     finally:
         if started:
-            spawned = _descendants() - before  # the raylet, the GCS and the workers the raylet started
+            # the raylet, the GCS and the workers the raylet started
+            spawned = _descendants() - before
             ray.shutdown(wait_for_processes=True)
             reap(spawned)
 
 
-WORKER_EXIT_S = 15.0  # how long the workers of a shut-down local Ray get to exit before they are killed
+# how long the workers of a shut-down local Ray get to exit before they are killed
+WORKER_EXIT_S = 15.0
 
 
 def _descendants() -> set:
@@ -75,10 +77,18 @@ def reap(processes) -> None:
 def _init(ray: Any, cfg: RayConfig) -> None:
     # Workers import this project by path: that works on one machine and on a cluster
     # whose nodes share the file system (as SLURM clusters do) without uploading code.
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p),
-           "OMP_NUM_THREADS": "1"}
-    kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
-                                  log_to_driver=True, logging_level="WARNING")
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p
+        ),
+        "OMP_NUM_THREADS": "1",
+    }
+    kwargs: dict[str, Any] = dict(
+        runtime_env={"env_vars": env},
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level="WARNING",
+    )
     if cfg.address:
         kwargs["address"] = cfg.address
     else:
@@ -91,7 +101,9 @@ def _init(ray: Any, cfg: RayConfig) -> None:
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise UserError(f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}") from err
+        raise UserError(
+            f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}"
+        ) from err
     finally:
         if callable(sigterm):
             signal.signal(signal.SIGTERM, sigterm)
@@ -141,10 +153,12 @@ def run_tasks(
                     break
                 pending[remote.remote(*args, **shared_refs)] = len(results)
                 results.append(None)
-                del args  # a chunk's bytes are the task's now (in the object store), not the driver's
+                # a chunk's bytes are the task's now (in the object store), not the driver's
+                del args
             if not pending:
                 break
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)  # wakes to see INTERRUPTED
+            # wakes to see INTERRUPTED
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in done:
                 index = pending.pop(ref)
                 try:

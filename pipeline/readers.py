@@ -14,12 +14,19 @@ import struct
 from collections import Counter
 from typing import Iterator, Mapping
 
-from pipeline.config import SourceConfig
 from common.configure import UserError
+from pipeline.config import SourceConfig
 from pipeline.manpage import man_paragraphs, page_encoding
-from pipeline.sources import (Record, Unit, _lines, _open_binary, _parquet_columns, _reading, clean_text,
-                              decode_counting)
-
+from pipeline.sources import (
+    Record,
+    Unit,
+    _lines,
+    _open_binary,
+    _parquet_columns,
+    _reading,
+    clean_text,
+    decode_counting,
+)
 
 _CHARSET = re.compile(rb"charset\s*=\s*([A-Za-z0-9_.:-]+)")
 MO_MAGIC_LE = 0x950412DE
@@ -203,13 +210,17 @@ def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
     columns = _parquet_columns(cfg)
     with pq.ParquetFile(unit.path) as parquet:
         for group in range(unit.start, unit.end):
-            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns):
+            for batch in parquet.iter_batches(
+                batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns
+            ):
                 texts = batch.column(0).to_pylist()
                 targets = batch.column(1).to_pylist() if cfg.target_field else [None] * len(texts)
                 for text, target in zip(texts, targets):
                     stats["lines"] += 1
                     if text is None or (cfg.target_field and target is None):
-                        _malformed(stats, "text_not_string" if text is None else "target_not_string")
+                        _malformed(
+                            stats, "text_not_string" if text is None else "target_not_string"
+                        )
                         continue
                     yield text, target
 
@@ -224,13 +235,21 @@ def _read_manpage(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
         yield paragraph, None
 
 
-_READERS = {"text": _read_text, "jsonl": _read_jsonl, "tsv": _read_tsv, "gettext": _read_gettext, "parquet": _read_parquet,
-            "manpage": _read_manpage}
+_READERS = {
+    "text": _read_text,
+    "jsonl": _read_jsonl,
+    "tsv": _read_tsv,
+    "gettext": _read_gettext,
+    "parquet": _read_parquet,
+    "manpage": _read_manpage,
+}
 
 
 def is_parallel(cfg: SourceConfig) -> bool:
     """Whether the source yields (source, target) pairs."""
-    return cfg.format in ("tsv", "gettext") or (cfg.format in ("jsonl", "parquet") and bool(cfg.target_field))
+    return cfg.format in ("tsv", "gettext") or (
+        cfg.format in ("jsonl", "parquet") and bool(cfg.target_field)
+    )
 
 
 def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
@@ -275,7 +294,9 @@ def chunk_text(text: str, max_chars: int) -> list[str]:
 # ---------------------------------------------------------------- what was skipped, in words
 
 
-def check_usable(stats: Mapping[str, int], cfg: SourceConfig, files: int, undecodable_by_file: Mapping[str, int]) -> None:
+def check_usable(
+    stats: Mapping[str, int], cfg: SourceConfig, files: int, undecodable_by_file: Mapping[str, int]
+) -> None:
     """Stop with the cause, in one line, when the input yields no record or is mostly
     undecodable, rather than later with a symptom ("the train split is empty")."""
     records, undecodable = stats.get("records", 0), stats.get("undecodable_dropped", 0)
@@ -284,10 +305,13 @@ def check_usable(stats: Mapping[str, int], cfg: SourceConfig, files: int, undeco
         raise UserError(
             f"source is mostly undecodable (binary, or not UTF-8): {undecodable} of {records + undecodable} "
             f"{_record_noun(cfg)} have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
-            f"(source.max_replaced_fraction={cfg.max_replaced_fraction}), {undecodable_by_file[worst]} of them in {worst}")
+            f"(source.max_replaced_fraction={cfg.max_replaced_fraction}), {undecodable_by_file[worst]} of them in {worst}"
+        )
     if records == 0:
         why = describe_skipped(stats, cfg, filtered=True) or f"{cfg.format}: the files hold no text"
-        raise UserError(f"no usable records in {files} file{'s' if files != 1 else ''} of source.paths: {why}")
+        raise UserError(
+            f"no usable records in {files} file{'s' if files != 1 else ''} of source.paths: {why}"
+        )
 
 
 # malformed_<reason> counts of the jsonl reader, and how a message says them.
@@ -301,7 +325,15 @@ _LINE_REASONS = (
 )
 _COLUMNS_KEY = re.compile(r"malformed_(\d+)_columns")
 # Ordinary filtering, not faults of the input (from short_paragraphs on: man pages).
-_FILTERED = ("empty", "untranslated", "fuzzy", "short_paragraphs", "command_examples", "so_redirects", "mdoc_pages_skipped")
+_FILTERED = (
+    "empty",
+    "untranslated",
+    "fuzzy",
+    "short_paragraphs",
+    "command_examples",
+    "so_redirects",
+    "mdoc_pages_skipped",
+)
 
 
 def describe_skipped(stats: Mapping[str, int], cfg: SourceConfig, *, filtered: bool = False) -> str:
@@ -310,24 +342,35 @@ def describe_skipped(stats: Mapping[str, int], cfg: SourceConfig, *, filtered: b
     the ordinary drops (empty texts, untranslated and fuzzy catalog entries)."""
     lines = stats.get("lines", 0)
     names = {"text_field": cfg.text_field, "target_field": cfg.target_field}
-    parts = [f"{stats[f'malformed_{reason}']} of {lines} lines {words.format(**names)}"
-             for reason, words in _LINE_REASONS if stats.get(f"malformed_{reason}")]
-    columns = sorted((int(m.group(1)), n) for key, n in stats.items() if (m := _COLUMNS_KEY.fullmatch(key)) and n)
+    parts = [
+        f"{stats[f'malformed_{reason}']} of {lines} lines {words.format(**names)}"
+        for reason, words in _LINE_REASONS
+        if stats.get(f"malformed_{reason}")
+    ]
+    columns = sorted(
+        (int(m.group(1)), n) for key, n in stats.items() if (m := _COLUMNS_KEY.fullmatch(key)) and n
+    )
     if columns:
         need = max(cfg.source_column, cfg.target_column) + 1
         if len(columns) == 1:
             have = f"have {columns[0][0]} column{'s' if columns[0][0] != 1 else ''}"
         else:
-            have = f"have fewer than {need} columns ({', '.join(f'{n} with {k}' for k, n in columns)})"
-        parts.append(f"{sum(n for _, n in columns)} of {lines} lines {have} "
-                     f"(source_column={cfg.source_column} and target_column={cfg.target_column} need {need})")
+            have = (
+                f"have fewer than {need} columns ({', '.join(f'{n} with {k}' for k, n in columns)})"
+            )
+        parts.append(
+            f"{sum(n for _, n in columns)} of {lines} lines {have} "
+            f"(source_column={cfg.source_column} and target_column={cfg.target_column} need {need})"
+        )
     undecodable = stats.get("undecodable_dropped", 0)
     if undecodable:
-        parts.append(f"{undecodable} of {stats.get('records', 0) + undecodable} {_record_noun(cfg)} "
-                     f"have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
-                     f"(source.max_replaced_fraction={cfg.max_replaced_fraction})")
+        parts.append(
+            f"{undecodable} of {stats.get('records', 0) + undecodable} {_record_noun(cfg)} "
+            f"have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
+            f"(source.max_replaced_fraction={cfg.max_replaced_fraction})"
+        )
     if stats.get("unreadable_files"):
-        first = min(key for key in stats if key.startswith("unreadable: "))[len("unreadable: "):]
+        first = min(key for key in stats if key.startswith("unreadable: "))[len("unreadable: ") :]
         parts.append(f"{stats['unreadable_files']} unreadable files (first: {first})")
     if filtered:
         parts += [f"{stats[key]} {key}" for key in _FILTERED if stats.get(key)]

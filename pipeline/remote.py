@@ -46,15 +46,25 @@ class FetchConfig:
     @classmethod
     def from_loader_config(cls, cfg) -> FetchConfig:
         """The fetch settings of a `pipeline.config.LoaderConfig`."""
-        return cls(cache_dir=cfg.cache_dir, max_bytes=int(cfg.cache_max_gb * _GB), retries=cfg.fetch_retries,
-                   backoff_s=cfg.fetch_backoff_s, timeout_s=cfg.fetch_timeout_s, prefetch=cfg.prefetch_shards)
+        return cls(
+            cache_dir=cfg.cache_dir,
+            max_bytes=int(cfg.cache_max_gb * _GB),
+            retries=cfg.fetch_retries,
+            backoff_s=cfg.fetch_backoff_s,
+            timeout_s=cfg.fetch_timeout_s,
+            prefetch=cfg.prefetch_shards,
+        )
 
     def directory(self) -> Path:
         return Path(self.cache_dir or default_cache_dir())
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pretrain-pipeline", "shards")
+    return os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "pretrain-pipeline",
+        "shards",
+    )
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -87,15 +97,21 @@ def filesystem(url: str, timeout_s: float = 60.0):
             if protocol in ("http", "https"):
                 import aiohttp
 
-                # A server that stops sending would otherwise hold the reader, and every rank, forever.
-                options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout_s,
-                                                                            sock_read=timeout_s)}
+                # A server that stops sending would otherwise hold the reader, and every rank,
+                # forever.
+                options["client_kwargs"] = {
+                    "timeout": aiohttp.ClientTimeout(
+                        total=None, sock_connect=timeout_s, sock_read=timeout_s
+                    )
+                }
             _filesystems[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
         except ValueError as err:
             raise UserError(f"{url}: unknown protocol {protocol!r} ({err})") from err
         except ImportError as err:
             hint = known_implementations.get(protocol, {}).get("err") or str(err)
-            raise UserError(f"{url}: the {protocol!r} protocol needs a package that is not installed: {hint}") from err
+            raise UserError(
+                f"{url}: the {protocol!r} protocol needs a package that is not installed: {hint}"
+            ) from err
     return _filesystems[key]
 
 
@@ -109,8 +125,13 @@ def read_bytes(path: str | os.PathLike, fetch: FetchConfig | None = None) -> byt
     return _with_retries(path, fetch, lambda: fs.cat_file(path))
 
 
-def local_file(path: str | os.PathLike, fetch: FetchConfig | None = None, *, size: int | None = None,
-               sha256: str | None = None) -> str:
+def local_file(
+    path: str | os.PathLike,
+    fetch: FetchConfig | None = None,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+) -> str:
     """A local path holding `path`'s bytes: `path` itself, or its copy in the cache (fetched if
     needed; a one-line UserError if it cannot be)."""
     if not is_url(path):
@@ -129,8 +150,14 @@ stats = {"downloads": 0, "cache_hits": 0, "retries": 0, "evictions": 0}  # this 
 
 
 @contextlib.contextmanager
-def cached(url: str, fetch: FetchConfig, *, size: int | None = None, sha256: str | None = None,
-           _prefetching: bool = False):
+def cached(
+    url: str,
+    fetch: FetchConfig,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    _prefetching: bool = False,
+):
     """The local path of `url`'s copy in the cache, downloaded first if needed; the entry is
     locked (shared) for the duration of the `with`, so it is not evicted while being read."""
     directory = fetch.directory()
@@ -154,7 +181,8 @@ def cached(url: str, fetch: FetchConfig, *, size: int | None = None, sha256: str
                 failed = None if _prefetching else _failed.pop(key, None)
                 if failed is not None:
                     raise FetchError(failed)
-                _remove_partials(directory, key)  # left by downloads that died: only the lock holder writes them
+                # left by downloads that died: only the lock holder writes them
+                _remove_partials(directory, key)
                 _make_room(directory, fetch.max_bytes - (size or 0), keep=key)
                 _download(url, directory, key, fetch, size, sha256)
                 _make_room(directory, fetch.max_bytes, keep=key)
@@ -163,12 +191,16 @@ def cached(url: str, fetch: FetchConfig, *, size: int | None = None, sha256: str
 
 
 def _entry_key(url: str, size: int | None, sha256: str | None) -> str:
-    identity = hashlib.sha256(f"{url}\0{sha256 or ''}\0{size if size is not None else ''}".encode()).hexdigest()
+    identity = hashlib.sha256(
+        f"{url}\0{sha256 or ''}\0{size if size is not None else ''}".encode()
+    ).hexdigest()
     name = re.sub(r"[^A-Za-z0-9_-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-48:]
     return f"{identity[:32]}-{name}"
 
 
-def _download(url: str, directory: Path, key: str, fetch: FetchConfig, size: int | None, sha256: str | None) -> None:
+def _download(
+    url: str, directory: Path, key: str, fetch: FetchConfig, size: int | None, sha256: str | None
+) -> None:
     fs = filesystem(url, fetch.timeout_s)
     partial = directory / f"{key}.{os.getpid()}-{threading.get_ident()}.part"
 
@@ -182,7 +214,9 @@ def _download(url: str, directory: Path, key: str, fetch: FetchConfig, size: int
                 from common.hashing import file_sha256
 
                 if (actual := file_sha256(partial)) != sha256:
-                    raise FetchError(f"sha256 {actual[:12]}... differs from the manifest's {sha256[:12]}...")
+                    raise FetchError(
+                        f"sha256 {actual[:12]}... differs from the manifest's {sha256[:12]}..."
+                    )
             os.replace(partial, directory / f"{key}.data")
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -202,15 +236,22 @@ def _with_retries(url: str, fetch: FetchConfig, attempt):
             return attempt()
         except FileNotFoundError:
             raise  # a missing file stays missing: no retry
-        except Exception as err:  # network, server and storage errors alike: retried, then one verdict
+        # network, server and storage errors alike: retried, then one verdict
+        except Exception as err:
             message = f"{type(err).__name__}: {err}".strip().splitlines()[0]
             if number == attempts:
                 raise FetchError(f"{message} (after {attempts} attempts)") from err
             # Exponential back-off, jittered so the ranks of a node do not retry in lockstep.
             delay = fetch.backoff_s * 2 ** (number - 1) * random.uniform(1.0, 1.5)
             stats["retries"] += 1
-            log.warning("fetching %s failed (attempt %d of %d): %s; retrying in %.1f s", url, number, attempts,
-                        message, delay)
+            log.warning(
+                "fetching %s failed (attempt %d of %d): %s; retrying in %.1f s",
+                url,
+                number,
+                attempts,
+                message,
+                delay,
+            )
             time.sleep(delay)
 
 
@@ -307,7 +348,9 @@ class _Prefetcher:
 
     def follow(self, stream, lookahead: int) -> None:
         with self.changed:
-            _failed.clear()  # verdicts stand for the stream they were reached in (an epoch): the next one tries again
+            # verdicts stand for the stream they were reached in (an epoch): the next one tries
+            # again
+            _failed.clear()
             self.stream, self.lookahead = stream, lookahead
             self.shards: list = []  # drawn from the stream so far, each path once
             self.place: dict[str, int] = {}
@@ -334,7 +377,8 @@ class _Prefetcher:
     def _due(self) -> object | None:
         """The next shard to fetch, if one is due (caller holds the condition)."""
         if self.sought is not None:
-            if self.sought not in self.place:  # the reader is a little ahead; a filler's shard is not in the stream
+            # the reader is a little ahead; a filler's shard is not in the stream
+            if self.sought not in self.place:
                 self._draw(len(self.shards) + self.lookahead)
             i = self.place.get(self.sought, -1)
             if i > self.position:
@@ -354,7 +398,9 @@ class _Prefetcher:
                     self.changed.wait()
             fetch = shard.fetch or FetchConfig()
             try:
-                with cached(shard.path, fetch, size=shard.bytes, sha256=shard.sha256, _prefetching=True):
+                with cached(
+                    shard.path, fetch, size=shard.bytes, sha256=shard.sha256, _prefetching=True
+                ):
                     pass
             except FetchError as err:
                 _failed[_entry_key(shard.path, shard.bytes, shard.sha256)] = str(err)
@@ -364,7 +410,8 @@ class _Prefetcher:
     def _safe_due(self):
         try:
             return self._due()
-        except Exception as err:  # a stream that cannot be drawn from: prefetching stops, reading goes on
+        # a stream that cannot be drawn from: prefetching stops, reading goes on
+        except Exception as err:
             log.debug("shard prefetch stopped: %s", err)
             self.follow(iter(()), 0)
             return None

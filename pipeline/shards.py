@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline import remote
 from common.configure import UserError
+from pipeline import remote
 from pipeline.format import DATASET_FOR_TASK, FIELDS, POSITION_FIELDS, decode_array
 
 
@@ -38,7 +38,8 @@ class Shard:
     path: str  # a local path or a URL
     samples: int
     bytes: int | None
-    sha256: str | None = None  # the manifest's; names (and checks) a remote shard's copy in the cache
+    # the manifest's; names (and checks) a remote shard's copy in the cache
+    sha256: str | None = None
     fetch: remote.FetchConfig | None = None  # how a remote shard is fetched (None: the defaults)
 
 
@@ -46,7 +47,9 @@ class ShardError(Exception):
     """A shard that cannot be used as a whole; the message says why."""
 
 
-def read_shard(shard: Shard, fields: tuple[str, ...], wanted: set[int]) -> dict[int, dict[str, bytes]]:
+def read_shard(
+    shard: Shard, fields: tuple[str, ...], wanted: set[int]
+) -> dict[int, dict[str, bytes]]:
     """The raw members of the `wanted` samples (by position in the tar), after checking the whole shard.
 
     The whole shard is read even when few samples are wanted: a shard is good or bad as a whole,
@@ -57,8 +60,12 @@ def read_shard(shard: Shard, fields: tuple[str, ...], wanted: set[int]) -> dict[
     if remote.is_url(shard.path):
         remote.reading(shard.path)
         try:
-            with remote.cached(shard.path, shard.fetch or remote.FetchConfig(), size=shard.bytes,
-                               sha256=shard.sha256) as local:
+            with remote.cached(
+                shard.path,
+                shard.fetch or remote.FetchConfig(),
+                size=shard.bytes,
+                sha256=shard.sha256,
+            ) as local:
                 return read_shard(replace(shard, path=local), fields, wanted)
         except remote.FetchError as err:
             raise ShardError(f"cannot fetch: {err}") from err
@@ -96,7 +103,10 @@ def sample_sizes(shard: Shard, fields: tuple[str, ...]) -> np.ndarray | None:
         return None
     if len(members) != shard.samples:
         return None
-    return np.array([sum(len(data) for data in members[i].values()) for i in range(shard.samples)], dtype=np.int64)
+    return np.array(
+        [sum(len(data) for data in members[i].values()) for i in range(shard.samples)],
+        dtype=np.int64,
+    )
 
 
 _BLOCK = 512  # tar's unit: a header, or a share of a member's data (zero-padded to whole blocks)
@@ -104,7 +114,16 @@ _BLOCK = 512  # tar's unit: a header, or a share of a member's data (zero-padded
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\x5d\x00\x00\x80", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
 # The header's number fields (mode, uid, gid, size, mtime, checksum, devmajor, devminor) as
 # (start, end). Python's tarfile rejects the header if any of them is not octal.
-_NUMBER_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (148, 156), (329, 337), (337, 345))
+_NUMBER_FIELDS = (
+    (100, 108),
+    (108, 116),
+    (116, 124),
+    (124, 136),
+    (136, 148),
+    (148, 156),
+    (329, 337),
+    (337, 345),
+)
 _SIZE, _CHECKSUM = 3, 5
 # The octal numbers tarfile reads (its `nti`): digits between optional spaces, ended by a NUL or
 # the field's end. It reads a few more forms (base-256, other whitespace), left to it.
@@ -123,7 +142,8 @@ def scan_tar(data: bytes, fields: tuple[str, ...]) -> list[dict[str, tuple[int, 
     other names, a damaged header, missing data - it answers None, without telling why: the
     caller then asks the reference reader, so a shard gets the same verdict either way.
     """
-    from webdataset.tariterators import base_plus_ext  # webdataset's split of a name into key and suffix
+    # webdataset's split of a name into key and suffix
+    from webdataset.tariterators import base_plus_ext
 
     if data.startswith(_COMPRESSED):
         return None
@@ -179,14 +199,19 @@ def scan_tar(data: bytes, fields: tuple[str, ...]) -> list[dict[str, tuple[int, 
     # headers lie before `offset`, the end-of-archive block, a whole number of blocks in.
     blocks = np.frombuffer(data, np.uint8, count=offset).reshape(-1, _BLOCK)
     blocks = blocks[np.array(headers, dtype=np.int64) // _BLOCK]
-    sums = blocks.sum(axis=1, dtype=np.int64) - blocks[:, 148:156].sum(axis=1, dtype=np.int64) + 8 * ord(" ")
+    sums = (
+        blocks.sum(axis=1, dtype=np.int64)
+        - blocks[:, 148:156].sum(axis=1, dtype=np.int64)
+        + 8 * ord(" ")
+    )
     if not np.array_equal(sums, checksums):
         return None
     return samples
 
 
-def read_shard_with_webdataset(shard: Shard, fields: tuple[str, ...],
-                                wanted: set[int]) -> dict[int, dict[str, bytes]]:
+def read_shard_with_webdataset(
+    shard: Shard, fields: tuple[str, ...], wanted: set[int]
+) -> dict[int, dict[str, bytes]]:
     """`read_shard` through webdataset's tar expander and Python's tarfile: slower, but it defines
     which shards are readable and what a readable shard holds."""
     from webdataset import tariterators
@@ -200,13 +225,16 @@ def read_shard_with_webdataset(shard: Shard, fields: tuple[str, ...],
             for position, sample in enumerate(tariterators.group_by_keys(members)):
                 found = {key for key in sample if not key.startswith("__")}
                 if found != expected:
-                    raise ShardError(f"sample {sample['__key__']!r} has {sorted(found)}, expected {sorted(expected)}")
+                    raise ShardError(
+                        f"sample {sample['__key__']!r} has {sorted(found)}, expected {sorted(expected)}"
+                    )
                 if position in wanted:
                     kept[position] = {name: sample[f"{name}.npy"] for name in fields}
                 count += 1
     except ShardError:
         raise
-    except Exception as err:  # tarfile, I/O and webdataset errors alike mean one thing: an unusable shard
+    # tarfile, I/O and webdataset errors alike mean one thing: an unusable shard
+    except Exception as err:
         # webdataset appends the stream and url to the message; the path is in the warning already.
         message = str(err.args[0]).split(" @ <")[0] if err.args else ""
         raise ShardError(f"unreadable: {type(err).__name__}: {message}") from err
@@ -223,12 +251,18 @@ def stored_fields(manifest: dict, task: str) -> tuple[str, ...]:
     fields = manifest.get("datasets", {}).get(name, {}).get("fields")
     if fields is None:
         return tuple(field for field in FIELDS[name] if field not in POSITION_FIELDS)
-    if not (isinstance(fields, list) and fields and all(isinstance(field, str) for field in fields)):
-        raise UserError(f"the manifest's {name!r} dataset lists its fields as {fields!r}, expected a list of names")
+    if not (
+        isinstance(fields, list) and fields and all(isinstance(field, str) for field in fields)
+    ):
+        raise UserError(
+            f"the manifest's {name!r} dataset lists its fields as {fields!r}, expected a list of names"
+        )
     return tuple(fields)
 
 
-def sample_fields(manifest: dict, task: str, document_mask: bool, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def sample_fields(
+    manifest: dict, task: str, document_mask: bool, where: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the members a sample holds, those the loader decodes): every stored member is read, so
     that a shard's verdict does not depend on the flag; `doc_starts` is decoded only for the
     document mask, which a dataset prepared without document boundaries cannot serve."""
@@ -236,14 +270,20 @@ def sample_fields(manifest: dict, task: str, document_mask: bool, where: str) ->
     if not document_mask:
         return stored, tuple(field for field in stored if field not in POSITION_FIELDS)
     if DATASET_FOR_TASK[task] != "packed":
-        raise UserError(f"data.document_mask applies to packed blocks (causal_lm, mlm), not to {task}")
+        raise UserError(
+            f"data.document_mask applies to packed blocks (causal_lm, mlm), not to {task}"
+        )
     if "doc_starts" not in stored:
-        raise UserError(f"data.document_mask=true, but {where} was prepared without document boundaries (its packed "
-                        "shards hold no doc_starts): prepare it again with this version, or set data.document_mask=false")
+        raise UserError(
+            f"data.document_mask=true, but {where} was prepared without document boundaries (its packed "
+            "shards hold no doc_starts): prepare it again with this version, or set data.document_mask=false"
+        )
     return stored, ("input_ids", "doc_starts")
 
 
-def decode_sample(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int) -> list[np.ndarray]:
+def decode_sample(
+    raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int
+) -> list[np.ndarray]:
     """The arrays of one sample's `fields`, in the integer dtype they are stored in: token ids
     checked to be in the vocabulary, `doc_starts` to be document starts of its block (0 first,
     strictly increasing, inside the block; the block's field comes first in `fields`)."""
@@ -254,13 +294,17 @@ def decode_sample(raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: in
         except Exception as err:
             raise ValueError(f"{name}: not a npy array: {type(err).__name__}: {err}") from err
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
-            raise ValueError(f"{name}: {array.dtype} array of shape {array.shape}, expected non-empty 1-D integers")
+            raise ValueError(
+                f"{name}: {array.dtype} array of shape {array.shape}, expected non-empty 1-D integers"
+            )
         if name in POSITION_FIELDS:
             length = arrays[POSITION_FIELDS[name]].size
             starts = array.astype(np.int64)
             if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= length:
-                raise ValueError(f"{name}: {_preview(starts)} are not document starts in a block of {length} "
-                                 f"tokens (0 first, strictly increasing, below {length})")
+                raise ValueError(
+                    f"{name}: {_preview(starts)} are not document starts in a block of {length} "
+                    f"tokens (0 first, strictly increasing, below {length})"
+                )
         elif array.min() < 0 or array.max() >= vocab_size:
             raise ValueError(
                 f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab_size}"

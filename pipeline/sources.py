@@ -22,9 +22,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Optional
 
-from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
 from common.configure import UserError, config_from_dict
-
+from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
 
 Record = tuple[str, Optional[str]]
 log = logging.getLogger(__name__)
@@ -66,7 +65,9 @@ def normalize_key(text: str) -> str:
 
 def text_hash(text: str, salt: str) -> int:
     """A stable 64-bit hash of a normalized text (independent of PYTHONHASHSEED)."""
-    digest = hashlib.blake2b(normalize_key(text).encode("utf-8"), digest_size=8, person=salt.encode()[:16])
+    digest = hashlib.blake2b(
+        normalize_key(text).encode("utf-8"), digest_size=8, person=salt.encode()[:16]
+    )
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -107,21 +108,33 @@ def check_sources(cfg: PrepareConfig) -> None:
     unusable names, unknown formats and shares that are not positive numbers."""
     # `source` with its defaults (paths resolved, as in a loaded config) means it was not given.
     if cfg.sources and cfg.source != config_from_dict(PrepareConfig, {}).source:
-        raise UserError("source and sources: both given; put the single source in the list `sources` (or give only `source`)")
+        raise UserError(
+            "source and sources: both given; put the single source in the list `sources` (or give only `source`)"
+        )
     names = [s.name for s in source_list(cfg)]
     for index, source in enumerate(source_list(cfg)):
         where = source_where(cfg, index)
         if not _NAME.fullmatch(source.name):
-            raise UserError(f"{where}.name: {source.name!r} is not a name (letters, digits, '_', '.', '-'; "
-                            "it becomes a folder of shards)")
+            raise UserError(
+                f"{where}.name: {source.name!r} is not a name (letters, digits, '_', '.', '-'; "
+                "it becomes a folder of shards)"
+            )
         if names.count(source.name) > 1:
-            raise UserError(f"sources: the name {source.name!r} is given to {names.count(source.name)} sources; names must differ")
+            raise UserError(
+                f"sources: the name {source.name!r} is given to {names.count(source.name)} sources; names must differ"
+            )
         if source.format not in SOURCE_FORMATS:
-            raise UserError(f"{where}.format: {source.format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+            raise UserError(
+                f"{where}.format: {source.format!r} is not one of {', '.join(SOURCE_FORMATS)}"
+            )
         if not source.tokenizer_share > 0:
-            raise UserError(f"{where}.tokenizer_share: must be a positive number, got {source.tokenizer_share}")
+            raise UserError(
+                f"{where}.tokenizer_share: must be a positive number, got {source.tokenizer_share}"
+            )
         if not 0 <= source.max_replaced_fraction <= 1:
-            raise UserError(f"{where}.max_replaced_fraction: a fraction in [0, 1], got {source.max_replaced_fraction}")
+            raise UserError(
+                f"{where}.max_replaced_fraction: a fraction in [0, 1], got {source.max_replaced_fraction}"
+            )
 
 
 def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
@@ -150,16 +163,31 @@ def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
             files.add(pattern)
         else:
             raise UserError(f"{where}.paths: {_unusable(pattern)}")
-    if loops:  # a loop met by several walks (`**` twice in a pattern, overlapping patterns) is one loop
+    # a loop met by several walks (`**` twice in a pattern, overlapping patterns) is one loop
+    if loops:
         link, target = min(set(loops))
         count = len(set(loops))
-        log.warning("warning: %s.paths: %d symlink loop%s not followed (a link back into a directory the glob is "
-                    "already inside adds no file), e.g. %s -> %s", where, count, "s" if count > 1 else "", link, target)
+        log.warning(
+            "warning: %s.paths: %d symlink loop%s not followed (a link back into a directory the glob is "
+            "already inside adds no file), e.g. %s -> %s",
+            where,
+            count,
+            "s" if count > 1 else "",
+            link,
+            target,
+        )
     kept, others = _one_name_each(files)
     if others:
         other, name = min(others)
-        log.warning("warning: %s.paths: %d path%s name a file listed under another name (symbolic links); each "
-                    "file is read once, e.g. %s is %s", where, len(others), "s" if len(others) > 1 else "", other, name)
+        log.warning(
+            "warning: %s.paths: %d path%s name a file listed under another name (symbolic links); each "
+            "file is read once, e.g. %s is %s",
+            where,
+            len(others),
+            "s" if len(others) > 1 else "",
+            other,
+            name,
+        )
     return kept
 
 
@@ -174,7 +202,7 @@ def _glob(pattern: str, loops: list[tuple[str, str]]) -> list[str]:
         return glob.glob(pattern, recursive=True)  # without `**` nothing is walked: no loop
     at = parts.index("**")
     head = os.sep.join(parts[:at]) or (os.sep if at else "")
-    tail = os.sep.join(parts[at + 1:]) or "*"  # `DIR/**`: every entry of every directory below
+    tail = os.sep.join(parts[at + 1 :]) or "*"  # `DIR/**`: every entry of every directory below
     tops = [d for d in glob.glob(head) if os.path.isdir(d)] if glob.has_magic(head) else [head]
     matched = []
     for top in tops:
@@ -249,17 +277,25 @@ def _unusable(path: str) -> str:
         if err.errno == errno.ELOOP:
             return f"not a regular file: {path} is a symbolic link loop"
         return f"cannot read {path}: {err.strerror}"
-    kinds = ((stat.S_ISDIR, f"a directory (its files: a glob such as {os.path.join(path, '**', '*')})"),
-             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"))
-    kind = next((words for test, words in kinds if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+    kinds = (
+        (stat.S_ISDIR, f"a directory (its files: a glob such as {os.path.join(path, '**', '*')})"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next(
+        (words for test, words in kinds if test(mode)), f"of file type {stat.S_IFMT(mode):#o}"
+    )
     return f"not a regular file: {path} is {kind}"
 
 
 COMPRESSED = (".gz", ".zst")
 
 
-def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int, source: int = 0, where: str = "source") -> list[Unit]:
+def plan_units(
+    files: list[str], cfg: SourceConfig, chunk_bytes: int, source: int = 0, where: str = "source"
+) -> list[Unit]:
     """Split the inputs into work units. Uncompressed line-oriented files are cut into byte
     ranges (a reader can start mid-file at the next newline), parquet files into runs of row
     groups; compressed line-oriented files larger than `chunk_bytes` are marked `stream`, for
@@ -271,13 +307,18 @@ def plan_units(files: list[str], cfg: SourceConfig, chunk_bytes: int, source: in
             units.extend(_parquet_units(path, cfg, chunk_bytes, source, where))
             continue
         size = os.path.getsize(path)
-        splittable = cfg.format in ("text", "jsonl", "tsv") and not (cfg.format == "text" and cfg.text_split == "paragraph")
+        splittable = cfg.format in ("text", "jsonl", "tsv") and not (
+            cfg.format == "text" and cfg.text_split == "paragraph"
+        )
         if not splittable or size <= chunk_bytes:
             units.append(Unit(path, source=source))
         elif path.endswith(COMPRESSED):
             units.append(Unit(path, source=source, stream=True))
         else:
-            units.extend(Unit(path, start, min(start + chunk_bytes, size), source) for start in range(0, size, chunk_bytes))
+            units.extend(
+                Unit(path, start, min(start + chunk_bytes, size), source)
+                for start in range(0, size, chunk_bytes)
+            )
     return units
 
 
@@ -319,7 +360,9 @@ def stream_chunks(unit: Unit, chunk_bytes: int) -> Iterator[Unit]:
     chunks yield the records of the whole file."""
     with _reading(unit.path), _open_binary(unit.path) as fh:
         offset, carry = 0, b""
-        while block := _read_full(fh, chunk_bytes - len(carry) if len(carry) < chunk_bytes else chunk_bytes):
+        while block := _read_full(
+            fh, chunk_bytes - len(carry) if len(carry) < chunk_bytes else chunk_bytes
+        ):
             data = carry + block
             cut = data.rfind(b"\n") + 1
             if cut == 0:  # no newline yet: one long line, read on
@@ -335,7 +378,9 @@ def _parquet_columns(cfg: SourceConfig) -> list[str]:
     return [cfg.text_field] + ([cfg.target_field] if cfg.target_field else [])
 
 
-def _parquet_units(path: str, cfg: SourceConfig, chunk_bytes: int, source: int, where: str) -> list[Unit]:
+def _parquet_units(
+    path: str, cfg: SourceConfig, chunk_bytes: int, source: int, where: str
+) -> list[Unit]:
     """Runs of whole row groups of about `chunk_bytes` (uncompressed) each; the schema is checked here, once."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -344,12 +389,16 @@ def _parquet_units(path: str, cfg: SourceConfig, chunk_bytes: int, source: int, 
         meta = pq.ParquetFile(path).metadata
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as err:
-        raise UserError(f"{where}.paths: {path}: not a readable parquet file: {str(err).splitlines()[0]}") from err
+        raise UserError(
+            f"{where}.paths: {path}: not a readable parquet file: {str(err).splitlines()[0]}"
+        ) from err
     for key, column in (("text_field", cfg.text_field), ("target_field", cfg.target_field)):
         if not column:
             continue
         if column not in schema.names:
-            raise UserError(f"{where}.{key}: {path} has no column {column!r} (columns: {', '.join(schema.names)})")
+            raise UserError(
+                f"{where}.{key}: {path} has no column {column!r} (columns: {', '.join(schema.names)})"
+            )
         kind = schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise UserError(f"{where}.{key}: column {column!r} of {path} holds {kind}, not strings")
@@ -371,7 +420,9 @@ def _open_binary(path: str) -> IO[bytes]:
         import zstandard
 
         # Buffered, for readline and line iteration, which the decompression reader lacks.
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+        return io.BufferedReader(
+            zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        )
     return open(path, "rb")
 
 
@@ -408,7 +459,9 @@ def _reading(path: str) -> Iterator[None]:
     try:
         yield
     except (OSError, EOFError, gzip.BadGzipFile, *_decompress_errors(path)) as err:
-        raise UserError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+        raise UserError(
+            f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from err
 
 
 def _decompress_errors(path: str) -> tuple[type[BaseException], ...]:

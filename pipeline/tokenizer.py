@@ -18,8 +18,8 @@ from typing import Iterable
 
 import sentencepiece as spm
 
-from pipeline.config import TokenizerConfig
 from common.configure import UserError
+from pipeline.config import TokenizerConfig
 from pipeline.format import SPECIAL_TOKENS
 
 
@@ -97,7 +97,9 @@ def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
     return processor_from_bytes(path.read_bytes(), source=str(path))
 
 
-def processor_from_bytes(model_bytes: bytes, source: str = "tokenizer") -> spm.SentencePieceProcessor:
+def processor_from_bytes(
+    model_bytes: bytes, source: str = "tokenizer"
+) -> spm.SentencePieceProcessor:
     processor = spm.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(model_bytes)
@@ -112,10 +114,14 @@ def check_reserved_ids(processor: spm.SentencePieceProcessor, source: str = "tok
     for expected_id, piece in enumerate(SPECIAL_TOKENS):
         got = processor.piece_to_id(piece)
         if got != expected_id:
-            raise UserError(f"{source}: {piece} has id {got}, expected {expected_id}; train it with pipeline.prepare")
+            raise UserError(
+                f"{source}: {piece} has id {got}, expected {expected_id}; train it with pipeline.prepare"
+            )
 
 
-def tokenizer_info(processor: spm.SentencePieceProcessor, model_bytes: bytes, lang_tags: list[str]) -> dict:
+def tokenizer_info(
+    processor: spm.SentencePieceProcessor, model_bytes: bytes, lang_tags: list[str]
+) -> dict:
     """The manifest's description of a tokenizer."""
     tags = {tag: processor.piece_to_id(tag) for tag in lang_tags}
     return {

@@ -16,8 +16,8 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from common.configure import UserError, parse_cli, run_main
-from pipeline.format import FIELDS, decode_array, is_token_field, read_manifest, shard_list_problems
 from common.hashing import file_sha256
+from pipeline.format import FIELDS, decode_array, is_token_field, read_manifest, shard_list_problems
 from pipeline.progress import meter
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
@@ -41,9 +41,13 @@ def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
     for sample in wds.WebDataset(str(path), shardshuffle=False, empty_check=False):
         present = {k for k in sample if not k.startswith("__")}
         if present != expected:
-            raise ValueError(f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}")
+            raise ValueError(
+                f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}"
+            )
         samples += 1
-        tokens += sum(int(decode_array(sample[f"{name}.npy"]).size) for name in fields if is_token_field(name))
+        tokens += sum(
+            int(decode_array(sample[f"{name}.npy"]).size) for name in fields if is_token_field(name)
+        )
     return samples, tokens
 
 
@@ -57,8 +61,12 @@ def validate(data_dir: str | Path) -> list[str]:
         problems.append(f"{tokenizer}: missing")
     elif file_sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
         problems.append(f"{tokenizer}: sha256 differs from the manifest")
-    listed = sum(len(entry["shards"]) for dataset in manifest["datasets"].values()
-                 for entry in dataset["splits"].values() if isinstance(entry.get("shards"), list))
+    listed = sum(
+        len(entry["shards"])
+        for dataset in manifest["datasets"].values()
+        for entry in dataset["splits"].values()
+        if isinstance(entry.get("shards"), list)
+    )
     with meter(listed, "validate", "shard") as shown:
         for name, dataset in manifest["datasets"].items():
             for split, entry in dataset["splits"].items():
@@ -66,7 +74,9 @@ def validate(data_dir: str | Path) -> list[str]:
     return problems
 
 
-def _check_split(data_dir: Path, name: str, split: str, dataset: dict, entry: dict, shown) -> list[str]:
+def _check_split(
+    data_dir: Path, name: str, split: str, dataset: dict, entry: dict, shown
+) -> list[str]:
     """The problems of one split's listing and shards; `shown` advances by each listed shard."""
     listing = shard_list_problems(entry["shards"], f"{name}/{split}")
     problems = list(listing)
@@ -75,9 +85,15 @@ def _check_split(data_dir: Path, name: str, split: str, dataset: dict, entry: di
         problems.append(f"{name}/{split}: split total differs from the sum over its shards")
     checked = set()
     for shard in entry["shards"]:
-        if isinstance(shard, dict) and isinstance(shard.get("path"), str) and shard["path"] not in checked:
+        if (
+            isinstance(shard, dict)
+            and isinstance(shard.get("path"), str)
+            and shard["path"] not in checked
+        ):
             checked.add(shard["path"])  # else reported above; a shard listed twice is checked once
-            problems += _check_shard(data_dir / shard["path"], shard, tuple(dataset.get("fields", FIELDS[name])))
+            problems += _check_shard(
+                data_dir / shard["path"], shard, tuple(dataset.get("fields", FIELDS[name]))
+            )
         shown.update()
     return problems
 
@@ -88,7 +104,9 @@ def _check_shard(path: Path, shard: dict, fields: tuple[str, ...]) -> list[str]:
         return [f"{shard['path']}: missing"]
     problems = []
     if path.stat().st_size != shard["bytes"]:
-        problems.append(f"{shard['path']}: {path.stat().st_size} bytes, manifest says {shard['bytes']}")
+        problems.append(
+            f"{shard['path']}: {path.stat().st_size} bytes, manifest says {shard['bytes']}"
+        )
     if file_sha256(path) != shard["sha256"]:
         problems.append(f"{shard['path']}: sha256 differs from the manifest")
     try:
@@ -96,17 +114,23 @@ def _check_shard(path: Path, shard: dict, fields: tuple[str, ...]) -> list[str]:
     except Exception as err:  # any decoding failure is a finding, not a crash
         return problems + [f"{shard['path']}: unreadable: {str(err).splitlines()[0]}"]
     if (samples, tokens) != (shard["samples"], shard["tokens"]):
-        problems.append(f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}")
+        problems.append(
+            f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}"
+        )
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(ValidateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        ValidateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     if not Path(cfg.data_dir).is_dir():
         raise UserError(f"data_dir: not a directory: {cfg.data_dir}")
     manifest = read_manifest(cfg.data_dir)
     problems = validate(cfg.data_dir)
-    shards = sum(len(e["shards"]) for d in manifest["datasets"].values() for e in d["splits"].values())
+    shards = sum(
+        len(e["shards"]) for d in manifest["datasets"].values() for e in d["splits"].values()
+    )
     for problem in problems:
         print(f"FAIL {problem}")
     print(f"{cfg.data_dir}: {shards} shards checked, {len(problems)} problem(s)")

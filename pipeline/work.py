@@ -35,7 +35,9 @@ def assign_split(key: int, valid: float, test: float) -> str:
     return "train"
 
 
-def bucket_file(work_dir: str | Path, unit_index: int, family: str, split: str, bucket: int) -> Path:
+def bucket_file(
+    work_dir: str | Path, unit_index: int, family: str, split: str, bucket: int
+) -> Path:
     return Path(work_dir) / f"u{unit_index:06d}" / f"{family}-{split}-{bucket:04d}.txt"
 
 
@@ -63,7 +65,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     """Stage 1 for one unit: returns its statistics and its tokenizer-sample candidates."""
     stats: Counter = Counter()
     sample = BottomKSample(cfg.tokenizer.sample_texts)
-    # A given tokenizer (tokenizer.model_path) needs no training sample: no hashing, no memory for it.
+    # A given tokenizer (tokenizer.model_path) needs no training sample: no hashing, no memory for
+    # it.
     sampling = not cfg.tokenizer.model_path and cfg.tokenizer.sample_texts > 0
     source_cfg = source_list(cfg)[unit.source]
     want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
@@ -106,7 +109,9 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
         result = scan_unit(unit_index, unit, cfg, work_dir)
         # Merged as they come (bottom-k merging is order-free), so the task holds one sample of
         # `sample_texts` texts per source, not one per unit: memory bounded by the sample size.
-        samples.setdefault(unit.source, BottomKSample(cfg.tokenizer.sample_texts)).merge(result.pop("sample"))
+        samples.setdefault(unit.source, BottomKSample(cfg.tokenizer.sample_texts)).merge(
+            result.pop("sample")
+        )
         result["sample"] = []
         results.append(result)
     last = {unit.source: position for position, (_, unit) in enumerate(batch)}
@@ -157,8 +162,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def unique_records(work_dir: str, unit_sources: list[int], family: str, split: str, bucket: int,
-                   stats: list[Counter]) -> Iterator[tuple[int, bytes]]:
+def unique_records(
+    work_dir: str,
+    unit_sources: list[int],
+    family: str,
+    split: str,
+    bucket: int,
+    stats: list[Counter],
+) -> Iterator[tuple[int, bytes]]:
     """(source index, raw record line without its newline) of one bucket, in unit order, the
     first occurrence of each distinct record only; a duplicate is counted for the source that
     loses it. Records are told apart by a 64-bit hash (a collision, about n**2 / 2**65 for n
@@ -194,7 +205,15 @@ def _chunks(records: Iterator[tuple[int, bytes]], size: int) -> Iterator[tuple[i
 class _ShardSequence:
     """The shards of one (dataset, split, bucket, source): samples keyed in order, a new shard every `max_samples`."""
 
-    def __init__(self, out_dir: str, dataset: str, split: str, bucket: int, source: str | None, max_samples: int):
+    def __init__(
+        self,
+        out_dir: str,
+        dataset: str,
+        split: str,
+        bucket: int,
+        source: str | None,
+        max_samples: int,
+    ):
         self.out_dir, self.dataset, self.split, self.bucket = out_dir, dataset, split, bucket
         self.source, self.max_samples = source, max_samples
         self.records: list[dict] = []
@@ -204,7 +223,9 @@ class _ShardSequence:
 
     def write(self, sample: dict) -> None:
         if self.writer is None:
-            self.relative = shard_name(self.dataset, self.split, self.bucket, len(self.records), self.source)
+            self.relative = shard_name(
+                self.dataset, self.split, self.bucket, len(self.records), self.source
+            )
             self.writer = ShardWriter(Path(self.out_dir) / self.relative)
         self.writer.write(sample_key(self.bucket, self.index), sample)
         self.index += 1
@@ -239,7 +260,8 @@ def _processor(model_bytes: bytes):
     return _PROCESSORS[key]
 
 
-_PLAIN = (False, 0, 0.0, False, False, False)  # the one-text binding's options: no sampling, no bos/eos, not reversed
+# the one-text binding's options: no sampling, no bos/eos, not reversed
+_PLAIN = (False, 0, 0.0, False, False, False)
 _IN_THREAD: list = [None, None]  # (processor, its binding or None): the last processor asked about
 
 
@@ -258,7 +280,9 @@ def _in_thread_binding(processor) -> Callable[..., list[int]] | None:
         if binding is not None:
             probe = ["Hallo, Welt! \u00e4\u00f6\u00fc", "", "  two  spaces\tand a tab"]
             try:
-                if [binding(text, *_PLAIN) for text in probe] != processor.encode(probe, num_threads=1):
+                if [binding(text, *_PLAIN) for text in probe] != processor.encode(
+                    probe, num_threads=1
+                ):
                     binding = None
             except (TypeError, ValueError, RuntimeError):
                 binding = None
@@ -275,8 +299,14 @@ def _encode(processor, texts: list[str]) -> list[list[int]]:
 
 
 def encode_bucket(
-    dataset: str, split: str, bucket: int, unit_sources: list[int], work_dir: str, out_dir: str, tokenizer_model: bytes,
-    cfg: PrepareConfig
+    dataset: str,
+    split: str,
+    bucket: int,
+    unit_sources: list[int],
+    work_dir: str,
+    out_dir: str,
+    tokenizer_model: bytes,
+    cfg: PrepareConfig,
 ) -> dict:
     """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per source."""
     started = time.perf_counter()
@@ -285,8 +315,12 @@ def encode_bucket(
     names = [source.name for source in source_list(cfg)]
     several = len(names) > 1
     stats = [Counter() for _ in names]
-    sequences = [_ShardSequence(out_dir, dataset, split, bucket, name if several else None, cfg.shard.max_samples)
-                 for name in names]
+    sequences = [
+        _ShardSequence(
+            out_dir, dataset, split, bucket, name if several else None, cfg.shard.max_samples
+        )
+        for name in names
+    ]
     family = MONO if dataset == "packed" else PAIRS
     records = unique_records(work_dir, unit_sources, family, split, bucket, stats)
     try:
@@ -314,19 +348,40 @@ def encode_bucket(
     total: Counter = Counter()
     for source_stats in stats:
         total.update(source_stats)
-    return {"dataset": dataset, "split": split, "bucket": bucket, "shards": shards, "stats": dict(total),
-            "source_stats": {name: dict(s) for name, s in zip(names, stats)},
-            "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
+    return {
+        "dataset": dataset,
+        "split": split,
+        "bucket": bucket,
+        "shards": shards,
+        "stats": dict(total),
+        "source_stats": {name: dict(s) for name, s in zip(names, stats)},
+        "seconds": time.perf_counter() - started,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
-def encode_splits(dataset: str, bucket: int, unit_sources: list[int], work_dir: str, out_dir: str, tokenizer_model: bytes,
-                  cfg: PrepareConfig) -> list[dict]:
+def encode_splits(
+    dataset: str,
+    bucket: int,
+    unit_sources: list[int],
+    work_dir: str,
+    out_dir: str,
+    tokenizer_model: bytes,
+    cfg: PrepareConfig,
+) -> list[dict]:
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
     rather than three, since valid and test buckets are small and a task costs milliseconds."""
     reset_peak_rss()
     cpu = time.process_time()
-    return _cpu_noted([encode_bucket(dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg)
-                       for split in SPLITS], cpu)
+    return _cpu_noted(
+        [
+            encode_bucket(
+                dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg
+            )
+            for split in SPLITS
+        ],
+        cpu,
+    )
 
 
 class _Packer:
@@ -346,7 +401,9 @@ class _Packer:
         stats["tokens"] += len(flat)
         stream = np.concatenate((self.carry, np.array(flat, dtype=np.int64)))
         n_blocks = len(stream) // self.seq_len
-        blocks = stream[: n_blocks * self.seq_len].reshape(n_blocks, self.seq_len).astype(self.dtype)
+        blocks = (
+            stream[: n_blocks * self.seq_len].reshape(n_blocks, self.seq_len).astype(self.dtype)
+        )
         self.carry = stream[n_blocks * self.seq_len :]
         for block in blocks:
             self.emit({"input_ids": block, "doc_starts": doc_starts(block)})
@@ -362,7 +419,9 @@ def doc_starts(block: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], after_eos)).astype(block.dtype)
 
 
-def _filter_pairs(pairs: list[list[str]], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter) -> Iterator[dict]:
+def _filter_pairs(
+    pairs: list[list[str]], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter
+) -> Iterator[dict]:
     limits = cfg.translation
     sources = _encode(processor, [p[0] for p in pairs])
     targets = _encode(processor, [p[1] for p in pairs])

@@ -81,20 +81,40 @@ def pytest_collection_modifyitems(config, items):
     items[:] = in_cost_order(items)
     if HAS_CUDA:
         return
-    if os.environ.get("REQUIRE_GPU", "") not in ("", "0") and any("gpu" in item.keywords for item in items):
-        why = ("this torch is a CPU build" if torch.version.cuda is None else
-               f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: no driver, no device "
-               "visible (CUDA_VISIBLE_DEVICES), or a driver older than this CUDA")
+    if os.environ.get("REQUIRE_GPU", "") not in ("", "0") and any(
+        "gpu" in item.keywords for item in items
+    ):
+        why = (
+            "this torch is a CPU build"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: no driver, no device "
+            "visible (CUDA_VISIBLE_DEVICES), or a driver older than this CUDA"
+        )
         raise pytest.UsageError(f"REQUIRE_GPU=1 but CUDA is not usable: {why}")
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
 EN_DE = {
-    "the": "die", "red": "rote", "green": "grüne", "small": "kleine", "old": "alte", "cat": "Katze",
-    "house": "Haus", "file": "Datei", "window": "Fenster", "opens": "öffnet", "closes": "schließt",
-    "sees": "sieht", "a": "eine", "door": "Tür", "list": "Liste", "new": "neue", "and": "und",
+    "the": "die",
+    "red": "rote",
+    "green": "grüne",
+    "small": "kleine",
+    "old": "alte",
+    "cat": "Katze",
+    "house": "Haus",
+    "file": "Datei",
+    "window": "Fenster",
+    "opens": "öffnet",
+    "closes": "schließt",
+    "sees": "sieht",
+    "a": "eine",
+    "door": "Tür",
+    "list": "Liste",
+    "new": "neue",
+    "and": "und",
 }
 SUBJECTS = ["cat", "file", "window", "house", "list", "door"]
 ADJECTIVES = ["red", "green", "small", "old", "new"]
@@ -106,7 +126,15 @@ def synthetic_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     pairs = []
     for i in range(n):
-        words = ["the", rng.choice(ADJECTIVES), rng.choice(SUBJECTS), rng.choice(VERBS), "a", rng.choice(ADJECTIVES), rng.choice(SUBJECTS)]
+        words = [
+            "the",
+            rng.choice(ADJECTIVES),
+            rng.choice(SUBJECTS),
+            rng.choice(VERBS),
+            "a",
+            rng.choice(ADJECTIVES),
+            rng.choice(SUBJECTS),
+        ]
         if rng.random() < 0.5:
             words += ["and", "the", rng.choice(SUBJECTS)]
         english = " ".join(words) + f" {i % 97}"
@@ -123,9 +151,17 @@ def write_tsv(path: Path, pairs) -> Path:
 def prepare_args(corpus: Path, out: Path, **overrides) -> list[str]:
     """Command-line overrides for a tiny prepare of a TSV corpus."""
     settings = {
-        "output_dir": str(out), "source.format": "tsv", "source.paths": f"[{corpus}]", "seq_len": 32,
-        "tokenizer.vocab_size": 400, "tokenizer.sample_texts": 5000, "shard.max_samples": 40,
-        "shard.buckets": 3, "split.valid": 0.1, "split.test": 0.1, "progress": "false",
+        "output_dir": str(out),
+        "source.format": "tsv",
+        "source.paths": f"[{corpus}]",
+        "seq_len": 32,
+        "tokenizer.vocab_size": 400,
+        "tokenizer.sample_texts": 5000,
+        "shard.max_samples": 40,
+        "shard.buckets": 3,
+        "split.valid": 0.1,
+        "split.test": 0.1,
+        "progress": "false",
     }
     settings.update({k: str(v) for k, v in overrides.items()})
     return [f"{k}={v}" for k, v in settings.items()]
@@ -144,8 +180,20 @@ def run_prepare(args: list[str], ray: "RayHead | None" = None) -> subprocess.Com
     """pipeline.prepare on the gettext config with `args`; with `ray`, as a driver of that running
     cluster (`ray.address`), else starting a local Ray of its own as by default."""
     joined = [f"ray.address={ray.address}"] if ray else []
-    return subprocess.run([sys.executable, "-m", "pipeline.prepare", str(ROOT / "configs/prepare_gettext_en_de.yaml"),
-                           *args, *joined], cwd=ROOT, capture_output=True, text=True, env=ray.env if ray else None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.prepare",
+            str(ROOT / "configs/prepare_gettext_en_de.yaml"),
+            *args,
+            *joined,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ray.env if ray else None,
+    )
 
 
 class RayHead:
@@ -162,12 +210,33 @@ class RayHead:
 
         port = free_port()
         self.address = f"127.0.0.1:{port}"
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", "--head",
-             "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false", f"--num-cpus={num_cpus}"],
-            env=self.env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--block",
+                "--disable-usage-stats",
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--num-cpus={num_cpus}",
+            ],
+            env=self.env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         seen = []
         for line in self.process.stdout:  # "Ray runtime started." once the head takes drivers
             seen.append(line)
@@ -175,7 +244,8 @@ class RayHead:
                 break
         else:
             raise RuntimeError("ray start --head ended before it started:\n" + "".join(seen[-30:]))
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # never block its writes
+        # never block its writes
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
 
     def stop(self) -> None:
         """SIGTERM to `ray start --block`, which stops what it started; whatever outlives it
@@ -254,14 +324,26 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
     without Ray or a network), that one."""
     if os.environ.get("TINY_DATASET"):
         given = Path(os.environ["TINY_DATASET"])
-        assert (given / "manifest.json").is_file(), f"TINY_DATASET={given}: no prepared dataset there"
+        assert (given / "manifest.json").is_file(), (
+            f"TINY_DATASET={given}: no prepared dataset there"
+        )
         return given
     if importlib.util.find_spec("ray") is None:
-        pytest.skip("the tiny dataset is prepared with Ray, which is not installed here (or set TINY_DATASET)")
-    return built_once(tmp_path_factory, "prepared", lambda top: prepare_tiny_dataset(tiny_corpus, top / "data")) / "data"
+        pytest.skip(
+            "the tiny dataset is prepared with Ray, which is not installed here (or set TINY_DATASET)"
+        )
+    return (
+        built_once(
+            tmp_path_factory,
+            "prepared",
+            lambda top: prepare_tiny_dataset(tiny_corpus, top / "data"),
+        )
+        / "data"
+    )
 
 
-# ----------------------------------------------------------------------------- trained runs, once a session
+# ----------------------------------------------------------------------------- trained runs, once a
+# session
 # Each is a 2-rank torchrun job of launch.train (10-25 s on 2 cores, most of it start-up) that tests
 # of several files assert on; the settings live with the file that owns the claim.
 
@@ -273,7 +355,11 @@ def uninterrupted_gpt(tiny_dataset, tmp_path_factory) -> Path:
     chain matches."""
     from test_elastic import REFERENCE, run_train
 
-    return built_once(tmp_path_factory, "uninterrupted-gpt", lambda run_dir: run_train(tiny_dataset, run_dir, *REFERENCE))
+    return built_once(
+        tmp_path_factory,
+        "uninterrupted-gpt",
+        lambda run_dir: run_train(tiny_dataset, run_dir, *REFERENCE),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -283,10 +369,15 @@ def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
     activation checkpointing of test_zero_paths."""
     from test_train import DROPOUT_ZERO3, train
 
-    return built_once(tmp_path_factory, "dropout-zero3-gpt", lambda run_dir: train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3))
+    return built_once(
+        tmp_path_factory,
+        "dropout-zero3-gpt",
+        lambda run_dir: train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3),
+    )
 
 
-if __name__ == "__main__":  # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
+# python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
+if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:

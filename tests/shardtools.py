@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.format import EOS_ID, FORMAT_VERSION, MANIFEST, shard_name, sample_key, write_shard
+from pipeline.format import EOS_ID, FORMAT_VERSION, MANIFEST, sample_key, shard_name, write_shard
 
 FIRST_ID = 100  # ids below it are never sample ids, so the reserved ids stay free
 VOCAB_SIZE = 4096
@@ -33,8 +33,15 @@ def _translation_sample(uid: int, rng: np.random.Generator) -> dict[str, np.ndar
     return {"src_ids": src.astype(np.uint16), "tgt_ids": tgt.astype(np.uint16)}
 
 
-def make_dataset(data_dir: str | Path, *, packed: list[int] = (), translation: list[int] = (), seq_len: int = 8,
-                 split: str = "train", seed: int = 0) -> dict:
+def make_dataset(
+    data_dir: str | Path,
+    *,
+    packed: list[int] = (),
+    translation: list[int] = (),
+    seq_len: int = 8,
+    split: str = "train",
+    seed: int = 0,
+) -> dict:
     """Write shards of the given sizes and a manifest; returns the manifest, whose shard records
     also carry `ids` (the sample ids in the shard) for tests."""
     data_dir = Path(data_dir)
@@ -48,18 +55,26 @@ def make_dataset(data_dir: str | Path, *, packed: list[int] = (), translation: l
         for part, size in enumerate(sizes):
             rel = shard_name(dataset, split, 0, part)
             samples = [
-                _packed_sample(uid + i, seq_len, rng) if dataset == "packed" else _translation_sample(uid + i, rng)
+                _packed_sample(uid + i, seq_len, rng)
+                if dataset == "packed"
+                else _translation_sample(uid + i, rng)
                 for i in range(size)
             ]
-            record = write_shard(data_dir / rel, [sample_key(0, uid + i) for i in range(size)], samples)
+            record = write_shard(
+                data_dir / rel, [sample_key(0, uid + i) for i in range(size)], samples
+            )
             record["path"] = rel
             records.append(record)
             uid += size
         datasets[dataset] = {"splits": {split: {"shards": records}}}
     manifest = {
         "format_version": FORMAT_VERSION,
-        "tokenizer": {"file": "tokenizer.model", "sha256": TOKENIZER_SHA256, "vocab_size": VOCAB_SIZE,
-                      "special_ids": [0, 1, 2, 3, 4, 5]},
+        "tokenizer": {
+            "file": "tokenizer.model",
+            "sha256": TOKENIZER_SHA256,
+            "vocab_size": VOCAB_SIZE,
+            "special_ids": [0, 1, 2, 3, 4, 5],
+        },
         "datasets": datasets,
     }
     save_manifest(data_dir, manifest)

@@ -29,8 +29,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 STEPS = 2
 TORCH_DIR = str(Path(torch.__file__).parent)
-HOST_READS = {torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
-              torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__}
+HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.cpu,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+}
 
 
 class Events:
@@ -41,10 +49,22 @@ class Events:
 
     def add(self, kind: str, filename: str, lineno: int, function: str) -> None:
         path = Path(filename)
-        ours = path.is_relative_to(ROOT) and path.parts[len(ROOT.parts)] in ("launch", "model", "pipeline")
+        ours = path.is_relative_to(ROOT) and path.parts[len(ROOT.parts)] in (
+            "launch",
+            "model",
+            "pipeline",
+        )
         site = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{lineno}"
-        self.rows.append({"step": self.step, "kind": kind, "site": site, "function": function, "ours": ours,
-                          "before_forward": not self.forwarded})
+        self.rows.append(
+            {
+                "step": self.step,
+                "kind": kind,
+                "site": site,
+                "function": function,
+                "ours": ours,
+                "before_forward": not self.forwarded,
+            }
+        )
 
 
 class HostReads(TorchFunctionMode):
@@ -57,11 +77,15 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS:
             frame = sys._getframe(1)
-            while frame is not None and (frame.f_code.co_filename.startswith(TORCH_DIR)
-                                         or frame.f_code.co_filename == __file__):
+            while frame is not None and (
+                frame.f_code.co_filename.startswith(TORCH_DIR)
+                or frame.f_code.co_filename == __file__
+            ):
                 frame = frame.f_back
             if frame is not None:
-                self.events.add("read", frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+                self.events.add(
+                    "read", frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+                )
         return func(*args, **(kwargs or {}))
 
 
@@ -70,8 +94,14 @@ def watch_syncs(data_dir: Path, run_dir: Path, *overrides: str, env: dict | None
     import subprocess
 
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, __file__, str(data_dir), str(run_dir), *overrides], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, __file__, str(data_dir), str(run_dir), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("SYNC_EVENTS ")]
     return json.loads(line.split(" ", 1)[1])
@@ -79,17 +109,29 @@ def watch_syncs(data_dir: Path, run_dir: Path, *overrides: str, env: dict | None
 
 def main(argv: list[str]) -> int:
     data_dir, run_dir, *overrides = argv
-    from launch.train import loop as trainer
-    from launch.config import TrainConfig
     from common.configure import parse_cli
+    from launch.config import TrainConfig
+    from launch.train import loop as trainer
 
     # Steps 1-2 warm up (the loss's GEMM probe, allocations, cuBLAS handles); 3 to 2 + STEPS are
     # watched, each from the start of its train_step to the start of the next; the last step's
     # end of run (evaluation, logging, checkpoint) is not.
-    cfg = parse_cli(TrainConfig, [str(ROOT / "configs/tiny_gpt.yaml"), f"data.data_dir={data_dir}",
-                                  f"run_dir={run_dir}", "wandb.mode=disabled", "data.num_workers=0",
-                                  f"max_steps={3 + STEPS}", "log_every=1000", "eval_every=0",
-                                  "checkpoint.every_steps=0", *overrides], usage="sync_worker")
+    cfg = parse_cli(
+        TrainConfig,
+        [
+            str(ROOT / "configs/tiny_gpt.yaml"),
+            f"data.data_dir={data_dir}",
+            f"run_dir={run_dir}",
+            "wandb.mode=disabled",
+            "data.num_workers=0",
+            f"max_steps={3 + STEPS}",
+            "log_every=1000",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            *overrides,
+        ],
+        usage="sync_worker",
+    )
     run = trainer.setup(cfg)
     cuda = run.engine.device.type == "cuda"
     events = Events()
@@ -101,7 +143,8 @@ def main(argv: list[str]) -> int:
     run.engine.module.register_forward_pre_hook(mark_forward, with_kwargs=True)
 
     def on_warning(message, category, filename, lineno, file=None, line=None):
-        if events.step >= 0 and "synchroniz" in str(message):  # "called a synchronizing CUDA operation"
+        # "called a synchronizing CUDA operation"
+        if events.step >= 0 and "synchroniz" in str(message):
             events.add("sync", filename, lineno, "")
 
     train_step, calls = trainer.train_step, [0]
@@ -126,8 +169,18 @@ def main(argv: list[str]) -> int:
         warnings.simplefilter("always")
         warnings.showwarning = on_warning
         trainer.fit(run)
-    print("SYNC_EVENTS " + json.dumps({"device": run.engine.device.type, "world_size": run.denv.world_size,
-                                       "grad_accum": run.plan.grad_accum, "steps": STEPS, "events": events.rows}))
+    print(
+        "SYNC_EVENTS "
+        + json.dumps(
+            {
+                "device": run.engine.device.type,
+                "world_size": run.denv.world_size,
+                "grad_accum": run.plan.grad_accum,
+                "steps": STEPS,
+                "events": events.rows,
+            }
+        )
+    )
     sys.stdout.flush()
     from launch import distributed as dist
 

@@ -14,13 +14,28 @@ from dataclasses import dataclass, field
 from typing import List
 
 import pytest
+from conftest import ROOT
 from omegaconf import MISSING
 
-from conftest import ROOT
-from launch.config import (AverageConfig, EvaluateConfig, ExportConfig, LmEvalConfig, MainConfig, ReportConfig, TrainConfig,
-                           TranslateConfig)
+from common.configure import (
+    UserError,
+    field_comments,
+    help_text,
+    leaf_rows,
+    parse_cli,
+    strip_launcher_args,
+)
+from launch.config import (
+    AverageConfig,
+    EvaluateConfig,
+    ExportConfig,
+    LmEvalConfig,
+    MainConfig,
+    ReportConfig,
+    TrainConfig,
+    TranslateConfig,
+)
 from pipeline.config import PrepareConfig
-from common.configure import UserError, field_comments, help_text, leaf_rows, parse_cli, strip_launcher_args
 from pipeline.validate import ValidateConfig
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -41,8 +56,15 @@ ENTRY_POINTS = {
 
 
 def python_m(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +86,14 @@ def test_help_prints_the_usage_and_every_key_and_exits_0(module):
         assert f"  {key}=" in run.stdout, key
 
 
-@pytest.mark.parametrize("module", [m for m in ENTRY_POINTS if m not in ("launch.train", "pipeline.prepare", "launch.config_reference")])
+@pytest.mark.parametrize(
+    "module",
+    [
+        m
+        for m in ENTRY_POINTS
+        if m not in ("launch.train", "pipeline.prepare", "launch.config_reference")
+    ],
+)
 def test_no_arguments_prints_the_usage_and_exits_2(module, capsys):
     # launch.train and pipeline.prepare call the same parse_cli (test_required_config_file below).
     entry = importlib.import_module(module)
@@ -77,11 +106,20 @@ def test_no_arguments_prints_the_usage_and_exits_2(module, capsys):
 
 
 @pytest.mark.parametrize("module", ["launch.evaluate", "launch.translate"])
-@pytest.mark.parametrize("args, expected", [
-    (["beam=2"], "error: checkpoint: required, not given"),
-    (["checkpoint=runs/x", "batch_size=4"], "error: command line 'batch_size=4': batch_size: unknown key"),
-    (["checkpoint=runs/x", "--beam", "4"], "error: override '--beam' is not of the form key.sub=value"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["beam=2"], "error: checkpoint: required, not given"),
+        (
+            ["checkpoint=runs/x", "batch_size=4"],
+            "error: command line 'batch_size=4': batch_size: unknown key",
+        ),
+        (
+            ["checkpoint=runs/x", "--beam", "4"],
+            "error: override '--beam' is not of the form key.sub=value",
+        ),
+    ],
+)
 def test_missing_or_unknown_key_is_one_line_and_exit_2(module, args, expected):
     run = python_m(module, *args)
     assert run.returncode == 2, run.stderr[-3000:]
@@ -89,14 +127,24 @@ def test_missing_or_unknown_key_is_one_line_and_exit_2(module, args, expected):
     assert run.stdout == ""
 
 
-@pytest.mark.parametrize("module, args", [
-    ("launch.train", [str(ROOT / "configs" / "tiny_gpt.yaml"), "max_steps={tag}"]),
-    ("pipeline.prepare", [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "seq_len={tag}"]),
-    ("launch.main", [str(ROOT / "configs" / "main.yaml"), "nproc={tag}"]),
-    ("launch.evaluate", ["checkpoint=runs/x", "beam={tag}"]),
-], ids=["train", "prepare", "main", "evaluate"])
-@pytest.mark.parametrize("tag", ["!!python/name:os.system", "!!python/object/apply:os.system [echo]"],
-                         ids=["name", "object-apply"])
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("launch.train", [str(ROOT / "configs" / "tiny_gpt.yaml"), "max_steps={tag}"]),
+        (
+            "pipeline.prepare",
+            [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "seq_len={tag}"],
+        ),
+        ("launch.main", [str(ROOT / "configs" / "main.yaml"), "nproc={tag}"]),
+        ("launch.evaluate", ["checkpoint=runs/x", "beam={tag}"]),
+    ],
+    ids=["train", "prepare", "main", "evaluate"],
+)
+@pytest.mark.parametrize(
+    "tag",
+    ["!!python/name:os.system", "!!python/object/apply:os.system [echo]"],
+    ids=["name", "object-apply"],
+)
 def test_a_yaml_object_tag_in_an_override_is_one_line_and_exit_2(module, args, tag):
     """As in a YAML file: refused by the YAML loader, reported in one line naming the key and the value."""
     argv = [arg.format(tag=tag) for arg in args]
@@ -104,8 +152,10 @@ def test_a_yaml_object_tag_in_an_override_is_one_line_and_exit_2(module, args, t
     run = python_m(module, *argv)
     assert run.returncode == 2, run.stderr[-3000:]
     assert run.stderr.count("\n") == 1, run.stderr[-3000:]
-    assert run.stderr.startswith(f"error: command line {argv[-1]!r}: {key}: value {tag!r} is not valid YAML: "
-                                 "could not determine a constructor for the tag"), run.stderr
+    assert run.stderr.startswith(
+        f"error: command line {argv[-1]!r}: {key}: value {tag!r} is not valid YAML: "
+        "could not determine a constructor for the tag"
+    ), run.stderr
 
 
 # ----------------------------------------------------------------------------- parse_cli itself
@@ -123,10 +173,17 @@ class Tool:
 def test_optional_config_file_is_the_first_yaml_argument(tmp_path):
     path = tmp_path / "tool.yml"
     path.write_text("checkpoint: from_yaml\nbeam: 2\n")
-    assert parse_cli(Tool, [str(path), "beam=3"], usage="u", config_optional=True) == Tool("from_yaml", 3)
-    assert parse_cli(Tool, ["checkpoint=c", "runs=[a,b]"], usage="u", config_optional=True) == Tool("c", 4, ["a", "b"])
+    assert parse_cli(Tool, [str(path), "beam=3"], usage="u", config_optional=True) == Tool(
+        "from_yaml", 3
+    )
+    assert parse_cli(Tool, ["checkpoint=c", "runs=[a,b]"], usage="u", config_optional=True) == Tool(
+        "c", 4, ["a", "b"]
+    )
     # A value that ends in .yaml is an override, not the file.
-    assert parse_cli(Tool, ["checkpoint=c.yaml"], usage="u", config_optional=True).checkpoint == "c.yaml"
+    assert (
+        parse_cli(Tool, ["checkpoint=c.yaml"], usage="u", config_optional=True).checkpoint
+        == "c.yaml"
+    )
     with pytest.raises(UserError, match=r"^checkpoint: required, not given \(checkpoint=\.\.\.\)$"):
         parse_cli(Tool, ["beam=1"], usage="u", config_optional=True)
 
@@ -134,7 +191,9 @@ def test_optional_config_file_is_the_first_yaml_argument(tmp_path):
 def test_required_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_cli(PrepareConfig, [], usage="usage: prepare CONFIG.yaml")
-    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("usage: prepare CONFIG.yaml")
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith(
+        "usage: prepare CONFIG.yaml"
+    )
     with pytest.raises(UserError, match="the first argument is the CONFIG.yaml file"):
         parse_cli(PrepareConfig, ["seq_len=64"], usage="u")
     path = tmp_path / "p.yaml"
@@ -145,27 +204,51 @@ def test_required_config_file(tmp_path, capsys):
 @pytest.mark.parametrize("flag", ["-h", "--help"])
 def test_help_anywhere_lists_keys_defaults_and_field_comments(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_cli(Tool, ["beam=2", flag], usage="usage: tool [CONFIG.yaml] checkpoint=DIR", config_optional=True)
+        parse_cli(
+            Tool,
+            ["beam=2", flag],
+            usage="usage: tool [CONFIG.yaml] checkpoint=DIR",
+            config_optional=True,
+        )
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out == help_text(Tool, "usage: tool [CONFIG.yaml] checkpoint=DIR") + "\n"
     assert out.startswith("usage: tool [CONFIG.yaml] checkpoint=DIR\n")
     assert "??? = required" in out
     lines = out.splitlines()
-    assert any(line.startswith("  checkpoint=???") and line.endswith("where the weights are [str]") for line in lines)
-    assert any(line.startswith("  beam=4") and line.endswith("how many at once [int]") for line in lines)
+    assert any(
+        line.startswith("  checkpoint=???") and line.endswith("where the weights are [str]")
+        for line in lines
+    )
+    assert any(
+        line.startswith("  beam=4") and line.endswith("how many at once [int]") for line in lines
+    )
     assert any(line.startswith("  runs=[]") and "run directories" in line for line in lines)
 
 
 def test_one_reader_of_field_comments():
-    assert field_comments(Tool) == {"checkpoint": "where the weights are", "beam": "how many at once", "runs": "run directories"}
-    for schema in (EvaluateConfig, TranslateConfig, ExportConfig, ReportConfig, ValidateConfig, MainConfig):
+    assert field_comments(Tool) == {
+        "checkpoint": "where the weights are",
+        "beam": "how many at once",
+        "runs": "run directories",
+    }
+    for schema in (
+        EvaluateConfig,
+        TranslateConfig,
+        ExportConfig,
+        ReportConfig,
+        ValidateConfig,
+        MainConfig,
+    ):
         assert all(field_comments(schema).values()), schema  # every field documented
 
 
 def test_launcher_arguments_are_dropped():
     assert strip_launcher_args(["--local_rank=1", "checkpoint=x"]) == ["checkpoint=x"]
-    assert strip_launcher_args(["checkpoint=x", "--local_rank", "1", "beam=2"]) == ["checkpoint=x", "beam=2"]
+    assert strip_launcher_args(["checkpoint=x", "--local_rank", "1", "beam=2"]) == [
+        "checkpoint=x",
+        "beam=2",
+    ]
     from launch.evaluate import main
 
     # The deepspeed launcher's --local_rank=N reaches evaluate's checks, not the grammar's.
@@ -173,26 +256,50 @@ def test_launcher_arguments_are_dropped():
         main(["--local_rank=0", "checkpoint=/nonexistent/run"])
 
 
-# ----------------------------------------------------------------------------- one exit-code convention
+# ----------------------------------------------------------------------------- one exit-code
+# convention
 
 # 2: the user's input (a config, a key, a path given), one line naming it, nothing started or
-# written; 1: a run that failed (a stage of the main job, tests/launch/test_main.py; a dataset that does
-# not validate, tests/pipeline/test_prepare.py; a stale reference, tests/launch/test_config_reference.py).
+# written; 1: a run that failed (a stage of the main job, tests/launch/test_main.py; a dataset that
+# does
+# not validate, tests/pipeline/test_prepare.py; a stale reference,
+# tests/launch/test_config_reference.py).
 BAD_INPUT = {
-    "pipeline.prepare": ([str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "source.paths=[{tmp}/nowhere.mo]",
-                          "output_dir={tmp}/out"], "source.paths: file not found"),
+    "pipeline.prepare": (
+        [
+            str(ROOT / "configs" / "prepare_gettext_en_de.yaml"),
+            "source.paths=[{tmp}/nowhere.mo]",
+            "output_dir={tmp}/out",
+        ],
+        "source.paths: file not found",
+    ),
     "pipeline.validate": (["data_dir={tmp}/nowhere"], "data_dir: not a directory"),
     "pipeline.make_parquet": (["{tmp}/out", "--max-rows", "0"], "--max-rows: must be at least 1"),
-    "launch.train": ([str(ROOT / "configs" / "tiny_gpt.yaml"), "data.data_dir={tmp}/nowhere", "run_dir={tmp}/out"],
-                     "no manifest.json in"),
-    "launch.preflight": (["--world-size", "none", str(ROOT / "configs" / "tiny_gpt.yaml")], "--world-size: expects"),
+    "launch.train": (
+        [
+            str(ROOT / "configs" / "tiny_gpt.yaml"),
+            "data.data_dir={tmp}/nowhere",
+            "run_dir={tmp}/out",
+        ],
+        "no manifest.json in",
+    ),
+    "launch.preflight": (
+        ["--world-size", "none", str(ROOT / "configs" / "tiny_gpt.yaml")],
+        "--world-size: expects",
+    ),
     "launch.export": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
     "launch.average": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "no complete checkpoint at"),
     "launch.evaluate": (["checkpoint={tmp}/nowhere", "out={tmp}/out"], "checkpoint not found"),
     "launch.translate": (["checkpoint={tmp}/nowhere"], "checkpoint not found"),
-    "launch.lm_eval": (["checkpoint={tmp}/nowhere"], "{tmp}/nowhere is not an exported model directory"),
+    "launch.lm_eval": (
+        ["checkpoint={tmp}/nowhere"],
+        "{tmp}/nowhere is not an exported model directory",
+    ),
     "launch.report": (["out={tmp}/out", "runs=[{tmp}/nowhere]"], "no metrics.jsonl in"),
-    "launch.main": ([str(ROOT / "configs" / "main.yaml"), "starts=[bert/t5]", "out_dir={tmp}/out"], "starts: 'bert/t5'"),
+    "launch.main": (
+        [str(ROOT / "configs" / "main.yaml"), "starts=[bert/t5]", "out_dir={tmp}/out"],
+        "starts: 'bert/t5'",
+    ),
     "launch.config_reference": (["--check", "{tmp}/nowhere.md"], "{tmp}/nowhere.md: "),
 }
 
@@ -207,14 +314,18 @@ def test_a_bad_input_is_one_error_line_and_exit_2_and_writes_no_file(module, tmp
     run = python_m(module, *(arg.format(tmp=tmp_path) for arg in argv))
     assert run.returncode == 2, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "error: " in line]
-    assert len(errors) == 1 and f"error: {text.format(tmp=tmp_path)}" in errors[0], run.stderr[-3000:]
+    assert len(errors) == 1 and f"error: {text.format(tmp=tmp_path)}" in errors[0], run.stderr[
+        -3000:
+    ]
     assert "Traceback" not in run.stderr
     # No file, and no directory either (launch.train makes and locks run_dir before it reads the
     # data, and removes it again on a bad input).
     assert list(tmp_path.rglob("*")) == []
 
 
-@pytest.mark.parametrize("module, config", [("launch.train", "tiny_gpt.yaml"), ("launch.main", "main.yaml")])
+@pytest.mark.parametrize(
+    "module, config", [("launch.train", "tiny_gpt.yaml"), ("launch.main", "main.yaml")]
+)
 def test_dry_run_is_in_the_help(module, config):
     """--dry-run is a flag beside the key=value grammar, so --help says so in the usage."""
     run = help_of(module)
@@ -226,8 +337,15 @@ def test_dry_run_is_in_the_help(module, config):
 # Entry points whose --help and command-line errors answer before torch is imported (~2 s of a
 # core): the schemas (`launch.config`, `model.config`) import no torch. The training, export and
 # evaluation commands import it with the code they run at once.
-WITHOUT_TORCH = ["pipeline.prepare", "pipeline.validate", "launch.main", "launch.lm_eval", "launch.report",
-                 "launch.config_reference", "launch.translate"]
+WITHOUT_TORCH = [
+    "pipeline.prepare",
+    "pipeline.validate",
+    "launch.main",
+    "launch.lm_eval",
+    "launch.report",
+    "launch.config_reference",
+    "launch.translate",
+]
 HELP_WITHOUT_TORCH = """
 import contextlib, io, runpy, sys
 import launch.config, model.config, pipeline.config
@@ -242,6 +360,12 @@ print("ok")
 
 
 def test_help_and_schemas_import_no_torch():
-    run = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *WITHOUT_TORCH], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", HELP_WITHOUT_TORCH, *WITHOUT_TORCH],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

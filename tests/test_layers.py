@@ -13,7 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "pipeline", "model", "launch")
 # What each package may import of the others.
-ALLOWED = {"common": set(), "pipeline": {"common"}, "model": {"common"}, "launch": {"common", "pipeline", "model"}}
+ALLOWED = {
+    "common": set(),
+    "pipeline": {"common"},
+    "model": {"common"},
+    "launch": {"common", "pipeline", "model"},
+}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -28,7 +33,10 @@ def _runtime_nodes(tree: ast.AST):
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+            if (
+                isinstance(child, ast.If)
+                and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING"
+            ):
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
@@ -36,7 +44,11 @@ def _runtime_nodes(tree: ast.AST):
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """{module: the project modules it imports}, for every module of PACKAGES under `root`."""
-    files = {module_name(path, root): path for package in PACKAGES for path in (root / package).rglob("*.py")}
+    files = {
+        module_name(path, root): path
+        for package in PACKAGES
+        for path in (root / package).rglob("*.py")
+    }
     graph = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -87,8 +99,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    return [f"{name} imports {target}" for name, targets in sorted(graph.items()) for target in sorted(targets)
-            if target.split(".")[0] != name.split(".")[0] and target.split(".")[0] not in ALLOWED[name.split(".")[0]]]
+    return [
+        f"{name} imports {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if target.split(".")[0] != name.split(".")[0]
+        and target.split(".")[0] not in ALLOWED[name.split(".")[0]]
+    ]
 
 
 def test_no_import_cycle():
@@ -107,8 +124,10 @@ def test_the_checks_catch_a_cycle_hidden_in_a_function_and_an_upward_import(tmp_
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "pipeline" / "a.py").write_text("from pipeline.b import x\n")
     (tmp_path / "pipeline" / "b.py").write_text("def x():\n    from pipeline import a\n")
-    (tmp_path / "model" / "m.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                             "    from model import n\nimport launch.l\n")
+    (tmp_path / "model" / "m.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from model import n\nimport launch.l\n"
+    )
     (tmp_path / "model" / "n.py").write_text("from model import m\n")
     (tmp_path / "launch" / "l.py").write_text("")
     graph = import_graph(tmp_path)
@@ -122,8 +141,13 @@ def test_only_the_data_layer_imports_ray():
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 if any(name.split(".")[0] == "ray" for name in names):
                     importers.add(str(path.relative_to(ROOT)))
     assert importers and all(path.startswith("pipeline/") for path in importers), sorted(importers)

@@ -15,6 +15,11 @@ def test_listed_files_come_first_in_list_order_and_tests_keep_their_order():
     def item(name, test):
         return SimpleNamespace(path=ROOT / "tests" / name, test=test)
 
-    items = [item("model/test_model.py", 1), item(COSTLIEST_FIRST[1], 2), item("model/test_model.py", 3),
-             item(COSTLIEST_FIRST[0], 4), item(COSTLIEST_FIRST[1], 5)]
+    items = [
+        item("model/test_model.py", 1),
+        item(COSTLIEST_FIRST[1], 2),
+        item("model/test_model.py", 3),
+        item(COSTLIEST_FIRST[0], 4),
+        item(COSTLIEST_FIRST[1], 5),
+    ]
     assert [i.test for i in in_cost_order(items)] == [4, 2, 5, 1, 3]

@@ -30,7 +30,11 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
         "zero_force_ds_cpu_optimizer": False,
     }
     if ds.zero_stage > 0:
-        zero: dict[str, Any] = {"stage": ds.zero_stage, "overlap_comm": torch.cuda.is_available(), "contiguous_gradients": True}
+        zero: dict[str, Any] = {
+            "stage": ds.zero_stage,
+            "overlap_comm": torch.cuda.is_available(),
+            "contiguous_gradients": True,
+        }
         if ds.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if ds.zero_stage == 3 and ds.zero3_persistence_threshold >= 0:
@@ -43,8 +47,14 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
     elif ds.precision == "fp16":
         if not torch.cuda.is_available():
             raise UserError("deepspeed.precision: fp16 needs a GPU; use fp32 or bf16 on CPU")
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": ds.initial_scale_power,
-                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": ds.initial_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     if ds.config_file:
         path = Path(ds.config_file)
         if not path.is_file():
@@ -53,12 +63,20 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
             user = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise UserError(f"deepspeed.config_file: {path}: invalid JSON: {err}") from err
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        for key in (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+        ):
             if key in user and user[key] != "auto" and user[key] != config[key]:
-                raise UserError(f"deepspeed.config_file: {key}={user[key]} disagrees with the run config ({config[key]}); set data.micro_batch_size / grad_accum instead")
+                raise UserError(
+                    f"deepspeed.config_file: {key}={user[key]} disagrees with the run config ({config[key]}); set data.micro_batch_size / grad_accum instead"
+                )
         if "load_universal" in (user.get("checkpoint") or {}):
-            raise UserError("deepspeed.config_file: checkpoint.load_universal is set by the trainer, from the "
-                            "checkpoint it resumes from; remove it")
+            raise UserError(
+                "deepspeed.config_file: checkpoint.load_universal is set by the trainer, from the "
+                "checkpoint it resumes from; remove it"
+            )
         config = _deep_merge(config, {k: v for k, v in user.items() if v != "auto"})
     config = _bf16_accumulation(config)
     if load_universal:
@@ -66,7 +84,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
     return config
 
 
-_BF16_NAMES = ("bf16", "bfloat16", "torch.bfloat16")  # DeepSpeed's names for bf16 in `data_types` (DtypeEnum)
+# DeepSpeed's names for bf16 in `data_types` (DtypeEnum)
+_BF16_NAMES = ("bf16", "bfloat16", "torch.bfloat16")
 
 
 def _bf16_accumulation(config: dict) -> dict:
@@ -94,12 +113,18 @@ def _bf16_accumulation(config: dict) -> dict:
     accum = (config.get("data_types") or {}).get("grad_accum_dtype")
     if stage == 0:
         if accum is not None and str(accum) not in _BF16_NAMES:
-            raise UserError(f"deepspeed.config_file: data_types.grad_accum_dtype={accum} with bf16 needs ZeRO "
-                            f"(deepspeed.zero_stage >= 1); DeepSpeed accumulates in bf16 without it")
+            raise UserError(
+                f"deepspeed.config_file: data_types.grad_accum_dtype={accum} with bf16 needs ZeRO "
+                f"(deepspeed.zero_stage >= 1); DeepSpeed accumulates in bf16 without it"
+            )
         return config
     if accum is None:
         config = _deep_merge(config, {"data_types": {"grad_accum_dtype": "fp32"}})
-    return config if "communication_data_type" in config else {**config, "communication_data_type": "fp32"}
+    return (
+        config
+        if "communication_data_type" in config
+        else {**config, "communication_data_type": "fp32"}
+    )
 
 
 def inference_config(micro_batch_size: int, world_size: int, user: dict | None = None) -> dict:
@@ -115,12 +140,22 @@ def inference_config(micro_batch_size: int, world_size: int, user: dict | None =
         "wall_clock_breakdown": False,
         "zero_optimization": {"stage": 3, "overlap_comm": torch.cuda.is_available()},
     }
-    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    return _deep_merge(config, {k: v for k, v in (user or {}).items() if v != "auto" and k not in batch_keys})
+    batch_keys = (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+    )
+    return _deep_merge(
+        config, {k: v for k, v in (user or {}).items() if v != "auto" and k not in batch_keys}
+    )
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
     merged = dict(base)
     for key, value in over.items():
-        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            _deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
     return merged

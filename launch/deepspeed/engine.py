@@ -25,7 +25,13 @@ class Engine:
     A training engine says on rank 0, in one line, which optimizer DeepSpeed steps, inside which
     of its wrappers, and in which dtype the gradients are accumulated (`describe`)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, config: dict):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler,
+        config: dict,
+    ):
         use_cpu_keyed_jit_cache()  # before DeepSpeed builds any op
         import deepspeed
 
@@ -33,14 +39,22 @@ class Engine:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         load_muon_compiling_on_first_call()
         self.config = config
-        self._engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        self._engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
         if optimizer is not None and self._engine.global_rank == 0:
             print(self.describe(), file=sys.stderr)
             accum = self._engine.gradient_accumulation_steps()
-            if self._engine.bfloat16_enabled() and not self._engine.zero_optimization() and accum > 1:
-                print(f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} micro batches in "
-                      f"bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set deepspeed.zero_stage=1 or more",
-                      file=sys.stderr)
+            if (
+                self._engine.bfloat16_enabled()
+                and not self._engine.zero_optimization()
+                and accum > 1
+            ):
+                print(
+                    f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} micro batches in "
+                    f"bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set deepspeed.zero_stage=1 or more",
+                    file=sys.stderr,
+                )
 
     @property
     def optimizer_name(self) -> str:
@@ -49,14 +63,20 @@ class Engine:
 
     def describe(self) -> str:
         wrapper = type(self._engine.optimizer).__name__
-        inside = "" if self._engine.optimizer is self._engine.basic_optimizer else f" in DeepSpeed's {wrapper}"
+        inside = (
+            ""
+            if self._engine.optimizer is self._engine.basic_optimizer
+            else f" in DeepSpeed's {wrapper}"
+        )
         offload = ", states offloaded to CPU" if self._engine.zero_cpu_offload() else ""
         accum = str(self._engine.get_data_types()[1]).removeprefix("torch.")
         reduce = str(self._engine.communication_data_type).removeprefix("torch.")
         groups = getattr(self._engine.basic_optimizer, "param_groups", None) or [{}]
         kernels = " (fused kernel)" if groups[0].get("fused") else ""
-        return (f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in {accum}, "
-                f"reduced in {reduce}")
+        return (
+            f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in {accum}, "
+            f"reduced in {reduce}"
+        )
 
     @property
     def module(self) -> torch.nn.Module:
@@ -70,7 +90,9 @@ class Engine:
         """(parameter tensors ZeRO-3 splits over the ranks, all parameter tensors); small ones
         stay whole on every rank below zero_optimization.stage3_param_persistence_threshold."""
         params = list(self._engine.module.parameters())
-        return sum(hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in params), len(params)
+        return sum(
+            hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in params
+        ), len(params)
 
     def __call__(self, **batch):
         return self._engine(**batch)
@@ -106,7 +128,13 @@ class Engine:
         """fp16's dynamic loss scale; None in fp32 and bf16, which have none."""
         if not self._engine.fp16_enabled():
             return None
-        return float(getattr(self._engine.optimizer, "cur_scale", getattr(self._engine.optimizer, "loss_scale", 1.0)))
+        return float(
+            getattr(
+                self._engine.optimizer,
+                "cur_scale",
+                getattr(self._engine.optimizer, "loss_scale", 1.0),
+            )
+        )
 
     def save(self, directory: str | Path, tag: str, client_state: dict) -> None:
         """Every rank must call this: ZeRO partitions are written by their owners. A write that
@@ -115,7 +143,9 @@ class Engine:
         closing barrier and leave the other ranks waiting there."""
         failures: list[OSError] = []
         with _write_failures_kept(self._engine, failures):
-            self._engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+            self._engine.save_checkpoint(
+                str(directory), tag=tag, client_state=client_state, save_latest=False
+            )
         if failures:
             raise failures[0]
 
@@ -125,25 +155,37 @@ class Engine:
         checkpoint = Path(directory) / tag
         universal = bool(self.config.get("checkpoint", {}).get("load_universal"))
         if universal != is_universal(directory, tag):
-            raise UserError(f"checkpoint {checkpoint} is {'' if is_universal(directory, tag) else 'not '}a "
-                            f"universal checkpoint, but the engine was built with load_universal={universal}")
+            raise UserError(
+                f"checkpoint {checkpoint} is {'' if is_universal(directory, tag) else 'not '}a "
+                f"universal checkpoint, but the engine was built with load_universal={universal}"
+            )
         stage = self._engine.zero_optimization_stage()
         # A universal copy keeps its writer's model-states file, whose name differs between
         # ZeRO-3 and the stages below; DeepSpeed looks for its own stage's name only.
-        model_states = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        model_states = (
+            "zero_pp_rank_0_mp_rank_00_model_states.pt"
+            if stage == 3
+            else "mp_rank_00_model_states.pt"
+        )
         if universal and not (checkpoint / model_states).is_file():
-            raise UserError(f"checkpoint {checkpoint}: a universal copy written under ZeRO-"
-                            f"{'1/2' if stage == 3 else '3'} does not load under ZeRO-{stage} (no {model_states})")
+            raise UserError(
+                f"checkpoint {checkpoint}: a universal copy written under ZeRO-"
+                f"{'1/2' if stage == 3 else '3'} does not load under ZeRO-{stage} (no {model_states})"
+            )
         try:
             # DeepSpeed unpickles its files in full here (weights_only=False): the run directory is
-            # trusted (docs/design.md, "Checkpoints are trusted"); export and evaluation read without that.
-            path, client_state = self._engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                                              load_lr_scheduler_states=True)
+            # trusted (docs/design.md, "Checkpoints are trusted"); export and evaluation read
+            # without that.
+            path, client_state = self._engine.load_checkpoint(
+                str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         except Exception as err:
             if "DP world size" not in str(err):  # ZeRO's refusal of another world size
                 raise
-            raise UserError(f"checkpoint {checkpoint}: {str(err).splitlines()[0]} "
-                            f"(convert it with launch.deepspeed.universal.to_universal)") from err
+            raise UserError(
+                f"checkpoint {checkpoint}: {str(err).splitlines()[0]} "
+                f"(convert it with launch.deepspeed.universal.to_universal)"
+            ) from err
         if path is None:
             raise UserError(f"checkpoint {checkpoint} could not be loaded")
         if universal and stage == 3:
@@ -157,9 +199,13 @@ class Engine:
         `step` tensor shared by all groups, which AdamW then advances once per group per step."""
         basic = self._engine.basic_optimizer
         with torch.serialization.safe_globals(_checkpoint_globals()):
-            saved = torch.load(checkpoint / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)["param_groups"]
+            saved = torch.load(
+                checkpoint / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True
+            )["param_groups"]
         if len(saved) != len(basic.param_groups):
-            raise UserError(f"checkpoint {checkpoint} has {len(saved)} optimizer parameter groups, this model {len(basic.param_groups)}")
+            raise UserError(
+                f"checkpoint {checkpoint} has {len(saved)} optimizer parameter groups, this model {len(basic.param_groups)}"
+            )
         for group, saved_group in zip(basic.param_groups, saved):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
         for state in basic.state.values():
@@ -173,7 +219,8 @@ class Engine:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         optimizer = self._engine.optimizer
-        basic = self._engine.basic_optimizer  # the caller's AdamW, whose state ZeRO keeps per partition
+        # the caller's AdamW, whose state ZeRO keeps per partition
+        basic = self._engine.basic_optimizer
         if getattr(optimizer, "_hp_optimizer_states_linked", False):
             # ZeRO-1/2 links each parameter to its moments once, right after stepping the first
             # parameter group, when the other groups have no moments yet (stage_1_and_2.py,
@@ -189,7 +236,9 @@ class Engine:
         for name, param in self._engine.module.named_parameters():
             weight = safe_get_full_fp32_param(param)
             if weight is not None:
-                moments = [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+                moments = [
+                    safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")
+                ]
             else:
                 master = masters.get(id(param), param)
                 weight, state = master.detach(), basic.state.get(master, {})
@@ -200,8 +249,14 @@ class Engine:
                 if moment is not None:
                     into[name] = moment.detach().float().cpu().reshape(shape).clone()
         adam_steps = {int(s["step"]) for s in basic.state.values() if "step" in s}
-        return {"weights": weights, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "global_steps": self._engine.global_steps,
-                "adam_steps": sorted(adam_steps), "lr": self.lr}
+        return {
+            "weights": weights,
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+            "global_steps": self._engine.global_steps,
+            "adam_steps": sorted(adam_steps),
+            "lr": self.lr,
+        }
 
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
@@ -256,7 +311,9 @@ def load_muon_compiling_on_first_call() -> None:
         compiler.compile = deepspeeds
 
 
-def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+def cpu_adam(
+    param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float
+) -> torch.optim.Optimizer:
     """AdamW for ZeRO-Offload, whose fp32 master weights and Adam moments live in CPU memory:
     DeepSpeed's DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, bias correction, as
     torch's AdamW), over the caller's parameter groups, each with its own weight decay.
@@ -274,8 +331,9 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         # Copies: a failed construction leaves the groups as they were, for the fallback.
-        optimizer: torch.optim.Optimizer = DeepSpeedCPUAdam([dict(group) for group in param_groups], lr=lr,
-                                                            betas=betas, eps=eps, adamw_mode=True)
+        optimizer: torch.optim.Optimizer = DeepSpeedCPUAdam(
+            [dict(group) for group in param_groups], lr=lr, betas=betas, eps=eps, adamw_mode=True
+        )
     except Exception as err:  # the JIT build (no compiler, no headers) or the load of the op
         cause = err.__cause__ or err
         failure = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
@@ -288,8 +346,11 @@ def cpu_adam(param_groups: list[dict], *, lr: float, betas: tuple[float, float],
     if failure is None:
         return optimizer
     if not distributed or torch.distributed.get_rank() == 0:
-        print(f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
-              f"AdamW, which is slower", file=sys.stderr)
+        print(
+            f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
+            f"AdamW, which is slower",
+            file=sys.stderr,
+        )
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -354,7 +415,8 @@ def _write_failures_kept(engine, failures: list[OSError]) -> Iterator[None]:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     writer = engine.checkpoint_engine
-    # DeepSpeed's default engine calls torch.save with this format choice; another engine writes its own way.
+    # DeepSpeed's default engine calls torch.save with this format choice; another engine writes its
+    # own way.
     zip_format = writer.zipfile_serialization if type(writer) is TorchCheckpointEngine else None
     write, copy_scripts = writer.save, engine._copy_recovery_script
 
@@ -378,7 +440,9 @@ def _write_failures_kept(engine, failures: list[OSError]) -> Iterator[None]:
             try:
                 copy_scripts(save_path)
             except OSError as err:
-                failures.append(OSError(err.errno, err.strerror or str(err), err.filename or str(save_path)))
+                failures.append(
+                    OSError(err.errno, err.strerror or str(err), err.filename or str(save_path))
+                )
 
     writer.save, engine._copy_recovery_script = save, copy_recovery_scripts
     try:

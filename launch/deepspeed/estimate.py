@@ -27,8 +27,14 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
     return parameters * each, f"{parameters:,} parameters x {each} bytes: {how}"
 
 
-def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload_optimizer: bool, offload_params: bool,
-                                gpus_per_node: int, num_nodes: int) -> dict:
+def estimate_model_state_memory(
+    model: torch.nn.Module,
+    zero_stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+    gpus_per_node: int,
+    num_nodes: int,
+) -> dict:
     """Bytes of a model's parameters, gradients and Adam states per GPU and per node's CPU under
     ZeRO, by DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` and
     `estimate_zero3_model_states_mem_needs`, whose figures its `*_all_cold` functions print), for
@@ -46,17 +52,27 @@ def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload
     # parameters() yields a tied tensor once; DeepSpeed's own count (model_to_params) tells
     # tensors apart by data_ptr(), which is 0 for every tensor on the meta device.
     parameters = sum(p.numel() for p in model.parameters())
-    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    largest_layer = max(
+        sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
+    )
     gpus = gpus_per_node * num_nodes
     if zero_stage == 3:
         # zero_init=False: the trainer builds the whole model on every rank before DeepSpeed
         # partitions it. DeepSpeed's formula knows parameter offload only with optimizer offload.
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            parameters, largest_layer, gpus_per_node, num_nodes, cpu_offload=offload_optimizer or offload_params,
-            cpu_offload_params=offload_params, zero_init=False)
+            parameters,
+            largest_layer,
+            gpus_per_node,
+            num_nodes,
+            cpu_offload=offload_optimizer or offload_params,
+            cpu_offload_params=offload_params,
+            zero_init=False,
+        )
         estimator = "deepspeed estimate_zero3_model_states_mem_needs"
     else:
-        cpu, gpu = estimate_zero2_model_states_mem_needs(parameters, gpus_per_node, num_nodes, cpu_offload=offload_optimizer)
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            parameters, gpus_per_node, num_nodes, cpu_offload=offload_optimizer
+        )
         estimator = "deepspeed estimate_zero2_model_states_mem_needs"
         if zero_stage == 0:
             gpu = estimate_zero2_model_states_mem_needs(parameters, 1, 1, cpu_offload=False)[1]
@@ -64,5 +80,10 @@ def estimate_model_state_memory(model: torch.nn.Module, zero_stage: int, offload
         elif zero_stage == 1:
             gpu += 2 * parameters - (0 if offload_optimizer else 2 * parameters // gpus)
             estimator += ", plus the 16-bit gradients that stage 1 keeps whole"
-    return {"gpu_bytes": int(gpu), "cpu_bytes_per_node": int(cpu), "parameters": parameters,
-            "largest_layer_parameters": largest_layer, "estimator": estimator}
+    return {
+        "gpu_bytes": int(gpu),
+        "cpu_bytes_per_node": int(cpu),
+        "parameters": parameters,
+        "largest_layer_parameters": largest_layer,
+        "estimator": estimator,
+    }

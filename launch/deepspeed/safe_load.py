@@ -24,7 +24,9 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
     failure is one UserError line."""
     tag_dir = Path(checkpoint_dir) / tag
     if is_universal(checkpoint_dir, tag):  # its fp32 weights lack the tied names under ZeRO-3
-        raise UserError(f"checkpoint {tag_dir} is a universal copy; use the checkpoint it was converted from")
+        raise UserError(
+            f"checkpoint {tag_dir} is a universal copy; use the checkpoint it was converted from"
+        )
     require_intact(checkpoint_dir, tag)
     with _weights_only_loads():
         _refuse_code_in(tag_dir)
@@ -32,9 +34,14 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
             if is_zero_partitioned(tag_dir):
                 state = _zero_fp32_state_dict(tag_dir)
             else:  # stage 0: the module's state dict is saved whole
-                state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
-        except Exception as err:  # torch.load's and DeepSpeed's own errors, of a file that verified or was not verified
-            raise UserError(f"checkpoint {tag_dir} could not be read: {_load_failure(err)}") from err
+                state = torch.load(
+                    tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True
+                )["module"]
+        # torch.load's and DeepSpeed's own errors, of a file that verified or was not verified
+        except Exception as err:
+            raise UserError(
+                f"checkpoint {tag_dir} could not be read: {_load_failure(err)}"
+            ) from err
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
 
 
@@ -45,22 +52,42 @@ def _zero_fp32_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     hold what it reads for ZeRO-1 and 2: each rank's flat fp32 partition of every parameter group,
     laid out as theirs (the groups flattened in order, padded to 2 x world size, cut into equal
     parts), and the partition count."""
-    from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS,
-                                                ZERO_STAGE)
+    from deepspeed.checkpoint.constants import (
+        OPTIMIZER_STATE_DICT,
+        PARTITION_COUNT,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+        ZERO_STAGE,
+    )
     from deepspeed.utils import zero_to_fp32
 
     files = zero_to_fp32.get_optim_files(str(tag_dir))
-    first = torch.load(files[0], map_location="cpu", mmap=True, weights_only=True)[OPTIMIZER_STATE_DICT]
+    first = torch.load(files[0], map_location="cpu", mmap=True, weights_only=True)[
+        OPTIMIZER_STATE_DICT
+    ]
     if ZERO_STAGE in first or SINGLE_PARTITION_OF_FP32_GROUPS not in first:
-        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    world_size = max(first[PARTITION_COUNT]) if isinstance(first[PARTITION_COUNT], list) else first[PARTITION_COUNT]
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name
+        )
+    world_size = (
+        max(first[PARTITION_COUNT])
+        if isinstance(first[PARTITION_COUNT], list)
+        else first[PARTITION_COUNT]
+    )
     if world_size != len(files):
-        raise ValueError(f"expected {world_size} optimizer files (the partition count), found {len(files)}")
+        raise ValueError(
+            f"expected {world_size} optimizer files (the partition count), found {len(files)}"
+        )
     del first
-    groups = [torch.load(f, map_location="cpu", mmap=True, weights_only=True)[OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS]
-              for f in files]
+    groups = [
+        torch.load(f, map_location="cpu", mmap=True, weights_only=True)[OPTIMIZER_STATE_DICT][
+            SINGLE_PARTITION_OF_FP32_GROUPS
+        ]
+        for f in files
+    ]
     models = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(tag_dir)))
-    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world_size, groups, models, False)
+    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+        world_size, groups, models, False
+    )
 
 
 def _checkpoint_globals() -> list:
@@ -74,13 +101,41 @@ def _checkpoint_globals() -> list:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    reconstruct = (
+        np._core.multiarray._reconstruct
+        if hasattr(np, "_core")
+        else np.core.multiarray._reconstruct
+    )
     # numpy 2 builds each dtype as an instance of its own class; numbers only (not object arrays).
-    dtypes = [type(np.dtype(kind)) for kind in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-                                                 np.uint32, np.uint64, np.float16, np.float32, np.float64)]
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address, np.ndarray, np.dtype, *dtypes, reconstruct,
-            (reconstruct, "numpy.core.multiarray._reconstruct"),  # its name in files numpy 1 wrote
-            (reconstruct, "numpy._core.multiarray._reconstruct")]
+    dtypes = [
+        type(np.dtype(kind))
+        for kind in (
+            np.bool_,
+            np.int8,
+            np.int16,
+            np.int32,
+            np.int64,
+            np.uint8,
+            np.uint16,
+            np.uint32,
+            np.uint64,
+            np.float16,
+            np.float32,
+            np.float64,
+        )
+    ]
+    return [
+        ZeroStageEnum,
+        LossScaler,
+        DynamicLossScaler,
+        fragment_address,
+        np.ndarray,
+        np.dtype,
+        *dtypes,
+        reconstruct,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),  # its name in files numpy 1 wrote
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+    ]
 
 
 def _load_failure(err: Exception) -> str:
@@ -90,7 +145,11 @@ def _load_failure(err: Exception) -> str:
     if refused:
         return f"it holds {refused.group(1)}, which unpickling would call: refused"
     if "WeightsUnpickler error:" in message:
-        detail = [line.strip() for line in message.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
+        detail = [
+            line.strip()
+            for line in message.split("WeightsUnpickler error:", 1)[1].splitlines()
+            if line.strip()
+        ]
         return f"a weights-only load refused it: {detail[0] if detail else 'unknown'}"
     return f"{type(err).__name__}: {(message.strip().splitlines() or [''])[0]}"
 
@@ -100,7 +159,8 @@ def _weights_only_loads() -> Iterator[None]:
     """Every torch.load inside, DeepSpeed's `weights_only=False` ones included, weights-only with
     `_checkpoint_globals` allowed: torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call. The
     environment is the process's: for one-process readers (export, evaluation, translation)."""
-    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")  # torch refuses both set
+    # torch refuses both set
+    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
     saved = {name: os.environ.pop(name, None) for name in names}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
@@ -123,9 +183,14 @@ def _refuse_code_in(tag_dir: Path) -> None:
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         except OSError as err:
-            raise UserError(f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} cannot be read: {err}") from err
-        except (RuntimeError, ValueError):  # not a whole torch file, or a pickle past parsing: the load says so
+            raise UserError(
+                f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} cannot be read: {err}"
+            ) from err
+        # not a whole torch file, or a pickle past parsing: the load says so
+        except (RuntimeError, ValueError):
             continue
         if unsafe:
-            raise UserError(f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} holds {', '.join(sorted(unsafe))}, which "
-                            f"unpickling would call (our checkpoints hold tensors and plain data): refusing to load it")
+            raise UserError(
+                f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} holds {', '.join(sorted(unsafe))}, which "
+                f"unpickling would call (our checkpoints hold tensors and plain data): refusing to load it"
+            )

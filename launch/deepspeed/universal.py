@@ -16,8 +16,15 @@ from typing import Iterator
 
 from common.configure import UserError
 from common.hashing import file_sha256
-from launch.checkpoint import (INTEGRITY, UNIVERSAL_INFO, is_universal, is_zero_partitioned, universal_tag_for,
-                               verify, write_integrity)
+from launch.checkpoint import (
+    INTEGRITY,
+    UNIVERSAL_INFO,
+    is_universal,
+    is_zero_partitioned,
+    universal_tag_for,
+    verify,
+    write_integrity,
+)
 
 
 def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
@@ -59,7 +66,9 @@ def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
         stale = _stale_copy(source, target)
         if stale is None:
             return root, universal_tag
-        print(f"warning: universal copy {target} {stale}: converting {source} again", file=sys.stderr)
+        print(
+            f"warning: universal copy {target} {stale}: converting {source} again", file=sys.stderr
+        )
     # ds_to_universal writes a `latest_universal` pointer beside its output folder: that stays
     # inside the hidden directory, and our own `latest` pointer keeps naming the original.
     partial = root / f".{universal_tag}.partial"
@@ -71,8 +80,10 @@ def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
         _convert(source, build, log)
     except Exception as err:  # DeepSpeed's asserts, missing files, torch.load errors
         reason = (str(err).strip().splitlines() or [""])[0]
-        raise UserError(f"checkpoint {source}: conversion to a universal checkpoint failed: "
-                        f"{type(err).__name__}: {reason} (DeepSpeed's output: {log})") from err
+        raise UserError(
+            f"checkpoint {source}: conversion to a universal checkpoint failed: "
+            f"{type(err).__name__}: {reason} (DeepSpeed's output: {log})"
+        ) from err
     if target.exists():  # a copy without its info file, of an older hand conversion
         shutil.rmtree(target)
     os.replace(build, target)
@@ -81,14 +92,21 @@ def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
 
 
 def _convert(source: Path, build: Path, log: Path) -> None:
-    args = SimpleNamespace(input_folder=str(source), output_folder=str(build),
-                           # In this process, one file at a time: no worker pool to fork from a
-                           # process that may hold a process group.
-                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                           # Our checkpoints carry no Megatron `universal_checkpoint_info`; without
-                           # tensor or pipeline parallelism its only content is a version, which
-                           # this adds, so checkpoints written before this conversion existed work too.
-                           inject_missing_state=True)
+    args = SimpleNamespace(
+        input_folder=str(source),
+        output_folder=str(build),
+        # In this process, one file at a time: no worker pool to fork from a
+        # process that may hold a process group.
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # Our checkpoints carry no Megatron `universal_checkpoint_info`; without
+        # tensor or pipeline parallelism its only content is a version, which
+        # this adds, so checkpoints written before this conversion existed work
+        # too.
+        inject_missing_state=True,
+    )
     # Imported outside the redirection: DeepSpeed's logger handler keeps the stream it finds at
     # import, and must not keep the log file, which closes after the conversion.
     import deepspeed
@@ -100,8 +118,13 @@ def _convert(source: Path, build: Path, log: Path) -> None:
     if client_state.is_file():
         shutil.copy2(client_state, build / client_state.name)
     write_integrity(build)
-    info = {"source": source.name, "deepspeed": deepspeed.__version__, "source_integrity": _integrity_sha256(source)}
-    (build / UNIVERSAL_INFO).write_text(json.dumps(info, indent=1) + "\n")  # written last: the copy is complete
+    info = {
+        "source": source.name,
+        "deepspeed": deepspeed.__version__,
+        "source_integrity": _integrity_sha256(source),
+    }
+    # written last: the copy is complete
+    (build / UNIVERSAL_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
 def _stale_copy(source: Path, copy: Path) -> str | None:
@@ -134,7 +157,10 @@ def _output_to(path: Path) -> Iterator[None]:
 
     Import deepspeed before entering: its logger's handler keeps the `sys.stdout` it finds when
     it is created, and one created in here would write to this file after it closed."""
-    with open(path, "ab", buffering=0) as sink, io.TextIOWrapper(open(path, "ab"), write_through=True) as text:
+    with (
+        open(path, "ab", buffering=0) as sink,
+        io.TextIOWrapper(open(path, "ab"), write_through=True) as text,
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         saved = [os.dup(1), os.dup(2)]

@@ -14,10 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-from launch.config import LmEvalConfig
-from launch.lm_eval.tasks import check_tasks, held_out_texts
 from common.configure import UserError, config_to_dict, parse_cli
 from common.hashing import file_sha256
+from launch.config import LmEvalConfig
+from launch.lm_eval.tasks import check_tasks, held_out_texts
 
 USAGE = """usage: python -m launch.lm_eval [CONFIG.yaml] checkpoint=DIR [tasks=[cloze,choice]] [format=auto|ours|hf] [key.sub=value ...]
 
@@ -26,7 +26,9 @@ FORMATS = ("auto", "ours", "hf")
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(LmEvalConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True)
+    cfg = parse_cli(
+        LmEvalConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
+    )
     lm_eval_scores(cfg)
     return 0
 
@@ -40,35 +42,67 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     if cfg.split not in ("valid", "test"):
         raise UserError(f"split: {cfg.split!r} is not valid or test (the held-out splits)")
     if cfg.limit < 0 or cfg.micro_batch_size < 1:
-        raise UserError("limit: must be 0 (all) or positive" if cfg.limit < 0 else "micro_batch_size: must be positive")
+        raise UserError(
+            "limit: must be 0 (all) or positive"
+            if cfg.limit < 0
+            else "micro_batch_size: must be positive"
+        )
     resolve_wandb(cfg.wandb)  # a mode W&B does not know: one line, now
     directory = Path(cfg.checkpoint)
     fmt, meta = export_format(directory, cfg.format)
     data_dir = cfg.data_dir or (meta.get("dataset") or {}).get("data_dir") or ""
     if not data_dir:
-        raise UserError(f"data_dir: {directory} does not say which dataset it was trained on; name one")
+        raise UserError(
+            f"data_dir: {directory} does not say which dataset it was trained on; name one"
+        )
     out = Path(cfg.out or directory / f"lm_eval-{cfg.split}.json")
     check_writable_dir(out.absolute().parent, "out")
     texts = held_out_texts(data_dir, cfg.split, file_sha256(directory / "tokenizer.model"))
 
     import torch  # after the checks: --help and bad input answer without torch's import
 
-    lm = load_lm(directory, fmt, cfg.micro_batch_size, cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lm = load_lm(
+        directory,
+        fmt,
+        cfg.micro_batch_size,
+        cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+    )
     from launch.lm_eval.score import flat_metrics, score, table
 
-    print(f"lm_eval: {directory} ({fmt}) on {data_dir} {cfg.split}: {len(texts)} documents, tasks {', '.join(names)}",
-          file=sys.stderr)
-    results = score(lm, names, texts, limit=cfg.limit, seed=cfg.seed, bootstrap_iters=cfg.bootstrap_iters)
+    print(
+        f"lm_eval: {directory} ({fmt}) on {data_dir} {cfg.split}: {len(texts)} documents, tasks {', '.join(names)}",
+        file=sys.stderr,
+    )
+    results = score(
+        lm, names, texts, limit=cfg.limit, seed=cfg.seed, bootstrap_iters=cfg.bootstrap_iters
+    )
     metrics = flat_metrics(results)
-    record = {"metrics": metrics, "checkpoint": str(directory.resolve()), "format": fmt, "data_dir": str(data_dir),
-              "split": cfg.split, "limit": cfg.limit, "seed": cfg.seed, "step": meta.get("step"),
-              **{key: results[key] for key in ("results", "versions", "n-shot", "higher_is_better", "n-samples")}}
+    record = {
+        "metrics": metrics,
+        "checkpoint": str(directory.resolve()),
+        "format": fmt,
+        "data_dir": str(data_dir),
+        "split": cfg.split,
+        "limit": cfg.limit,
+        "seed": cfg.seed,
+        "step": meta.get("step"),
+        **{
+            key: results[key]
+            for key in ("results", "versions", "n-shot", "higher_is_better", "n-samples")
+        },
+    }
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
     partial.replace(out)
     print(table(results), flush=True)
-    tracker = Tracker(enabled=True, settings=cfg.wandb, run_dir=out.absolute().parent, run_id=new_run_id(),
-                      config=config_to_dict(cfg), summary={"checkpoint": record["checkpoint"], "format": fmt})
+    tracker = Tracker(
+        enabled=True,
+        settings=cfg.wandb,
+        run_dir=out.absolute().parent,
+        run_id=new_run_id(),
+        config=config_to_dict(cfg),
+        summary={"checkpoint": record["checkpoint"], "format": fmt},
+    )
     tracker.log(metrics, step=int(meta.get("step") or 0))
     tracker.finish(metrics)
     print(f"scores in {out}", file=sys.stderr)
@@ -84,15 +118,21 @@ def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
 
     config_file = directory / CONFIG
     if not config_file.is_file() or not (directory / TOKENIZER).is_file():
-        raise UserError(f"{directory} is not an exported model directory with its tokenizer (run launch.export)")
+        raise UserError(
+            f"{directory} is not an exported model directory with its tokenizer (run launch.export)"
+        )
     config = read_json(config_file)
     found = "ours" if isinstance(config.get("model"), dict) else "hf"
     if fmt != "auto" and fmt != found:
-        what = "in our format (format=ours)" if found == "ours" else "a Hugging Face one (format=hf)"
+        what = (
+            "in our format (format=ours)" if found == "ours" else "a Hugging Face one (format=hf)"
+        )
         raise UserError(f"format={fmt}: the export in {directory} is {what}")
     arch = config["model"].get("arch") if found == "ours" else config.get("model_type")
     if arch not in ("gpt", "gpt2", "llama"):
-        raise UserError(f"{directory} holds a {arch} model; lm_eval scores a GPT (a causal language model)")
+        raise UserError(
+            f"{directory} holds a {arch} model; lm_eval scores a GPT (a causal language model)"
+        )
     meta = read_json(directory / PROVENANCE) if (directory / PROVENANCE).is_file() else {}
     return found, meta
 
@@ -112,5 +152,12 @@ def load_lm(directory: Path, fmt: str, batch_size: int, device: str):
         return OurLM.from_export(directory, batch_size=batch_size, device=device)
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(directory), backend="causal", device=device, dtype="float32", batch_size=batch_size,
-                prefix_token_id=EOS_ID, logits_cache=False)
+    return HFLM(
+        pretrained=str(directory),
+        backend="causal",
+        device=device,
+        dtype="float32",
+        batch_size=batch_size,
+        prefix_token_id=EOS_ID,
+        logits_cache=False,
+    )

@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from pipeline.format import EOS_ID, PAD_ID
@@ -28,8 +32,14 @@ class OurLM(TemplateLM):
     """A GPT in memory with the SentencePiece model file it was trained with (`from_export`:
     an exported directory of ours, `launch.export`)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: str | Path, batch_size: int | str = 16,
-                 device: str | torch.device | None = None, max_gen_toks: int = 64):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: str | Path,
+        batch_size: int | str = 16,
+        device: str | torch.device | None = None,
+        max_gen_toks: int = 64,
+    ):
         super().__init__()
         if model.cfg.arch != "gpt":
             raise ValueError(f"OurLM scores causal language models; this one is {model.cfg.arch}")
@@ -54,12 +64,17 @@ class OurLM(TemplateLM):
         """`--model pretrain-pipeline --model_args pretrained=DIR[,batch_size=N]`."""
         args = dict(arg_dict)
         directory = args.pop("pretrained")
-        extra = {key: value for key, value in (additional_config or {}).items()
-                 if key in ("batch_size", "device") and value is not None}
+        extra = {
+            key: value
+            for key, value in (additional_config or {}).items()
+            if key in ("batch_size", "device") and value is not None
+        }
         return cls.from_export(directory, **{**args, **extra})
 
     @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "OurLM":
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict | None = None
+    ) -> "OurLM":
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
@@ -80,27 +95,37 @@ class OurLM(TemplateLM):
     def device(self) -> torch.device:
         return self._device
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs
+    ) -> list[int]:
         return self.sp.encode(string)  # no <s> or </s>: as the pipeline encodes documents
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.sp.decode(tokens)
 
     @torch.no_grad()
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation)
         per (_, context ids, continuation ids); longer than the model's positions, the input is
         cut on the left as HFLM cuts it. Batches of similar lengths, right-padded."""
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        order = sorted(
+            range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2])
+        )
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(order), self.batch_size_per_rank):
                 batch = order[start : start + self.batch_size_per_rank]
                 if any(len(requests[i][2]) > self.max_length for i in batch):  # as HFLM refuses it
-                    raise ValueError(f"a continuation longer than the model's {self.max_length} positions")
-                inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1) :][:-1] for i in batch]
+                    raise ValueError(
+                        f"a continuation longer than the model's {self.max_length} positions"
+                    )
+                inputs = [
+                    (requests[i][1] + requests[i][2])[-(self.max_length + 1) :][:-1] for i in batch
+                ]
                 width = max(map(len, inputs))
                 ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
                 mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -112,7 +137,8 @@ class OurLM(TemplateLM):
                 for row, index in enumerate(batch):
                     continuation = requests[index][2]
                     end = len(inputs[row])
-                    scored = logprobs[row, end - len(continuation) : end]  # (C, V): the positions predicting it
+                    # (C, V): the positions predicting it
+                    scored = logprobs[row, end - len(continuation) : end]
                     target = torch.tensor(continuation, device=scored.device)
                     total = scored.gather(-1, target[:, None]).sum().item()
                     results[index] = (total, bool((scored.argmax(-1) == target).all()))
@@ -125,10 +151,18 @@ class OurLM(TemplateLM):
         conditioned on </s> (lm-eval's rolling windows, as HFLM makes them)."""
         totals = []
         for (text,) in (request.args for request in requests):
-            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1)]
-            scores = self._loglikelihood_tokens([(None, context, continuation) for context, continuation in windows])
+            windows = [
+                make_disjoint_window(window)
+                for window in get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            scores = self._loglikelihood_tokens(
+                [(None, context, continuation) for context, continuation in windows]
+            )
             totals.append(sum(score for score, _ in scores))
         return totals
 
@@ -141,11 +175,20 @@ class OurLM(TemplateLM):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
             max_gen_toks = min(kwargs.pop("max_gen_toks"), self.max_length - 1)
-            ids = self.tok_encode(context)[-(self.max_length - max_gen_toks) :] or [self.prefix_token_id]
-            sampling = {key: kwargs[key] for key in ("temperature", "top_k", "top_p") if key in kwargs}
+            ids = self.tok_encode(context)[-(self.max_length - max_gen_toks) :] or [
+                self.prefix_token_id
+            ]
+            sampling = {
+                key: kwargs[key] for key in ("temperature", "top_k", "top_p") if key in kwargs
+            }
             do_sample = bool(kwargs.get("do_sample")) and sampling.get("temperature", 1.0) > 0
-            new = self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens=max_gen_toks,
-                                      eos_id=EOS_ID, do_sample=do_sample, **(sampling if do_sample else {}))
+            new = self.model.generate(
+                torch.tensor([ids], device=self.device),
+                max_new_tokens=max_gen_toks,
+                eos_id=EOS_ID,
+                do_sample=do_sample,
+                **(sampling if do_sample else {}),
+            )
             tokens = new[0, len(ids) :].tolist()
             tokens = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
             outputs.append(postprocess_generated_text(self.tok_decode(tokens), until, None))

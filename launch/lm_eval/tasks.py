@@ -46,19 +46,28 @@ def check_tasks(names) -> list[str]:
     return names
 
 
-def held_out_texts(data_dir: str | Path, split: str, tokenizer_sha256: str | None = None) -> list[str]:
+def held_out_texts(
+    data_dir: str | Path, split: str, tokenizer_sha256: str | None = None
+) -> list[str]:
     """The documents of a split's packed shards as text, in manifest order; the dataset's
     tokenizer must be the model's (`tokenizer_sha256`, when given)."""
     data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
     manifest = read_manifest(data_dir)
     data_sha = manifest["tokenizer"]["sha256"]
     if tokenizer_sha256 and data_sha != tokenizer_sha256:
-        raise UserError(f"tokenizer mismatch: the model was trained with tokenizer {tokenizer_sha256[:12]}, "
-                        f"{data_dir} was prepared with {data_sha[:12]}; score on data prepared with the model's tokenizer")
+        raise UserError(
+            f"tokenizer mismatch: the model was trained with tokenizer {tokenizer_sha256[:12]}, "
+            f"{data_dir} was prepared with {data_sha[:12]}; score on data prepared with the model's tokenizer"
+        )
     streams: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
     for entry in shard_entries(manifest, "causal_lm", split):
-        path = Path(remote.local_file(remote.join(data_dir, entry["path"]), size=entry.get("bytes"),
-                                      sha256=entry.get("sha256")))
+        path = Path(
+            remote.local_file(
+                remote.join(data_dir, entry["path"]),
+                size=entry.get("bytes"),
+                sha256=entry.get("sha256"),
+            )
+        )
         if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
             raise UserError(f"{path}: missing or not the shard the manifest lists (sha256 differs)")
         # One stream per (source folder, bucket): prepare packs each one apart, shard after shard.
@@ -67,8 +76,12 @@ def held_out_texts(data_dir: str | Path, split: str, tokenizer_sha256: str | Non
             for member in tar:
                 if member.isfile() and member.name.endswith(".input_ids.npy"):
                     key = member.name.split(".", 1)[0]
-                    streams[stream].append((key, decode_array(tar.extractfile(member).read()).tolist()))
-    tokenizer = load_tokenizer(Path(remote.local_file(remote.join(data_dir, manifest["tokenizer"]["file"]))))
+                    streams[stream].append(
+                        (key, decode_array(tar.extractfile(member).read()).tolist())
+                    )
+    tokenizer = load_tokenizer(
+        Path(remote.local_file(remote.join(data_dir, manifest["tokenizer"]["file"])))
+    )
     texts = []
     for blocks in streams.values():
         ids = [token for _, block in sorted(blocks) for token in block]
@@ -110,30 +123,45 @@ def choice_docs(texts: list[str], seed: int, fits: Callable[[str], bool]) -> lis
                 halves.append((" ".join(words[:cut]), ending))
     endings = sorted({ending for _, ending in halves})
     if len(endings) <= DISTRACTORS:
-        raise UserError(f"choice: the split has {len(endings)} different document endings; "
-                        f"a multiple-choice task needs more than {DISTRACTORS}")
+        raise UserError(
+            f"choice: the split has {len(endings)} different document endings; "
+            f"a multiple-choice task needs more than {DISTRACTORS}"
+        )
     rng = random.Random(seed)
     docs = []
     for context, ending in halves:
         others = rng.sample([other for other in endings if other != ending], DISTRACTORS)
         label = rng.randrange(DISTRACTORS + 1)
-        docs.append({"context": context, "choices": others[:label] + [ending] + others[label:], "label": label})
+        docs.append(
+            {
+                "context": context,
+                "choices": others[:label] + [ending] + others[label:],
+                "label": label,
+            }
+        )
     return docs
 
 
-def build_docs(texts: list[str], seed: int, fits: Callable[[str], bool] = lambda continuation: True) -> dict:
+def build_docs(
+    texts: list[str], seed: int, fits: Callable[[str], bool] = lambda continuation: True
+) -> dict:
     """Both tasks' docs; `fits(continuation)`: whether a target or ending is short enough to score
     (lm-eval refuses a continuation longer than the model's positions)."""
     return {"cloze": cloze_docs(texts, fits), "choice": choice_docs(texts, seed, fits)}
 
 
-def write_task_configs(names: list[str], docs: dict[str, list[dict]], directory: Path) -> list[dict]:
+def write_task_configs(
+    names: list[str], docs: dict[str, list[dict]], directory: Path
+) -> list[dict]:
     """Each task's docs as DIRECTORY/NAME.jsonl and its lm-eval task config reading them."""
     directory.mkdir(parents=True, exist_ok=True)
     configs = []
     for name in names:
         path = directory / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs[name]), encoding="utf-8")
+        path.write_text(
+            "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs[name]),
+            encoding="utf-8",
+        )
         configs.append(task_config(name, path, directory / "cache"))
     return configs
 
@@ -141,15 +169,32 @@ def write_task_configs(names: list[str], docs: dict[str, list[dict]], directory:
 def task_config(name: str, data_file: Path, cache_dir: Path) -> dict:
     """The lm-eval TaskConfig (as its YAML would read) of task `name` over the jsonl `data_file`."""
     common = {
-        "task": name, "dataset_path": "json", "test_split": "test", "num_fewshot": 0,
+        "task": name,
+        "dataset_path": "json",
+        "test_split": "test",
+        "num_fewshot": 0,
         # The packaged json loader reads the file; its Arrow cache stays beside it.
         "dataset_kwargs": {"data_files": {"test": str(data_file)}, "cache_dir": str(cache_dir)},
-        "doc_to_text": "context", "metadata": {"version": 1.0},
+        "doc_to_text": "context",
+        "metadata": {"version": 1.0},
     }
     if name == "cloze":
-        return {**common, "output_type": "loglikelihood", "doc_to_target": "target", "metric_list": [
-            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-            {"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
-    return {**common, "output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "label",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}
+        return {
+            **common,
+            "output_type": "loglikelihood",
+            "doc_to_target": "target",
+            "metric_list": [
+                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            ],
+        }
+    return {
+        **common,
+        "output_type": "multiple_choice",
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+    }

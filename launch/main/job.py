@@ -12,14 +12,24 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.config import MainConfig
-from launch.main.plan import (StageClock, _check, _finished, _pretrain_steps, _say, _train_command,
-                              finetune_overrides, plan_stages, prepare_overrides, pretrain_overrides, pretrained_needed,
-                              wandb_group)
-from launch.main.summary import write_report
 from common.configure import parse_cli, save_config
+from launch.config import MainConfig
+from launch.main.plan import (
+    StageClock,
+    _check,
+    _finished,
+    _pretrain_steps,
+    _say,
+    _train_command,
+    finetune_overrides,
+    plan_stages,
+    prepare_overrides,
+    pretrain_overrides,
+    pretrained_needed,
+    wandb_group,
+)
+from launch.main.summary import write_report
 from pipeline.progress import every_s, interval, is_progress_line
-
 
 USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
@@ -39,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     problems = _chain_problems(cfg, argv[0])
     if problems:  # a stage that would fail, found before hours of the stages before it
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        print(f"error: {problems[0]}{more}; `python -m launch.main {argv[0]} --dry-run` reports every stage",
-              file=sys.stderr)
+        print(
+            f"error: {problems[0]}{more}; `python -m launch.main {argv[0]} --dry-run` reports every stage",
+            file=sys.stderr,
+        )
         return 2
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)
@@ -50,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except Stopped as stop:
-        _say(f"stopped by {stop}" + (f": {stop.ended}" if stop.ended else "") + "; a re-run continues from there")
+        _say(
+            f"stopped by {stop}"
+            + (f": {stop.ended}" if stop.ended else "")
+            + "; a re-run continues from there"
+        )
         return 128 + stop.signum
     return 0
 
@@ -87,8 +103,10 @@ def main_job(cfg: MainConfig) -> str:
     finetuned = {}
     for encoder, decoder in starts:
         run_dir = stage_finetune(cfg, encoder, decoder, exports, out, logs, clock)
-        finetuned[f"{encoder}/{decoder}"] = (run_dir, {split: stage_evaluate(cfg, run_dir, split, logs, clock)
-                                                       for split in cfg.eval_splits})
+        finetuned[f"{encoder}/{decoder}"] = (
+            run_dir,
+            {split: stage_evaluate(cfg, run_dir, split, logs, clock) for split in cfg.eval_splits},
+        )
     table, report = write_report(cfg, pretrained, finetuned, time.time() - started)
     _say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
     return table
@@ -97,15 +115,27 @@ def main_job(cfg: MainConfig) -> str:
 def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
     data = Path(cfg.data_dir)
     if (data / "manifest.json").is_file():
-        check = subprocess.run([sys.executable, "-m", "pipeline.validate", f"data_dir={data}"], capture_output=True, text=True)
+        check = subprocess.run(
+            [sys.executable, "-m", "pipeline.validate", f"data_dir={data}"],
+            capture_output=True,
+            text=True,
+        )
         if check.returncode == 0:
             _say(f"prepare: skipped, {data} exists and validates")
             return
         # The summary line, or the one-line error of a dataset it cannot read (an older format).
-        said = check.stdout.strip().splitlines() or check.stderr.strip().splitlines() or [f"exit {check.returncode}"]
+        said = (
+            check.stdout.strip().splitlines()
+            or check.stderr.strip().splitlines()
+            or [f"exit {check.returncode}"]
+        )
         _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
-    _run("prepare", [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
-         logs / "prepare.log", clock)
+    _run(
+        "prepare",
+        [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
+        logs / "prepare.log",
+        clock,
+    )
 
 
 def _say_pretraining_text(cfg: MainConfig) -> None:
@@ -114,50 +144,94 @@ def _say_pretraining_text(cfg: MainConfig) -> None:
     train = manifest.get("datasets", {}).get("packed", {}).get("splits", {}).get("train", {})
     sources = train.get("sources") or {"default": {"tokens": train.get("tokens", 0)}}
     counts = ", ".join(f"{name} {record.get('tokens', 0):,}" for name, record in sources.items())
-    extra = "" if len(sources) > 1 else (
-        "; no extra monolingual text (optional: make manpages, then a dataset from "
-        "configs/prepare_gettext_manpages.yaml as data_dir)")
+    extra = (
+        ""
+        if len(sources) > 1
+        else (
+            "; no extra monolingual text (optional: make manpages, then a dataset from "
+            "configs/prepare_gettext_manpages.yaml as data_dir)"
+        )
+    )
     _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
 
 
-def stage_pretrain(cfg: MainConfig, name: str, config: str, out: Path, logs: Path, clock: StageClock) -> Path:
+def stage_pretrain(
+    cfg: MainConfig, name: str, config: str, out: Path, logs: Path, clock: StageClock
+) -> Path:
     run_dir = out / f"pretrain-{name}"
     steps = _pretrain_steps(cfg, name)
     if _finished(run_dir, steps):
         _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:
-        _run(f"pretrain {name}", _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
-             logs / f"pretrain-{name}.log", clock)
+        _run(
+            f"pretrain {name}",
+            _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
+            logs / f"pretrain-{name}.log",
+            clock,
+        )
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
         _say(f"export {name}: skipped, {export} holds step {steps}")
     else:
-        _run(f"export {name}", [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
-             logs / f"export-{name}.log", clock)
+        _run(
+            f"export {name}",
+            [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={export}"],
+            logs / f"export-{name}.log",
+            clock,
+        )
     return export
 
 
-def stage_finetune(cfg: MainConfig, encoder: str, decoder: str, exports: dict, out: Path, logs: Path,
-                   clock: StageClock) -> Path:
+def stage_finetune(
+    cfg: MainConfig,
+    encoder: str,
+    decoder: str,
+    exports: dict,
+    out: Path,
+    logs: Path,
+    clock: StageClock,
+) -> Path:
     name = f"{encoder}-{decoder}"
     run_dir = out / f"finetune-{name}"
     if _finished(run_dir, cfg.finetune_steps):
         _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
         return run_dir
-    init = {stack: str(exports[side]) for stack, side in (("encoder", encoder), ("decoder", decoder)) if side != "random"}
-    _run(f"fine-tune {name}", _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
-         logs / f"finetune-{name}.log", clock)
+    init = {
+        stack: str(exports[side])
+        for stack, side in (("encoder", encoder), ("decoder", decoder))
+        if side != "random"
+    }
+    _run(
+        f"fine-tune {name}",
+        _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
+        logs / f"finetune-{name}.log",
+        clock,
+    )
     return run_dir
 
 
-def stage_evaluate(cfg: MainConfig, run_dir: Path, split: str, logs: Path, clock: StageClock) -> dict:
+def stage_evaluate(
+    cfg: MainConfig, run_dir: Path, split: str, logs: Path, clock: StageClock
+) -> dict:
     out = run_dir / f"eval-{split}"
     scores = out / "scores.json"
     if not scores.is_file():
-        _run(f"evaluate {run_dir.name} {split}", [sys.executable, "-m", "launch.evaluate", f"checkpoint={run_dir}",
-                                                  f"data_dir={cfg.data_dir}", f"split={split}", f"beam={cfg.beam}", f"out={out}"],
-             logs / f"evaluate-{run_dir.name}-{split}.log", clock)
+        _run(
+            f"evaluate {run_dir.name} {split}",
+            [
+                sys.executable,
+                "-m",
+                "launch.evaluate",
+                f"checkpoint={run_dir}",
+                f"data_dir={cfg.data_dir}",
+                f"split={split}",
+                f"beam={cfg.beam}",
+                f"out={out}",
+            ],
+            logs / f"evaluate-{run_dir.name}-{split}.log",
+            clock,
+        )
     else:
         _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
     return json.loads(scores.read_text())
@@ -176,7 +250,8 @@ class Stopped(Exception):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-STAGE_STOP_S = 60  # how long a stage may take to stop (torchrun gives its ranks 30 s) before it is killed
+# how long a stage may take to stop (torchrun gives its ranks 30 s) before it is killed
+STAGE_STOP_S = 60
 
 
 def _on_signal(signum, frame) -> None:
@@ -201,15 +276,21 @@ def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
         try:
             while (code := _wait(process, every)) is None:
                 running = time.time() - started
-                _say(f"{stage} ({interval(running)}): {_last_progress_line(log) or 'no progress line yet'}; "
-                     f"{clock.eta(running)}")
+                _say(
+                    f"{stage} ({interval(running)}): {_last_progress_line(log) or 'no progress line yet'}; "
+                    f"{clock.eta(running)}"
+                )
         except Stopped as stop:
             raise Stopped(stop.signum, _stop_stage(stage, process, stop.signum, log)) from None
     if code != 0:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [
+            line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()
+        ]
         # The entry points' own one-line errors say most; else the log's last line.
         errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
-        raise StageFailed(f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})")
+        raise StageFailed(
+            f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})"
+        )
     clock.finish(stage, time.time() - started)
     _say(f"{stage}: done in {time.time() - started:.0f} s; {clock.eta()}")
 

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.config import MainConfig, TrainConfig
 from common.configure import UserError, parse_cli
+from launch.config import MainConfig, TrainConfig
 from pipeline.progress import interval
 
 
@@ -57,13 +57,17 @@ class StageClock:
         """'N/M stages done, overall ETA T': `running_s` is how long the stage at the current
         position has run (None: none runs)."""
         left, untimed = 0.0, []
-        for offset, stage in enumerate(self.stages[self.position:]):
+        for offset, stage in enumerate(self.stages[self.position :]):
             if stage.kind not in self.timed:
                 untimed += [stage.kind] if stage.kind not in untimed else []
                 continue
             seconds, work = self.timed[stage.kind]
             estimate = seconds / work * stage.work
-            left += max(estimate - running_s, 0.0) if offset == 0 and running_s is not None else estimate
+            left += (
+                max(estimate - running_s, 0.0)
+                if offset == 0 and running_s is not None
+                else estimate
+            )
         done = f"{self.position}/{len(self.stages)} stages done"
         if not untimed:
             return f"{done}, overall ETA {interval(left)}"
@@ -74,28 +78,44 @@ def plan_stages(cfg: MainConfig, starts: list[tuple[str, str]]) -> list[Stage]:
     """Every stage of the job in order, labelled as `_run` names it, for the overall ETA."""
     stages = [Stage("prepare", "prepare", 1)]
     for name in pretrained_needed(starts):
-        stages += [Stage(f"pretrain {name}", "pretrain", _pretrain_steps(cfg, name)), Stage(f"export {name}", "export", 1)]
+        stages += [
+            Stage(f"pretrain {name}", "pretrain", _pretrain_steps(cfg, name)),
+            Stage(f"export {name}", "export", 1),
+        ]
     for encoder, decoder in starts:
         stages.append(Stage(f"fine-tune {encoder}-{decoder}", "fine-tune", cfg.finetune_steps))
-        stages += [Stage(f"evaluate finetune-{encoder}-{decoder} {split}", "evaluate", 1) for split in cfg.eval_splits]
+        stages += [
+            Stage(f"evaluate finetune-{encoder}-{decoder} {split}", "evaluate", 1)
+            for split in cfg.eval_splits
+        ]
     return stages
 
 
 def parse_starts(cfg: MainConfig) -> list[tuple[str, str]]:
     """(encoder, decoder) of each well-formed start of `starts`."""
     pairs = [start.partition("/")[::2] for start in cfg.starts]
-    return [(encoder, decoder) for encoder, decoder in pairs if encoder in SIDES and decoder in SIDES]
+    return [
+        (encoder, decoder) for encoder, decoder in pairs if encoder in SIDES and decoder in SIDES
+    ]
 
 
 def main_problems(cfg: MainConfig) -> list[str]:
     """Every problem of the main job's own keys, each line starting with its key; empty if none."""
-    problems = [f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}" for start in cfg.starts
-                if len(start.split("/")) != 2 or not set(start.split("/")) <= set(SIDES)]
-    problems += [f"eval_splits: {split!r} is not train, valid or test" for split in cfg.eval_splits
-                 if split not in ("train", "valid", "test")]
+    problems = [
+        f"starts: {start!r} is not ENCODER/DECODER with each of {', '.join(SIDES)}"
+        for start in cfg.starts
+        if len(start.split("/")) != 2 or not set(start.split("/")) <= set(SIDES)
+    ]
+    problems += [
+        f"eval_splits: {split!r} is not train, valid or test"
+        for split in cfg.eval_splits
+        if split not in ("train", "valid", "test")
+    ]
     if cfg.pretrain_steps <= 0 or cfg.bert_pretrain_steps < 0 or cfg.finetune_steps <= 0:
-        problems.append(f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
-                        f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)")
+        problems.append(
+            f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
+            f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)"
+        )
     if cfg.nproc < 1:
         problems.append(f"nproc: {cfg.nproc}: must be at least 1")
     if cfg.beam < 1:
@@ -126,22 +146,37 @@ def prepare_overrides(cfg: MainConfig) -> list[str]:
 
 def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
     """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the stage's overrides."""
-    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={_pretrain_steps(cfg, name)}",
-            f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}", *_wandb_overrides(cfg), *getattr(cfg, f"{name}_overrides")]
+    return [
+        f"data.data_dir={cfg.data_dir}",
+        f"run_dir={run_dir}",
+        f"max_steps={_pretrain_steps(cfg, name)}",
+        f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}",
+        *_wandb_overrides(cfg),
+        *getattr(cfg, f"{name}_overrides"),
+    ]
 
 
 def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> list[str]:
     """What the job passes to a fine-tuning run; `init`: stack -> exported directory of each warm side.
     Random sides are left to the config's default (""): an empty override would read as null."""
-    return [f"data.data_dir={cfg.data_dir}", f"run_dir={run_dir}", f"max_steps={cfg.finetune_steps}",
-            f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}", *_wandb_overrides(cfg), *cfg.translation_overrides,
-            *(f"init.{stack}={directory}" for stack, directory in init.items())]
+    return [
+        f"data.data_dir={cfg.data_dir}",
+        f"run_dir={run_dir}",
+        f"max_steps={cfg.finetune_steps}",
+        f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}",
+        *_wandb_overrides(cfg),
+        *cfg.translation_overrides,
+        *(f"init.{stack}={directory}" for stack, directory in init.items()),
+    ]
 
 
 def _wandb_overrides(cfg: MainConfig) -> list[str]:
     """The training runs' W&B keys: the job's group, and its mode only where set (an empty
     override would read as null; unset, each run takes WANDB_MODE, else offline)."""
-    return [f"wandb.group={cfg.wandb_group}", *([f"wandb.mode={cfg.wandb_mode}"] if cfg.wandb_mode else [])]
+    return [
+        f"wandb.group={cfg.wandb_group}",
+        *([f"wandb.mode={cfg.wandb_mode}"] if cfg.wandb_mode else []),
+    ]
 
 
 def wandb_group(cfg: MainConfig, out: Path) -> str:
@@ -157,7 +192,11 @@ def wandb_group(cfg: MainConfig, out: Path) -> str:
 
 
 def _pretrain_steps(cfg: MainConfig, name: str) -> int:
-    return cfg.bert_pretrain_steps if name == "bert" and cfg.bert_pretrain_steps else cfg.pretrain_steps
+    return (
+        cfg.bert_pretrain_steps
+        if name == "bert" and cfg.bert_pretrain_steps
+        else cfg.pretrain_steps
+    )
 
 
 def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
@@ -171,13 +210,27 @@ def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
     if gpus < nproc:
         accum = parse_cli(TrainConfig, [config, *overrides], usage="").grad_accum
         if (accum * nproc) % gpus:
-            raise UserError(f"nproc={nproc} ranks, but this machine has {gpus} GPUs, and the global batch of "
-                            f"{nproc} ranks x grad_accum {accum} does not divide over {gpus}; set nproc={gpus}")
-        _say(f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} rank{'s' if gpus > 1 else ''} with "
-             f"grad_accum={accum * nproc // gpus} (the same global batch)")
+            raise UserError(
+                f"nproc={nproc} ranks, but this machine has {gpus} GPUs, and the global batch of "
+                f"{nproc} ranks x grad_accum {accum} does not divide over {gpus}; set nproc={gpus}"
+            )
+        _say(
+            f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} rank{'s' if gpus > 1 else ''} with "
+            f"grad_accum={accum * nproc // gpus} (the same global batch)"
+        )
         nproc, overrides = gpus, [*overrides, f"grad_accum={accum * nproc // gpus}"]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-                if nproc > 1 else [sys.executable])
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
     return [*launcher, "-m", "launch.train", config, *overrides]
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from launch.main import plan as job
+from common.configure import UserError, load_config
 from launch.config import MainConfig, TrainConfig
+from launch.main import plan as job
 from launch.preflight.checks import check_source_fits, preflight
 from launch.preflight.report import PlannedData, Report, render
 from model.config import STACKS
 from pipeline.config import PrepareConfig
-from common.configure import UserError, load_config
 from pipeline.format import MANIFEST
 from pipeline.prepare import check_config as check_prepare_config
 from pipeline.sources import expand_paths, source_list, source_where
@@ -44,7 +44,8 @@ def dry_run(cfg: MainConfig, config: str) -> int:
 def chain_problems(cfg: MainConfig, config: str) -> list[str]:
     """Every problem that would stop a stage of the chain, each starting with its stage; the
     stages' reports go to stdout. The job runs it (quietly) before its first stage too."""
-    cfg = replace(cfg, wandb_group=cfg.wandb_group or "WANDB_GROUP")  # chosen at run time, kept in out_dir
+    # chosen at run time, kept in out_dir
+    cfg = replace(cfg, wandb_group=cfg.wandb_group or "WANDB_GROUP")
     out = Path(cfg.out_dir)
     problems: list[str] = [f"main: {line}" for line in job.main_problems(cfg)]
     print(f"dry run of {config}: the whole chain, nothing started, nothing written")
@@ -62,16 +63,27 @@ def chain_problems(cfg: MainConfig, config: str) -> list[str]:
     if starts:
         stage = f"fine-tune ({', '.join(cfg.starts)})"
         # One report for every start: they differ only in init.*, checked below against each source.
-        report = stage_report(stage, cfg.translation_config, job.finetune_overrides(cfg, out / "finetune-START", {}),
-                              cfg, planned)
+        report = stage_report(
+            stage,
+            cfg.translation_config,
+            job.finetune_overrides(cfg, out / "finetune-START", {}),
+            cfg,
+            planned,
+        )
         model_cfg = report.model_config
         for side in STACKS:
             for name in sorted({start[STACK_OF[side]] for start in starts} - {"random"}):
                 if sources.get(name) is None or model_cfg is None:
                     continue  # its own stage has said why it cannot be resolved
                 before = len(report.problems)
-                check_source_fits(report, f"init.{side}", f"{getattr(cfg, f'{name}_config')} (pretrain {name})",
-                                  sources[name], side, model_cfg)
+                check_source_fits(
+                    report,
+                    f"init.{side}",
+                    f"{getattr(cfg, f'{name}_config')} (pretrain {name})",
+                    sources[name],
+                    side,
+                    model_cfg,
+                )
                 if len(report.problems) == before:
                     report.facts[f"init.{side} <- {name}"] = report.facts.pop(f"init.{side}")
         finish(stage, report, problems)
@@ -82,26 +94,39 @@ def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:
     """The prepare stage: skipped by the job if the dataset exists (it validates it first), else
     its config with the job's overrides and its sources' files; what it will make, if it can."""
     if (Path(cfg.data_dir) / MANIFEST).is_file():
-        print(f"== prepare: skipped if {cfg.data_dir} validates (pipeline.validate; else prepared again)")
+        print(
+            f"== prepare: skipped if {cfg.data_dir} validates (pipeline.validate; else prepared again)"
+        )
         return None
     overrides = job.prepare_overrides(cfg)
     print(f"== prepare: python -m pipeline.prepare {cfg.prepare_config} {' '.join(overrides)}")
     try:
         prepare = load_config(PrepareConfig, cfg.prepare_config, overrides)
         check_prepare_config(prepare)
-        files = [len(expand_paths(source, source_where(prepare, i))) for i, source in enumerate(source_list(prepare))]
+        files = [
+            len(expand_paths(source, source_where(prepare, i)))
+            for i, source in enumerate(source_list(prepare))
+        ]
     except UserError as err:
         print(f"  problem: {err}")
         problems.append(f"prepare: prepare_config: {err}")
         return None
-    print(f"  {sum(files):,} source files; tasks {', '.join(prepare.tasks)}; seq_len {prepare.seq_len}; "
-          f"vocabulary {prepare.tokenizer.vocab_size}")
-    return PlannedData(source=cfg.prepare_config, vocab_size=prepare.tokenizer.vocab_size, tasks=tuple(prepare.tasks),
-                       seq_len=prepare.seq_len, max_tokens=prepare.translation.max_tokens)
+    print(
+        f"  {sum(files):,} source files; tasks {', '.join(prepare.tasks)}; seq_len {prepare.seq_len}; "
+        f"vocabulary {prepare.tokenizer.vocab_size}"
+    )
+    return PlannedData(
+        source=cfg.prepare_config,
+        vocab_size=prepare.tokenizer.vocab_size,
+        tasks=tuple(prepare.tasks),
+        seq_len=prepare.seq_len,
+        max_tokens=prepare.translation.max_tokens,
+    )
 
 
-def stage_report(stage: str, config: str, overrides: list[str], cfg: MainConfig,
-                 planned: PlannedData | None) -> Report:
+def stage_report(
+    stage: str, config: str, overrides: list[str], cfg: MainConfig, planned: PlannedData | None
+) -> Report:
     """One training stage's config as the job would resolve it, and its preflight on `nproc` ranks."""
     print(f"== {stage}: python -m launch.train {config} {' '.join(overrides)} ({cfg.nproc} ranks)")
     try:
@@ -116,4 +141,3 @@ def stage_report(stage: str, config: str, overrides: list[str], cfg: MainConfig,
 def finish(stage: str, report: Report, problems: list[str]) -> None:
     print("\n".join(f"  {line}" for line in render(report, stage).splitlines()[1:]))
     problems.extend(f"{stage}: {problem}" for problem in report.problems)
-

@@ -20,47 +20,90 @@ def _final(run_dir: Path) -> dict:
 
 
 def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
-    lines = ["| pretraining | steps | tokens seen | final train loss | valid loss | valid perplexity |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| pretraining | steps | tokens seen | final train loss | valid loss | valid perplexity |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, run_dir in pretrained.items():
         final = _final(run_dir)
-        lines.append(f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
-                     f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |")
+        lines.append(
+            f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
+            f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |"
+        )
     header = " | ".join(f"{split} BLEU | {split} chrF" for split in cfg.eval_splits)
-    lines += ["", f"| fine-tuning start (encoder/decoder) | steps | tokens seen | final train loss | valid loss | "
-                  f"valid perplexity | {header} |", "|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits))]
+    lines += [
+        "",
+        f"| fine-tuning start (encoder/decoder) | steps | tokens seen | final train loss | valid loss | "
+        f"valid perplexity | {header} |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits)),
+    ]
     baseline = finetuned.get("random/random")
     for start, (run_dir, scores) in finetuned.items():
         final = _final(run_dir)
         cells = []
         for split in cfg.eval_splits:
             bleu = scores[split]["bleu"]
-            delta = f" ({bleu - baseline[1][split]['bleu']:+.1f})" if baseline and start != "random/random" else ""
+            delta = (
+                f" ({bleu - baseline[1][split]['bleu']:+.1f})"
+                if baseline and start != "random/random"
+                else ""
+            )
             cells.append(f"{bleu:.1f}{delta} | {scores[split]['chrf']:.1f}")
-        lines.append(f"| {start} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
-                     f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} | "
-                     f"{' | '.join(cells)} |")
-    signature = next(iter(finetuned.values()))[1][cfg.eval_splits[0]].get("signature_bleu", "") if finetuned else ""
-    lines += ["", "Tokens: input tokens of all ranks (fine-tuning: source + target). Losses in nats per target token; "
-                  "perplexity = exp(valid loss).", f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}"]
+        lines.append(
+            f"| {start} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
+            f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} | "
+            f"{' | '.join(cells)} |"
+        )
+    signature = (
+        next(iter(finetuned.values()))[1][cfg.eval_splits[0]].get("signature_bleu", "")
+        if finetuned
+        else ""
+    )
+    lines += [
+        "",
+        "Tokens: input tokens of all ranks (fine-tuning: source + target). Losses in nats per target token; "
+        "perplexity = exp(valid loss).",
+        f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}",
+    ]
     return "\n".join(lines)
 
 
-def write_report(cfg: MainConfig, pretrained: dict, finetuned: dict, seconds: float) -> tuple[str, Path]:
+def write_report(
+    cfg: MainConfig, pretrained: dict, finetuned: dict, seconds: float
+) -> tuple[str, Path]:
     """summary.md, summary.json and the loss-curve PNGs into OUT/report; returns the table."""
     report = Path(cfg.out_dir) / "report"
     report.mkdir(parents=True, exist_ok=True)
     table = summary_table(cfg, pretrained, finetuned)
     plots = []
     if pretrained:
-        plots.append(plot_losses(pretrained, report / "pretrain_loss.png", "Pretraining: GPT (causal LM) and BERT (masked LM)"))
+        plots.append(
+            plot_losses(
+                pretrained,
+                report / "pretrain_loss.png",
+                "Pretraining: GPT (causal LM) and BERT (masked LM)",
+            )
+        )
     if finetuned:
         runs = {start: run_dir for start, (run_dir, _) in finetuned.items()}
-        plots.append(plot_losses(runs, report / "finetune_loss.png", "Translation fine-tuning by start (encoder/decoder)"))
+        plots.append(
+            plot_losses(
+                runs,
+                report / "finetune_loss.png",
+                "Translation fine-tuning by start (encoder/decoder)",
+            )
+        )
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
-    (report / "summary.md").write_text(f"# Main job summary\n\n{table}\n\nWall time of this invocation: {seconds:.0f} s.\n\n{images}\n")
-    summary = {"pretraining": {name: _final(d) for name, d in pretrained.items()},
-               "finetuning": {start: {"final": _final(d), "scores": scores}
-                              for start, (d, scores) in finetuned.items()},
-               "seconds": seconds}
+    (report / "summary.md").write_text(
+        f"# Main job summary\n\n{table}\n\nWall time of this invocation: {seconds:.0f} s.\n\n{images}\n"
+    )
+    summary = {
+        "pretraining": {name: _final(d) for name, d in pretrained.items()},
+        "finetuning": {
+            start: {"final": _final(d), "scores": scores}
+            for start, (d, scores) in finetuned.items()
+        },
+        "seconds": seconds,
+    }
     (report / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return table, report

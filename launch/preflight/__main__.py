@@ -3,6 +3,5 @@
 from common.configure import run_main
 from launch.preflight.checks import main
 
-
 if __name__ == "__main__":
     run_main(main)

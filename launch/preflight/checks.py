@@ -14,6 +14,13 @@ from typing import Any
 
 import torch
 
+from common.configure import (
+    UserError,
+    config_from_dict,
+    load_config,
+    parse_cli,
+    strip_launcher_args,
+)
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
@@ -21,16 +28,15 @@ from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.preconditions import data_fits_model, with_data_vocabulary
+from launch.preflight.data import check_data, planned_data
+from launch.preflight.figures import batch_figures, model_figures
+from launch.preflight.report import DataInfo, PlannedData, Report, World, render
 from launch.tasks import TASKS, Task
 from model import ModelConfig
 from model.config import STACKS
 from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
-from common.configure import UserError, config_from_dict, load_config, parse_cli, strip_launcher_args
 from pipeline.format import read_manifest
-from launch.preflight.data import check_data, planned_data
-from launch.preflight.figures import batch_figures, model_figures
-from launch.preflight.report import DataInfo, PlannedData, Report, World, render
 
 USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
    or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]
@@ -51,11 +57,23 @@ def main_dry_run(argv: list[str]) -> int:
     options, rest = _split_flags(strip_launcher_args(argv))
     # As the run resolves it: init.model's directory gives the model config (a misfit: one line).
     cfg = init_model.resolve(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:])
-    report = preflight(cfg, world_size=options["world_size"], ranks_per_node=options["ranks_per_node"])
+    report = preflight(
+        cfg, world_size=options["world_size"], ranks_per_node=options["ranks_per_node"]
+    )
     if options["json"]:
-        print(json.dumps({"config": rest[0], "ok": not report.problems, "facts": report.facts, "figures": report.figures,
-                          "problems": [asdict(p) for p in report.problems],
-                          "warnings": [asdict(w) for w in report.warnings]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "config": rest[0],
+                    "ok": not report.problems,
+                    "facts": report.facts,
+                    "figures": report.figures,
+                    "problems": [asdict(p) for p in report.problems],
+                    "warnings": [asdict(w) for w in report.warnings],
+                },
+                indent=1,
+            )
+        )
     else:
         print(render(report, rest[0]))
     return 2 if report.problems else 0
@@ -81,8 +99,12 @@ def _split_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return options, rest
 
 
-def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: int | None = None,
-              planned: PlannedData | None = None) -> Report:
+def preflight(
+    cfg: TrainConfig,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+    planned: PlannedData | None = None,
+) -> Report:
     """Resolve `cfg` as `launch.train.setup.setup` would, without a process group or an engine, and
     collect every problem instead of stopping at the first. `planned`: the dataset a prepare
     stage will make, taken for `data.data_dir` while that does not exist."""
@@ -90,17 +112,28 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, ranks_per_node: i
     for line in config_problems(cfg):
         report.problem_line(line)
     if 0 < cfg.max_steps <= cfg.schedule.warmup_steps:
-        report.warn("schedule.warmup_steps", f"{cfg.schedule.warmup_steps:,} but max_steps is {cfg.max_steps:,}: the "
-                                             "learning rate never reaches optim.lr")
+        report.warn(
+            "schedule.warmup_steps",
+            f"{cfg.schedule.warmup_steps:,} but max_steps is {cfg.max_steps:,}: the "
+            "learning rate never reaches optim.lr",
+        )
     task = TASKS.get(cfg.task)
     world = resolve_world(world_size, ranks_per_node)
     if task is not None:
         report.facts["task"] = f"{task.name}: {task.arch} on the {task.dataset!r} shards"
-    report.facts["world size"] = (f"{world.size} ({world.source}): {world.nodes} node{'s' * (world.nodes > 1)} x "
-                                  f"{world.ranks_per_node} rank{'s' * (world.ranks_per_node > 1)}")
-    report.figures.update(world_size=world.size, ranks_per_node=world.ranks_per_node, nodes=world.nodes)
+    report.facts["world size"] = (
+        f"{world.size} ({world.source}): {world.nodes} node{'s' * (world.nodes > 1)} x "
+        f"{world.ranks_per_node} rank{'s' * (world.ranks_per_node > 1)}"
+    )
+    report.figures.update(
+        world_size=world.size, ranks_per_node=world.ranks_per_node, nodes=world.nodes
+    )
 
-    if planned is not None and not remote.is_url(cfg.data.data_dir) and not Path(cfg.data.data_dir).exists():
+    if (
+        planned is not None
+        and not remote.is_url(cfg.data.data_dir)
+        and not Path(cfg.data.data_dir).exists()
+    ):
         data = planned_data(cfg, task, planned, report)
     else:
         data = check_data(cfg, task, report)
@@ -128,17 +161,24 @@ def resolve_world(world_size: int | None, ranks_per_node: int | None) -> World:
     if world_size is not None:
         return World(world_size, min(ranks_per_node or 1, world_size), "--world-size")
     denv = dist.read_env()
-    return World(denv.world_size, min(ranks_per_node or denv.local_world_size, denv.world_size),
-                 "the environment's; --world-size N plans another")
+    return World(
+        denv.world_size,
+        min(ranks_per_node or denv.local_world_size, denv.world_size),
+        "the environment's; --world-size N plans another",
+    )
 
 
-def resolve_model_config(cfg: TrainConfig, data: DataInfo | None, report: Report) -> ModelConfig | None:
+def resolve_model_config(
+    cfg: TrainConfig, data: DataInfo | None, report: Report
+) -> ModelConfig | None:
     """The model config with the data's vocabulary (`model.vocab_size: 0`), checked by
     `ModelConfig.validate`; None when it cannot be built."""
     model_cfg = cfg.model
     data_vocab = data.vocab_size if data is not None else None
     if model_cfg.vocab_size == 0 and data_vocab is None:
-        report.facts["parameters"] = "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
+        report.facts["parameters"] = (
+            "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
+        )
         return None
     if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
         model_cfg, problem = with_data_vocabulary(model_cfg, data_vocab, cfg.data.data_dir)
@@ -148,7 +188,8 @@ def resolve_model_config(cfg: TrainConfig, data: DataInfo | None, report: Report
         model_cfg.validate()
     except ValueError as err:
         # validate stops at its first problem; name the field it blames (the one before its
-        # first ": ", else the last one it mentions, as in "d_model=768 is not divisible by n_heads=5").
+        # first ": ", else the last one it mentions, as in "d_model=768 is not divisible by
+        # n_heads=5").
         message = str(err).removeprefix("model config: ")
         named = re.findall(r"([A-Za-z_][\w.]*)=", message.split(": ", 1)[0])
         report.problem(f"model.{named[-1]}" if named else "model", message)
@@ -172,17 +213,26 @@ def check_block_length(cfg: TrainConfig, task: Task, report: Report) -> None:
 def check_deepspeed(cfg: TrainConfig, plan: BatchPlan, report: Report) -> None:
     """The DeepSpeed JSON derives from the config (and a user's own file merged over it)."""
     if cfg.deepspeed.precision == "fp16" and not torch.cuda.is_available():
-        report.warn("deepspeed.precision", "fp16 runs on GPUs only (dynamic loss scaling): fine for this dry run, "
-                                           "which sees no CUDA, but the job itself needs GPUs")
-        cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, precision="bf16"))  # to check the rest of the dict
+        report.warn(
+            "deepspeed.precision",
+            "fp16 runs on GPUs only (dynamic loss scaling): fine for this dry run, "
+            "which sees no CUDA, but the job itself needs GPUs",
+        )
+        # to check the rest of the dict
+        cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, precision="bf16"))
     try:
         deepspeed_config(cfg, plan)
     except UserError as err:
         report.problem_line(str(err))
 
 
-def check_warm_start(cfg: TrainConfig, task: Task | None, model_cfg: ModelConfig | None, data: DataInfo | None,
-                     report: Report) -> None:
+def check_warm_start(
+    cfg: TrainConfig,
+    task: Task | None,
+    model_cfg: ModelConfig | None,
+    data: DataInfo | None,
+    report: Report,
+) -> None:
     """Each `init.encoder` / `init.decoder`: an exported directory (launch.export) made with the
     dataset's tokenizer, whose architecture fits its stack (what `model.warm_start` checks
     before loading; the weights are not read here), or the training config that will make it."""
@@ -203,10 +253,15 @@ def check_warm_start(cfg: TrainConfig, task: Task | None, model_cfg: ModelConfig
             check_source_fits(report, key, what, source, side, model_cfg)
 
 
-def _source_from_export(key: str, path: Path, cfg: TrainConfig, data: DataInfo | None, report: Report) -> ModelConfig | None:
+def _source_from_export(
+    key: str, path: Path, cfg: TrainConfig, data: DataInfo | None, report: Report
+) -> ModelConfig | None:
     if not (path / EXPORT_CONFIG).is_file() or not (path / EXPORT_WEIGHTS).is_file():
-        report.problem(key, f"{path}: not an exported model directory (no {EXPORT_CONFIG} and "
-                            f"{EXPORT_WEIGHTS}; write one with launch.export)")
+        report.problem(
+            key,
+            f"{path}: not an exported model directory (no {EXPORT_CONFIG} and "
+            f"{EXPORT_WEIGHTS}; write one with launch.export)",
+        )
         return None
     try:
         meta = json.loads((path / EXPORT_CONFIG).read_text())
@@ -216,13 +271,18 @@ def _source_from_export(key: str, path: Path, cfg: TrainConfig, data: DataInfo |
         return None
     sha256 = meta.get("tokenizer_sha256")
     if data is not None and data.tokenizer_sha256 and sha256 != data.tokenizer_sha256:
-        report.problem(key, f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
-                            f"{cfg.data.data_dir} ({data.tokenizer_sha256[:12]}...): its embeddings would not "
-                            "mean the same tokens")
+        report.problem(
+            key,
+            f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
+            f"{cfg.data.data_dir} ({data.tokenizer_sha256[:12]}...): its embeddings would not "
+            "mean the same tokens",
+        )
     return source
 
 
-def _source_from_config(key: str, path: Path, data: DataInfo | None, report: Report) -> ModelConfig | None:
+def _source_from_config(
+    key: str, path: Path, data: DataInfo | None, report: Report
+) -> ModelConfig | None:
     """The model a training config will export, its vocabulary (0) the dataset's: a plan, which
     the run itself cannot load (a warning says so)."""
     try:
@@ -230,8 +290,11 @@ def _source_from_config(key: str, path: Path, data: DataInfo | None, report: Rep
     except UserError as err:
         report.problem(key, str(err))
         return None
-    report.warn(key, f"{path} is a training config: its model is checked here; the run needs the directory "
-                     "launch.export writes from its checkpoint")
+    report.warn(
+        key,
+        f"{path} is a training config: its model is checked here; the run needs the directory "
+        "launch.export writes from its checkpoint",
+    )
     if source.vocab_size == 0:
         if data is None or data.vocab_size is None:
             return None
@@ -239,17 +302,29 @@ def _source_from_config(key: str, path: Path, data: DataInfo | None, report: Rep
     return source
 
 
-def check_source_fits(report: Report, key: str, what: str, source: ModelConfig, side: str, model_cfg: ModelConfig) -> None:
+def check_source_fits(
+    report: Report, key: str, what: str, source: ModelConfig, side: str, model_cfg: ModelConfig
+) -> None:
     """A warm-start source (`what`: where it comes from) against the Seq2Seq stack `side` it
     would fill: the fields `model.warm_start` requires equal; the problem names every one that differs."""
     if source.arch not in SOURCE_CLASSES:
-        report.problem(key, f"{what} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}")
+        report.problem(
+            key,
+            f"{what} holds a {source.arch}; a warm start takes one of {', '.join(SOURCE_CLASSES)}",
+        )
         return
     stack = model_cfg.for_stack(side)
-    differ = [name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)]
+    differ = [
+        name for name in architecture_fields(side) if getattr(source, name) != getattr(stack, name)
+    ]
     if differ:
-        report.problem(key, f"{what} ({source.arch}) has " + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
-                       + f" but the Seq2Seq {side} has " + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ))
+        report.problem(
+            key,
+            f"{what} ({source.arch}) has "
+            + ", ".join(f"{n}={getattr(source, n)!r}" for n in differ)
+            + f" but the Seq2Seq {side} has "
+            + ", ".join(f"{n}={getattr(stack, n)!r}" for n in differ),
+        )
     else:
         report.facts[key] = f"{what}: {source.arch}, fits the {side}"
 
@@ -268,17 +343,23 @@ def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:
         report.problem("run_dir", f"{existing} is not writable{made}")
         return
     try:
-        candidates = ckpt.resume_candidates(cfg.resume, run_dir)  # newest first, as the trainer tries them
+        # newest first, as the trainer tries them
+        candidates = ckpt.resume_candidates(cfg.resume, run_dir)
     except UserError as err:
         report.problem("resume", str(err).removeprefix("resume: "))
         return
     resume_from = candidates[0] if candidates else None
     if resume_from is None:
-        report.facts["run_dir"] = f"{run_dir} ({'exists' if run_dir.exists() else 'will be made'}); a fresh start"
+        report.facts["run_dir"] = (
+            f"{run_dir} ({'exists' if run_dir.exists() else 'will be made'}); a fresh start"
+        )
         return
     root, tag = resume_from
     report.facts["run_dir"] = f"{run_dir}; resume from {root / tag}"
     saved = ckpt.saved_world_size(root, tag)
     if saved is not None and saved != world.size:
-        report.warn("resume", f"{root / tag} was written by {saved} ranks, this job would have {world.size}: a ZeRO "
-                              "checkpoint is tied to its world size (launch.deepspeed.universal.to_universal converts it)")
+        report.warn(
+            "resume",
+            f"{root / tag} was written by {saved} ranks, this job would have {world.size}: a ZeRO "
+            "checkpoint is tied to its world size (launch.deepspeed.universal.to_universal converts it)",
+        )

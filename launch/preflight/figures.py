@@ -7,45 +7,61 @@ import torch
 
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
+from launch.preflight.report import DataInfo, Report, World, _size
 from launch.tasks import Task
 from model import ModelConfig, build_model, training_flops
 from model.config import GATED_ACTIVATIONS
 from model.loss import chunk_peak_bytes
-from launch.preflight.report import DataInfo, Report, World, _size
 
 
-def batch_figures(cfg: TrainConfig, task: Task | None, plan: BatchPlan, data: DataInfo | None, report: Report) -> None:
+def batch_figures(
+    cfg: TrainConfig, task: Task | None, plan: BatchPlan, data: DataInfo | None, report: Report
+) -> None:
     """Global batch, steps per epoch and epochs, cut as the loader cuts them: whole global batches
     (micro x accumulation x world) from the epoch's sample stream, the remainder left out."""
     unit = "pairs" if task is not None and task.dataset == "translation" else "sequences"
     global_batch = plan.global_batch_size
-    report.facts["global batch"] = (f"{global_batch:,} {unit} = {plan.micro_batch_size} micro x {plan.grad_accum} "
-                                    f"accumulation x {plan.world_size} ranks")
+    report.facts["global batch"] = (
+        f"{global_batch:,} {unit} = {plan.micro_batch_size} micro x {plan.grad_accum} "
+        f"accumulation x {plan.world_size} ranks"
+    )
     report.figures["global_batch_size"] = global_batch
     if data is None or "train" not in data.samples:
         return
     train = data.samples["train"]
     steps = train // global_batch
     if steps == 0:
-        report.problem("data.micro_batch_size", f"the train split of {cfg.data.data_dir} has {train:,} {unit}, fewer "
-                                                f"than one global batch of {global_batch:,} ({plan.micro_batch_size} "
-                                                f"x {plan.grad_accum} x {plan.world_size} ranks)")
+        report.problem(
+            "data.micro_batch_size",
+            f"the train split of {cfg.data.data_dir} has {train:,} {unit}, fewer "
+            f"than one global batch of {global_batch:,} ({plan.micro_batch_size} "
+            f"x {plan.grad_accum} x {plan.world_size} ranks)",
+        )
         return
-    report.facts["steps per epoch"] = f"{steps:,} ({train:,} train {unit}; {train - steps * global_batch:,} left out per epoch)"
+    report.facts["steps per epoch"] = (
+        f"{steps:,} ({train:,} train {unit}; {train - steps * global_batch:,} left out per epoch)"
+    )
     report.facts["epochs in max_steps"] = f"{cfg.max_steps / steps:,.2f} ({cfg.max_steps:,} steps)"
     report.figures.update(steps_per_epoch=steps, epochs=cfg.max_steps / steps)
     if "valid" in data.samples:
         valid = data.samples["valid"]
         if valid < global_batch:
-            report.warn("data.micro_batch_size", f"the valid split has {valid:,} {unit}, fewer than one global batch "
-                                                 f"({global_batch:,}): training would run without evaluation")
+            report.warn(
+                "data.micro_batch_size",
+                f"the valid split has {valid:,} {unit}, fewer than one global batch "
+                f"({global_batch:,}): training would run without evaluation",
+            )
         else:
             batches = valid // global_batch
-            report.facts["evaluation"] = (f"{valid:,} valid {unit}, {batches:,} global batch{'es' * (batches > 1)}; "
-                                          f"every {cfg.eval_every or cfg.max_steps:,} steps")
+            report.facts["evaluation"] = (
+                f"{valid:,} valid {unit}, {batches:,} global batch{'es' * (batches > 1)}; "
+                f"every {cfg.eval_every or cfg.max_steps:,} steps"
+            )
 
 
-def sequence_lengths(task: Task, model_cfg: ModelConfig, data: DataInfo | None) -> tuple[float, float, str]:
+def sequence_lengths(
+    task: Task, model_cfg: ModelConfig, data: DataInfo | None
+) -> tuple[float, float, str]:
     """(encoder or only length, decoder length, what they are) of a typical training sample."""
     if task.dataset == "packed":
         if data is not None and data.block_length is not None:
@@ -54,47 +70,97 @@ def sequence_lengths(task: Task, model_cfg: ModelConfig, data: DataInfo | None) 
     if data is not None and data.samples.get("train") and data.tokens.get("train"):
         side = data.tokens["train"] / data.samples["train"] / 2
         # The source gets </s>; the decoder reads <s> + target (task translation's inputs).
-        return side + 1, side + 1, "the train split's mean pair, before padding to the batch's longest"
-    return model_cfg.max_seq_len, model_cfg.max_seq_len, "model.max_seq_len on both sides (the data's is unknown)"
+        return (
+            side + 1,
+            side + 1,
+            "the train split's mean pair, before padding to the batch's longest",
+        )
+    return (
+        model_cfg.max_seq_len,
+        model_cfg.max_seq_len,
+        "model.max_seq_len on both sides (the data's is unknown)",
+    )
 
 
-def model_figures(cfg: TrainConfig, task: Task, plan: BatchPlan, world: World, model_cfg: ModelConfig,
-                  data: DataInfo | None, report: Report) -> None:
+def model_figures(
+    cfg: TrainConfig,
+    task: Task,
+    plan: BatchPlan,
+    world: World,
+    model_cfg: ModelConfig,
+    data: DataInfo | None,
+    report: Report,
+) -> None:
     """Parameters (exact, from the model built on the meta device), FLOPs per step and per token
     (`model.flops`, as the trainer counts them for MFU) and memory per GPU."""
     with torch.device("meta"):
         model = build_model(model_cfg)
     source_len, target_len, lengths = sequence_lengths(task, model_cfg, data)
-    # BERT's head runs on the masked positions only; the masking selects mlm_probability of the tokens.
+    # BERT's head runs on the masked positions only; the masking selects mlm_probability of the
+    # tokens.
     scored = cfg.data.mlm_probability * source_len if task.name == "mlm" else None
     flops_per_sample = training_flops(model_cfg, source_len, target_len, scored=scored)
     tokens_per_step = plan.global_batch_size * (source_len + target_len)
     flops_per_step = flops_per_sample * plan.global_batch_size
-    states = estimate_model_state_memory(model, cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer,
-                                         cfg.deepspeed.offload_params, world.ranks_per_node, world.nodes)
-    activations = activation_bytes(model_cfg, task, plan.micro_batch_size, source_len, target_len,
-                                   cfg.data.mlm_probability, cfg.deepspeed.precision)
-    report.facts["tokens per step"] = f"{tokens_per_step:,.0f} ({source_len + target_len:,.1f} per sample at {lengths})"
+    states = estimate_model_state_memory(
+        model,
+        cfg.deepspeed.zero_stage,
+        cfg.deepspeed.offload_optimizer,
+        cfg.deepspeed.offload_params,
+        world.ranks_per_node,
+        world.nodes,
+    )
+    activations = activation_bytes(
+        model_cfg,
+        task,
+        plan.micro_batch_size,
+        source_len,
+        target_len,
+        cfg.data.mlm_probability,
+        cfg.deepspeed.precision,
+    )
+    report.facts["tokens per step"] = (
+        f"{tokens_per_step:,.0f} ({source_len + target_len:,.1f} per sample at {lengths})"
+    )
     report.facts["parameters"] = f"{states['parameters']:,}"
-    report.facts["FLOPs per step"] = f"{flops_per_step:.3e} (training: forward + backward, matmuls only)"
+    report.facts["FLOPs per step"] = (
+        f"{flops_per_step:.3e} (training: forward + backward, matmuls only)"
+    )
     report.facts["FLOPs per token"] = f"{flops_per_step / tokens_per_step:.3e}"
-    report.facts["memory per GPU"] = (f"{_size(states['gpu_bytes'] + activations)} = model states "
-                                      f"{_size(states['gpu_bytes'])} + activations {_size(activations)}")
+    report.facts["memory per GPU"] = (
+        f"{_size(states['gpu_bytes'] + activations)} = model states "
+        f"{_size(states['gpu_bytes'])} + activations {_size(activations)}"
+    )
     report.facts["model states"] = (
         f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {_size(states['gpu_bytes'])} per GPU, "
         f"{_size(states['cpu_bytes_per_node'])} CPU per node ({states['estimator']}; it counts 16-bit weights and "
-        "gradients beside fp32 master weights and Adam moments)")
+        "gradients beside fp32 master weights and Adam moments)"
+    )
     report.facts["activations"] = (
         f"{_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, {cfg.deepspeed.precision}, "
-        f"activation checkpointing {'on' if model_cfg.activation_checkpointing else 'off'}; our estimate)")
-    report.figures.update(parameters=states["parameters"], tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
-                          flops_per_token=flops_per_step / tokens_per_step, model_state_bytes_per_gpu=states["gpu_bytes"],
-                          activation_bytes_per_gpu=activations, memory_bytes_per_gpu=states["gpu_bytes"] + activations,
-                          cpu_bytes_per_node=states["cpu_bytes_per_node"])
+        f"activation checkpointing {'on' if model_cfg.activation_checkpointing else 'off'}; our estimate)"
+    )
+    report.figures.update(
+        parameters=states["parameters"],
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_step,
+        flops_per_token=flops_per_step / tokens_per_step,
+        model_state_bytes_per_gpu=states["gpu_bytes"],
+        activation_bytes_per_gpu=activations,
+        memory_bytes_per_gpu=states["gpu_bytes"] + activations,
+        cpu_bytes_per_node=states["cpu_bytes_per_node"],
+    )
 
 
-def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, source_len: float, target_len: float,
-                     mlm_probability: float, precision: str) -> int:
+def activation_bytes(
+    model_cfg: ModelConfig,
+    task: Task,
+    micro_batch_size: int,
+    source_len: float,
+    target_len: float,
+    mlm_probability: float,
+    precision: str,
+) -> int:
     """Bytes the forward pass of one micro batch keeps for the backward pass, on a GPU: our
     estimate, since DeepSpeed's estimators count model states only.
 
@@ -134,25 +200,39 @@ def activation_bytes(model_cfg: ModelConfig, task: Task, micro_batch_size: int, 
         if memory_tokens:  # a decoder stack: cross-attention too
             per_token += element * 5 * d + mask * d
         block = per_token * tokens + element * 2 * d_kv * memory_tokens
-        kept = element * d * tokens * cfg.n_layers + block if cfg.activation_checkpointing else block * cfg.n_layers
+        kept = (
+            element * d * tokens * cfg.n_layers + block
+            if cfg.activation_checkpointing
+            else block * cfg.n_layers
+        )
         embeddings = (mask + (element if cfg.norm_position == "post" else 0)) * d * tokens
         return kept + embeddings
 
     d, vocab = model_cfg.d_model, model_cfg.vocab_size
     lm_head_per_token = element * d + 4 * d  # the final hidden state, and its gradient kept in fp32
-    lm_head_fixed = 4 * vocab * d + chunk_peak_bytes(vocab, "cuda")  # the fp32 weight gradient, one chunk
+    # the fp32 weight gradient, one chunk
+    lm_head_fixed = 4 * vocab * d + chunk_peak_bytes(vocab, "cuda")
     if task.arch == "seq2seq":
         encoder = stack(model_cfg.for_stack("encoder"), source_len)
         decoder = stack(model_cfg.for_stack("decoder"), target_len, source_len)
-        return int((encoder + decoder + lm_head_per_token * target_len) * micro_batch_size + lm_head_fixed)
+        return int(
+            (encoder + decoder + lm_head_per_token * target_len) * micro_batch_size + lm_head_fixed
+        )
     if task.arch == "bert":
         masked = mlm_probability * source_len
         head = masked * (element * 4 * d + vocab * (element + 8))
         return int((stack(model_cfg, source_len) + head) * micro_batch_size)
-    return int((stack(model_cfg, source_len) + lm_head_per_token * source_len) * micro_batch_size + lm_head_fixed)
+    return int(
+        (stack(model_cfg, source_len) + lm_head_per_token * source_len) * micro_batch_size
+        + lm_head_fixed
+    )
 
 
 def _offload(cfg: TrainConfig) -> str:
     ds = cfg.deepspeed
-    parts = [name for name, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params)) if on]
+    parts = [
+        name
+        for name, on in (("optimizer", ds.offload_optimizer), ("parameters", ds.offload_params))
+        if on
+    ]
     return f", {' and '.join(parts)} offloaded to CPU" if parts else ""

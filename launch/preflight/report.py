@@ -29,7 +29,8 @@ class Report:
     figures: dict[str, Any] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
-    model_config: ModelConfig | None = None  # the model as resolved (vocabulary from the data); None if it cannot be
+    # the model as resolved (vocabulary from the data); None if it cannot be
+    model_config: ModelConfig | None = None
 
     def problem(self, key: str, message: str) -> None:
         self.problems.append(Problem(key, message))
@@ -63,9 +64,12 @@ class DataInfo:
 
     vocab_size: int | None = None
     tokenizer_sha256: str | None = None
-    samples: dict[str, int] = field(default_factory=dict)  # split -> samples of the task's shard set
-    tokens: dict[str, int] = field(default_factory=dict)  # split -> tokens stored (translation: source + target)
-    block_length: int | None = None  # the longest input the model will be given (for the token figures)
+    # split -> samples of the task's shard set
+    samples: dict[str, int] = field(default_factory=dict)
+    # split -> tokens stored (translation: source + target)
+    tokens: dict[str, int] = field(default_factory=dict)
+    # the longest input the model will be given (for the token figures)
+    block_length: int | None = None
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch import distributed as dist
 from common.configure import UserError
+from launch import distributed as dist
 
 if TYPE_CHECKING:
     from launch.train.state import Run
@@ -47,17 +47,23 @@ class Guard:
             self.consecutive += 1
             return
         self.consecutive = 0
-        self.history = (self.history + [loss])[-self.spike_window:]
+        self.history = (self.history + [loss])[-self.spike_window :]
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "consecutive": self.consecutive, "history": list(self.history),
-                "fp16_overflows": self.fp16_overflows}
+        return {
+            "skipped": self.skipped,
+            "consecutive": self.consecutive,
+            "history": list(self.history),
+            "fp16_overflows": self.fp16_overflows,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.skipped, self.consecutive = int(state.get("skipped", 0)), int(state.get("consecutive", 0))
+        self.skipped, self.consecutive = (
+            int(state.get("skipped", 0)),
+            int(state.get("consecutive", 0)),
+        )
         self.fp16_overflows = int(state.get("fp16_overflows", 0))
-        self.history = [float(x) for x in state.get("history", [])][-self.spike_window:]
-
+        self.history = [float(x) for x in state.get("history", [])][-self.spike_window :]
 
 
 def _injected_loss(spec: str) -> dict[tuple[int, int], float]:
@@ -69,21 +75,26 @@ def _injected_loss(spec: str) -> dict[tuple[int, int], float]:
         item, _, factor = item.partition("*")
         rank, _, steps = item.partition(":")
         first, _, last = steps.partition("-")
-        out.update({(int(rank), step): float(factor or "nan") for step in range(int(first), int(last or first) + 1)})
+        out.update(
+            {
+                (int(rank), step): float(factor or "nan")
+                for step in range(int(first), int(last or first) + 1)
+            }
+        )
     return out
+
 
 _INJECTED_LOSS = _injected_loss(os.environ.get("PRETRAIN_INJECT_NAN", ""))
 
 FP16_OVERFLOW = "fp16 overflow"
 
-NON_FINITE_KINDS = ("nan", "inf", "-inf")  # a rank's non-finite losses, as skipped_batches.jsonl names them
-
+# a rank's non-finite losses, as skipped_batches.jsonl names them
+NON_FINITE_KINDS = ("nan", "inf", "-inf")
 
 
 def step_sample_keys(run: Run, result: dict) -> list[str]:
     """This rank's samples of one step ("SHARD_PATH#MEMBER"), named from its batches' handles."""
     return [key for served in result["served"] for key in run.data.train.sample_keys(served)]
-
 
 
 def guard_step(run: Run, result: dict) -> tuple[dict, str | None]:
@@ -101,28 +112,40 @@ def guard_step(run: Run, result: dict) -> tuple[dict, str | None]:
         run.guard.record(result["train/loss"], bool(result["skipped"]))
     if result["skipped"] and not overflow:
         # One gather, on a skipped step only: each rank's sample keys and its non-finite losses.
-        gathered = dist.all_gather_object((step_sample_keys(run, result), result["non_finite_here"]))
+        gathered = dist.all_gather_object(
+            (step_sample_keys(run, result), result["non_finite_here"])
+        )
         keys = [key for rank_keys, _ in gathered for key in rank_keys]
         if run.denv.is_main:
             cause, said = skip_cause(result, [non_finite for _, non_finite in gathered])
-            row = {"step": run.step, "reason": result["skipped"], **cause, "consecutive": run.guard.consecutive,
-                   "sample_keys": keys}
+            row = {
+                "step": run.step,
+                "reason": result["skipped"],
+                **cause,
+                "consecutive": run.guard.consecutive,
+                "sample_keys": keys,
+            }
             with open(Path(run.cfg.run_dir) / "skipped_batches.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"step {run.step}: skipped on every rank ({said}); {run.guard.skipped} skipped so far",
-                  file=sys.stderr)
+            print(
+                f"step {run.step}: skipped on every rank ({said}); {run.guard.skipped} skipped so far",
+                file=sys.stderr,
+            )
         metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result["skipped"]}
         if run.guard.consecutive > run.guard.max_consecutive_skips:
-            verdict = (f"{run.guard.consecutive} steps in a row skipped ({result['skipped']}) at step {run.step}, "
-                       f"more than guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
-                       f"weights are checkpointed (see {Path(run.cfg.run_dir) / 'skipped_batches.jsonl'})")
+            verdict = (
+                f"{run.guard.consecutive} steps in a row skipped ({result['skipped']}) at step {run.step}, "
+                f"more than guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
+                f"weights are checkpointed (see {Path(run.cfg.run_dir) / 'skipped_batches.jsonl'})"
+            )
             return metrics, verdict
     if result["filler_fraction"] > run.cfg.data.max_bad_fraction:
-        raise UserError(f"{result['filler_fraction']:.1%} of this epoch's batches are fillers for unreadable data, "
-                        f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
-                        f"in the log (data.data_dir={run.cfg.data.data_dir})")
+        raise UserError(
+            f"{result['filler_fraction']:.1%} of this epoch's batches are fillers for unreadable data, "
+            f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
+            f"in the log (data.data_dir={run.cfg.data.data_dir})"
+        )
     return metrics, verdict
-
 
 
 def skip_cause(result: dict, non_finite_by_rank: list[dict]) -> tuple[dict, str]:
@@ -133,16 +156,27 @@ def skip_cause(result: dict, non_finite_by_rank: list[dict]) -> tuple[dict, str]
     passed (`Guard.spike_limit`). Otherwise (DeepSpeed found a non-finite gradient norm): the loss."""
     reason, loss = result["skipped"], result["train/loss"]
     if reason == "non-finite loss":
-        found = [{"rank": rank, "loss": kind, "micro_batches": count}
-                 for rank, counts in enumerate(non_finite_by_rank) for kind, count in counts.items() if count]
-        by_kind = {kind: [entry["rank"] for entry in found if entry["loss"] == kind] for kind in NON_FINITE_KINDS}
+        found = [
+            {"rank": rank, "loss": kind, "micro_batches": count}
+            for rank, counts in enumerate(non_finite_by_rank)
+            for kind, count in counts.items()
+            if count
+        ]
+        by_kind = {
+            kind: [entry["rank"] for entry in found if entry["loss"] == kind]
+            for kind in NON_FINITE_KINDS
+        }
         said = ", ".join(f"{kind} on {_ranks(ranks)}" for kind, ranks in by_kind.items() if ranks)
-        return {"non_finite": found, "finite_loss": loss if math.isfinite(loss) else None}, f"{reason}: {said}"
+        return {
+            "non_finite": found,
+            "finite_loss": loss if math.isfinite(loss) else None,
+        }, f"{reason}: {said}"
     if reason == "loss spike":
-        return ({"loss": loss, "limit": result["spike_limit"]},
-                f"{reason}: loss {loss:.4g} above the limit {result['spike_limit']:.4g}")
+        return (
+            {"loss": loss, "limit": result["spike_limit"]},
+            f"{reason}: loss {loss:.4g} above the limit {result['spike_limit']:.4g}",
+        )
     return {"loss": loss}, f"{reason}, loss {loss:.4g}"
-
 
 
 def _ranks(ranks: list[int], shown: int = 8) -> str:

@@ -29,10 +29,18 @@ def lm_eval_metrics(run: Run) -> dict[str, float]:
     from launch.lm_eval.score import flat_metrics, score
 
     cfg = run.cfg
-    tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), sha256=run.data.tokenizer_sha256)
-    lm = OurLM(run.engine.module, tokenizer, batch_size=cfg.data.micro_batch_size)  # where the engine put it
-    results = score(lm, list(cfg.lm_eval.tasks), _texts(cfg.data.data_dir, cfg.lm_eval.split, run.data.tokenizer_sha256),
-                    limit=cfg.lm_eval.limit, seed=cfg.seed)
+    tokenizer = remote.local_file(
+        remote.join(cfg.data.data_dir, TOKENIZER_FILE), sha256=run.data.tokenizer_sha256
+    )
+    # where the engine put it
+    lm = OurLM(run.engine.module, tokenizer, batch_size=cfg.data.micro_batch_size)
+    results = score(
+        lm,
+        list(cfg.lm_eval.tasks),
+        _texts(cfg.data.data_dir, cfg.lm_eval.split, run.data.tokenizer_sha256),
+        limit=cfg.lm_eval.limit,
+        seed=cfg.seed,
+    )
     return flat_metrics(results)
 
 

@@ -17,25 +17,30 @@ from pathlib import Path
 
 import torch
 
+from common.configure import UserError, parse_cli, strip_launcher_args
+from common.lock import dir_lock
 from launch import checkpoint as ckpt
 from launch import distributed as dist
-from launch.preflight import checks as preflight
 from launch import stop
 from launch.config import TrainConfig
 from launch.metrics import memory_mb
 from launch.preconditions import check_writable_dir
+from launch.preflight import checks as preflight
 from launch.stop import StopRequested, stoppable
 from launch.tasks import host_value
 from launch.train import harness
-from launch.train.guard import _INJECTED_LOSS, FP16_OVERFLOW, NON_FINITE_KINDS, guard_step, step_sample_keys
+from launch.train.guard import (
+    _INJECTED_LOSS,
+    FP16_OVERFLOW,
+    NON_FINITE_KINDS,
+    guard_step,
+    step_sample_keys,
+)
 from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
 from model import attention_kernels, llmc_flops_per_token
-from common.configure import UserError, parse_cli, strip_launcher_args
 from pipeline.loader import ShardLoader
-from common.lock import dir_lock
-
 
 USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]
 
@@ -44,22 +49,22 @@ would fail, each naming its key, in seconds; starts nothing, writes nothing; exi
 (launch.preflight). Exit status: 2 for a bad input (one `error:` line), 1 for a run that failed."""
 
 
-
 def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:  # report the run and every problem; start nothing
         return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
     from launch import init_model
 
-    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked against it).
+    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked
+    # against it).
     cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
     train(cfg)
     return 0
 
 
-
 def train(cfg: TrainConfig) -> dict:
-    stop.install(cfg.run_dir)  # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    stop.install(cfg.run_dir)
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
     faulthandler.enable(all_threads=True)
@@ -68,8 +73,13 @@ def train(cfg: TrainConfig) -> dict:
     try:
         # One job per run directory: a second one started on it (the same command twice, a requeue
         # racing a job that has not died) would interleave checkpoints and metrics with the first.
-        # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the others.
-        with dir_lock(cfg.run_dir, what="train") if dist.read_env().is_main else contextlib.nullcontext():
+        # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the
+        # others.
+        with (
+            dir_lock(cfg.run_dir, what="train")
+            if dist.read_env().is_main
+            else contextlib.nullcontext()
+        ):
             return _train(cfg)
     except UserError:
         # A bad input found before training (no dataset, a mismatched tokenizer) leaves no empty
@@ -82,7 +92,6 @@ def train(cfg: TrainConfig) -> dict:
         raise
 
 
-
 def _train(cfg: TrainConfig) -> dict:
     try:
         run = setup(cfg)
@@ -93,7 +102,8 @@ def _train(cfg: TrainConfig) -> dict:
     try:
         final = fit(run)
         if final.get("preempted"):
-            return final  # the W&B run stays open for the requeued job (finished below, not marked done)
+            # the W&B run stays open for the requeued job (finished below, not marked done)
+            return final
         run.tracker.finish({f"final/{k}": v for k, v in final.items()})
         if run.denv.is_main:
             (Path(cfg.run_dir) / "final.json").write_text(json.dumps(final, indent=1) + "\n")
@@ -106,7 +116,6 @@ def _train(cfg: TrainConfig) -> dict:
         dist.destroy()
 
 
-
 def _stopped_in_setup(cfg: TrainConfig) -> dict:
     """End a job whose wait for the dataset (its manifest, its tokenizer) a stop request cut short:
     nothing to checkpoint; a requeue continues from the latest checkpoint, if any."""
@@ -115,9 +124,11 @@ def _stopped_in_setup(cfg: TrainConfig) -> dict:
     step = int(tag.rpartition("_")[2]) if tag else 0
     if dist.read_env().is_main:
         stop.leave_for_requeue(cfg.run_dir, step)
-        print("stop requested before training began: nothing to checkpoint; exiting for a requeue", file=sys.stderr)
+        print(
+            "stop requested before training began: nothing to checkpoint; exiting for a requeue",
+            file=sys.stderr,
+        )
     return {"step": step, "preempted": True}
-
 
 
 def fit(run: Run) -> dict:
@@ -137,9 +148,12 @@ def fit(run: Run) -> dict:
             profiled = _start_profile(run)
         step_start = time.perf_counter()
         result = train_step(run, batches)
-        if profiled is not None and (result is None or run.step + 1 == cfg.profile_start + cfg.profile_steps):
+        if profiled is not None and (
+            result is None or run.step + 1 == cfg.profile_start + cfg.profile_steps
+        ):
             profiled = _end_profile(run, profiled, last=run.step if result is None else None)
-        if result is None:  # a stop request cut some rank's wait for its batches short: no step taken
+        # a stop request cut some rank's wait for its batches short: no step taken
+        if result is None:
             return stop_for_requeue(run, last_saved, last_eval)
         if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
@@ -155,28 +169,39 @@ def fit(run: Run) -> dict:
         grad_norm = run.engine.grad_norm()
         window_steps += 1
         if cfg.optim.grad_clip:
-            window_clipped = window_clipped + (grad_norm.isfinite() & (grad_norm > cfg.optim.grad_clip))
+            window_clipped = window_clipped + (
+                grad_norm.isfinite() & (grad_norm > cfg.optim.grad_clip)
+            )
         metrics, verdict = guard_step(run, result)
         if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
             save_checkpoint(run)
             raise UserError(verdict)
         if cfg.data.log_sample_keys:  # which samples each step saw, per rank
             with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
-                fh.write(json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n")
+                fh.write(
+                    json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n"
+                )
         if run.step % cfg.log_every == 0 or run.step == stop_at:
             elapsed = max(window_time, 1e-9)
             achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
             achieved_llmc = window_flops_llmc / elapsed / run.denv.world_size
-            metrics.update({
-                "train/loss": result["train/loss"], "train/lr": run.engine.lr, "train/grad_norm": float(grad_norm),
-                "train/clipped_fraction": float(window_clipped) / window_steps,
-                "train/tokens_seen": run.tokens_seen, "train/epoch": run.data.train.epoch,
-                "perf/tokens_per_s": window_tokens / elapsed,
-                "perf/samples_per_s": window_samples / elapsed,
-                "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
-                **data_counters(run), **memory_mb(),
-            })
-            if run.denv.is_main and math.isfinite(achieved_llmc):  # llm.c's count has no Seq2Seq form
+            metrics.update(
+                {
+                    "train/loss": result["train/loss"],
+                    "train/lr": run.engine.lr,
+                    "train/grad_norm": float(grad_norm),
+                    "train/clipped_fraction": float(window_clipped) / window_steps,
+                    "train/tokens_seen": run.tokens_seen,
+                    "train/epoch": run.data.train.epoch,
+                    "perf/tokens_per_s": window_tokens / elapsed,
+                    "perf/samples_per_s": window_samples / elapsed,
+                    "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
+                    **data_counters(run),
+                    **memory_mb(),
+                }
+            )
+            # llm.c's count has no Seq2Seq form
+            if run.denv.is_main and math.isfinite(achieved_llmc):
                 metrics["perf/mfu_llmc"] = achieved_llmc / run.peak[0]
             if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
                 metrics.update({"train/loss_scale": run.engine.loss_scale})
@@ -184,28 +209,39 @@ def fit(run: Run) -> dict:
             window_clipped = window_steps = 0
         stopped = False
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
-            evaluated = evaluate(run)  # None: a stop request cut some rank's wait for validation data short
+            # None: a stop request cut some rank's wait for validation data short
+            evaluated = evaluate(run)
             stopped = evaluated is None
             last_eval = evaluated or last_eval
             metrics.update(evaluated or {})
-        if not stopped and harness.due(run):  # lm-evaluation-harness tasks, every lm_eval.every steps
+        # lm-evaluation-harness tasks, every lm_eval.every steps
+        if not stopped and harness.due(run):
             metrics.update(harness.lm_eval_metrics(run))
         if metrics:
             _log(run, metrics)
-        if stopped or (result["stop"] and run.step < stop_at):  # on the last step a normal end is as good
+        # on the last step a normal end is as good
+        if stopped or (result["stop"] and run.step < stop_at):
             if profiled is not None:
                 _end_profile(run, profiled, last=run.step)
             return stop_for_requeue(run, last_saved, last_eval)
-        if cfg.checkpoint.every_steps and run.step % cfg.checkpoint.every_steps == 0 and run.step < stop_at:
+        if (
+            cfg.checkpoint.every_steps
+            and run.step % cfg.checkpoint.every_steps == 0
+            and run.step < stop_at
+        ):
             save_checkpoint(run)
             last_saved = run.step
     if profiled is not None:  # the run ended inside the profiled steps: what was profiled
         _end_profile(run, profiled, last=run.step)
     if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
         save_checkpoint(run)
-    return {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.guard.skipped,
-            **data_counters(run), **last_eval}
-
+    return {
+        "step": run.step,
+        "tokens_seen": run.tokens_seen,
+        "skipped_steps": run.guard.skipped,
+        **data_counters(run),
+        **last_eval,
+    }
 
 
 def _start_profile(run: Run):
@@ -226,7 +262,10 @@ def _end_profile(run: Run, profiled, last: int | None = None) -> None:
     profiled.export(trace)
     if run.denv.is_main:
         print(profiled.summary(f"optimizer steps {steps} (rank 0)", host_ops=15), file=sys.stderr)
-        print(f"profile: Chrome traces in {trace.parent} (chrome://tracing, ui.perfetto.dev)", file=sys.stderr)
+        print(
+            f"profile: Chrome traces in {trace.parent} (chrome://tracing, ui.perfetto.dev)",
+            file=sys.stderr,
+        )
     return None
 
 
@@ -237,12 +276,15 @@ def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
         save_checkpoint(run)
         done = f"checkpoint at step {run.step} saved"
     else:
-        done = f"step {run.step} is checkpointed already" if run.step else "nothing trained, nothing to checkpoint"
+        done = (
+            f"step {run.step} is checkpointed already"
+            if run.step
+            else "nothing trained, nothing to checkpoint"
+        )
     if run.denv.is_main:
         stop.leave_for_requeue(run.cfg.run_dir, run.step)
         print(f"stop requested: {done}; exiting for a requeue", file=sys.stderr)
     return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
-
 
 
 def train_step(run: Run, batches) -> dict | None:
@@ -272,13 +314,17 @@ def train_step(run: Run, batches) -> dict | None:
     # The losses stay on the device until the one reduction of the step: reading each micro
     # batch's loss on the host would wait for the device at every micro batch.
     loss_sum = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
-    non_finite_here = torch.zeros(len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device)  # micro batches
+    # micro batches
+    non_finite_here = torch.zeros(
+        len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device
+    )
     served = []  # handles on this step's batches; their sample keys are worked out only when needed
     micro = []
     try:
         with stoppable():
             for _ in range(run.plan.grad_accum):
-                micro.append(run.task.model_inputs(next(batches)))  # on the host: the counts below cost no device sync
+                # on the host: the counts below cost no device sync
+                micro.append(run.task.model_inputs(next(batches)))
                 served.append(run.data.train.served_batch())
         stopped = False
     except StopRequested:
@@ -299,13 +345,16 @@ def train_step(run: Run, batches) -> dict | None:
             output = output._replace(loss=output.loss * _INJECTED_LOSS[run.denv.rank, run.step + 1])
         loss = output.loss.detach().float()
         finite = torch.isfinite(loss)
-        non_finite_here = non_finite_here + torch.stack([loss.isnan(), loss.isposinf(), loss.isneginf()]).float()
+        non_finite_here = (
+            non_finite_here + torch.stack([loss.isnan(), loss.isposinf(), loss.isneginf()]).float()
+        )
         loss_sum = loss_sum + torch.where(finite, loss * scored[index], torch.zeros_like(loss))
         finite_scored = finite_scored + finite.float() * scored[index]
         tokens += run.task.tokens(inputs)
         flops += run.task.flops(run.cfg.model, inputs)
-        flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(run.cfg.model, run.n_parameters,
-                                                                     inputs["labels"].shape[1])
+        flops_llmc += run.task.tokens(inputs) * llmc_flops_per_token(
+            run.cfg.model, run.n_parameters, inputs["labels"].shape[1]
+        )
         samples += inputs["labels"].shape[0]
         weighted = output.loss * (scored[index] * share).to(output.loss.dtype)
         if index < run.plan.grad_accum - 1:
@@ -314,11 +363,24 @@ def train_step(run: Run, batches) -> dict | None:
     fillers = run.data.train.stats["epoch_filler_batches"]
     # The step's figures in one reduction, and the guard's decision taken on the device from
     # them: the last backward is issued without a wait, the figures read once, after the step.
-    figures = dist.all_reduce_sum_tensor([loss_sum, finite_scored, non_finite_here.sum(), tokens, flops, flops_llmc,
-                                          samples, fillers, float(_stop_requested(run))]).to(run.engine.device)
+    figures = dist.all_reduce_sum_tensor(
+        [
+            loss_sum,
+            finite_scored,
+            non_finite_here.sum(),
+            tokens,
+            flops,
+            flops_llmc,
+            samples,
+            fillers,
+            float(_stop_requested(run)),
+        ]
+    ).to(run.engine.device)
     spike_limit = run.guard.spike_limit()
     skip = (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)  # 0 / 0 is NaN: not a spike
-    weighted = weighted * torch.where(skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted))
+    weighted = weighted * torch.where(
+        skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted)
+    )
     # Queued before the backward; read after the step, which has waited past it.
     on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
     run.engine.backward(weighted)
@@ -327,19 +389,30 @@ def train_step(run: Run, batches) -> dict | None:
     skipped = run.engine.skipped_steps > skipped_before
     *summed, nan, pos_inf, neg_inf = on_host.values()
     loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed
-    loss = loss_sum / finite_scored if finite_scored else math.nan  # per scored token, over the finite batches
+    # per scored token, over the finite batches
+    loss = loss_sum / finite_scored if finite_scored else math.nan
     reason = "non-finite loss" if non_finite else ("loss spike" if loss > spike_limit else "")
     if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
-        raise RuntimeError(f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})")
+        raise RuntimeError(
+            f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})"
+        )
     if skipped and not reason:
         # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
         # finds its scale (several in a row at the start are normal): counted, not guarded.
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
-    return {"train/loss": loss, "tokens": tokens, "flops": flops, "flops_llmc": flops_llmc, "samples": samples,
-            "stop": stop > 0, "skipped": reason, "spike_limit": spike_limit,
-            "non_finite_here": dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
-            "served": served, "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size)}
-
+    return {
+        "train/loss": loss,
+        "tokens": tokens,
+        "flops": flops,
+        "flops_llmc": flops_llmc,
+        "samples": samples,
+        "stop": stop > 0,
+        "skipped": reason,
+        "spike_limit": spike_limit,
+        "non_finite_here": dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
+        "served": served,
+        "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size),
+    }
 
 
 class HostCopy:
@@ -361,7 +434,6 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.tensor.tolist()
-
 
 
 @torch.compiler.set_stance("force_eager")  # see compile_model: no eval graphs or their recompiles
@@ -394,17 +466,22 @@ def evaluate(run: Run) -> dict | None:
         n = int(run.task.target_mask(inputs).sum())
         sums["loss"] += float(output.loss) * n
         sums["count"] += n
-        for key, value in (run.task.eval_sums(output, inputs) if run.task.eval_sums else {}).items():
+        for key, value in (
+            run.task.eval_sums(output, inputs) if run.task.eval_sums else {}
+        ).items():
             sums[key] = sums.get(key, 0.0) + value
     run.engine.train(True)
     # Every rank runs the same number of batches, so every rank has the same keys in the same order.
     sums = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))
     loss = sums["loss"] / max(sums["count"], 1)
-    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/tokens": sums["count"]}
+    metrics = {
+        "eval/loss": loss,
+        "eval/perplexity": math.exp(min(loss, 50.0)),
+        "eval/tokens": sums["count"],
+    }
     if run.task.eval_metrics:
         metrics.update(run.task.eval_metrics(sums))
     return metrics
-
 
 
 def _log(run: Run, metrics: dict) -> None:
@@ -415,12 +492,10 @@ def _log(run: Run, metrics: dict) -> None:
             fh.write(json.dumps({"step": run.step, **metrics}) + "\n")
 
 
-
 def _batches(loader: ShardLoader):
     """Batches forever, epoch after epoch (the loader advances its epoch at the end of each)."""
     while True:
         yield from loader
-
 
 
 def _stop_requested(run: Run) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.configure import UserError, config_to_dict, show
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
@@ -22,11 +23,11 @@ from launch.tracking import read_metrics_rows
 from launch.train import space
 from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
 from model.config import TRAINING_ONLY_FIELDS
-from common.configure import UserError, config_to_dict, show
 
 
-def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan,
-                tokenizer_sha256: str) -> tuple[Path, str] | None:
+def find_resume(
+    found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPlan, tokenizer_sha256: str
+) -> tuple[Path, str] | None:
     """The checkpoint to resume from (rank 0 only), given the newest intact one; refused, from
     its records and before anything loads it, if it was trained with another tokenizer, another
     network (`_model_misfit`) or another global batch. One written by another number of ranks is
@@ -45,18 +46,19 @@ def find_resume(found: tuple[Path, str] | None, cfg: TrainConfig, plan: BatchPla
         raise UserError(_global_batch_misfit(root / tag, saved, plan))
     if world is None or world == plan.world_size or ckpt.is_universal(root, tag):
         return found
-    print(f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
-          f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
-          f"{plan.world_size}); converting it to a universal checkpoint", file=sys.stderr)
+    print(
+        f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
+        f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
+        f"{plan.world_size}); converting it to a universal checkpoint",
+        file=sys.stderr,
+    )
     from launch.deepspeed.universal import to_universal
 
     return to_universal(root, tag)
 
 
-
 def _another_tokenizer(checkpoint: Path) -> str:
     return f"checkpoint {checkpoint} was trained with another tokenizer than this dataset's"
-
 
 
 def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str | None:
@@ -73,15 +75,18 @@ def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str
         return None
     there, here = _dotted(saved, "model."), _dotted(config_to_dict(cfg.model), "model.")
     ignored = {f"model.{name}" for name in TRAINING_ONLY_FIELDS}
-    differ = [key for key in here if key in there and key not in ignored and there[key] != here[key]]
+    differ = [
+        key for key in here if key in there and key not in ignored and there[key] != here[key]
+    ]
     if not differ:
         return None
     values = "; ".join(f"{key} {show(there[key])} there, {show(here[key])} here" for key in differ)
     as_saved = " ".join(f"{key}={show(there[key])}" for key in differ)
     fresh = "in a new run_dir" if cfg.resume == "auto" else "in a new run_dir with resume=none"
-    return (f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
-            f"{as_saved}, or train the new model from scratch {fresh}")
-
+    return (
+        f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
+        f"{as_saved}, or train the new model from scratch {fresh}"
+    )
 
 
 def _dotted(values: dict, prefix: str) -> dict:
@@ -95,24 +100,35 @@ def _dotted(values: dict, prefix: str) -> dict:
     return out
 
 
-
 def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
     """One line: the sizes, and overrides that would keep the saved global batch on this world size."""
     target, world = saved["global_batch_size"], plan.world_size
-    was = (f"{saved['micro_batch_size']} x {saved['grad_accum']} x {saved['world_size']} ranks"
-           if saved.get("micro_batch_size") else f"{saved.get('world_size')} ranks")
+    was = (
+        f"{saved['micro_batch_size']} x {saved['grad_accum']} x {saved['world_size']} ranks"
+        if saved.get("micro_batch_size")
+        else f"{saved.get('world_size')} ranks"
+    )
     now = f"{plan.micro_batch_size} x {plan.grad_accum} x {world} ranks = {plan.global_batch_size}"
-    fits = [(micro, target // (micro * world)) for micro in range(1, target + 1)
-            if target % (micro * world) == 0]
+    fits = [
+        (micro, target // (micro * world))
+        for micro in range(1, target + 1)
+        if target % (micro * world) == 0
+    ]
     fits = sorted(fits, key=lambda f: (abs(f[0] - plan.micro_batch_size), f[1]))[:3]
-    hint = ("; set " + " or ".join(f"data.micro_batch_size={m} grad_accum={a}" for m, a in fits)) if fits \
+    hint = (
+        ("; set " + " or ".join(f"data.micro_batch_size={m} grad_accum={a}" for m, a in fits))
+        if fits
         else f"; no micro batch x grad_accum makes {target} on {world} ranks: use a world size that divides it"
-    return (f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); this job would use "
-            f"{now}{hint}")
+    )
+    return (
+        f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); this job would use "
+        f"{now}{hint}"
+    )
 
 
-
-def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv) -> Progress:
+def restore(
+    resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv
+) -> Progress:
     """Engine, loader and RNG state from a checkpoint; where the run stands."""
     root, tag = resume_from
     client = engine.load(root, tag)
@@ -123,13 +139,23 @@ def restore(resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dis
     if saved_world == denv.world_size:
         _set_rng_state(client["rng"][denv.rank])
     else:  # no rank's random streams carry over to another world size: new ones, from the step
-        fresh_start(int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv)
+        fresh_start(
+            int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv
+        )
     if denv.is_main:
-        change = f" (written by {saved_world} ranks, resumed on {denv.world_size})" if saved_world != denv.world_size else ""
+        change = (
+            f" (written by {saved_world} ranks, resumed on {denv.world_size})"
+            if saved_world != denv.world_size
+            else ""
+        )
         print(f"resumed from {root / tag} at step {client['step']}{change}", file=sys.stderr)
-    return Progress(client["step"], client["tokens_seen"], client.get("wandb_run_id"), client.get("guard", {}),
-                    client.get("tokens_by_source", {}))
-
+    return Progress(
+        client["step"],
+        client["tokens_seen"],
+        client.get("wandb_run_id"),
+        client.get("guard", {}),
+        client.get("tokens_by_source", {}),
+    )
 
 
 def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
@@ -139,13 +165,15 @@ def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
     return Progress()
 
 
-
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
 
 
 def _set_rng_state(state: dict) -> None:
@@ -154,7 +182,6 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
 
 
 def save_checkpoint(run: Run) -> Path:
@@ -170,25 +197,44 @@ def save_checkpoint(run: Run) -> Path:
     tag = ckpt.tag_for(run.step)
     tag_dir = root / tag
     client_state = {
-        "step": run.step, "tokens_seen": run.tokens_seen, "loader": run.data.train.state_dict(),
-        "rng": dist.all_gather_object(_rng_state()), "config": config_to_dict(run.cfg),
-        "tokenizer_sha256": run.data.tokenizer_sha256, "wandb_run_id": run.run_id, "world_size": run.denv.world_size,
-        "global_batch_size": run.plan.global_batch_size, "micro_batch_size": run.plan.micro_batch_size,
-        "grad_accum": run.plan.grad_accum, "guard": run.guard.state_dict(), "tokens_by_source": tokens_by_source(run),
+        "step": run.step,
+        "tokens_seen": run.tokens_seen,
+        "loader": run.data.train.state_dict(),
+        "rng": dist.all_gather_object(_rng_state()),
+        "config": config_to_dict(run.cfg),
+        "tokenizer_sha256": run.data.tokenizer_sha256,
+        "wandb_run_id": run.run_id,
+        "world_size": run.denv.world_size,
+        "global_batch_size": run.plan.global_batch_size,
+        "micro_batch_size": run.plan.micro_batch_size,
+        "grad_accum": run.plan.grad_accum,
+        "guard": run.guard.state_dict(),
+        "tokens_by_source": tokens_by_source(run),
         "dataset": dataset_record(run),
     }
-    need, how = checkpoint_size(run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision)
+    need, how = checkpoint_size(
+        run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision
+    )
     free = None
 
     def part(work, doing: str, *, main_only: bool = False) -> list:  # `free` as measured by then
-        return _save_step(run, root, tag, work, doing, main_only,
-                          lambda failure: space.save_failed(root, tag, failure, need, how, free))
+        return _save_step(
+            run,
+            root,
+            tag,
+            work,
+            doing,
+            main_only,
+            lambda failure: space.save_failed(root, tag, failure, need, how, free),
+        )
 
     def make_room() -> int:
-        ckpt.discard(root, tag)  # what a save that never completed, or a damaged checkpoint a resume skipped, left here
+        # what a save that never completed, or a damaged checkpoint a resume skipped, left here
+        ckpt.discard(root, tag)
         room = space.free_space(root)
         if room >= need:
-            tag_dir.mkdir(parents=True)  # here, not in DeepSpeed's save, whose failure would leave the others waiting
+            # here, not in DeepSpeed's save, whose failure would leave the others waiting
+            tag_dir.mkdir(parents=True)
         return room
 
     free = part(make_room, "writing", main_only=True)[0]
@@ -197,28 +243,49 @@ def save_checkpoint(run: Run) -> Path:
     part(lambda: run.engine.save(root, tag, client_state), "writing")
 
     def listed() -> dict[str, int]:
-        info = {k: client_state[k] for k in ("step", "tokens_seen", "tokenizer_sha256", "wandb_run_id", "world_size",
-                                             "global_batch_size", "micro_batch_size", "grad_accum", "tokens_by_source",
-                                             "dataset")}
-        info["model"] = client_state["config"]["model"]  # what a resume checks before loading (`find_resume`)
+        info = {
+            k: client_state[k]
+            for k in (
+                "step",
+                "tokens_seen",
+                "tokenizer_sha256",
+                "wandb_run_id",
+                "world_size",
+                "global_batch_size",
+                "micro_batch_size",
+                "grad_accum",
+                "tokens_by_source",
+                "dataset",
+            )
+        }
+        # what a resume checks before loading (`find_resume`)
+        info["model"] = client_state["config"]["model"]
         (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         return ckpt.files_on_disk(tag_dir)
 
     # One listing, rank 0's, so that every rank computes the same shares.
-    share = ckpt.hashing_shares(part(listed, "writing", main_only=True)[0], run.denv.world_size)[run.denv.rank]
+    share = ckpt.hashing_shares(part(listed, "writing", main_only=True)[0], run.denv.world_size)[
+        run.denv.rank
+    ]
     hashed = part(lambda: ckpt.hash_files(tag_dir, share), "hashing")
 
     def recorded() -> None:
-        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for the record.
-        ckpt.write_integrity(tag_dir, {name: {**entry, "hashed_by": rank} for rank, entries in enumerate(hashed)
-                                       for name, entry in entries.items()})
+        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for
+        # the record.
+        ckpt.write_integrity(
+            tag_dir,
+            {
+                name: {**entry, "hashed_by": rank}
+                for rank, entries in enumerate(hashed)
+                for name, entry in entries.items()
+            },
+        )
         ckpt.move_pointer(root, tag)
         ckpt.prune(root, run.cfg.checkpoint.keep_last)
         run.tracker.checkpointed(run.step)
 
     part(recorded, "writing", main_only=True)
     return tag_dir
-
 
 
 def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool, failed) -> list:
@@ -231,7 +298,9 @@ def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool
         try:
             value = work()
         except OSError as err:
-            failure = space.WriteFailure(run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename)
+            failure = space.WriteFailure(
+                run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename
+            )
     gathered = dist.all_gather_object((value, failure))
     failures = [failure for _, failure in gathered if failure is not None]
     if failures:
@@ -240,7 +309,6 @@ def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool
         dist.barrier()  # removed before any rank ends the job
         raise UserError(failed(failures[0]))
     return [value for value, _ in gathered]
-
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from common.configure import UserError, config_to_dict, save_config
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
@@ -31,9 +32,8 @@ from launch.train.state import Data, Run
 from model import ModelConfig, Pretrained, build_model
 from model.warm_start import warm_start
 from pipeline import remote
-from common.configure import UserError, config_to_dict, save_config
-from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
 from pipeline.epoch import describe_mixture
+from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
 from pipeline.loader import ShardLoader
 
 
@@ -55,30 +55,63 @@ def setup(cfg: TrainConfig) -> Run:
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
     # then, if another world size wrote it, its universal copy.
     candidates = _on_main(denv, lambda: ckpt.resume_candidates(cfg.resume, cfg.run_dir))
-    intact = ckpt.choose_resume(cfg.resume, candidates,
-                                lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
-                                dist.all_gather_object, report=denv.is_main)
+    intact = ckpt.choose_resume(
+        cfg.resume,
+        candidates,
+        lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
+        dist.all_gather_object,
+        report=denv.is_main,
+    )
     resume_from = _on_main(denv, lambda: find_resume(intact, cfg, plan, data.tokenizer_sha256))
-    engine, n_parameters = build_engine(cfg, task, plan, data.tokenizer_sha256, denv,
-                                        load_universal=bool(resume_from) and ckpt.is_universal(*resume_from))
-    progress = restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
+    engine, n_parameters = build_engine(
+        cfg,
+        task,
+        plan,
+        data.tokenizer_sha256,
+        denv,
+        load_universal=bool(resume_from) and ckpt.is_universal(*resume_from),
+    )
+    progress = (
+        restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
+    )
     run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
     tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters, tf32)
-    if resume_from and denv.is_main:  # the progress line's last checkpoint, until this job saves one
+    # the progress line's last checkpoint, until this job saves one
+    if resume_from and denv.is_main:
         tracker.checkpointed(progress.step, (resume_from[0] / resume_from[1]).stat().st_mtime)
-    guard = Guard(cfg.guard.max_consecutive_skips, cfg.guard.spike_factor, cfg.guard.spike_warmup_steps,
-                  cfg.guard.spike_window)
+    guard = Guard(
+        cfg.guard.max_consecutive_skips,
+        cfg.guard.spike_factor,
+        cfg.guard.spike_warmup_steps,
+        cfg.guard.spike_window,
+    )
     guard.load_state_dict(progress.guard)
     if denv.is_main:
-        print(f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
-              f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
-              f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
-              f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})", file=sys.stderr)
+        print(
+            f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
+            f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
+            f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
+            f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})",
+            file=sys.stderr,
+        )
         if data.train.mixed:
             print(f"mixture: {describe_mixture(data.train.sources)}", file=sys.stderr)
-    return Run(cfg, denv, task, plan, engine, data, tracker, run_id, peak, guard, progress.step, progress.tokens_seen,
-               n_parameters, dict(progress.tokens_by_source))
-
+    return Run(
+        cfg,
+        denv,
+        task,
+        plan,
+        engine,
+        data,
+        tracker,
+        run_id,
+        peak,
+        guard,
+        progress.step,
+        progress.tokens_seen,
+        n_parameters,
+        dict(progress.tokens_by_source),
+    )
 
 
 def _on_main(denv: dist.DistEnv, work):
@@ -100,7 +133,6 @@ def _on_main(denv: dist.DistEnv, work):
     return value
 
 
-
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
     manifest = read_manifest(cfg.data.data_dir, remote.FetchConfig.from_loader_config(cfg.data))
@@ -109,12 +141,26 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         raise UserError(problem)
     tokenizer = manifest["tokenizer"]
     sha256 = tokenizer["sha256"]
-    train = ShardLoader.from_config(cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size,
-                                    grad_accum=cfg.grad_accum, expected_tokenizer_sha256=sha256,
-                                    pin_memory=torch.cuda.is_available())
+    train = ShardLoader.from_config(
+        cfg.data,
+        task.name,
+        "train",
+        rank=denv.rank,
+        world_size=denv.world_size,
+        grad_accum=cfg.grad_accum,
+        expected_tokenizer_sha256=sha256,
+        pin_memory=torch.cuda.is_available(),
+    )
     try:
-        valid = ShardLoader.from_config(cfg.data, task.name, "valid", rank=denv.rank, world_size=denv.world_size,
-                                        expected_tokenizer_sha256=sha256, pin_memory=torch.cuda.is_available())
+        valid = ShardLoader.from_config(
+            cfg.data,
+            task.name,
+            "valid",
+            rank=denv.rank,
+            world_size=denv.world_size,
+            expected_tokenizer_sha256=sha256,
+            pin_memory=torch.cuda.is_available(),
+        )
     except ManifestError:  # a damaged manifest stops the run, whichever split it damages
         raise
     except UserError as err:  # e.g. a valid split smaller than one global batch
@@ -123,8 +169,13 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
             print(f"warning: no evaluation: {err}", file=sys.stderr)
     fetch = remote.FetchConfig.from_loader_config(cfg.data)
     manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)
-    return Data(train, valid, int(tokenizer["vocab_size"]), sha256, hashlib.sha256(manifest_bytes).hexdigest())
-
+    return Data(
+        train,
+        valid,
+        int(tokenizer["vocab_size"]),
+        sha256,
+        hashlib.sha256(manifest_bytes).hexdigest(),
+    )
 
 
 def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str) -> ModelConfig:
@@ -135,9 +186,15 @@ def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str)
     return model_cfg
 
 
-
-def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256: str, denv: dist.DistEnv, *,
-                 load_universal: bool = False) -> tuple[Engine, int]:
+def build_engine(
+    cfg: TrainConfig,
+    task: Task,
+    plan: BatchPlan,
+    tokenizer_sha256: str,
+    denv: dist.DistEnv,
+    *,
+    load_universal: bool = False,
+) -> tuple[Engine, int]:
     """The model (random, warm-started, or init.model's weights), its optimizer and schedule under
     DeepSpeed; and its parameter count, taken before ZeRO-3 partitions the parameters away."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -148,23 +205,29 @@ def build_engine(cfg: TrainConfig, task: Task, plan: BatchPlan, tokenizer_sha256
             from launch import init_model
 
             fetch = remote.FetchConfig.from_loader_config(cfg.data)
-            dataset_tokenizer = remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
-                                                  sha256=tokenizer_sha256)
+            dataset_tokenizer = remote.local_file(
+                remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch, sha256=tokenizer_sha256
+            )
             model = init_model.load(cfg, dataset_tokenizer)
         else:
             model = build_model(cfg.model)
     except ValueError as err:  # the model config's own check (ModelConfig.validate)
         raise UserError(str(err)) from err
     n_parameters = sum(p.numel() for p in model.parameters())
-    optimizer = build_optimizer(model, cfg.optim, skip_non_finite=cfg.deepspeed.zero_stage == 0,
-                                cpu_offload=cfg.deepspeed.offload_optimizer)
+    optimizer = build_optimizer(
+        model,
+        cfg.optim,
+        skip_non_finite=cfg.deepspeed.zero_stage == 0,
+        cpu_offload=cfg.deepspeed.offload_optimizer,
+    )
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps, cfg.model.d_model)
     if cfg.compile:
         from launch.config import resolved_compile_scope
 
         compile_model(model, resolved_compile_scope(cfg, torch.cuda.is_available()))
-    return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)), n_parameters
-
+    return Engine(
+        model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)
+    ), n_parameters
 
 
 def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
@@ -197,13 +260,17 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
     (`model.blocks.attention`)."""
     if torch.cuda.is_available():
         if importlib.util.find_spec("triton") is None:
-            raise UserError("compile: inductor needs Triton on a GPU, which is not installed (pip install triton, "
-                            "or compile=false)")
+            raise UserError(
+                "compile: inductor needs Triton on a GPU, which is not installed (pip install triton, "
+                "or compile=false)"
+            )
     else:
         cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
         if shutil.which(cxx) is None:
-            raise UserError(f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
-                            f"or set CXX, or compile=false)")
+            raise UserError(
+                f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
+                f"or set CXX, or compile=false)"
+            )
     if scope == "model":
         model.compile(backend="inductor")
         return
@@ -216,10 +283,8 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
         block.forward = torch.compile(block.forward, backend="inductor")
 
 
-
 def _warm_starts(cfg: TrainConfig, task: Task) -> bool:
     return task.warm_startable and bool(cfg.init.encoder or cfg.init.decoder)
-
 
 
 def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch.nn.Module:
@@ -230,7 +295,9 @@ def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch
     for side, directory in (("encoder", cfg.init.encoder), ("decoder", cfg.init.decoder)):
         if directory:
             pretrained, meta = load_model_dir(directory)
-            sides[side] = Pretrained(pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"])
+            sides[side] = Pretrained(
+                pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"]
+            )
     try:
         model, report = warm_start(cfg.model, tokenizer_sha256, **sides)
     except WarmStartError as err:
@@ -238,13 +305,23 @@ def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch
     if is_main:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / "warm_start.txt").write_text(str(report) + "\n")
-        print(f"warm start: {report.summary()} (details in {cfg.run_dir}/warm_start.txt)", file=sys.stderr)
+        print(
+            f"warm start: {report.summary()} (details in {cfg.run_dir}/warm_start.txt)",
+            file=sys.stderr,
+        )
     return model
 
 
-
-def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Data, step: int, run_id: str,
-                 n_parameters: int, tf32: bool = False) -> tuple[Tracker, tuple[float, str]]:
+def open_run_dir(
+    cfg: TrainConfig,
+    denv: dist.DistEnv,
+    plan: BatchPlan,
+    data: Data,
+    step: int,
+    run_id: str,
+    n_parameters: int,
+    tf32: bool = False,
+) -> tuple[Tracker, tuple[float, str]]:
     """RUN_DIR's config, tokenizer and metrics (rows after `step` dropped), and the W&B run;
     the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
     run_dir = Path(cfg.run_dir)
@@ -253,21 +330,43 @@ def open_run_dir(cfg: TrainConfig, denv: dist.DistEnv, plan: BatchPlan, data: Da
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir, step)
         if dropped:
-            print(f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job", file=sys.stderr)
+            print(
+                f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job",
+                file=sys.stderr,
+            )
         save_config(cfg, run_dir / "config.yaml")
         fetch = remote.FetchConfig.from_loader_config(cfg.data)
         # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked
         # against the manifest's sha256.
         with stoppable():
-            shutil.copyfile(remote.local_file(remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch,
-                                              sha256=data.tokenizer_sha256), run_dir / TOKENIZER_FILE)
+            shutil.copyfile(
+                remote.local_file(
+                    remote.join(cfg.data.data_dir, TOKENIZER_FILE),
+                    fetch,
+                    sha256=data.tokenizer_sha256,
+                ),
+                run_dir / TOKENIZER_FILE,
+            )
 
     _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
-    summary = {"git_commit": git_commit(), "data_manifest_sha256": data.manifest_sha256,
-               "tokenizer_sha256": data.tokenizer_sha256, "world_size": denv.world_size,
-               "global_batch_size": plan.global_batch_size, "peak_flops": peak[0], "peak_flops_source": peak[1],
-               "parameters": n_parameters}
-    tracker = Tracker(enabled=denv.is_main, settings=cfg.wandb, run_dir=run_dir, run_id=run_id,
-                      config=config_to_dict(cfg), summary=summary, start_step=step)
+    summary = {
+        "git_commit": git_commit(),
+        "data_manifest_sha256": data.manifest_sha256,
+        "tokenizer_sha256": data.tokenizer_sha256,
+        "world_size": denv.world_size,
+        "global_batch_size": plan.global_batch_size,
+        "peak_flops": peak[0],
+        "peak_flops_source": peak[1],
+        "parameters": n_parameters,
+    }
+    tracker = Tracker(
+        enabled=denv.is_main,
+        settings=cfg.wandb,
+        run_dir=run_dir,
+        run_id=run_id,
+        config=config_to_dict(cfg),
+        summary=summary,
+        start_step=step,
+    )
     return tracker, peak

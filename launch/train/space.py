@@ -45,8 +45,11 @@ def file_system(path: str | Path) -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mounts").read_text().splitlines():
             fields = line.split()
-            # The last mount on a directory is the one seen; octal escapes (\040) stand for spaces and the like.
-            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
+            # The last mount on a directory is the one seen; octal escapes (\040) stand for spaces
+            # and the like.
+            if len(fields) > 2 and re.sub(
+                r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]
+            ) == str(mount):
                 kind = fields[2]
     return f"{kind} on {mount}" if kind else str(mount)
 
@@ -56,11 +59,15 @@ def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -
     the save needs about `need` (`how`: how that is counted); None where it fits."""
     if free >= need:
         return None
-    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
-            f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}")
+    return (
+        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
+        f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}"
+    )
 
 
-def save_failed(root: str | Path, tag: str, failure: WriteFailure, need: int, how: str, free: int | None) -> str:
+def save_failed(
+    root: str | Path, tag: str, failure: WriteFailure, need: int, how: str, free: int | None
+) -> str:
     """The line for a save of checkpoint `root/tag` that `failure` ended, once what it wrote is
     removed: which file system, full or not, the rank and file, what the save needs and what
     was free before it."""
@@ -72,14 +79,20 @@ def save_failed(root: str | Path, tag: str, failure: WriteFailure, need: int, ho
             name = Path(name).relative_to(base).as_posix()
             break
     was_free = f" and {_size(free)} was free before it" if free is not None else ""
-    return (f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
-            f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
-            f"{was_free}; the partial {tag} is removed and {_still_latest(root)}")
+    return (
+        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
+        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
+        f"{was_free}; the partial {tag} is removed and {_still_latest(root)}"
+    )
 
 
 def _still_latest(root: Path) -> str:
     latest = latest_tag(root)
-    kept = f"{Path(root) / POINTER} still names {latest}" if latest else "no checkpoint of this run is complete yet"
+    kept = (
+        f"{Path(root) / POINTER} still names {latest}"
+        if latest
+        else "no checkpoint of this run is complete yet"
+    )
     return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
 
 

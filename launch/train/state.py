@@ -22,8 +22,8 @@ class Data:
     valid: ShardLoader | None  # None when the valid split is smaller than one global batch
     vocab_size: int
     tokenizer_sha256: str
-    manifest_sha256: str = ""  # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
-
+    # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
+    manifest_sha256: str = ""
 
 
 @dataclass
@@ -33,9 +33,10 @@ class Progress:
     step: int = 0
     tokens_seen: int = 0
     run_id: str | None = None  # the W&B run's id, kept across resumes
-    guard: dict = field(default_factory=dict)  # `Guard.state_dict()`: skip counts and the loss history
-    tokens_by_source: dict = field(default_factory=dict)  # training tokens read per source, all ranks
-
+    # `Guard.state_dict()`: skip counts and the loss history
+    guard: dict = field(default_factory=dict)
+    # training tokens read per source, all ranks
+    tokens_by_source: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -58,24 +59,27 @@ class Run:
     tokens_by_source_before: dict = field(default_factory=dict)
 
 
-
 def data_counters(run: Run) -> dict:
     """Unreadable data met so far, and the training tokens read per source since the run began,
     summed over the ranks (a collective: every rank calls it)."""
     names = ("shards_skipped", "samples_unreadable", "filler_batches")
     totals = dist.all_reduce_sum([float(run.data.train.stats[name]) for name in names])
     counters = {f"data/{name}": int(total) for name, total in zip(names, totals)}
-    counters.update({f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()})
+    counters.update(
+        {f"data/tokens/{name}": tokens for name, tokens in tokens_by_source(run).items()}
+    )
     return counters
-
 
 
 def dataset_record(run: Run) -> dict:
     """What an export's provenance names the data by (`launch.export.provenance`): the manifest's
     fingerprint, the train loader's (its shard listing with their sha256s) and its mixture."""
     loader = run.data.train.state_dict()["fingerprint"]
-    return {"manifest_sha256": run.data.manifest_sha256, "train_shards_sha256": loader.get("shards_sha256"),
-            "mixture": loader.get("mixture")}
+    return {
+        "manifest_sha256": run.data.manifest_sha256,
+        "train_shards_sha256": loader.get("shards_sha256"),
+        "mixture": loader.get("mixture"),
+    }
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:
@@ -83,4 +87,7 @@ def tokens_by_source(run: Run) -> dict[str, int]:
     mine = run.data.train.stats["tokens_by_source"]
     names = sorted(set(mine) | set(run.tokens_by_source_before))
     totals = dist.all_reduce_sum([float(mine.get(name, 0)) for name in names])
-    return {name: int(run.tokens_by_source_before.get(name, 0) + total) for name, total in zip(names, totals)}
+    return {
+        name: int(run.tokens_by_source_before.get(name, 0) + total)
+        for name, total in zip(names, totals)
+    }

@@ -27,33 +27,42 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import GPU_ENV, ROOT
+
+from common.configure import load_config
 from launch.config import TrainConfig
 from launch.optim import parameter_groups
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
-from common.configure import load_config
 from pipeline.loader import ShardLoader
 from tests.shardtools import VOCAB_SIZE, make_dataset
 
 gpu = pytest.mark.gpu
-SMALL = {"model.n_layers": 2, "model.vocab_size": VOCAB_SIZE}  # fewer layers, the test data's vocabulary
+# fewer layers, the test data's vocabulary
+SMALL = {"model.n_layers": 2, "model.vocab_size": VOCAB_SIZE}
 ARCHS = {"gpt": ("gpt2_small.yaml", "causal_lm"), "bert": ("bert_base.yaml", "mlm")}
 
 
 def run_config(arch: str, **overrides) -> TrainConfig:
     """configs/gpt2_small.yaml (gpt) or configs/bert_base.yaml (bert) with SMALL and `overrides`."""
     settings = {**SMALL, **overrides}
-    return load_config(TrainConfig, ROOT / "configs" / ARCHS[arch][0], [f"{k}={v}" for k, v in settings.items()])
+    return load_config(
+        TrainConfig, ROOT / "configs" / ARCHS[arch][0], [f"{k}={v}" for k, v in settings.items()]
+    )
 
 
-def trainer_inputs(data_dir: Path, task: str, micro_batch_size: int, seq_len: int, count: int,
-                   device: torch.device) -> list[dict]:
+def trainer_inputs(
+    data_dir: Path, task: str, micro_batch_size: int, seq_len: int, count: int, device: torch.device
+) -> list[dict]:
     """`count` micro batches of model inputs, on `device`, made the way launch.train makes them."""
     make_dataset(data_dir, packed=[micro_batch_size * count], seq_len=seq_len)
-    loader = ShardLoader(str(data_dir), task, "train", micro_batch_size=micro_batch_size,
-                         pin_memory=device.type == "cuda")
+    loader = ShardLoader(
+        str(data_dir),
+        task,
+        "train",
+        micro_batch_size=micro_batch_size,
+        pin_memory=device.type == "cuda",
+    )
     try:
         batches = list(loader)[:count]
     finally:
@@ -69,7 +78,9 @@ def fresh_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> t
 # ----------------------------------------------------------------------------- bf16 training
 
 
-def progression_inputs(task: str, rows: int, seq_len: int, vocab: int, device: torch.device, seed: int) -> dict:
+def progression_inputs(
+    task: str, rows: int, seq_len: int, vocab: int, device: torch.device, seed: int
+) -> dict:
     """Packed blocks a model can learn in a few steps (each token is the previous one plus 1,
     from a random start, above the reserved ids), made into inputs by the trainer's task code."""
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +90,9 @@ def progression_inputs(task: str, rows: int, seq_len: int, vocab: int, device: t
     return TASKS[task].to_device(TASKS[task].model_inputs(batch), device)
 
 
-def train_losses(model: torch.nn.Module, batches: list[dict], steps: int, bf16: bool, lr: float = 6e-4) -> list[float]:
+def train_losses(
+    model: torch.nn.Module, batches: list[dict], steps: int, bf16: bool, lr: float = 6e-4
+) -> list[float]:
     """Losses of `steps` AdamW steps (gpt2_small.yaml's betas, weight decay and clipping, constant
     lr) from `model`'s weights, which are left untouched.
 
@@ -134,8 +147,11 @@ def gradient_agreement(model: torch.nn.Module, inputs: dict) -> tuple[float, dic
             work = work.to(torch.bfloat16)
         with contextlib.nullcontext() if bf16 else exact_fp32():
             work(**inputs).loss.backward()
-        grads[bf16] = {name: p.grad.double().flatten() for name, p in work.named_parameters()
-                       if not name.endswith("attn.k_proj.bias")}
+        grads[bf16] = {
+            name: p.grad.double().flatten()
+            for name, p in work.named_parameters()
+            if not name.endswith("attn.k_proj.bias")
+        }
 
     def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(a @ b / (a.norm() * b.norm()))
@@ -154,14 +170,19 @@ def gradient_agreement(model: torch.nn.Module, inputs: dict) -> tuple[float, dic
 BF16_LOSS_ATOL = 0.08  # nats, at every step
 BF16_GRAD_COSINE = 0.999  # all gradients together
 BF16_GRAD_COSINE_TENSOR = 0.95  # each tensor
-BF16_MIN_FALL = 1.0  # nats: mean loss of the fp32 run's first pass over the batches less its last pass's
+# nats: mean loss of the fp32 run's first pass over the batches less its last pass's
+BF16_MIN_FALL = 1.0
 PROGRESSION_BATCHES = 4
 
 
-def check_bf16_follows_fp32(device: torch.device, rows: int, steps: int) -> tuple[list[float], list[float]]:
+def check_bf16_follows_fp32(
+    device: torch.device, rows: int, steps: int
+) -> tuple[list[float], list[float]]:
     cfg = run_config("gpt").model
-    batches = [progression_inputs("causal_lm", rows, cfg.max_seq_len, cfg.vocab_size, device, seed)
-               for seed in range(PROGRESSION_BATCHES)]
+    batches = [
+        progression_inputs("causal_lm", rows, cfg.max_seq_len, cfg.vocab_size, device, seed)
+        for seed in range(PROGRESSION_BATCHES)
+    ]
     model = fresh_model(cfg, device, torch.float32)
     with exact_fp32():
         fp32 = train_losses(model, batches, steps, bf16=False)
@@ -175,8 +196,12 @@ def test_bf16_training_follows_fp32_on_gpt2_small_blocks():
     batches) from one init in fp32 and in DeepSpeed-style bf16 (see `train_losses`): the bf16
     losses stay within BF16_LOSS_ATOL of the fp32 ones at every step, and the fp32 loss falls by
     more than BF16_MIN_FALL from the first pass to the last."""
-    fp32, bf16 = check_bf16_follows_fp32(torch.device("cuda"), rows=8, steps=3 * PROGRESSION_BATCHES)
-    table = "\n".join(f"{step:3d} {a:.4f} {b:.4f} {b - a:+.4f}" for step, (a, b) in enumerate(zip(fp32, bf16)))
+    fp32, bf16 = check_bf16_follows_fp32(
+        torch.device("cuda"), rows=8, steps=3 * PROGRESSION_BATCHES
+    )
+    table = "\n".join(
+        f"{step:3d} {a:.4f} {b:.4f} {b - a:+.4f}" for step, (a, b) in enumerate(zip(fp32, bf16))
+    )
     print(f"\nstep fp32 bf16 diff\n{table}")
     assert all(map(math.isfinite, fp32 + bf16)), table
     first, last = fp32[:PROGRESSION_BATCHES], fp32[-PROGRESSION_BATCHES:]
@@ -221,12 +246,20 @@ def sdpa_backends(step) -> tuple[set[str], list[str]]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     names = {event.key for event in prof.key_averages()}
-    used = {backend for backend, op in SDPA_OPS.items() if any(name.startswith(op) for name in names)}
-    kernels = sorted(name for name in names if not name.startswith("aten::") and re.search(r"flash|fmha|attention", name, re.I))
+    used = {
+        backend for backend, op in SDPA_OPS.items() if any(name.startswith(op) for name in names)
+    }
+    kernels = sorted(
+        name
+        for name in names
+        if not name.startswith("aten::") and re.search(r"flash|fmha|attention", name, re.I)
+    )
     return used, kernels
 
 
-def attention_backends(arch: str, inputs: list[dict], device: torch.device, dtype: torch.dtype) -> dict:
+def attention_backends(
+    arch: str, inputs: list[dict], device: torch.device, dtype: torch.dtype
+) -> dict:
     """The SDPA backends of a forward + backward on `inputs`: as torch picks them, and with only
     flash and memory-efficient attention allowed (`sdpa_kernel` raises if neither can run)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -252,7 +285,9 @@ def test_packed_batches_run_fused_attention_not_math(arch, tmp_path):
     _, task = ARCHS[arch]
     seq_len = run_config(arch).model.max_seq_len
     inputs = trainer_inputs(tmp_path, task, 4, seq_len, 1, torch.device("cuda"))
-    assert "attention_mask" not in inputs[0], "Task.to_device kept the all-ones mask of a packed batch"
+    assert "attention_mask" not in inputs[0], (
+        "Task.to_device kept the all-ones mask of a packed batch"
+    )
     found = attention_backends(arch, inputs, torch.device("cuda"), torch.bfloat16)
     print(f"\n{arch}: {found}")
     assert found["default"] and found["default"] <= {"flash", "efficient", "cudnn"}, found
@@ -322,14 +357,27 @@ def test_a_training_step_does_not_wait_for_the_device_in_our_code(tiny_dataset, 
     check of the gradient norm) are counted and printed."""
     from sync_worker import watch_syncs
 
-    found = watch_syncs(tiny_dataset, tmp_path / "run", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
-                        "model.d_ff=64", "model.max_seq_len=64", "data.micro_batch_size=4", "grad_accum=2",
-                        "deepspeed.precision=bf16", "deepspeed.zero_stage=1", env=GPU_ENV)
+    found = watch_syncs(
+        tiny_dataset,
+        tmp_path / "run",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.d_ff=64",
+        "model.max_seq_len=64",
+        "data.micro_batch_size=4",
+        "grad_accum=2",
+        "deepspeed.precision=bf16",
+        "deepspeed.zero_stage=1",
+        env=GPU_ENV,
+    )
     assert found["device"] == "cuda"
     syncs = [e for e in found["events"] if e["kind"] == "sync"]
     others = sorted({e["site"] for e in syncs if not e["ours"]})
-    print(f"\nsyncs per step: ours {sum(e['ours'] for e in syncs) / found['steps']:g}, others "
-          f"{sum(not e['ours'] for e in syncs) / found['steps']:g} at {others}")
+    print(
+        f"\nsyncs per step: ours {sum(e['ours'] for e in syncs) / found['steps']:g}, others "
+        f"{sum(not e['ours'] for e in syncs) / found['steps']:g} at {others}"
+    )
     assert not [e for e in syncs if e["ours"]], syncs
     assert not [e for e in syncs if e["before_forward"]], syncs
 
@@ -345,7 +393,14 @@ def test_loader_pins_its_batches(task, num_workers, tmp_path):
     tensors (whose copy to the GPU is asynchronous), with and without workers; without it, none."""
     make_dataset(tmp_path, packed=[16], seq_len=64)
     for pin in (True, False):
-        loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4, num_workers=num_workers, pin_memory=pin)
+        loader = ShardLoader(
+            str(tmp_path),
+            task,
+            "train",
+            micro_batch_size=4,
+            num_workers=num_workers,
+            pin_memory=pin,
+        )
         try:
             batches = list(loader)
         finally:
@@ -370,7 +425,12 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if func is torch.Tensor.to and isinstance(out, torch.Tensor) and out.is_cuda and not args[0].is_cuda:
+            if (
+                func is torch.Tensor.to
+                and isinstance(out, torch.Tensor)
+                and out.is_cuda
+                and not args[0].is_cuda
+            ):
                 sources.append(args[0].is_pinned())
             return out
 
@@ -389,17 +449,47 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
 # ----------------------------------------------------------------------------- the trainer on GPUs
 
 # Like tests/launch/test_train.py's TINY, for processes that see the GPUs.
-TINY_RUN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
-            "data.micro_batch_size=4", "data.num_workers=0", "optim.lr=3e-3", "schedule.warmup_steps=5",
-            "eval_batches=2", "wandb.mode=disabled", "threads_per_rank=1", "deepspeed.zero3_persistence_threshold=0",
-            "deepspeed.precision=bf16", "log_every=1"]
+TINY_RUN = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=64",
+    "data.micro_batch_size=4",
+    "data.num_workers=0",
+    "optim.lr=3e-3",
+    "schedule.warmup_steps=5",
+    "eval_batches=2",
+    "wandb.mode=disabled",
+    "threads_per_rank=1",
+    "deepspeed.zero3_persistence_threshold=0",
+    "deepspeed.precision=bf16",
+    "log_every=1",
+]
 
 
-def train_on_gpus(data: Path, run_dir: Path, *overrides: str, nproc: int) -> subprocess.CompletedProcess:
+def train_on_gpus(
+    data: Path, run_dir: Path, *overrides: str, nproc: int
+) -> subprocess.CompletedProcess:
     env = {**GPU_ENV, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command = [*(launcher if nproc > 1 else [sys.executable]), "-m", "launch.train", str(ROOT / "configs/tiny_gpt.yaml"),
-               f"data.data_dir={data}", f"run_dir={run_dir}", *TINY_RUN, *overrides]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+    ]
+    command = [
+        *(launcher if nproc > 1 else [sys.executable]),
+        "-m",
+        "launch.train",
+        str(ROOT / "configs/tiny_gpt.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *TINY_RUN,
+        *overrides,
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
@@ -415,10 +505,19 @@ def test_trainer_runs_on_one_gpu_in_bf16(tiny_dataset, tmp_path):
     """launch.train on one GPU, bf16, ZeRO-1 (gpt2_small.yaml's settings, tiny model): it trains
     on the GPU (GPU memory is logged, the peak is the GPU's), with finite losses and evaluation."""
     run_dir = tmp_path / "run"
-    run = train_on_gpus(tiny_dataset, run_dir, "deepspeed.zero_stage=1", "max_steps=6", "eval_every=6",
-                        "checkpoint.every_steps=0", nproc=1)
+    run = train_on_gpus(
+        tiny_dataset,
+        run_dir,
+        "deepspeed.zero_stage=1",
+        "max_steps=6",
+        "eval_every=6",
+        "checkpoint.every_steps=0",
+        nproc=1,
+    )
     assert "measured: CPU" not in run.stderr
-    assert "optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer" in run.stderr, run.stderr[-3000:]
+    assert "optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer" in run.stderr, (
+        run.stderr[-3000:]
+    )
     rows = metric_rows(run_dir)
     losses = [row["train/loss"] for row in rows if "train/loss" in row]
     assert len(losses) == 6 and all(map(math.isfinite, losses)), losses
@@ -441,8 +540,13 @@ def test_adamw_on_a_gpu_is_the_fused_kernel_and_follows_foreach():
     optim = OptimConfig(lr=3e-3, weight_decay=0.1)
     fused = build_optimizer(fused_model, optim)
     fused_model.cuda()  # in place, as DeepSpeed moves it: the optimizer keeps the same parameters
-    foreach = torch.optim.AdamW(parameter_groups(foreach_model, optim.weight_decay), lr=optim.lr,
-                                betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True)
+    foreach = torch.optim.AdamW(
+        parameter_groups(foreach_model, optim.weight_decay),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        foreach=True,
+    )
     assert all(group["fused"] for group in fused.param_groups)
     inputs = progression_inputs("causal_lm", 4, 128, cfg.vocab_size, torch.device("cuda"), seed=0)
     losses = []
@@ -457,7 +561,8 @@ def test_adamw_on_a_gpu_is_the_fused_kernel_and_follows_foreach():
     assert losses[-2] < losses[0], losses  # it learns
     assert all(abs(a - b) < 1e-4 for a, b in zip(losses[::2], losses[1::2])), losses
     for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
-        if name.endswith("k_proj.bias"):  # softmax ignores it: a gradient of rounding noise, which Adam scales up
+        # softmax ignores it: a gradient of rounding noise, which Adam scales up
+        if name.endswith("k_proj.bias"):
             continue
         assert torch.allclose(a, b, rtol=0, atol=5e-5), (name, (a - b).abs().max().item())
 
@@ -500,16 +605,27 @@ def test_trainer_fp32_run_takes_the_tf32_peak(tiny_dataset, tmp_path):
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("no TF32 before compute capability 8.0")
     for setting in ("true", "false"):
-        run = train_on_gpus(tiny_dataset, tmp_path / setting, "deepspeed.precision=fp32", f"tf32={setting}", "max_steps=2",
-                            "eval_every=0", "checkpoint.every_steps=0", nproc=1)
-        (line,) = [line for line in run.stderr.splitlines() if " parameters, world " in line]  # the start line
+        run = train_on_gpus(
+            tiny_dataset,
+            tmp_path / setting,
+            "deepspeed.precision=fp32",
+            f"tf32={setting}",
+            "max_steps=2",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            nproc=1,
+        )
+        # the start line
+        (line,) = [line for line in run.stderr.splitlines() if " parameters, world " in line]
         peak = line.split(", peak ", 1)[1]
         assert "fp32" in peak and ("(TF32)" in peak) == (setting == "true"), line
 
 
 @gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
 def test_zero3_two_gpus_checkpoint_then_evaluation(tiny_dataset, tmp_path):
     """Two ranks on two GPUs (NCCL), ZeRO-3 with every tensor partitioned, bf16: a job stopped
     at step 2 writes a checkpoint; a second job resumes from it, trains to step 4 and evaluates
@@ -523,24 +639,39 @@ def test_zero3_two_gpus_checkpoint_then_evaluation(tiny_dataset, tmp_path):
     second = train_on_gpus(tiny_dataset, run_dir, *common, nproc=2)
     assert "resumed from" in second.stderr, second.stderr[-2000:]
     final = json.loads((run_dir / "final.json").read_text())
-    assert final["step"] == 4 and math.isfinite(final["eval/loss"]) and final["eval/loss"] > 0, final
+    assert final["step"] == 4 and math.isfinite(final["eval/loss"]) and final["eval/loss"] > 0, (
+        final
+    )
 
 
 # ----------------------------------------------------------------------------- the GPU benchmark
 
 BENCH = ROOT / "benchmarks" / "bench_gpu.py"
-ROW = re.compile(r"^V=([\d,]+) ZeRO-(\d): ([\d,]+) tokens/s, MFU ([\d.]+)% \(ours\) ([\d.]+)% \(llm\.c\), "
-                 r"peak memory ([\d.]+) GiB .*LM loss ([\d.]+)% of it fused \(([\d.]+)% materialised\)", re.M)
+ROW = re.compile(
+    r"^V=([\d,]+) ZeRO-(\d): ([\d,]+) tokens/s, MFU ([\d.]+)% \(ours\) ([\d.]+)% \(llm\.c\), "
+    r"peak memory ([\d.]+) GiB .*LM loss ([\d.]+)% of it fused \(([\d.]+)% materialised\)",
+    re.M,
+)
 
 
 def bench_rows(stdout: str) -> dict[tuple[int, int], tuple[float, ...]]:
-    return {(int(m[1].replace(",", "")), int(m[2])): tuple(float(x.replace(",", "")) for x in m.groups()[2:])
-            for m in ROW.finditer(stdout)}
+    return {
+        (int(m[1].replace(",", "")), int(m[2])): tuple(
+            float(x.replace(",", "")) for x in m.groups()[2:]
+        )
+        for m in ROW.finditer(stdout)
+    }
 
 
 def run_bench(*args: str, env: dict) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**env, "WANDB_MODE": "offline"})
+    run = subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "WANDB_MODE": "offline"},
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
@@ -557,8 +688,24 @@ def test_gpu_benchmark_smoke_run_on_cpu():
     rows = bench_rows(out)
     assert set(rows) == {(v, s) for v in (50257, 8000) for s in range(4)}, out
     for tokens_per_s, mfu, mfu_llmc, memory, share, share_materialised in rows.values():
-        assert tokens_per_s > 0 and mfu > 0 and mfu_llmc > 0 and memory > 0 and share > 0 and share_materialised > 0
-    assert len(re.findall(r"^V=[\d,]+: LM loss alone, .* fused [\d.]+ ms .* materialised logits [\d.]+ ms", out, re.M)) == 2
+        assert (
+            tokens_per_s > 0
+            and mfu > 0
+            and mfu_llmc > 0
+            and memory > 0
+            and share > 0
+            and share_materialised > 0
+        )
+    assert (
+        len(
+            re.findall(
+                r"^V=[\d,]+: LM loss alone, .* fused [\d.]+ ms .* materialised logits [\d.]+ ms",
+                out,
+                re.M,
+            )
+        )
+        == 2
+    )
     assert len(re.findall(r"^\| [\d,]+ \| [0-3] \|", out, re.M)) == 8
     assert "target: >= 45% MFU" in out and "not measured here" in out
 
@@ -570,9 +717,27 @@ def test_gpu_benchmark_compiles_what_the_trainer_compiles(tmp_path):
     not the whole model with its loss loop: it measures the trainer's program. With it here:
     `--micro-batch` and `--profile-step`."""
     raw = tmp_path / "bench.json"
-    run = run_bench("--tiny", "--compile", "--stages", "1", "--vocabs", "256", "--micro-batch", "3", "--profile-step",
-                    "--min-seconds", "2", "--json", str(raw), env=dict(os.environ))
-    (line,) = [line for line in run.stdout.splitlines() if line.startswith("compiled by launch.train.setup.compile_model")]
+    run = run_bench(
+        "--tiny",
+        "--compile",
+        "--stages",
+        "1",
+        "--vocabs",
+        "256",
+        "--micro-batch",
+        "3",
+        "--profile-step",
+        "--min-seconds",
+        "2",
+        "--json",
+        str(raw),
+        env=dict(os.environ),
+    )
+    (line,) = [
+        line
+        for line in run.stdout.splitlines()
+        if line.startswith("compiled by launch.train.setup.compile_model")
+    ]
     assert line.endswith("the forward of blocks.0, blocks.1"), line
     assert set(bench_rows(run.stdout)) == {(256, 1)}, run.stdout
     # --micro-batch sets the rows' shape; --profile-step prints one step's time by family and kernel
@@ -581,8 +746,10 @@ def test_gpu_benchmark_compiles_what_the_trainer_compiles(tmp_path):
     assert "2 timed optimizer steps (more until 2 s)" in run.stdout, run.stdout
     (result,) = json.loads(raw.read_text())
     assert result["seconds"] >= 2 and result["micro_batches"] > 2, result
-    profile = run.stdout[run.stdout.index("profile of one optimizer step"):]
-    assert re.search(r"^  attention +[\d.]+ ms", profile, re.M) and re.search(r"\[attention\] ", profile), profile
+    profile = run.stdout[run.stdout.index("profile of one optimizer step") :]
+    assert re.search(r"^  attention +[\d.]+ ms", profile, re.M) and re.search(
+        r"\[attention\] ", profile
+    ), profile
 
 
 @gpu
@@ -590,11 +757,17 @@ def test_gpu_benchmark_compiles_what_the_trainer_compiles(tmp_path):
 def test_gpu_benchmark_runs_on_the_gpu():
     """The benchmark at gpt2_small shapes on the GPU, one configuration, 2 steps: it measures
     the GPU (figures for a quick look; the full run is in docs/gpu.md, Figures)."""
-    run = run_bench("--stages", "1", "--vocabs", "50257", "--steps", "2", "--loss-reps", "2", env=GPU_ENV)
+    run = run_bench(
+        "--stages", "1", "--vocabs", "50257", "--steps", "2", "--loss-reps", "2", env=GPU_ENV
+    )
     print(f"\n{run.stdout}")
     assert "device: cuda" in run.stdout and "gpt2_small shapes" in run.stdout
     rows = bench_rows(run.stdout)
     assert set(rows) == {(50257, 1)}, run.stdout
     tokens_per_s, mfu, mfu_llmc, memory, share, share_materialised = rows[(50257, 1)]
     assert tokens_per_s > 0 and 0 < mfu < 100 and 0 < mfu_llmc < 100 and memory > 0
-    assert re.search(r"^target: >= 45% MFU \(llm.c's count\) .*: (met|NOT met|not measured here)", run.stdout, re.M)
+    assert re.search(
+        r"^target: >= 45% MFU \(llm.c's count\) .*: (met|NOT met|not measured here)",
+        run.stdout,
+        re.M,
+    )

@@ -22,15 +22,31 @@ def wheelhouse(bundle: Path, requirements: str) -> Path:
     wheels = bundle / "wheels"
     wheels.mkdir(parents=True)
     (wheels / "requirements.txt").write_text(requirements)
-    (wheels / "bundle.txt").write_text(f"python={sys.version_info[0]}.{sys.version_info[1]}\nskipped=\n")
+    (wheels / "bundle.txt").write_text(
+        f"python={sys.version_info[0]}.{sys.version_info[1]}\nskipped=\n"
+    )
     return bundle
 
 
-def run_check(tmp_path: Path, bundle: Path, python: str = sys.executable, **env) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": python, "OUT": str(tmp_path / "out"),
-                   "WORK": str(tmp_path / "work"), **env}
-    return subprocess.run(["bash", str(SCRIPT), str(bundle)], cwd=tmp_path, env=environment, capture_output=True,
-                          text=True, timeout=240)
+def run_check(
+    tmp_path: Path, bundle: Path, python: str = sys.executable, **env
+) -> subprocess.CompletedProcess:
+    environment = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHON": python,
+        "OUT": str(tmp_path / "out"),
+        "WORK": str(tmp_path / "work"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(bundle)],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def summary(tmp_path: Path) -> list[str]:
@@ -41,7 +57,9 @@ def test_check_installs_then_stops_at_the_cuda_probe(tmp_path):
     """The stages before the probe pass (torch as it is, the offline install: a no-op here, the
     imports), the probe stops the check with one line saying why and status 3, nothing after it
     runs, and summary.txt, check.log and pip_freeze.txt are written."""
-    bundle = wheelhouse(tmp_path / "bundle", "deepspeed>=0.16\nwebdataset\nomegaconf\npolib\nzstandard\npytest\n")
+    bundle = wheelhouse(
+        tmp_path / "bundle", "deepspeed>=0.16\nwebdataset\nomegaconf\npolib\nzstandard\npytest\n"
+    )
     run = run_check(tmp_path, bundle)
     assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-2000:]
     out = run.stdout
@@ -49,16 +67,25 @@ def test_check_installs_then_stops_at_the_cuda_probe(tmp_path):
     assert "installed from the wheelhouse: nothing" in out, out[-3000:]
     for module in ("deepspeed", "webdataset", "omegaconf", "polib", "zstandard", "launch.train"):
         assert f"import {module}: OK" in out, out[-3000:]
-    stops = [line for line in out.splitlines() if line.startswith("CUDA probe: STOP: torch cannot use CUDA: ")]
+    stops = [
+        line
+        for line in out.splitlines()
+        if line.startswith("CUDA probe: STOP: torch cannot use CUDA: ")
+    ]
     assert len(stops) == 1 and any(reason in stops[0] for reason in REASONS), out[-2000:]
     lines = summary(tmp_path)
     stages = {line.split()[0]: line.split()[1] for line in lines[1:-1]}
     assert stages == {"torch": "rc=0", "install": "rc=0", "cuda": "rc=3"}, lines
-    assert lines[-1].startswith("verdict: STOPPED at the CUDA probe (rc=3), nothing after it ran: torch cannot use CUDA: ")
+    assert lines[-1].startswith(
+        "verdict: STOPPED at the CUDA probe (rc=3), nothing after it ran: torch cannot use CUDA: "
+    )
     log = (tmp_path / "out" / "check.log").read_text()
     assert stops[0] in log and lines[-1] in log
     assert "torch==" in (tmp_path / "out" / "pip_freeze.txt").read_text()
-    assert not (tmp_path / "out" / "bench_gpu.json").exists() and not (tmp_path / "work" / "run").exists()
+    assert (
+        not (tmp_path / "out" / "bench_gpu.json").exists()
+        and not (tmp_path / "work" / "run").exists()
+    )
 
 
 def test_check_stops_without_a_wheelhouse(tmp_path):
@@ -66,9 +93,13 @@ def test_check_stops_without_a_wheelhouse(tmp_path):
     (tmp_path / "bundle").mkdir()
     run = run_check(tmp_path, tmp_path / "bundle")
     assert run.returncode == 2, run.stdout[-3000:]
-    assert "requirements.txt is missing: not a wheelhouse made by `make gpu-wheelhouse`" in run.stdout
+    assert (
+        "requirements.txt is missing: not a wheelhouse made by `make gpu-wheelhouse`" in run.stdout
+    )
     lines = summary(tmp_path)
-    assert [line.split()[:2] for line in lines[1:-1]] == [["torch", "rc=0"], ["install", "rc=2"]], lines
+    assert [line.split()[:2] for line in lines[1:-1]] == [["torch", "rc=0"], ["install", "rc=2"]], (
+        lines
+    )
     assert lines[-1].startswith("verdict: STOPPED: no wheelhouse")
 
 
@@ -99,18 +130,67 @@ def test_train_against_bench_reports_the_ratio_and_the_busy_clocks(tmp_path):
         "2026/11/27 03:28:42.782, 96 %, 23401 MiB, 446.51 W, 56, 1725 MHz\n"
         "2026/11/27 03:28:47.783, 91 %, 23401 MiB, 632.59 W, 60, 1770 MHz\n"
         "2026/11/27 03:28:52.784, 9 %, 23401 MiB, 599.49 W, 57, 1965 MHz\n"
-        "2026/11/27 03:28:57.785, 89 %, 23401 MiB, 623.12 W, 65, 1875 MHz\n")
+        "2026/11/27 03:28:57.785, 89 %, 23401 MiB, 623.12 W, 65, 1875 MHz\n"
+    )
     bench = tmp_path / "bench_gpu.json"
-    bench.write_text(json.dumps([{"vocab_size": 8000, "zero_stage": 1, "tokens_per_s": 600_000.0, "mfu": 0.4,
-                                  "mfu_llmc": 0.37}]))
-    env = {**os.environ, "GPU_CHECK_ROOT": str(ROOT), "GPU_CHECK_OUT": str(out), "GPU_CHECK_WORK": str(tmp_path)}
-    for rate, code, verdict in ((560_000.0, 0, "ratio 0.933, within 10%"), (500_000.0, 1, "ratio 0.833, NOT within 10%")):
+    bench.write_text(
+        json.dumps(
+            [
+                {
+                    "vocab_size": 8000,
+                    "zero_stage": 1,
+                    "tokens_per_s": 600_000.0,
+                    "mfu": 0.4,
+                    "mfu_llmc": 0.37,
+                }
+            ]
+        )
+    )
+    env = {
+        **os.environ,
+        "GPU_CHECK_ROOT": str(ROOT),
+        "GPU_CHECK_OUT": str(out),
+        "GPU_CHECK_WORK": str(tmp_path),
+    }
+    for rate, code, verdict in (
+        (560_000.0, 0, "ratio 0.933, within 10%"),
+        (500_000.0, 1, "ratio 0.833, NOT within 10%"),
+    ):
         metrics = tmp_path / f"metrics_{code}.jsonl"
-        metrics.write_text("".join(json.dumps({"step": 10 * i, "perf/tokens_per_s": 100_000.0 if i < 3 else rate,
-                                               "perf/mfu": 0.3, "perf/mfu_llmc": 0.28, "train/loss": 9.0 - i}) + "\n"
-                                   for i in range(1, 9)))
-        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "compare", str(metrics),
-                              str(bench), "8000", "1"], env=env, capture_output=True, text=True, timeout=60)
+        metrics.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "step": 10 * i,
+                        "perf/tokens_per_s": 100_000.0 if i < 3 else rate,
+                        "perf/mfu": 0.3,
+                        "perf/mfu_llmc": 0.28,
+                        "train/loss": 9.0 - i,
+                    }
+                )
+                + "\n"
+                for i in range(1, 9)
+            )
+        )
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "gpu_check.py"),
+                "compare",
+                str(metrics),
+                str(bench),
+                "8000",
+                "1",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == code, run.stdout + run.stderr
-        assert f"V=8,000 ZeRO-1: train {rate:,.0f} tokens/s" in run.stdout and verdict in run.stdout, run.stdout
-        assert "SM clock median 1770 MHz (min 1725, max 1875), power median 623 W" in run.stdout, run.stdout
+        assert (
+            f"V=8,000 ZeRO-1: train {rate:,.0f} tokens/s" in run.stdout and verdict in run.stdout
+        ), run.stdout
+        assert "SM clock median 1770 MHz (min 1725, max 1875), power median 623 W" in run.stdout, (
+            run.stdout
+        )

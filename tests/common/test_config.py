@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
+from pipeline.config import PrepareConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,12 +32,26 @@ def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
         ("", ["seq_len"], "not of the form"),
         ("seq_len: [1\n", [], "not valid YAML"),
         # A YAML object tag builds nothing, from a file or from the command line alike.
-        ("seq_len: !!python/name:os.system\n", [], "not valid YAML: could not determine a constructor"),
-        ("", ["seq_len=!!python/name:os.system"],
-         "seq_len: value '!!python/name:os.system' is not valid YAML: could not determine a constructor"),
-        ("", ["shard.buckets=!!python/object/apply:os.system [echo]"],
-         "shard.buckets: value '!!python/object/apply:os.system [echo]' is not valid YAML"),
-        ("", ["seq_len=!!int many"], "seq_len: value '!!int many' is not valid YAML: invalid literal"),
+        (
+            "seq_len: !!python/name:os.system\n",
+            [],
+            "not valid YAML: could not determine a constructor",
+        ),
+        (
+            "",
+            ["seq_len=!!python/name:os.system"],
+            "seq_len: value '!!python/name:os.system' is not valid YAML: could not determine a constructor",
+        ),
+        (
+            "",
+            ["shard.buckets=!!python/object/apply:os.system [echo]"],
+            "shard.buckets: value '!!python/object/apply:os.system [echo]' is not valid YAML",
+        ),
+        (
+            "",
+            ["seq_len=!!int many"],
+            "seq_len: value '!!int many' is not valid YAML: invalid literal",
+        ),
     ],
 )
 def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, expected):
@@ -54,7 +68,12 @@ def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, e
 def test_cli_bad_key_is_one_line_and_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(f"output_dir: {tmp_path / 'out'}\nshard:\n  bukets: 3\n")
-    run = subprocess.run([sys.executable, "-m", "pipeline.prepare", str(path)], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.prepare", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0
     assert "shard.bukets" in run.stderr and str(path) in run.stderr
@@ -95,24 +114,42 @@ def test_translation_gpu_stacks_are_gpt2_small_and_bert_base():
     seq2seq = load_config(TrainConfig, ROOT / "configs" / "translation_gpu.yaml").model
     for stack, source in (("decoder", "gpt2_small.yaml"), ("encoder", "bert_base.yaml")):
         pretrained = load_config(TrainConfig, ROOT / "configs" / source).model
-        pretrained.vocab_size = seq2seq.vocab_size = 32000  # both taken from the dataset at run time
-        fields = [name for name in architecture_fields(stack) if name != "max_seq_len"]  # positions are resized
+        # both taken from the dataset at run time
+        pretrained.vocab_size = seq2seq.vocab_size = 32000
+        # positions are resized
+        fields = [name for name in architecture_fields(stack) if name != "max_seq_len"]
         side = seq2seq.for_stack(stack)
-        assert {name: getattr(side, name) for name in fields} == {name: getattr(pretrained, name) for name in fields}, stack
+        assert {name: getattr(side, name) for name in fields} == {
+            name: getattr(pretrained, name) for name in fields
+        }, stack
 
 
-@pytest.mark.parametrize("schema,override,hint", [
-    ("EvaluateConfig", "zero_stage=3", "zero_stage: unknown key (renamed: deepspeed.zero_stage)"),
-    ("EvaluateConfig", "deepspeed_config=ds.json", "deepspeed_config: unknown key (renamed: deepspeed.config_file)"),
-    ("AverageConfig", "run_dir=runs/x", "run_dir: unknown key (renamed: checkpoint)"),
-    ("MainConfig", "zero_stage=3", "zero_stage: unknown key (renamed: deepspeed.zero_stage)"),
-])
+@pytest.mark.parametrize(
+    "schema,override,hint",
+    [
+        (
+            "EvaluateConfig",
+            "zero_stage=3",
+            "zero_stage: unknown key (renamed: deepspeed.zero_stage)",
+        ),
+        (
+            "EvaluateConfig",
+            "deepspeed_config=ds.json",
+            "deepspeed_config: unknown key (renamed: deepspeed.config_file)",
+        ),
+        ("AverageConfig", "run_dir=runs/x", "run_dir: unknown key (renamed: checkpoint)"),
+        ("MainConfig", "zero_stage=3", "zero_stage: unknown key (renamed: deepspeed.zero_stage)"),
+    ],
+)
 def test_a_renamed_key_names_its_new_spelling(schema, override, hint):
     """One name for one thing (issue #32 §5): the input of every tool is `checkpoint=`, DeepSpeed's
     options are `deepspeed.*`; the old spelling is refused in one line that gives the new one."""
     import launch.config
 
     with pytest.raises(UserError) as err:
-        load_config(getattr(launch.config, schema), None, ["checkpoint=x", "out=y", override] if schema != "MainConfig"
-                    else [override])
+        load_config(
+            getattr(launch.config, schema),
+            None,
+            ["checkpoint=x", "out=y", override] if schema != "MainConfig" else [override],
+        )
     assert hint in str(err.value)

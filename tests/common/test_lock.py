@@ -8,11 +8,10 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT
 
 from common.configure import UserError
 from common.lock import LOCK_FILE, dir_lock
-
-from conftest import ROOT
 
 # Takes the lock, says so, holds it for HOLD seconds; a UserError becomes `error: ...` and exit 2.
 HOLDER = """
@@ -31,8 +30,13 @@ run_main(main)
 
 
 def start_holder(directory, hold_s):
-    return subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), str(hold_s)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), str(hold_s)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_until_held(process):
@@ -44,21 +48,39 @@ def test_second_process_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path
     try:
         wait_until_held(first)
         started = time.monotonic()
-        second = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path), "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(tmp_path), "0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == 2 and second.stdout == ""
         # At once: no waiting for the holder (which sleeps for two minutes).
         assert time.monotonic() - started < 30
         message = second.stderr.strip()
         assert "\n" not in message and message.startswith("error: ")
-        assert str(tmp_path) in message and f"test pid {first.pid} on host {socket.gethostname()} since " in message
+        assert (
+            str(tmp_path) in message
+            and f"test pid {first.pid} on host {socket.gethostname()} since " in message
+        )
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     # The kernel dropped the dead holder's flock; its lock file is still there, naming it.
     assert str(first.pid) in (tmp_path / LOCK_FILE).read_text()
-    third = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path), "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    third = subprocess.run(
+        [sys.executable, "-c", HOLDER, str(tmp_path), "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert third.returncode == 0 and third.stdout == "held\n", third.stderr
-    assert f"taking over the stale lock of pid {first.pid} on host {socket.gethostname()}" in third.stderr
+    assert (
+        f"taking over the stale lock of pid {first.pid} on host {socket.gethostname()}"
+        in third.stderr
+    )
     # A clean release leaves no lock file behind, so the next holder has nothing to take over.
     assert not (tmp_path / LOCK_FILE).exists()
 
@@ -100,16 +122,26 @@ with dir_lock(sys.argv[1], what="test"):
 
 
 def test_the_lock_dies_with_its_holder_not_with_its_forked_children(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path / "run")], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", FORKING_HOLDER, str(tmp_path / "run")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     word, child = holder.stdout.readline().split()
     assert word == "held"
     try:
         holder.kill()
         holder.wait()
         os.kill(int(child), 0)  # the child lives on
-        taker = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "run"), "0"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=60)
+        taker = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(tmp_path / "run"), "0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert taker.returncode == 0, taker.stderr
         assert f"taking over the stale lock of pid {holder.pid}" in taker.stderr
     finally:

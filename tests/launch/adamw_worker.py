@@ -31,20 +31,33 @@ from launch.optim import build_optimizer, build_scheduler  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.config import LoaderConfig  # noqa: E402
 
-MODEL = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0)
+MODEL = ModelConfig(
+    arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0
+)
 KERNELS = ("for_loop", "fused")
 MICRO = 2
 
 
 def build(stage: int, precision: str, kernel: str) -> Engine:
-    cfg = TrainConfig(max_steps=10, model=MODEL, data=LoaderConfig(micro_batch_size=MICRO),
-                      optim=OptimConfig(lr=1e-2, implementation=kernel), schedule=ScheduleConfig(warmup_steps=0),
-                      deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, zero3_persistence_threshold=0))
+    cfg = TrainConfig(
+        max_steps=10,
+        model=MODEL,
+        data=LoaderConfig(micro_batch_size=MICRO),
+        optim=OptimConfig(lr=1e-2, implementation=kernel),
+        schedule=ScheduleConfig(warmup_steps=0),
+        deepspeed=DeepSpeedConfig(
+            zero_stage=stage, precision=precision, zero3_persistence_threshold=0
+        ),
+    )
     torch.manual_seed(0)
     model = build_model(MODEL)
     optimizer = build_optimizer(model, cfg.optim, skip_non_finite=stage == 0)
-    return Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
-                  deepspeed_config(cfg, BatchPlan(MICRO, 1, torch.distributed.get_world_size())))
+    return Engine(
+        model,
+        optimizer,
+        build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
+        deepspeed_config(cfg, BatchPlan(MICRO, 1, torch.distributed.get_world_size())),
+    )
 
 
 def full_state(engine: Engine) -> dict[str, list[torch.Tensor]]:
@@ -53,10 +66,20 @@ def full_state(engine: Engine) -> dict[str, list[torch.Tensor]]:
     optimizer = engine._engine.basic_optimizer
     # ZeRO-3 hands AdamW each sub-group's flat partition for the step only.
     params = getattr(engine._engine.optimizer, "fp32_partitioned_groups_flat", None) or [
-        p for group in optimizer.param_groups for p in group["params"]]
-    return {"weights": [p.detach().float().clone() for p in params],
-            **{key: [optimizer.state[p][key].float().clone() if p in optimizer.state else torch.zeros(p.shape)
-                     for p in params] for key in ("exp_avg", "exp_avg_sq")}}
+        p for group in optimizer.param_groups for p in group["params"]
+    ]
+    return {
+        "weights": [p.detach().float().clone() for p in params],
+        **{
+            key: [
+                optimizer.state[p][key].float().clone()
+                if p in optimizer.state
+                else torch.zeros(p.shape)
+                for p in params
+            ]
+            for key in ("exp_avg", "exp_avg_sq")
+        },
+    }
 
 
 def largest(values: list[float]) -> float:
@@ -81,13 +104,21 @@ def main(out: Path, combos: list[str]) -> None:
             loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
             engine.backward(loss)
             engine.step()
-            losses[kernel], states[kernel], described[kernel] = float(loss.detach()), full_state(engine), engine.describe()
-            update = largest([float((x - y).abs().max()) for x, y in zip(states[kernel]["weights"], before)])
+            losses[kernel], states[kernel], described[kernel] = (
+                float(loss.detach()),
+                full_state(engine),
+                engine.describe(),
+            )
+            update = largest(
+                [float((x - y).abs().max()) for x, y in zip(states[kernel]["weights"], before)]
+            )
         a, b = (states[k] for k in KERNELS)
         result = {"losses": losses, "described": described, "update": update}
         for key in a:
-            result[key] = {"diff": largest([float((x - y).abs().max()) for x, y in zip(a[key], b[key])]),
-                           "scale": largest([float(x.abs().max()) for x in a[key]])}
+            result[key] = {
+                "diff": largest([float((x - y).abs().max()) for x, y in zip(a[key], b[key])]),
+                "scale": largest([float(x.abs().max()) for x in a[key]]),
+            }
         if denv.is_main:
             (out / f"{combo}.json").write_text(json.dumps(result))
         torch.distributed.barrier()

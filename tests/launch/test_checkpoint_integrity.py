@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from launch import checkpoint as ckpt  # noqa: E402
 from common.configure import UserError, run_main  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
+from launch import checkpoint as ckpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TAGS = [ckpt.tag_for(1), ckpt.tag_for(2)]  # two checkpoints per run; the pointer names the second
@@ -51,6 +51,7 @@ def make(out: Path) -> None:
 
     import numpy as np
 
+    from common.configure import config_to_dict, save_config
     from launch import distributed
     from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
     from launch.deepspeed.config import deepspeed_config
@@ -58,39 +59,74 @@ def make(out: Path) -> None:
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
     from pipeline.config import LoaderConfig
-    from common.configure import config_to_dict, save_config
 
     torch.set_num_threads(1)
     distributed.init_process_group(distributed.read_env(), timeout_s=120)
-    model_cfg = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0)
+    model_cfg = ModelConfig(
+        arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0
+    )
     for stage in STAGES:
         run_dir = out / f"stage{stage}"
         root = ckpt.checkpoint_root(run_dir)
         root.mkdir(parents=True)
-        cfg = TrainConfig(max_steps=10, model=model_cfg, data=LoaderConfig(micro_batch_size=2), run_dir=str(run_dir),
-                          optim=OptimConfig(lr=1e-2), schedule=ScheduleConfig(warmup_steps=1),
-                          deepspeed=DeepSpeedConfig(zero_stage=stage))
+        cfg = TrainConfig(
+            max_steps=10,
+            model=model_cfg,
+            data=LoaderConfig(micro_batch_size=2),
+            run_dir=str(run_dir),
+            optim=OptimConfig(lr=1e-2),
+            schedule=ScheduleConfig(warmup_steps=1),
+            deepspeed=DeepSpeedConfig(zero_stage=stage),
+        )
         save_config(cfg, run_dir / "config.yaml")
         (run_dir / "tokenizer.model").write_bytes(b"a stand-in for a SentencePiece model")
         torch.manual_seed(0)
         model = build_model(model_cfg)
         optimizer = build_optimizer(model, cfg.optim)
-        engine = Engine(model, optimizer, build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
-                        deepspeed_config(cfg, BatchPlan(2, 1, 1)))
-        tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+        engine = Engine(
+            model,
+            optimizer,
+            build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
+            deepspeed_config(cfg, BatchPlan(2, 1, 1)),
+        )
+        tokens = torch.randint(
+            0,
+            model_cfg.vocab_size,
+            (2, model_cfg.max_seq_len + 1),
+            generator=torch.Generator().manual_seed(1),
+        )
         for step, tag in enumerate(TAGS, start=1):
             output = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
             engine.backward(output.loss)
             engine.step()
-            rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-            client = {"step": step, "tokens_seen": 32 * step, "loader": {"version": 3, "epoch": 0, "samples_consumed": 2 * step},
-                      "rng": [rng], "config": config_to_dict(cfg), "tokenizer_sha256": file_sha256(run_dir / "tokenizer.model"),
-                      "wandb_run_id": "abc", "world_size": 1, "global_batch_size": 2, "micro_batch_size": 2, "grad_accum": 1}
+            rng = {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            }
+            client = {
+                "step": step,
+                "tokens_seen": 32 * step,
+                "loader": {"version": 3, "epoch": 0, "samples_consumed": 2 * step},
+                "rng": [rng],
+                "config": config_to_dict(cfg),
+                "tokenizer_sha256": file_sha256(run_dir / "tokenizer.model"),
+                "wandb_run_id": "abc",
+                "world_size": 1,
+                "global_batch_size": 2,
+                "micro_batch_size": 2,
+                "grad_accum": 1,
+            }
             engine.save(root, tag, client)  # as launch.train's save_checkpoint
-            info = {key: client[key] for key in ("step", "tokens_seen", "tokenizer_sha256", "world_size")}
+            info = {
+                key: client[key]
+                for key in ("step", "tokens_seen", "tokenizer_sha256", "world_size")
+            }
             (root / tag / "client_state.json").write_text(json.dumps(info) + "\n")
             ckpt.move_pointer(root, tag)
-        weights = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+        weights = {
+            name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()
+        }
         torch.save(weights, run_dir / "reference_step_2.pt")
 
 
@@ -101,9 +137,13 @@ def agree(run_dir: Path, out: Path) -> None:
     denv = distributed.read_env()
     distributed.init_process_group(denv, timeout_s=120)
     candidates = ckpt.resume_candidates("auto", run_dir)
-    chosen = ckpt.choose_resume("auto", candidates,
-                                lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
-                                distributed.all_gather_object, report=denv.is_main)
+    chosen = ckpt.choose_resume(
+        "auto",
+        candidates,
+        lambda candidate: ckpt.resume_verdict(candidate, denv.rank, denv.world_size),
+        distributed.all_gather_object,
+        report=denv.is_main,
+    )
     (out / f"rank{denv.rank}.json").write_text(json.dumps(chosen[1] if chosen else None))
     distributed.destroy()
 
@@ -114,10 +154,20 @@ def agree(run_dir: Path, out: Path) -> None:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("checkpoints")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    made = subprocess.run([sys.executable, __file__, "make", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    made = subprocess.run(
+        [sys.executable, __file__, "make", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert made.returncode == 0, made.stderr[-4000:]
     return out
 
@@ -147,7 +197,13 @@ def no_reports(verdict):
 
 
 def choose(resume: str, run_dir: Path):
-    return ckpt.choose_resume(resume, ckpt.resume_candidates(resume, run_dir), ckpt.resume_verdict, no_reports, report=True)
+    return ckpt.choose_resume(
+        resume,
+        ckpt.resume_candidates(resume, run_dir),
+        ckpt.resume_verdict,
+        no_reports,
+        report=True,
+    )
 
 
 def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
@@ -158,9 +214,15 @@ def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
 
     argv = [f"checkpoint={checkpoint}", f"out={out}"]
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited:
+    with (
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+        pytest.raises(SystemExit) as exited,
+    ):
         run_main(lambda: main(argv))
-    return subprocess.CompletedProcess(["launch.export", *argv], exited.value.code, stdout.getvalue(), stderr.getvalue())
+    return subprocess.CompletedProcess(
+        ["launch.export", *argv], exited.value.code, stdout.getvalue(), stderr.getvalue()
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -182,12 +244,15 @@ class Planted:
         return open, (self.marker, "w")
 
 
-# ----------------------------------------------------------------------------- integrity.json and verify
+# ----------------------------------------------------------------------------- integrity.json and
+# verify
 
 
 def test_checkpoint_module_stays_free_of_deepspeed_and_torch_distributed():
-    code = ("import sys, launch.checkpoint; bad = [m for m in ('deepspeed', 'torch.distributed') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, launch.checkpoint; bad = [m for m in ('deepspeed', 'torch.distributed') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -196,10 +261,19 @@ def test_integrity_records_every_file_with_its_size_and_sha256(made, tmp_path):
     run_dir = run_copy(made, 2, tmp_path)
     tag_dir = ckpt.checkpoint_root(run_dir) / TAGS[1]
     record = json.loads((tag_dir / ckpt.INTEGRITY).read_text())["files"]
-    on_disk = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != ckpt.INTEGRITY)
-    assert sorted(record) == on_disk and {MODEL_STATES, OPTIM_STATES, "client_state.json"} <= set(record)
+    on_disk = sorted(
+        str(p.relative_to(tag_dir))
+        for p in tag_dir.rglob("*")
+        if p.is_file() and p.name != ckpt.INTEGRITY
+    )
+    assert sorted(record) == on_disk and {MODEL_STATES, OPTIM_STATES, "client_state.json"} <= set(
+        record
+    )
     for name, entry in record.items():
-        assert entry == {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)}
+        assert entry == {
+            "size": (tag_dir / name).stat().st_size,
+            "sha256": file_sha256(tag_dir / name),
+        }
     assert not list(tag_dir.glob("*.partial"))
     assert ckpt.verify(tag_dir) is None
 
@@ -236,13 +310,18 @@ def test_the_ranks_shares_cover_every_file_once(made, tmp_path):
         shares = [ckpt.files_for_rank(tag_dir, rank, world_size) for rank in range(world_size)]
         assert sorted(name for share in shares for name in share) == recorded
     # The two big files go to different ranks.
-    assert {MODEL_STATES, OPTIM_STATES} & set(ckpt.files_for_rank(tag_dir, 0, 2)) not in (set(), {MODEL_STATES, OPTIM_STATES})
+    assert {MODEL_STATES, OPTIM_STATES} & set(ckpt.files_for_rank(tag_dir, 0, 2)) not in (
+        set(),
+        {MODEL_STATES, OPTIM_STATES},
+    )
 
 
 # ----------------------------------------------------------------------------- resume
 
 
-def test_a_truncated_model_file_in_the_latest_checkpoint_resumes_from_the_previous(made, tmp_path, capsys):
+def test_a_truncated_model_file_in_the_latest_checkpoint_resumes_from_the_previous(
+    made, tmp_path, capsys
+):
     run_dir = run_copy(made, 0, tmp_path)
     root = ckpt.checkpoint_root(run_dir)
     truncate(root / TAGS[1] / MODEL_STATES)
@@ -258,26 +337,50 @@ def test_garbage_in_a_ranks_optimizer_file_is_detected(made, tmp_path, capsys):
     assert OPTIM_STATES in ckpt.resume_verdict((root, TAGS[1]))
     assert choose("auto", run_dir) == (root, TAGS[0])
     err = capsys.readouterr().err
-    assert f"skipping checkpoint {root / TAGS[1]}" in err and OPTIM_STATES in err and "sha256" in err, err
+    assert (
+        f"skipping checkpoint {root / TAGS[1]}" in err and OPTIM_STATES in err and "sha256" in err
+    ), err
 
 
 def test_the_ranks_agree_when_only_one_of_them_sees_the_damage(made, tmp_path):
     run_dir = run_copy(made, 2, tmp_path)
     root = ckpt.checkpoint_root(run_dir)
     tag_dir = root / TAGS[1]
-    only_rank_1 = sorted(ckpt.files_for_rank(tag_dir, 1, 2), key=lambda name: -(tag_dir / name).stat().st_size)[0]
+    only_rank_1 = sorted(
+        ckpt.files_for_rank(tag_dir, 1, 2), key=lambda name: -(tag_dir / name).stat().st_size
+    )[0]
     assert only_rank_1 not in ckpt.files_for_rank(tag_dir, 0, 2)
     scribble(tag_dir / only_rank_1)  # the same size: rank 0 cannot see it, rank 1 hashes it
     out = tmp_path / "verdicts"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             __file__, "agree", str(run_dir), str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            "agree",
+            str(run_dir),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)] == [TAGS[0], TAGS[0]]
+    assert [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)] == [
+        TAGS[0],
+        TAGS[0],
+    ]
     reports = [line for line in result.stderr.splitlines() if "skipping checkpoint" in line]
-    assert len(reports) == 1 and only_rank_1 in reports[0], result.stderr[-3000:]  # said once, by rank 0
+    # said once, by rank 0
+    assert len(reports) == 1 and only_rank_1 in reports[0], result.stderr[-3000:]
 
 
 def test_checkpoints_without_integrity_json_are_trusted_with_a_warning(made, tmp_path, capsys):
@@ -293,13 +396,19 @@ def test_checkpoints_without_integrity_json_are_trusted_with_a_warning(made, tmp
     assert f"skipping checkpoint {root / TAGS[1]}" in err and OPTIM_STATES in err, err
 
 
-def test_a_checkpoint_without_integrity_json_newer_than_one_with_it_is_a_save_that_did_not_complete(made, tmp_path, capsys):
+def test_a_checkpoint_without_integrity_json_newer_than_one_with_it_is_a_save_that_did_not_complete(
+    made, tmp_path, capsys
+):
     run_dir = run_copy(made, 2, tmp_path, integrity=False)
     root = ckpt.checkpoint_root(run_dir)
-    ckpt.write_integrity(root / TAGS[0])  # written by this code; step 2's save died before its integrity.json
+    # written by this code; step 2's save died before its integrity.json
+    ckpt.write_integrity(root / TAGS[0])
     assert choose("auto", run_dir) == (root, TAGS[0])
     err = capsys.readouterr().err
-    assert f"skipping checkpoint {root / TAGS[1]}: no {ckpt.INTEGRITY}" in err and "did not complete" in err, err
+    assert (
+        f"skipping checkpoint {root / TAGS[1]}: no {ckpt.INTEGRITY}" in err
+        and "did not complete" in err
+    ), err
 
 
 def test_an_explicit_checkpoint_that_fails_verification_is_an_error(made, tmp_path):
@@ -308,7 +417,11 @@ def test_an_explicit_checkpoint_that_fails_verification_is_an_error(made, tmp_pa
     truncate(root / TAGS[1] / MODEL_STATES)
     with pytest.raises(UserError) as failure:
         choose(str(root / TAGS[1]), run_dir)
-    assert str(root / TAGS[1]) in str(failure.value) and MODEL_STATES in str(failure.value) and "\n" not in str(failure.value)
+    assert (
+        str(root / TAGS[1]) in str(failure.value)
+        and MODEL_STATES in str(failure.value)
+        and "\n" not in str(failure.value)
+    )
     assert choose(str(root / TAGS[0]), run_dir) == (root, TAGS[0])
     # resume=auto with nothing intact left stops rather than starting afresh over the run.
     truncate(root / TAGS[0] / MODEL_STATES)
@@ -333,7 +446,12 @@ def test_candidates_are_the_complete_checkpoints_newest_first(made, tmp_path):
 
 
 def test_discard_removes_a_checkpoint_and_its_universal_copy(tmp_path):
-    for tag in (TAGS[0], ckpt.universal_tag_for(TAGS[0]), f".{ckpt.universal_tag_for(TAGS[0])}.partial", TAGS[1]):
+    for tag in (
+        TAGS[0],
+        ckpt.universal_tag_for(TAGS[0]),
+        f".{ckpt.universal_tag_for(TAGS[0])}.partial",
+        TAGS[1],
+    ):
         (tmp_path / tag).mkdir()
     ckpt.discard(tmp_path, TAGS[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == [TAGS[1]]
@@ -397,20 +515,26 @@ def test_a_universal_copy_is_verified_and_rebuilt_when_damaged(made, tmp_path):
     truncate(weights)
     assert to_universal(root, TAGS[1]) == (root, universal)
     assert ckpt.verify(copy) is None  # converted again
-    # The checkpoint rewritten since (a save into its tag): the copy of the old contents is not reused.
-    (root / TAGS[1] / "client_state.json").write_text(json.dumps({"step": 2, "world_size": 1, "rewritten": True}))
+    # The checkpoint rewritten since (a save into its tag): the copy of the old contents is not
+    # reused.
+    (root / TAGS[1] / "client_state.json").write_text(
+        json.dumps({"step": 2, "world_size": 1, "rewritten": True})
+    )
     ckpt.write_integrity(root / TAGS[1])
     assert to_universal(root, TAGS[1]) == (root, universal)
     assert json.loads((copy / "client_state.json").read_text())["rewritten"] is True
 
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["verified", "legacy"])
-@pytest.mark.parametrize("stage,planted_in", [(0, MODEL_STATES), (2, MODEL_STATES), (2, OPTIM_STATES)])
+@pytest.mark.parametrize(
+    "stage,planted_in", [(0, MODEL_STATES), (2, MODEL_STATES), (2, OPTIM_STATES)]
+)
 def test_export_refuses_a_planted_pickle_payload(made, tmp_path, stage, planted_in, integrity):
     run_dir = run_copy(made, stage, tmp_path, integrity=False)
     tag_dir = ckpt.checkpoint_root(run_dir) / TAGS[1]
     marker = tmp_path / "payload-ran"
-    state = torch.load(tag_dir / planted_in, map_location="cpu", weights_only=False)  # our own file, before the plant
+    # our own file, before the plant
+    state = torch.load(tag_dir / planted_in, map_location="cpu", weights_only=False)
     state["planted"] = Planted(marker)
     torch.save(state, tag_dir / planted_in)
     if integrity:  # whoever can plant a payload can record its checksum too
@@ -421,7 +545,9 @@ def test_export_refuses_a_planted_pickle_payload(made, tmp_path, stage, planted_
 
 
 @pytest.mark.parametrize("stage,planted_in", [(0, MODEL_STATES), (2, OPTIM_STATES)])
-def test_the_weights_only_load_itself_refuses_a_payload(made, tmp_path, monkeypatch, stage, planted_in):
+def test_the_weights_only_load_itself_refuses_a_payload(
+    made, tmp_path, monkeypatch, stage, planted_in
+):
     """Past the pre-scan (one that parses a pickle differently, say), the load is the guard:
     ours, and DeepSpeed's own torch.load(weights_only=False) in its ZeRO consolidation."""
     from launch.deepspeed import safe_load
@@ -437,7 +563,8 @@ def test_the_weights_only_load_itself_refuses_a_payload(made, tmp_path, monkeypa
     with pytest.raises(UserError, match="refused") as failure:
         safe_load.consolidated_state_dict(root, TAGS[1])
     assert "\n" not in str(failure.value) and not marker.exists()
-    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the process's environment is given back
+    # the process's environment is given back
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
 
 
 # ----------------------------------------------------------------------------- exported directories
@@ -454,10 +581,22 @@ def test_exported_directories_are_read_without_unpickling(tmp_path, monkeypatch)
 
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_bytes(b"a stand-in for a SentencePiece model")
-    configs = {"gpt": ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16),
-               "seq2seq": ModelConfig(arch="seq2seq", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)}
+    configs = {
+        "gpt": ModelConfig(
+            arch="gpt", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16
+        ),
+        "seq2seq": ModelConfig(
+            arch="seq2seq", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16
+        ),
+    }
     for arch, model_cfg in configs.items():
-        save_model_dir(tmp_path / arch, build_model(model_cfg).state_dict(), model_cfg, tokenizer, {"task": arch, "step": 1})
+        save_model_dir(
+            tmp_path / arch,
+            build_model(model_cfg).state_dict(),
+            model_cfg,
+            tokenizer,
+            {"task": arch, "step": 1},
+        )
 
     def refuse(*args, **kwargs):
         raise AssertionError("an exported directory was unpickled")
@@ -484,4 +623,9 @@ if __name__ == "__main__":
     from launch.distributed import run_rank
 
     # run_rank ends the process with os._exit, so no rank can abort in gloo's teardown.
-    run_rank({"make": lambda: make(Path(sys.argv[2])), "agree": lambda: agree(Path(sys.argv[2]), Path(sys.argv[3]))}[sys.argv[1]])
+    run_rank(
+        {
+            "make": lambda: make(Path(sys.argv[2])),
+            "agree": lambda: agree(Path(sys.argv[2]), Path(sys.argv[3])),
+        }[sys.argv[1]]
+    )

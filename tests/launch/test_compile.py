@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 from test_train import metrics, train
 
@@ -23,17 +22,24 @@ LOSS_TOLERANCE = 1e-5  # fp32: compiled and eager losses differ by rounding (abo
 
 
 def test_compile_is_a_top_level_switch_off_by_default(tmp_path):
-    from launch.config import TrainConfig
     from common.configure import load_config
+    from launch.config import TrainConfig
 
     assert TrainConfig().compile is False
-    assert load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile=true"]).compile is True
+    assert (
+        load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile=true"]).compile
+        is True
+    )
 
 
 def _tiny_gpt():
     from model import ModelConfig, build_model
 
-    return build_model(ModelConfig(arch="gpt", vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16))
+    return build_model(
+        ModelConfig(
+            arch="gpt", vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16
+        )
+    )
 
 
 def test_compiling_keeps_the_model_and_its_state_dict_keys():
@@ -51,29 +57,52 @@ def test_compiling_keeps_the_model_and_its_state_dict_keys():
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
-@pytest.mark.parametrize("task, stage, cuda, expected", [
-    ("causal_lm", 2, False, "model"), ("mlm", 0, False, "model"), ("mlm", 1, False, "model"),
-    ("causal_lm", 3, False, "blocks"), ("translation", 1, False, "blocks"), ("causal_lm", 2, True, "blocks"),
-])
-def test_compile_scope_auto_is_the_whole_model_where_shapes_are_fixed_and_parameters_whole(task, stage, cuda, expected):
-    from launch.config import TrainConfig, resolved_compile_scope
+@pytest.mark.parametrize(
+    "task, stage, cuda, expected",
+    [
+        ("causal_lm", 2, False, "model"),
+        ("mlm", 0, False, "model"),
+        ("mlm", 1, False, "model"),
+        ("causal_lm", 3, False, "blocks"),
+        ("translation", 1, False, "blocks"),
+        ("causal_lm", 2, True, "blocks"),
+    ],
+)
+def test_compile_scope_auto_is_the_whole_model_where_shapes_are_fixed_and_parameters_whole(
+    task, stage, cuda, expected
+):
     from common.configure import load_config
+    from launch.config import TrainConfig, resolved_compile_scope
 
-    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", [f"task={task}", f"deepspeed.zero_stage={stage}"])
+    cfg = load_config(
+        TrainConfig,
+        ROOT / "configs" / "tiny_gpt.yaml",
+        [f"task={task}", f"deepspeed.zero_stage={stage}"],
+    )
     assert cfg.compile_scope == "auto" and resolved_compile_scope(cfg, cuda) == expected
     for scope in ("model", "blocks"):
-        cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", [f"task={task}", f"compile_scope={scope}"])
+        cfg = load_config(
+            TrainConfig,
+            ROOT / "configs" / "tiny_gpt.yaml",
+            [f"task={task}", f"compile_scope={scope}"],
+        )
         assert resolved_compile_scope(cfg, cuda) == scope
 
 
 def test_compile_scope_problems_are_named():
-    from launch.config import TrainConfig, config_problems
     from common.configure import load_config
+    from launch.config import TrainConfig, config_problems
 
     cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile_scope=graph"])
     assert config_problems(cfg) == ["compile_scope: 'graph' is not one of auto, model, blocks"]
-    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile_scope=model", "deepspeed.zero_stage=3"])
-    assert [p.split(" (")[0] for p in config_problems(cfg)] == ["compile_scope: model needs deepspeed.zero_stage 0-2"]
+    cfg = load_config(
+        TrainConfig,
+        ROOT / "configs" / "tiny_gpt.yaml",
+        ["compile_scope=model", "deepspeed.zero_stage=3"],
+    )
+    assert [p.split(" (")[0] for p in config_problems(cfg)] == [
+        "compile_scope: model needs deepspeed.zero_stage 0-2"
+    ]
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
@@ -91,7 +120,16 @@ def test_the_whole_model_compiles_to_one_graph_with_its_loss_and_matches_eager(a
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, dropout=0.0)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        d_ff=64,
+        max_seq_len=16,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     eager, compiled = build_model(cfg), build_model(cfg)
     compiled.load_state_dict(eager.state_dict())
@@ -108,7 +146,8 @@ def test_the_whole_model_compiles_to_one_graph_with_its_loss_and_matches_eager(a
             labels.view(-1)[torch.randperm(24, generator=generator)[:masked]] = 7
         for model in (eager, compiled):
             model.zero_grad(set_to_none=True)
-        # BERT's masked rows found on the host and moved as the trainer moves its inputs (launch.tasks)
+        # BERT's masked rows found on the host and moved as the trainer moves its inputs
+        # (launch.tasks)
         inputs = {"input_ids": x, "labels": labels}
         if arch == "bert":
             inputs["scored_index"] = (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)
@@ -124,8 +163,8 @@ def test_the_whole_model_compiles_to_one_graph_with_its_loss_and_matches_eager(a
 
 
 def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
-    from launch.train.setup import compile_model
     from common.configure import UserError
+    from launch.train.setup import compile_model
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
@@ -136,14 +175,23 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_exports_eagerly(tiny_dataset, tmp_path,
-                                                                                              uninterrupted_gpt):
+def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_exports_eagerly(
+    tiny_dataset, tmp_path, uninterrupted_gpt
+):
     from test_elastic import REFERENCE
 
     eager = uninterrupted_gpt  # REFERENCE: 14 steps, a checkpoint and an evaluation every 4, ZeRO-2
     compiled = tmp_path / "compiled"
-    train("tiny_gpt.yaml", tiny_dataset, compiled, *REFERENCE, "deepspeed.zero_stage=3", "compile=true",
-          "model.activation_checkpointing=true", "stop_after_steps=4")
+    train(
+        "tiny_gpt.yaml",
+        tiny_dataset,
+        compiled,
+        *REFERENCE,
+        "deepspeed.zero_stage=3",
+        "compile=true",
+        "model.activation_checkpointing=true",
+        "stop_after_steps=4",
+    )
     resumed = train("tiny_gpt.yaml", tiny_dataset, compiled, *REFERENCE, "deepspeed.zero_stage=3")
     assert "resumed from" in resumed.stderr
 
@@ -155,9 +203,13 @@ def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_ex
     for step in range(1, 15):
         print(f"{step:4d}  {expected[step]:.8f}  {got[step]:.8f}")
     assert sorted(got) == list(range(1, 15))
-    assert [got[s] for s in range(1, 15)] == pytest.approx([expected[s] for s in range(1, 15)], abs=LOSS_TOLERANCE, rel=0)
+    assert [got[s] for s in range(1, 15)] == pytest.approx(
+        [expected[s] for s in range(1, 15)], abs=LOSS_TOLERANCE, rel=0
+    )
     # Evaluation runs eagerly in a compiled run too.
-    assert by_step(compiled, "eval/loss")[4] == pytest.approx(by_step(eager, "eval/loss")[4], abs=LOSS_TOLERANCE)
+    assert by_step(compiled, "eval/loss")[4] == pytest.approx(
+        by_step(eager, "eval/loss")[4], abs=LOSS_TOLERANCE
+    )
 
     # The compiled run's checkpoint exports with the eager run's keys and (nearly) its weights.
     from safetensors.torch import load_file
@@ -167,27 +219,48 @@ def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_ex
     exported = {}
     for name, run_dir in (("eager", eager), ("compiled", compiled)):
         out = tmp_path / f"export-{name}"
-        run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir / 'checkpoints' / 'step_00000004'}",
-                              f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "launch.export",
+                f"checkpoint={run_dir / 'checkpoints' / 'step_00000004'}",
+                f"out={out}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         exported[name] = load_file(out / WEIGHTS)
         load_model_dir(out)  # loads strictly into a plain model
     assert sorted(exported["compiled"]) == sorted(exported["eager"])
     assert not any("_orig_mod" in key for key in exported["compiled"])
     for key, weight in exported["eager"].items():
-        torch.testing.assert_close(exported["compiled"][key], weight, atol=LOSS_TOLERANCE, rtol=0, msg=key)
+        torch.testing.assert_close(
+            exported["compiled"][key], weight, atol=LOSS_TOLERANCE, rtol=0, msg=key
+        )
 
 
 @pytest.mark.slow
 def test_compiled_bert_under_zero1_matches_eager(tiny_dataset, tmp_path):
-    common = ["max_steps=4", "log_every=1", "eval_every=4", "checkpoint.every_steps=0", "deepspeed.zero_stage=1"]
+    common = [
+        "max_steps=4",
+        "log_every=1",
+        "eval_every=4",
+        "checkpoint.every_steps=0",
+        "deepspeed.zero_stage=1",
+    ]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     train("tiny_bert.yaml", tiny_dataset, eager, *common)
     run = train("tiny_bert.yaml", tiny_dataset, compiled, *common, "compile=true")
     assert "recompile_limit" not in run.stderr  # one graph for both blocks, none for the hooks
     for key in ("train/loss", "eval/loss", "eval/accuracy"):
         expected = [row[key] for row in metrics(eager) if key in row]
-        assert [row[key] for row in metrics(compiled) if key in row] == pytest.approx(expected, abs=LOSS_TOLERANCE, rel=0)
+        assert [row[key] for row in metrics(compiled) if key in row] == pytest.approx(
+            expected, abs=LOSS_TOLERANCE, rel=0
+        )
 
 
 @pytest.mark.slow
@@ -202,8 +275,21 @@ def test_compiled_llama_shaped_blocks_are_one_graph_and_match_eager():
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
-                      max_seq_len=16, dropout=0.0, positions="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    cfg = ModelConfig(
+        arch="gpt",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=64,
+        max_seq_len=16,
+        dropout=0.0,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+    )
     torch.manual_seed(0)
     eager, compiled = build_model(cfg), build_model(cfg)
     compiled.load_state_dict(eager.state_dict())

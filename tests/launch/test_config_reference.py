@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launch.config import MainConfig, TrainConfig
 import launch.config_reference
+from common.configure import config_to_dict, load_config
+from launch.config import MainConfig, TrainConfig
 from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_span, main, reference
 from pipeline.config import PrepareConfig
-from common.configure import config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "configuration.md"
@@ -53,7 +53,11 @@ def test_write_and_check_without_a_path_take_docs_configuration_md(tmp_path, mon
     assert main(["--check"]) == 0
 
 
-@pytest.mark.parametrize("entry, schema", [(entry, schema) for entry, schema, _ in SCHEMAS], ids=[entry for entry, *_ in SCHEMAS])
+@pytest.mark.parametrize(
+    "entry, schema",
+    [(entry, schema) for entry, schema, _ in SCHEMAS],
+    ids=[entry for entry, *_ in SCHEMAS],
+)
 def test_every_leaf_key_is_in_the_reference(entry, schema):
     part = section(reference(), entry)
     missing = [key for key in leaf_keys(schema) if f"| `{key}` |" not in part]
@@ -67,11 +71,19 @@ def test_check_fails_on_a_removed_row_and_passes_on_a_copy(tmp_path):
     intact.write_text(text, encoding="utf-8")
     assert main(["--check", str(intact)]) == 0
 
-    row = next(line for line in text.splitlines(keepends=True) if line.startswith("| `deepspeed.zero_stage` |"))
+    row = next(
+        line
+        for line in text.splitlines(keepends=True)
+        if line.startswith("| `deepspeed.zero_stage` |")
+    )
     stale = tmp_path / "stale.md"
     stale.write_text(text.replace(row, "", 1), encoding="utf-8")
-    run = subprocess.run([sys.executable, "-m", "launch.config_reference", "--check", str(stale)],
-                         cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.config_reference", "--check", str(stale)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1 and "deepspeed.zero_stage" in run.stderr
 
@@ -119,17 +131,22 @@ def test_every_shipped_config_loads_and_its_keys_are_documented(path):
     # Loading keeps every value the file gives, as the file gives it: none dropped, renamed,
     # or turned into another value on the way (a quoted "1024" for an int key becomes 1024).
     loaded = config_to_dict(load_config(schema, path))
-    assert _holds(loaded, given), [key for key in _yaml_keys(given) if not _holds(_at(loaded, key), _at(given, key))]
+    assert _holds(loaded, given), [
+        key for key in _yaml_keys(given) if not _holds(_at(loaded, key), _at(given, key))
+    ]
     part = section(reference(), entry)
     keys = _yaml_keys(given)
-    assert keys and all(_documented(key, part) for key in keys), [key for key in keys if not _documented(key, part)]
+    assert keys and all(_documented(key, part) for key in keys), [
+        key for key in keys if not _documented(key, part)
+    ]
 
 
 def _documented(key: str, part: str) -> bool:
     """A key's own row, or, for an entry of a mapping field (`data.mixture.NAME`), the field's."""
     parts = key.split(".")
     return f"| `{key}` |" in part or any(
-        f"| `{'.'.join(parts[:n])}` | Dict[" in part for n in range(1, len(parts)))
+        f"| `{'.'.join(parts[:n])}` | Dict[" in part for n in range(1, len(parts))
+    )
 
 
 def _at(node, key: str):
@@ -141,10 +158,19 @@ def _at(node, key: str):
 def _holds(loaded, given) -> bool:
     """Whether the loaded config (a plain dict) has every value of the YAML's `given` (a subset)."""
     if isinstance(given, dict):
-        return isinstance(loaded, dict) and all(k in loaded and _holds(loaded[k], v) for k, v in given.items())
+        return isinstance(loaded, dict) and all(
+            k in loaded and _holds(loaded[k], v) for k, v in given.items()
+        )
     if isinstance(given, list):
-        return isinstance(loaded, list) and len(loaded) == len(given) and all(map(_holds, loaded, given))
+        return (
+            isinstance(loaded, list)
+            and len(loaded) == len(given)
+            and all(map(_holds, loaded, given))
+        )
     if isinstance(given, str) and "${" in given:  # an interpolation: resolved when loaded
         return isinstance(loaded, str) and "${" not in loaded and loaded != given
-    return type(loaded) is type(given) and loaded == given or (
-        isinstance(loaded, float) and type(given) is int and loaded == given)
+    return (
+        type(loaded) is type(given)
+        and loaded == given
+        or (isinstance(loaded, float) and type(given) is int and loaded == given)
+    )

@@ -16,15 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 from test_train import TINY, metrics
 
 pytestmark = pytest.mark.slow
 
 # A short epoch so that the chain below crosses an epoch boundary: 12 steps of global batch 8.
-COMMON = ["max_steps=14", "log_every=1", "eval_every=0", "checkpoint.every_steps=4", "checkpoint.keep_last=10",
-          "model.dropout=0.0", "data.log_sample_keys=true"]
+COMMON = [
+    "max_steps=14",
+    "log_every=1",
+    "eval_every=0",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=10",
+    "model.dropout=0.0",
+    "data.log_sample_keys=true",
+]
 LOSS_TOLERANCE = 2e-5  # fp32; the ranks' reductions group the same sums differently
 # The uninterrupted run (conftest's `uninterrupted_gpt`, shared with test_compile): also evaluated
 # every 4 steps, for test_compile's claim that evaluation runs eagerly in a compiled run.
@@ -33,13 +39,37 @@ LOSS_TOLERANCE = 2e-5  # fp32; the ranks' reductions group the same sums differe
 REFERENCE = [*COMMON, "deepspeed.zero_stage=2", "eval_every=4"]
 
 
-def run_train(data: Path, run_dir: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    data: Path,
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 2,
+    env: dict | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
-    command = [*launcher, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={data}",
-               f"run_dir={run_dir}", *TINY, *overrides]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
+    command = [
+        *launcher,
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert run.returncode == 0, run.stderr[-4000:]
@@ -65,39 +95,58 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterru
     legs = [(2, ["stop_after_steps=4"]), (1, ["grad_accum=2", "stop_after_steps=8"]), (2, [])]
     outputs = []
     for nproc, extra in legs:
-        outputs.append(run_train(tiny_dataset, run_dir, *COMMON, f"deepspeed.zero_stage={stage}", *extra, nproc=nproc))
-    assert "written by 2 ranks" in outputs[1].stderr and "converting it to a universal checkpoint" in outputs[1].stderr
+        outputs.append(
+            run_train(
+                tiny_dataset, run_dir, *COMMON, f"deepspeed.zero_stage={stage}", *extra, nproc=nproc
+            )
+        )
+    assert (
+        "written by 2 ranks" in outputs[1].stderr
+        and "converting it to a universal checkpoint" in outputs[1].stderr
+    )
     assert "written by 1 ranks" in outputs[2].stderr
-    assert (run_dir / "checkpoints" / "step_00000004.universal").is_dir()  # beside the original, which stays
+    # beside the original, which stays
+    assert (run_dir / "checkpoints" / "step_00000004.universal").is_dir()
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()
 
     expected, got = losses(uninterrupted_gpt), losses(run_dir)
     assert sorted(got) == list(range(1, 15))
     for step in range(1, 15):
-        assert got[step] == pytest.approx(expected[step], abs=LOSS_TOLERANCE), (step, got[step], expected[step])
+        assert got[step] == pytest.approx(expected[step], abs=LOSS_TOLERANCE), (
+            step,
+            got[step],
+            expected[step],
+        )
 
     # Every training sample exactly once per epoch, and each step the same samples as uninterrupted.
     keys, reference_keys = step_keys(run_dir), step_keys(uninterrupted_gpt)
-    assert {s: sorted(k) for s, k in keys.items()} == {s: sorted(k) for s, k in reference_keys.items()}
+    assert {s: sorted(k) for s, k in keys.items()} == {
+        s: sorted(k) for s, k in reference_keys.items()
+    }
     epoch = [key for step in range(1, 13) for key in keys[step]]
     counts = Counter(epoch)
     assert len(epoch) == 12 * 8 and max(counts.values()) == 1
 
 
-def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(tiny_dataset, tmp_path, uninterrupted_gpt):
+def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(
+    tiny_dataset, tmp_path, uninterrupted_gpt
+):
     import shutil
 
     # A copy of the uninterrupted 2-rank run (micro batch 4: global batch 8), resumed on 1 rank.
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_gpt, run_dir)
-    refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)  # 4 x 1 x 1 = 4, not 8
+    # 4 x 1 x 1 = 4, not 8
+    refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)
     assert refused.returncode == 2
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert "global batch of 8 (4 x 1 x 2 ranks)" in line and "4 x 1 x 1 ranks = 4" in line
     assert "data.micro_batch_size=4 grad_accum=2" in line
 
 
-def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_dataset, tmp_path, uninterrupted_gpt):
+def test_a_resume_with_another_model_shape_is_refused_before_loading(
+    tiny_dataset, tmp_path, uninterrupted_gpt
+):
     import shutil
 
     # A copy of the uninterrupted 2-rank run (TINY's model.d_model=32), resumed with another model.
@@ -106,51 +155,85 @@ def test_a_resume_with_another_model_shape_is_refused_before_loading(tiny_datase
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     steps = int(latest.removeprefix("step_"))
     common = ["eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]
-    for nproc, extra in ((1, ["grad_accum=2"]), (2, [])):  # the same global batch: only the model differs
-        refused = run_train(tiny_dataset, run_dir, *common, f"max_steps={steps + 2}", "model.d_model=64", *extra,
-                            nproc=nproc, check=False)
-        assert refused.returncode == (2 if nproc == 1 else 1), refused.stderr[-4000:]  # torchrun reports a failed child as 1
-        (line,) = {line for line in refused.stderr.splitlines() if line.startswith("error:")}  # the same on both ranks
-        assert line == (f"error: checkpoint {run_dir / 'checkpoints' / latest} holds another model than this "
-                        f"job: model.d_model 32 there, 64 here; resume it as saved with model.d_model=32, or train the "
-                        f"new model from scratch in a new run_dir"), line
+    # the same global batch: only the model differs
+    for nproc, extra in ((1, ["grad_accum=2"]), (2, [])):
+        refused = run_train(
+            tiny_dataset,
+            run_dir,
+            *common,
+            f"max_steps={steps + 2}",
+            "model.d_model=64",
+            *extra,
+            nproc=nproc,
+            check=False,
+        )
+        # torchrun reports a failed child as 1
+        assert refused.returncode == (2 if nproc == 1 else 1), refused.stderr[-4000:]
+        # the same on both ranks
+        (line,) = {line for line in refused.stderr.splitlines() if line.startswith("error:")}
+        assert line == (
+            f"error: checkpoint {run_dir / 'checkpoints' / latest} holds another model than this "
+            f"job: model.d_model 32 there, 64 here; resume it as saved with model.d_model=32, or train the "
+            f"new model from scratch in a new run_dir"
+        ), line
         # Found from the checkpoint's record, before the engine is built: no rank's traceback.
-        assert "size mismatch" not in refused.stderr and "[rank" not in refused.stderr, refused.stderr[-4000:]
+        assert "size mismatch" not in refused.stderr and "[rank" not in refused.stderr, (
+            refused.stderr[-4000:]
+        )
         assert "DeepSpeedZeroOptimizer" not in refused.stderr
     # What only trains differently may change on a resume.
-    resumed = run_train(tiny_dataset, run_dir, *common, f"max_steps={steps + 1}", "model.dropout=0.2")
-    assert "resumed from" in resumed.stderr and json.loads((run_dir / "final.json").read_text())["step"] == steps + 1
+    resumed = run_train(
+        tiny_dataset, run_dir, *common, f"max_steps={steps + 1}", "model.dropout=0.2"
+    )
+    assert (
+        "resumed from" in resumed.stderr
+        and json.loads((run_dir / "final.json").read_text())["step"] == steps + 1
+    )
 
 
 def test_the_model_check_names_nested_keys_and_reads_an_older_checkpoints_run_config(tmp_path):
     from dataclasses import replace
 
+    from common.configure import config_to_dict, save_config
     from launch import checkpoint as ckpt
     from launch.config import TrainConfig
     from launch.train.resume import _model_misfit
     from model import ModelConfig, StackConfig
-    from common.configure import config_to_dict, save_config
 
     cfg = TrainConfig(model=ModelConfig(arch="seq2seq", vocab_size=100, d_model=16, n_heads=4))
     root = tmp_path / "run" / "checkpoints"
     (root / "step_00000002").mkdir(parents=True)
-    (root / "step_00000002" / "client_state.json").write_text(json.dumps({"step": 2}))  # before the model was recorded
+    # before the model was recorded
+    (root / "step_00000002" / "client_state.json").write_text(json.dumps({"step": 2}))
     assert ckpt.saved_model_config(root, "step_00000002") is None
     save_config(cfg, tmp_path / "run" / "config.yaml")
     saved = ckpt.saved_model_config(root, "step_00000002")
     assert saved == config_to_dict(cfg.model)
-    assert _model_misfit(root / "step_00000002", saved, replace(cfg, model=replace(cfg.model, dropout=0.3))) is None
-    changed = replace(cfg, resume=str(root / "step_00000002"),
-                      model=replace(cfg.model, encoder=StackConfig(n_heads=2), activation="relu", label_smoothing=0.0))
+    assert (
+        _model_misfit(
+            root / "step_00000002", saved, replace(cfg, model=replace(cfg.model, dropout=0.3))
+        )
+        is None
+    )
+    changed = replace(
+        cfg,
+        resume=str(root / "step_00000002"),
+        model=replace(
+            cfg.model, encoder=StackConfig(n_heads=2), activation="relu", label_smoothing=0.0
+        ),
+    )
     assert _model_misfit(root / "step_00000002", saved, changed) == (
         f"checkpoint {root / 'step_00000002'} holds another model than this job: model.activation gelu there, relu "
         "here; model.encoder.n_heads null there, 2 here; resume it as saved with model.activation=gelu "
-        "model.encoder.n_heads=null, or train the new model from scratch in a new run_dir with resume=none")
+        "model.encoder.n_heads=null, or train the new model from scratch in a new run_dir with resume=none"
+    )
 
 
 def _optimizer_files(checkpoint: Path) -> dict[str, dict]:
-    return {path.name: torch.load(path, map_location="cpu", weights_only=False)
-            for path in sorted(checkpoint.glob("*optim_states.pt"))}
+    return {
+        path.name: torch.load(path, map_location="cpu", weights_only=False)
+        for path in sorted(checkpoint.glob("*optim_states.pt"))
+    }
 
 
 def _same(a, b) -> bool:
@@ -165,21 +248,44 @@ def _same(a, b) -> bool:
 
 def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=1",
-                    "checkpoint.keep_last=10", env={"PRETRAIN_INJECT_NAN": "1:3"})
-    assert "step 3: skipped on every rank (non-finite loss: nan on rank 1); 1 skipped so far" in run.stderr
-    (row,) = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
+    run = run_train(
+        tiny_dataset,
+        run_dir,
+        "max_steps=6",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=10",
+        env={"PRETRAIN_INJECT_NAN": "1:3"},
+    )
+    assert (
+        "step 3: skipped on every rank (non-finite loss: nan on rank 1); 1 skipped so far"
+        in run.stderr
+    )
+    (row,) = [
+        json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()
+    ]
     assert row["step"] == 3 and row["reason"] == "non-finite loss" and len(row["sample_keys"]) == 8
     # What caused the skip, and apart from it the loss of the batches that were finite (rank 0's).
-    assert row["non_finite"] == [{"rank": 1, "loss": "nan", "micro_batches": 1}] and "loss" not in row
+    assert (
+        row["non_finite"] == [{"rank": 1, "loss": "nan", "micro_batches": 1}] and "loss" not in row
+    )
     assert 0 < row["finite_loss"] < 10
     checkpoints = run_dir / "checkpoints"
-    before, after = _optimizer_files(checkpoints / "step_00000002"), _optimizer_files(checkpoints / "step_00000003")
-    assert len(before) == 2  # one partition per rank: both ranks' weights and Adam moments unchanged
+    before, after = (
+        _optimizer_files(checkpoints / "step_00000002"),
+        _optimizer_files(checkpoints / "step_00000003"),
+    )
+    # one partition per rank: both ranks' weights and Adam moments unchanged
+    assert len(before) == 2
     for name in before:
-        assert _same(before[name]["optimizer_state_dict"], after[name]["optimizer_state_dict"]), name
+        assert _same(before[name]["optimizer_state_dict"], after[name]["optimizer_state_dict"]), (
+            name
+        )
     changed = _optimizer_files(checkpoints / "step_00000004")
-    assert not all(_same(before[n]["optimizer_state_dict"], changed[n]["optimizer_state_dict"]) for n in before)
+    assert not all(
+        _same(before[n]["optimizer_state_dict"], changed[n]["optimizer_state_dict"]) for n in before
+    )
     rows = metrics(run_dir)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["guard/skipped_steps"] for r in rows if "guard/skipped_steps" in r] == [1]
@@ -188,35 +294,73 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
 
 def test_a_skipped_step_records_the_losses_that_caused_it(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    run = run_train(tiny_dataset, run_dir, "max_steps=6", "log_every=1", "eval_every=0", "checkpoint.every_steps=0",
-                    "grad_accum=2", "guard.spike_factor=50", "guard.spike_warmup_steps=4", "guard.spike_window=4",
-                    "wandb.mode=disabled", nproc=1, env={"PRETRAIN_INJECT_NAN": "0:3*inf,0:6*100"})
-    non_finite, spike = [json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()]
+    run = run_train(
+        tiny_dataset,
+        run_dir,
+        "max_steps=6",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+        "grad_accum=2",
+        "guard.spike_factor=50",
+        "guard.spike_warmup_steps=4",
+        "guard.spike_window=4",
+        "wandb.mode=disabled",
+        nproc=1,
+        env={"PRETRAIN_INJECT_NAN": "0:3*inf,0:6*100"},
+    )
+    non_finite, spike = [
+        json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()
+    ]
     assert non_finite["step"] == 3 and non_finite["reason"] == "non-finite loss"
     assert non_finite["non_finite"] == [{"rank": 0, "loss": "inf", "micro_batches": 2}]
-    assert non_finite["finite_loss"] is None and "loss" not in non_finite  # no batch of the step was finite
+    # no batch of the step was finite
+    assert non_finite["finite_loss"] is None and "loss" not in non_finite
     assert "step 3: skipped on every rank (non-finite loss: inf on rank 0)" in run.stderr
-    # The spike test's limit: the mean of the last 4 applied steps' losses plus 50 of their standard deviations.
+    # The spike test's limit: the mean of the last 4 applied steps' losses plus 50 of their standard
+    # deviations.
     applied = [row["train/loss"] for row in metrics(run_dir) if row["step"] in (1, 2, 4, 5)]
     limit = statistics.mean(applied) + 50 * statistics.stdev(applied)
     assert spike["step"] == 6 and spike["reason"] == "loss spike" and "non_finite" not in spike
     assert spike["limit"] == pytest.approx(limit) and spike["loss"] > 20 * limit
-    assert f"step 6: skipped on every rank (loss spike: loss {spike['loss']:.4g} above the limit {limit:.4g})" in run.stderr
+    assert (
+        f"step 6: skipped on every rank (loss spike: loss {spike['loss']:.4g} above the limit {limit:.4g})"
+        in run.stderr
+    )
 
 
 def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    common = ["max_steps=8", "log_every=1", "eval_every=0", "checkpoint.every_steps=2", "checkpoint.keep_last=10",
-              "guard.max_consecutive_skips=2", "deepspeed.zero_stage=0"]
-    failed = run_train(tiny_dataset, run_dir, *common, env={"PRETRAIN_INJECT_NAN": "0:3-7"}, check=False)
+    common = [
+        "max_steps=8",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=10",
+        "guard.max_consecutive_skips=2",
+        "deepspeed.zero_stage=0",
+    ]
+    failed = run_train(
+        tiny_dataset, run_dir, *common, env={"PRETRAIN_INJECT_NAN": "0:3-7"}, check=False
+    )
     assert failed.returncode != 0  # each rank exits 2; torchrun reports a failed child as 1
-    (line,) = {line for line in failed.stderr.splitlines() if line.startswith("error:")}  # the same on both ranks
+    # the same on both ranks
+    (line,) = {line for line in failed.stderr.splitlines() if line.startswith("error:")}
     assert "3 steps in a row skipped" in line and "guard.max_consecutive_skips=2" in line
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_00000005"
-    good = torch.load(checkpoints / "step_00000002" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    last = torch.load(checkpoints / "step_00000005" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    assert all(torch.equal(good["module"][k], last["module"][k]) for k in good["module"])  # ZeRO-0: whole weights
+    good = torch.load(
+        checkpoints / "step_00000002" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
+    last = torch.load(
+        checkpoints / "step_00000005" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
+    # ZeRO-0: whole weights
+    assert all(torch.equal(good["module"][k], last["module"][k]) for k in good["module"])
     resumed = run_train(tiny_dataset, run_dir, *common)
     assert "resumed from" in resumed.stderr and "step 5" in resumed.stderr
     assert json.loads((run_dir / "final.json").read_text())["step"] == 8

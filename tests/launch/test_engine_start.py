@@ -28,9 +28,15 @@ print("same as eager:", torch.equal(out, fn.__wrapped__(g, steps=3)))
 
 
 def test_muon_is_loaded_without_inductor_and_compiles_at_its_first_call():
-    run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.splitlines()[-3:] == ["inductor loaded: False", "compiled at first call: True", "same as eager: True"]
+    assert run.stdout.splitlines()[-3:] == [
+        "inductor loaded: False",
+        "compiled at first call: True",
+        "same as eager: True",
+    ]
 
 
 SHM_PROBE = """
@@ -53,9 +59,24 @@ print("shm op:", ds_comm.cdb.shm_comm_op)
 def test_a_rank_neither_builds_nor_loads_deepspeeds_shared_memory_op(tmp_path):
     """Training's collectives are torch.distributed's; DeepSpeed's shm all-reduce op serves
     tensor-parallel inference only, and its JIT build cost the first job of a fresh install ~35 s."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops"), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", SHM_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops"),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", SHM_PROBE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "shm op: None"
     assert not [p for p in (tmp_path / "ops").rglob("*") if "shm" in p.name], "the shm op was built"

@@ -10,20 +10,27 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
+from test_loader import UNEVEN, assert_same_batches
+from test_train import TINY, metrics, train
+
+from common.configure import UserError
 from launch.distributed import DistEnv, check_gpus_per_node
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.loss import IGNORE_INDEX
-from common.configure import UserError
 from pipeline.loader import ShardLoader
-from test_loader import UNEVEN, assert_same_batches
-from test_train import TINY, metrics, train
-
-TINY_SYNC = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
-             "data.micro_batch_size=4", "threads_per_rank=1"]
 from tests.shardtools import make_dataset
+
+TINY_SYNC = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "data.micro_batch_size=4",
+    "threads_per_rank=1",
+]
 
 
 @pytest.mark.slow
@@ -31,14 +38,25 @@ def test_sinusoidal_positions_train_under_bf16(tiny_dataset, tmp_path):
     """DeepSpeed casts parameters to bf16, not buffers: the fp32 sinusoid table met bf16
     activations in the first LayerNorm ("expected scalar type") before the fix."""
     run_dir = tmp_path / "run"
-    train("tiny_gpt.yaml", tiny_dataset, run_dir, "model.positions=sinusoidal", "deepspeed.precision=bf16",
-          "max_steps=5", "log_every=1", "eval_every=5", nproc=1)
+    train(
+        "tiny_gpt.yaml",
+        tiny_dataset,
+        run_dir,
+        "model.positions=sinusoidal",
+        "deepspeed.precision=bf16",
+        "max_steps=5",
+        "log_every=1",
+        "eval_every=5",
+        nproc=1,
+    )
     losses = [row["train/loss"] for row in metrics(run_dir) if "train/loss" in row]
     assert len(losses) == 5 and all(0 < loss < 20 for loss in losses)
 
 
 def test_more_ranks_per_node_than_gpus_is_refused_in_one_line():
-    denv = DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, master_addr="x", master_port=1)
+    denv = DistEnv(
+        rank=1, world_size=4, local_rank=1, local_world_size=2, master_addr="x", master_port=1
+    )
     with pytest.raises(UserError) as err:
         check_gpus_per_node(denv, 1)
     message = str(err.value)
@@ -72,7 +90,9 @@ def test_padding_free_masks_are_dropped_on_the_host_and_change_nothing():
     cfg = ModelConfig(arch="gpt", vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_seq_len=12)
     model = build_model(cfg).eval()
     ids = torch.randint(6, 50, (3, 12))
-    full = TASKS["causal_lm"].model_inputs({"input_ids": ids, "attention_mask": torch.ones(3, 12, dtype=torch.long)})
+    full = TASKS["causal_lm"].model_inputs(
+        {"input_ids": ids, "attention_mask": torch.ones(3, 12, dtype=torch.long)}
+    )
     moved = TASKS["causal_lm"].to_device(full, torch.device("cpu"))
     assert "attention_mask" not in moved and set(moved) == {"input_ids", "labels"}
     padded_mask = torch.ones(3, 12, dtype=torch.long)
@@ -92,8 +112,12 @@ def test_bert_scores_host_found_positions_as_its_own_selection():
     ids = torch.randint(6, 40, (2, 10))
     masked = torch.zeros(2, 10, dtype=torch.bool)
     masked[0, [1, 4]] = masked[1, [0, 7, 9]] = True
-    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 10, dtype=torch.long), "original_ids": ids,
-             "masked_positions": masked}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(2, 10, dtype=torch.long),
+        "original_ids": ids,
+        "masked_positions": masked,
+    }
     inputs = TASKS["mlm"].model_inputs(batch)
     assert inputs["scored_index"].tolist() == [1, 4, 10, 17, 19]
     with torch.no_grad():
@@ -103,7 +127,9 @@ def test_bert_scores_host_found_positions_as_its_own_selection():
     assert torch.equal(given.scored_logits, own.scored_logits)
     assert torch.allclose(given.scored_logits, reference.logits[masked], atol=1e-5)
     labels = inputs["labels"][inputs["labels"] != IGNORE_INDEX]
-    assert torch.allclose(given.loss, torch.nn.functional.cross_entropy(reference.logits[masked], labels), atol=1e-5)
+    assert torch.allclose(
+        given.loss, torch.nn.functional.cross_entropy(reference.logits[masked], labels), atol=1e-5
+    )
 
 
 def _worker_pids(loader: ShardLoader) -> list[int]:
@@ -175,9 +201,19 @@ def test_throughput_times_training_steps_only(tiny_dataset, tmp_path):
     driver.write_text(MFU_DRIVER)
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(driver), str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={tiny_dataset}",
-               f"run_dir={run_dir}", *TINY, "max_steps=6", "log_every=2", "eval_every=1", "eval_batches=1",
-               "checkpoint.every_steps=1"]
+    command = [
+        sys.executable,
+        str(driver),
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={tiny_dataset}",
+        f"run_dir={run_dir}",
+        *TINY,
+        "max_steps=6",
+        "log_every=2",
+        "eval_every=1",
+        "eval_batches=1",
+        "checkpoint.every_steps=1",
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -188,7 +224,11 @@ def test_throughput_times_training_steps_only(tiny_dataset, tmp_path):
     for row in logged[1:]:  # windows 3-4 and 5-6 each had 2 evaluations and 2 checkpoints in them
         window_seconds = 2 * tokens_per_step / row["perf/tokens_per_s"]
         assert window_seconds < 1.0, (row, window_seconds)  # counted, they would make it over 2 s
-        assert 0 < row["perf/mfu_llmc"] < 1 and 0 < row["perf/mfu"] < 1 and row["perf/mfu_llmc"] != row["perf/mfu"]
+        assert (
+            0 < row["perf/mfu_llmc"] < 1
+            and 0 < row["perf/mfu"] < 1
+            and row["perf/mfu_llmc"] != row["perf/mfu"]
+        )
 
 
 # ----------------------------------------------------------------------------- tf32
@@ -200,8 +240,12 @@ def test_the_peak_of_an_fp32_run_is_tf32s_when_tf32_is_in_use():
     assert table_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=True) == 495e12
     assert table_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
     assert table_peak("NVIDIA H100 PCIe", "fp32", tf32=True) == 378e12  # not the SXM figure
-    assert table_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=True) == 312e12  # 16-bit peaks whatever tf32 says
-    assert table_peak("NVIDIA A10G", "fp32", tf32=True) == 0.0  # none in the table: measured instead
+    assert (
+        table_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=True) == 312e12
+    )  # 16-bit peaks whatever tf32 says
+    assert (
+        table_peak("NVIDIA A10G", "fp32", tf32=True) == 0.0
+    )  # none in the table: measured instead
     assert table_peak("Tesla V100-SXM2-32GB", "fp32", tf32=False) == 15.7e12
     assert table_peak("Some Future GPU", "bf16") == 0.0
 
@@ -210,7 +254,8 @@ TF32_GETTERS = {  # every reader of the cuBLAS float32 setting, legacy and new
     "torch.backends.cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
     "torch.backends.cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
     "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision,
-    "torch._C._get_cublas_allow_tf32()": torch._C._get_cublas_allow_tf32,  # what dynamo's graph region tracker reads
+    # what dynamo's graph region tracker reads
+    "torch._C._get_cublas_allow_tf32()": torch._C._get_cublas_allow_tf32,
 }
 
 
@@ -230,8 +275,18 @@ def test_after_the_tf32_setting_every_reader_answers_and_compile_runs(tf32):
         assert answers["torch.backends.cuda.matmul.allow_tf32"] is tf32
         assert answers["torch.backends.cuda.matmul.fp32_precision"] == ("tf32" if tf32 else "ieee")
         assert answers["torch._C._get_cublas_allow_tf32()"] is tf32
-        model = build_model(ModelConfig(arch="gpt", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32,
-                                        max_seq_len=8, dropout=0.0))
+        model = build_model(
+            ModelConfig(
+                arch="gpt",
+                vocab_size=64,
+                d_model=16,
+                n_layers=1,
+                n_heads=2,
+                d_ff=32,
+                max_seq_len=8,
+                dropout=0.0,
+            )
+        )
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         eager = model(ids).logits
         compile_model(model)
@@ -274,8 +329,14 @@ def test_a_training_step_reads_the_device_once_after_its_last_backward(tiny_data
     found = watch_syncs(tiny_dataset, tmp_path / "run", *TINY_SYNC, "grad_accum=2")
     assert found["device"] == "cpu" and found["grad_accum"] == 2
     for step in range(found["steps"]):
-        ours = [e for e in found["events"] if e["step"] == step and e["ours"] and e["function"] != "host_value"]
-        assert [e["function"] for e in ours] == ["values"], ours  # HostCopy.values: the step's figures
+        ours = [
+            e
+            for e in found["events"]
+            if e["step"] == step and e["ours"] and e["function"] != "host_value"
+        ]
+        assert [e["function"] for e in ours] == ["values"], (
+            ours
+        )  # HostCopy.values: the step's figures
         assert not ours[0]["before_forward"]
         assert any(e["function"] == "host_value" for e in found["events"] if e["step"] == step)
 
@@ -304,11 +365,36 @@ def test_the_step_figures_go_over_in_one_tensor_and_come_back_as_numbers():
 def test_gpu_tests_fail_instead_of_skipping_where_a_gpu_is_required():
     """`pytest -m gpu` on a machine whose torch cannot use CUDA: without REQUIRE_GPU every gpu test
     skips and pytest passes; with REQUIRE_GPU=1 (benchmarks/gpu_check.sh) it stops with the reason."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/model/test_loss.py"]
-    skipped = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "REQUIRE_GPU": "0"})
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/model/test_loss.py",
+    ]
+    skipped = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "REQUIRE_GPU": "0"},
+    )
     assert skipped.returncode == 0 and "skipped" in skipped.stdout, skipped.stdout[-2000:]
-    required = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "REQUIRE_GPU": "1"})
+    required = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "REQUIRE_GPU": "1"},
+    )
     assert required.returncode != 0, required.stdout[-2000:]
-    assert "REQUIRE_GPU=1 but CUDA is not usable: this torch is a CPU build" in required.stdout + required.stderr
+    assert (
+        "REQUIRE_GPU=1 but CUDA is not usable: this torch is a CPU build"
+        in required.stdout + required.stderr
+    )

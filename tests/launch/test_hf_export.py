@@ -15,30 +15,49 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT, synthetic_pairs  # noqa: E402
+
+from common.configure import save_config  # noqa: E402
+from common.hashing import file_sha256  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
 from launch.export import PROVENANCE, TOKENIZER, save_hf_dir  # noqa: E402
 from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.config import TokenizerConfig  # noqa: E402
-from common.configure import save_config  # noqa: E402
-from common.hashing import file_sha256  # noqa: E402
 from pipeline.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
 CONFIGS = {
     "gpt2": dict(arch="gpt", activation="gelu_tanh"),
-    "llama": dict(arch="gpt", positions="rope", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
-                  tie_embeddings=False),
+    "llama": dict(
+        arch="gpt",
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        n_kv_heads=2,
+        tie_embeddings=False,
+    ),
     "bert": dict(arch="bert", norm_position="post"),
-    "translation": dict(arch="seq2seq", n_decoder_layers=3,
-                        encoder=StackConfig(norm_position="post", activation="gelu"),
-                        decoder=StackConfig(norm_position="pre", activation="gelu_tanh")),
+    "translation": dict(
+        arch="seq2seq",
+        n_decoder_layers=3,
+        encoder=StackConfig(norm_position="post", activation="gelu"),
+        decoder=StackConfig(norm_position="pre", activation="gelu_tanh"),
+    ),
 }
-AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM",
-        "translation": "AutoModelForSeq2SeqLM"}
-HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
-            "translation": "EncoderDecoderModel"}
+AUTO = {
+    "gpt2": "AutoModelForCausalLM",
+    "llama": "AutoModelForCausalLM",
+    "bert": "AutoModelForMaskedLM",
+    "translation": "AutoModelForSeq2SeqLM",
+}
+HF_CLASS = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "bert": "BertForMaskedLM",
+    "translation": "EncoderDecoderModel",
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +98,14 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     out = tmp_path / "hf"
     ours = export(kind, tokenizer, out)
     names = {path.name for path in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", TOKENIZER,
-            PROVENANCE} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        TOKENIZER,
+        PROVENANCE,
+    } <= names
     assert ("generation_config.json" in names) == (kind != "bert")
     assert json.loads((out / PROVENANCE).read_text()) == {"step": 7, "task": kind}
     assert not (tmp_path / "hf.partial").exists()
@@ -93,9 +118,13 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     batch = hf_tokenizer(texts, padding=True, return_tensors="pt")
     sp = load_tokenizer(tokenizer)
     expected_ids = [sp.encode(t) for t in texts]
-    assert [row[: len(ids)] for row, ids in zip(batch["input_ids"].tolist(), expected_ids)] == expected_ids
+    assert [
+        row[: len(ids)] for row, ids in zip(batch["input_ids"].tolist(), expected_ids)
+    ] == expected_ids
     ids, mask = batch["input_ids"], batch["attention_mask"]  # right-padded: our positions are HF's
-    decoder_ids = torch.tensor([([2] + sp.encode(t) + [0] * 8)[:8] for t in ("die rote Katze", "das Haus 12")])
+    decoder_ids = torch.tensor(
+        [([2] + sp.encode(t) + [0] * 8)[:8] for t in ("die rote Katze", "das Haus 12")]
+    )
     with torch.no_grad():
         if kind == "translation":
             theirs = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
@@ -123,7 +152,8 @@ def test_gpt_greedy_generate_equals_ours_token_for_token(tokenizer, tmp_path):
     theirs = hf.generate(**prompt, max_new_tokens=20, do_sample=False)
     mine = ours.generate(prompt["input_ids"], max_new_tokens=20, eos_id=ours.cfg.eos_id)
     assert theirs.tolist() == mine[:, : theirs.shape[1]].tolist()
-    assert len(set(theirs[0, 3:].tolist())) > 3  # the weights are far enough from init to say something
+    # the weights are far enough from init to say something
+    assert len(set(theirs[0, 3:].tolist())) > 3
     decoded = load_tokenizer(tokenizer).decode(mine[0].tolist())
     assert hf_tokenizer.decode(theirs[0], skip_special_tokens=True) == decoded
 
@@ -146,12 +176,20 @@ def test_translation_greedy_generate_equals_ours_token_for_token(tokenizer, tmp_
 def test_plain_hugging_face_directories_are_read(tmp_path):
     """GPT-2 and BERT directories as `transformers` saves them (OpenAI's ids, token types, a
     pooler) read into ours with the same logits; a BERT saved without its MLM head is refused."""
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=70, n_positions=16, n_embd=32, n_layer=2,
-                                                                  n_head=4)).eval()
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=70, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    ).eval()
     gpt2.save_pretrained(tmp_path / "gpt2")
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=70, hidden_size=32, num_hidden_layers=2,
-                                                                 num_attention_heads=4, intermediate_size=64,
-                                                                 max_position_embeddings=16)).eval()
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=70,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=16,
+        )
+    ).eval()
     with torch.no_grad():
         bert.bert.embeddings.token_type_embeddings.weight.normal_()
     bert.save_pretrained(tmp_path / "bert")
@@ -166,15 +204,22 @@ def test_plain_hugging_face_directories_are_read(tmp_path):
         load_hf_dir(str(tmp_path / "bare"))
 
 
-@pytest.mark.parametrize("kind, change, named", [
-    ("gpt2", dict(positions="sinusoidal"), "positions"),
-    ("gpt2", dict(n_kv_heads=2), "n_kv_heads=2"),
-    ("llama", dict(norm="layernorm"), "norm"),
-    ("bert", dict(norm_position="pre"), "norm_position"),
-    ("translation", dict(encoder=StackConfig(norm_position="pre")), "encoder: .*norm_position"),
-    ("translation", dict(share_embeddings=True), "share_embeddings"),
-    ("translation", dict(decoder=StackConfig(norm_position="pre", positions="rope")), "decoder: .*positions"),
-])
+@pytest.mark.parametrize(
+    "kind, change, named",
+    [
+        ("gpt2", dict(positions="sinusoidal"), "positions"),
+        ("gpt2", dict(n_kv_heads=2), "n_kv_heads=2"),
+        ("llama", dict(norm="layernorm"), "norm"),
+        ("bert", dict(norm_position="pre"), "norm_position"),
+        ("translation", dict(encoder=StackConfig(norm_position="pre")), "encoder: .*norm_position"),
+        ("translation", dict(share_embeddings=True), "share_embeddings"),
+        (
+            "translation",
+            dict(decoder=StackConfig(norm_position="pre", positions="rope")),
+            "decoder: .*positions",
+        ),
+    ],
+)
 def test_unrepresentable_options_are_named(kind, change, named):
     cfg = ModelConfig(vocab_size=64, **TINY, **{**CONFIGS[kind], **change})
     with pytest.raises(ValueError, match=named):
@@ -184,15 +229,23 @@ def test_unrepresentable_options_are_named(kind, change, named):
 def test_export_command_refuses_an_unrepresentable_model_in_one_line(tokenizer, tmp_path):
     """Before reading the weights: a run directory whose config no Hugging Face class computes."""
     run_dir = tmp_path / "run"
-    cfg = TrainConfig(model=ModelConfig(vocab_size=64, **{**TINY, "positions": "sinusoidal"}), run_dir=str(run_dir))
+    cfg = TrainConfig(
+        model=ModelConfig(vocab_size=64, **{**TINY, "positions": "sinusoidal"}),
+        run_dir=str(run_dir),
+    )
     (run_dir / "checkpoints" / "step_00000001").mkdir(parents=True)
     (run_dir / "checkpoints" / "latest").write_text("step_00000001\n")
     save_config(cfg, run_dir / "config.yaml")
     (run_dir / TOKENIZER).write_bytes(tokenizer.read_bytes())
     assert file_sha256(run_dir / TOKENIZER) == file_sha256(tokenizer)
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}", "format=hf"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}", "format=hf"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith("error: format=hf: ") and "positions='learned'" in run.stderr
@@ -204,10 +257,10 @@ def test_export_command_refuses_an_unrepresentable_model_in_one_line(tokenizer, 
 def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
     """`init.model` for translation: the model config comes from the directory (YAML's replaced,
     training-only fields kept), the weights load strictly, a contradicting override is refused."""
+    from common.configure import UserError
     from launch import init_model
     from launch.config import InitConfig
     from launch.export import save_model_dir
-    from common.configure import UserError
 
     out = tmp_path / fmt
     ours = made("translation", load_tokenizer(tokenizer).get_piece_size())
@@ -215,22 +268,37 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
         save_hf_dir(out, ours.state_dict(), ours.cfg, tokenizer, {})
     else:
         save_model_dir(out, ours.state_dict(), ours.cfg, tokenizer, {"task": "translation"})
-    # As the command line would leave it: YAML values (d_model 64), then the overrides given to resolve.
-    job = TrainConfig(task="translation", model=ModelConfig(arch="seq2seq", d_model=64, label_smoothing=0.2,
-                                                            encoder=StackConfig(norm_position="post")),
-                      init=InitConfig(model=str(out)))
+    # As the command line would leave it: YAML values (d_model 64), then the overrides given to
+    # resolve.
+    job = TrainConfig(
+        task="translation",
+        model=ModelConfig(
+            arch="seq2seq",
+            d_model=64,
+            label_smoothing=0.2,
+            encoder=StackConfig(norm_position="post"),
+        ),
+        init=InitConfig(model=str(out)),
+    )
     cfg = init_model.resolve(job, ["model.label_smoothing=0.2", "model.encoder.norm_position=post"])
     assert cfg.model.d_model == 32 and cfg.model.label_smoothing == 0.2
     for stack in ("encoder", "decoder"):
-        assert cfg.model.for_stack(stack) == dataclasses.replace(ours.cfg.for_stack(stack), label_smoothing=0.2,
-                                                                 dropout=job.model.dropout)
+        assert cfg.model.for_stack(stack) == dataclasses.replace(
+            ours.cfg.for_stack(stack), label_smoothing=0.2, dropout=job.model.dropout
+        )
     started = init_model.load(cfg, tokenizer)
     src = torch.randint(6, 60, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(started.eval()(src, None, src).logits, ours(src, None, src).logits)
     contradiction = r"has model.decoder.norm_position=pre; the override model.decoder.norm_position=post contradicts"
     with pytest.raises(UserError, match=contradiction):
-        init_model.resolve(dataclasses.replace(job, model=dataclasses.replace(
-            job.model, decoder=StackConfig(norm_position="post"))), ["model.decoder.norm_position=post"])
+        init_model.resolve(
+            dataclasses.replace(
+                job, model=dataclasses.replace(job.model, decoder=StackConfig(norm_position="post"))
+            ),
+            ["model.decoder.norm_position=post"],
+        )
     with pytest.raises(UserError, match="give one or the other"):
-        init_model.resolve(dataclasses.replace(job, init=InitConfig(model=str(out), encoder=str(out))), [])
+        init_model.resolve(
+            dataclasses.replace(job, init=InitConfig(model=str(out), encoder=str(out))), []
+        )

@@ -25,24 +25,52 @@ from conftest import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
-        "data.micro_batch_size=4", "data.num_workers=0", "optim.lr=3e-3", "schedule.warmup_steps=2", "eval_every=0",
-        "eval_batches=0", "wandb.mode=disabled", "threads_per_rank=1", "checkpoint.every_steps=0", "log_every=1"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "data.micro_batch_size=4",
+    "data.num_workers=0",
+    "optim.lr=3e-3",
+    "schedule.warmup_steps=2",
+    "eval_every=0",
+    "eval_batches=0",
+    "wandb.mode=disabled",
+    "threads_per_rank=1",
+    "checkpoint.every_steps=0",
+    "log_every=1",
+]
 PRETRAIN_STEPS = 20
 
 
-def train(data: Path, run_dir: Path, *overrides: str, config: str = "tiny_gpt.yaml", ok: bool = True):
+def train(
+    data: Path, run_dir: Path, *overrides: str, config: str = "tiny_gpt.yaml", ok: bool = True
+):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / config), f"data.data_dir={data}",
-               f"run_dir={run_dir}", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / config),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert (run.returncode == 0) == ok, run.stderr[-4000:]
     return run
 
 
 def export(checkpoint: Path, out: Path, *args: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={checkpoint}", f"out={out}", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.export", f"checkpoint={checkpoint}", f"out={out}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
 
 
@@ -53,7 +81,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def one_line_error(run: subprocess.CompletedProcess) -> str:
     lines = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[
+        -3000:
+    ]
     return lines[0]
 
 
@@ -70,13 +100,15 @@ def pretrained(tiny_dataset, tmp_path_factory):
 
 def first_batch(run_dir: Path, task_name: str = "causal_lm") -> dict:
     """The model inputs of the first training batch a run of `run_dir`'s config reads (one rank)."""
+    from common.configure import load_config
     from launch.config import TrainConfig
     from launch.tasks import TASKS
-    from common.configure import load_config
     from pipeline.loader import ShardLoader
 
     cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    loader = ShardLoader.from_config(cfg.data, task_name, "train", rank=0, world_size=1, grad_accum=cfg.grad_accum)
+    loader = ShardLoader.from_config(
+        cfg.data, task_name, "train", rank=0, world_size=1, grad_accum=cfg.grad_accum
+    )
     return TASKS[task_name].model_inputs(next(iter(loader)))
 
 
@@ -86,8 +118,13 @@ def test_both_exports_carry_one_provenance_record(pretrained, tiny_dataset):
     run_dir, ours, hf = pretrained
     record = json.loads((ours / "provenance.json").read_text())
     assert json.loads((hf / "provenance.json").read_text()) == record
-    client = json.loads((run_dir / "checkpoints" / "latest").parent.joinpath(
-        (run_dir / "checkpoints" / "latest").read_text().strip(), "client_state.json").read_text())
+    client = json.loads(
+        (run_dir / "checkpoints" / "latest")
+        .parent.joinpath(
+            (run_dir / "checkpoints" / "latest").read_text().strip(), "client_state.json"
+        )
+        .read_text()
+    )
     assert record["step"] == PRETRAIN_STEPS and record["tokens_seen"] == client["tokens_seen"] > 0
     assert record["tokenizer_sha256"] == file_sha256(tiny_dataset / "tokenizer.model")
     assert record["dataset"]["manifest_sha256"] == file_sha256(tiny_dataset / "manifest.json")
@@ -112,7 +149,9 @@ def test_hugging_face_export_of_a_run_gives_our_logits_and_ids(pretrained, tiny_
     # The dataset's own texts, as its tokenizer decodes them, tokenize back to the same ids.
     sp = load_tokenizer(tiny_dataset / "tokenizer.model")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    texts = [text for row in inputs["input_ids"].tolist() for text in sp.decode(row).split("  ") if text]
+    texts = [
+        text for row in inputs["input_ids"].tolist() for text in sp.decode(row).split("  ") if text
+    ]
     assert texts and hf_tokenizer(texts)["input_ids"] == [sp.encode(text) for text in texts]
 
 
@@ -121,7 +160,9 @@ def test_continued_pretraining_from_our_export_resumes_the_loss(pretrained, tiny
 
     run_dir, ours_dir, _ = pretrained
     resumed = tmp_path / "continued"
-    train(tiny_dataset, resumed, *TINY, "max_steps=3", f"init.model={ours_dir}", "model.dropout=0.0")
+    train(
+        tiny_dataset, resumed, *TINY, "max_steps=3", f"init.model={ours_dir}", "model.dropout=0.0"
+    )
     got = losses(resumed)
     assert sorted(got) == [1, 2, 3]  # a new run: step 0, its own schedule
     model, _ = load_model_dir(ours_dir)
@@ -134,7 +175,9 @@ def test_continued_pretraining_from_our_export_resumes_the_loss(pretrained, tiny
     assert "d_model: 32" in config and f"model: {ours_dir}" in config
 
 
-def test_step0_loss_from_a_hugging_face_directory_equals_transformers(pretrained, tiny_dataset, tmp_path):
+def test_step0_loss_from_a_hugging_face_directory_equals_transformers(
+    pretrained, tiny_dataset, tmp_path
+):
     """The HF export without our tokenizer.model: the tokenizer is checked by its ids on a sample."""
     _, _, hf_dir = pretrained
     plain = tmp_path / "plain_hf"
@@ -145,9 +188,12 @@ def test_step0_loss_from_a_hugging_face_directory_equals_transformers(pretrained
     train(tiny_dataset, started, *TINY, "max_steps=1", f"init.model={plain}", "model.dropout=0.0")
     hf = transformers.AutoModelForCausalLM.from_pretrained(plain).eval()
     inputs = first_batch(started)
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)  # transformers shifts them itself
+    # transformers shifts them itself
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     with torch.no_grad():
-        expected = hf(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels).loss.item()
+        expected = hf(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels
+        ).loss.item()
     assert losses(started)[1] == pytest.approx(expected, abs=1e-5)
 
 
@@ -159,10 +205,13 @@ def test_another_tokenizer_is_refused_naming_both(pretrained, tiny_dataset, tmp_
     (swapped / "tokenizer.model").unlink()
     spec = json.loads((swapped / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
-    normal = [i for i, (piece, score) in enumerate(vocab) if score > -1e8][:2]  # not a control or byte piece
+    # not a control or byte piece
+    normal = [i for i, (piece, score) in enumerate(vocab) if score > -1e8][:2]
     vocab[normal[0]], vocab[normal[1]] = vocab[normal[1]], vocab[normal[0]]
     (swapped / "tokenizer.json").write_text(json.dumps(spec))
-    line = one_line_error(train(tiny_dataset, tmp_path / "a", *TINY, "max_steps=1", f"init.model={swapped}", ok=False))
+    line = one_line_error(
+        train(tiny_dataset, tmp_path / "a", *TINY, "max_steps=1", f"init.model={swapped}", ok=False)
+    )
     assert "gives other ids" in line and str(swapped) in line and str(tiny_dataset) in line
     # Our export with another tokenizer's sha256 recorded.
     other = tmp_path / "other"
@@ -170,15 +219,37 @@ def test_another_tokenizer_is_refused_naming_both(pretrained, tiny_dataset, tmp_
     config = json.loads((other / "config.json").read_text())
     config["tokenizer_sha256"] = "0" * 64
     (other / "config.json").write_text(json.dumps(config))
-    line = one_line_error(train(tiny_dataset, tmp_path / "b", *TINY, "max_steps=1", f"init.model={other}", ok=False))
+    line = one_line_error(
+        train(tiny_dataset, tmp_path / "b", *TINY, "max_steps=1", f"init.model={other}", ok=False)
+    )
     assert "0" * 64 in line and str(other) in line and "tokenizer.model" in line
 
 
-def test_contradicting_override_and_wrong_architecture_are_refused(pretrained, tiny_dataset, tmp_path):
+def test_contradicting_override_and_wrong_architecture_are_refused(
+    pretrained, tiny_dataset, tmp_path
+):
     _, ours_dir, hf_dir = pretrained
-    line = one_line_error(train(tiny_dataset, tmp_path / "a", *TINY, "max_steps=1", f"init.model={hf_dir}",
-                               "model.d_model=48", ok=False))
+    line = one_line_error(
+        train(
+            tiny_dataset,
+            tmp_path / "a",
+            *TINY,
+            "max_steps=1",
+            f"init.model={hf_dir}",
+            "model.d_model=48",
+            ok=False,
+        )
+    )
     assert "model.d_model=32" in line and "model.d_model=48" in line and str(hf_dir) in line
-    line = one_line_error(train(tiny_dataset, tmp_path / "b", *TINY, "max_steps=1", f"init.model={ours_dir}",
-                               config="tiny_bert.yaml", ok=False))
+    line = one_line_error(
+        train(
+            tiny_dataset,
+            tmp_path / "b",
+            *TINY,
+            "max_steps=1",
+            f"init.model={ours_dir}",
+            config="tiny_bert.yaml",
+            ok=False,
+        )
+    )
     assert "holds a gpt model" in line and "task mlm trains bert" in line

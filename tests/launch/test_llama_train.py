@@ -15,16 +15,28 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 from test_elastic import losses, run_train
 
 pytestmark = pytest.mark.slow
 
-LLAMA = ["model.positions=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.n_kv_heads=1",
-         "model.bias=false", "model.tie_embeddings=false"]
-COMMON = [*LLAMA, "max_steps=8", "log_every=1", "eval_every=0", "checkpoint.every_steps=4", "model.dropout=0.0",
-          "deepspeed.zero_stage=3"]
+LLAMA = [
+    "model.positions=rope",
+    "model.norm=rmsnorm",
+    "model.activation=swiglu",
+    "model.n_kv_heads=1",
+    "model.bias=false",
+    "model.tie_embeddings=false",
+]
+COMMON = [
+    *LLAMA,
+    "max_steps=8",
+    "log_every=1",
+    "eval_every=0",
+    "checkpoint.every_steps=4",
+    "model.dropout=0.0",
+    "deepspeed.zero_stage=3",
+]
 LOSS_TOLERANCE = 2e-5  # fp32: compiled against eager, and 2 ranks against 1, differ by rounding
 
 
@@ -32,30 +44,49 @@ def test_llama_gpt_compiled_under_zero3_resumes_on_one_rank_and_exports(tiny_dat
     reference = tmp_path / "reference"
     run_train(tiny_dataset, reference, *COMMON)
     run_dir = tmp_path / "run"
-    first = run_train(tiny_dataset, run_dir, *COMMON, "compile=true", "model.activation_checkpointing=true",
-                      "stop_after_steps=4")
+    first = run_train(
+        tiny_dataset,
+        run_dir,
+        *COMMON,
+        "compile=true",
+        "model.activation_checkpointing=true",
+        "stop_after_steps=4",
+    )
     second = run_train(tiny_dataset, run_dir, *COMMON, "grad_accum=2", nproc=1)
     assert "recompile_limit" not in first.stderr
-    assert "written by 2 ranks" in second.stderr and "converting it to a universal checkpoint" in second.stderr
+    assert (
+        "written by 2 ranks" in second.stderr
+        and "converting it to a universal checkpoint" in second.stderr
+    )
 
     expected, got = losses(reference), losses(run_dir)
     print("\nstep  eager ZeRO-3, 2 ranks  compiled (1-4), then 1 rank eager (5-8)")
     for step in range(1, 9):
         print(f"{step:4d}  {expected[step]:.8f}          {got[step]:.8f}")
     assert sorted(got) == list(range(1, 9))
-    assert [got[s] for s in range(1, 9)] == pytest.approx([expected[s] for s in range(1, 9)], abs=LOSS_TOLERANCE, rel=0)
+    assert [got[s] for s in range(1, 9)] == pytest.approx(
+        [expected[s] for s in range(1, 9)], abs=LOSS_TOLERANCE, rel=0
+    )
     assert got[8] < got[1]
 
     out = tmp_path / "export"
-    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     from launch.export import load_model_dir
     from model.hf import gpt_to_llama
 
     model, meta = load_model_dir(out)  # strictly: every key of the Llama shape, nothing else
     assert meta["step"] == 8 and model.cfg.positions == "rope" and model.cfg.n_kv_heads == 1
-    assert "lm_head.weight" in model.state_dict() and model.lm_head.weight is not model.embed.tok.weight
+    assert (
+        "lm_head.weight" in model.state_dict()
+        and model.lm_head.weight is not model.embed.tok.weight
+    )
     llama = gpt_to_llama(model).eval()
     x = torch.randint(5, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

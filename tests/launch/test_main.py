@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -20,9 +19,14 @@ pytestmark = pytest.mark.slow
 def main_job(config, *overrides):
     # W&B off: its service process would start with each training stage (seconds each), and W&B
     # is not what these tests check (tests/launch/test_tracking.py and test_train.py do).
-    return subprocess.run([sys.executable, "-m", "launch.main", str(config), *overrides], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "WANDB_MODE": "disabled", "PROGRESS_EVERY_S": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "launch.main", str(config), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "WANDB_MODE": "disabled", "PROGRESS_EVERY_S": "1"},
+    )
 
 
 def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
@@ -36,21 +40,39 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "prepare: skipped" in first.stderr  # the dataset exists and validates
     # It says what the pretraining reads, and that extra monolingual text is optional and absent.
-    assert f"pretraining text: {tiny_dataset}'s packed training tokens by source: default " in first.stderr
+    assert (
+        f"pretraining text: {tiny_dataset}'s packed training tokens by source: default "
+        in first.stderr
+    )
     assert "no extra monolingual text (optional: make manpages" in first.stderr
-    # Each running stage's line every PROGRESS_EVERY_S seconds, and an overall ETA from the stages run.
-    assert ("[main] 9 stages: prepare, pretrain gpt, export gpt, pretrain bert, export bert, fine-tune random-random, "
-            "evaluate finetune-random-random valid, fine-tune bert-gpt, evaluate finetune-bert-gpt valid") in first.stderr
-    running = [line for line in first.stderr.splitlines() if line.startswith("[main] pretrain bert (")]
-    assert running and all(re.search(r"; 3/9 stages done, overall ETA >= \d\d:\d\d \(fine-tune, evaluate "
-                                      r"not yet timed\)$", line) for line in running), running
-    assert re.search(r"^\[main\] evaluate finetune-bert-gpt valid: done in \d+ s; 9/9 stages done, overall ETA 00:00$",
-                     first.stderr, re.MULTILINE)
+    # Each running stage's line every PROGRESS_EVERY_S seconds, and an overall ETA from the stages
+    # run.
+    assert (
+        "[main] 9 stages: prepare, pretrain gpt, export gpt, pretrain bert, export bert, fine-tune random-random, "
+        "evaluate finetune-random-random valid, fine-tune bert-gpt, evaluate finetune-bert-gpt valid"
+    ) in first.stderr
+    running = [
+        line for line in first.stderr.splitlines() if line.startswith("[main] pretrain bert (")
+    ]
+    assert running and all(
+        re.search(
+            r"; 3/9 stages done, overall ETA >= \d\d:\d\d \(fine-tune, evaluate "
+            r"not yet timed\)$",
+            line,
+        )
+        for line in running
+    ), running
+    assert re.search(
+        r"^\[main\] evaluate finetune-bert-gpt valid: done in \d+ s; 9/9 stages done, overall ETA 00:00$",
+        first.stderr,
+        re.MULTILINE,
+    )
     report = tmp_path / "out" / "report"
     summary = (report / "summary.md").read_text()
     assert "| random/random | 4 |" in summary and "| bert/gpt | 4 |" in summary
     assert "| gpt | 4 |" in summary and "| bert | 6 |" in summary  # BERT's own budget
-    assert summary.split("| bert/gpt |")[1].splitlines()[0] in first.stdout  # the table is printed too
+    # the table is printed too
+    assert summary.split("| bert/gpt |")[1].splitlines()[0] in first.stdout
     for plot in ("pretrain_loss.png", "finetune_loss.png"):
         png = (report / plot).read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, plot
@@ -59,7 +81,13 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
 
     again = main_job(config)
     assert again.returncode == 0
-    for stage in ("pretrain gpt", "pretrain bert", "export gpt", "fine-tune bert-gpt", "evaluate finetune-bert-gpt valid"):
+    for stage in (
+        "pretrain gpt",
+        "pretrain bert",
+        "export gpt",
+        "fine-tune bert-gpt",
+        "evaluate finetune-bert-gpt valid",
+    ):
         assert f"{stage}: skipped" in again.stderr
     summary = (report / "summary.md").read_text()  # the same table; this invocation's wall time
 
@@ -69,8 +97,15 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     broken.write_text((ROOT / "configs" / "tiny_translation.yaml").read_text() + "no_such_key: 1\n")
     refused = main_job(config, f"translation_config={broken}", "starts=[gpt/bert]")
     assert refused.returncode == 2, refused.stderr[-3000:]
-    (line,) = [line for line in refused.stderr.splitlines() if "Setting accelerator to CPU" not in line]  # DeepSpeed's
-    assert line.startswith("error: fine-tune (gpt/bert): ") and "no_such_key" in line and "--dry-run" in line, line
+    # DeepSpeed's
+    (line,) = [
+        line for line in refused.stderr.splitlines() if "Setting accelerator to CPU" not in line
+    ]
+    assert (
+        line.startswith("error: fine-tune (gpt/bert): ")
+        and "no_such_key" in line
+        and "--dry-run" in line
+    ), line
     # A stage that fails while it runs (here: a damaged export, which no preflight reads) stops
     # the run with its error; what earlier stages wrote stays.
     weights = tmp_path / "out" / "export-gpt" / "model.safetensors"
@@ -79,7 +114,10 @@ def test_main_job_runs_skips_and_stops_on_failure(tiny_dataset, tmp_path):
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "stage fine-tune random-gpt failed" in failed.stderr, failed.stderr[-2000:]
     assert "logs/finetune-random-gpt.log" in failed.stderr
-    assert weights.read_bytes() == b"damaged" and (tmp_path / "out" / "export-bert" / "model.safetensors").is_file()
+    assert (
+        weights.read_bytes() == b"damaged"
+        and (tmp_path / "out" / "export-bert" / "model.safetensors").is_file()
+    )
     assert (report / "summary.md").read_text() == summary
 
 
@@ -90,7 +128,11 @@ def test_bad_start_is_refused(tmp_path):
     assert run.returncode == 2 and "starts" in run.stderr and "bert/t5" in run.stderr
     config.write_text("bert_pretrain_steps: -1\n")
     run = main_job(config)
-    assert run.returncode == 2 and "bert_pretrain_steps=-1" in run.stderr and "must be positive" in run.stderr
+    assert (
+        run.returncode == 2
+        and "bert_pretrain_steps=-1" in run.stderr
+        and "must be positive" in run.stderr
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
@@ -104,32 +146,51 @@ def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, 
 
     out = tmp_path / "out"
     config = tmp_path / "main.yaml"
-    config.write_text(f"out_dir: {out}\ndata_dir: {tiny_dataset}\nnproc: 2\npretrain_steps: 100000\n"
-                      "starts: [random/gpt]\n")
-    job = subprocess.Popen([sys.executable, "-m", "launch.main", str(config)], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    config.write_text(
+        f"out_dir: {out}\ndata_dir: {tiny_dataset}\nnproc: 2\npretrain_steps: 100000\n"
+        "starts: [random/gpt]\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-m", "launch.main", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     stage: list[int] = []
     try:
-        wait_for(lambda: job.poll() is not None or (out / "pretrain-gpt" / "metrics.jsonl").is_file(), 600,
-                 "the GPT pretraining to train")
+        wait_for(
+            lambda: job.poll() is not None or (out / "pretrain-gpt" / "metrics.jsonl").is_file(),
+            600,
+            "the GPT pretraining to train",
+        )
         assert job.poll() is None, job.communicate()
         stage = descendants(job.pid)  # torchrun, its ranks and their DataLoader workers
-        assert sum("launch.train" in command_of(pid) for pid in stage) >= 3, [command_of(pid) for pid in stage]
+        assert sum("launch.train" in command_of(pid) for pid in stage) >= 3, [
+            command_of(pid) for pid in stage
+        ]
         job.send_signal(signum)
         signalled = time.monotonic()
         try:
             _, stderr = job.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"launch.main still runs 60 s after {signum.name}") from None
-        wait_for(lambda: not any(alive(pid) for pid in stage), 5, "every process of the stage to end")
-        print(f"\n{signum.name}: main and its stage gone {time.monotonic() - signalled:.1f} s after the signal")
+        wait_for(
+            lambda: not any(alive(pid) for pid in stage), 5, "every process of the stage to end"
+        )
+        print(
+            f"\n{signum.name}: main and its stage gone {time.monotonic() - signalled:.1f} s after the signal"
+        )
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
         kill_all(stage)
     assert job.returncode == 128 + signum, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith(f"[main] stopped by {signum.name}")]
+    said = [
+        line for line in stderr.splitlines() if line.startswith(f"[main] stopped by {signum.name}")
+    ]
     assert len(said) == 1 and "pretrain gpt" in said[0], stderr[-3000:]
     run_dir = out / "pretrain-gpt"
     step = json.loads((run_dir / "preempted.json").read_text())["step"]

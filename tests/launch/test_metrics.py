@@ -26,7 +26,10 @@ def measurements(monkeypatch):
 def test_measured_once_then_read_back_per_dtype_and_thread_count(tmp_path, measurements):
     path = tmp_path / "cache" / "cpu_gemm_peak.json"
     first, source = metrics.cpu_gemm_peak(torch.float32, path)
-    assert first > 1e8 and source == f"measured: CPU torch.float32 GEMM, {torch.get_num_threads()} threads"
+    assert (
+        first > 1e8
+        and source == f"measured: CPU torch.float32 GEMM, {torch.get_num_threads()} threads"
+    )
     again, source = metrics.cpu_gemm_peak(torch.float32, path)
     assert again == first and source.endswith(f", kept in {path}")
     assert len(measurements) == 1
@@ -37,7 +40,11 @@ def test_measured_once_then_read_back_per_dtype_and_thread_count(tmp_path, measu
         metrics.cpu_gemm_peak(torch.float32, path)  # another thread count: its own
     finally:
         torch.set_num_threads(threads)
-    assert measurements == [(torch.float32, threads), (torch.bfloat16, threads), (torch.float32, threads + 1)]
+    assert measurements == [
+        (torch.float32, threads),
+        (torch.bfloat16, threads),
+        (torch.float32, threads + 1),
+    ]
     table = json.loads(path.read_text())
     assert len(table) == 3 and all(row["flops"] > 0 for row in table.values())
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial file left

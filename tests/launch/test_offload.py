@@ -14,18 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 from test_train import metrics, train
 
-RESUME_TOLERANCE = 1e-5  # absolute, on each logged loss; measured: 0, or 1 float32 ulp (4.8e-7) at one step
+# absolute, on each logged loss; measured: 0, or 1 float32 ulp (4.8e-7) at one step
+RESUME_TOLERANCE = 1e-5
 
 
 def _groups(params: list[torch.Tensor]) -> list[dict]:
-    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+    return [
+        {"params": params[:2], "weight_decay": 0.1},
+        {"params": params[2:], "weight_decay": 0.0},
+    ]
 
 
-def test_the_fallback_is_torch_adamw_over_the_same_groups_with_one_warning_line(monkeypatch, capsys):
+def test_the_fallback_is_torch_adamw_over_the_same_groups_with_one_warning_line(
+    monkeypatch, capsys
+):
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
 
     from launch.deepspeed.engine import cpu_adam
@@ -34,14 +39,19 @@ def test_the_fallback_is_torch_adamw_over_the_same_groups_with_one_warning_line(
         raise RuntimeError("simulated: no C++ compiler\nmore detail")
 
     monkeypatch.setattr(deepspeed_cpu_adam.CPUAdamBuilder, "load", no_compiler)
-    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4))]
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)] + [
+        torch.nn.Parameter(torch.randn(4))
+    ]
     optimizer = cpu_adam(_groups(params), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     assert type(optimizer) is torch.optim.AdamW
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in optimizer.param_groups] == [2, 2]
     assert optimizer.defaults["betas"] == (0.9, 0.95) and optimizer.defaults["lr"] == 1e-3
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("warning: DeepSpeed's CPU Adam op is unavailable") and "no C++ compiler" in line
+    assert (
+        line.startswith("warning: DeepSpeed's CPU Adam op is unavailable")
+        and "no C++ compiler" in line
+    )
 
 
 @pytest.mark.slow
@@ -82,7 +92,8 @@ def test_cpu_adam_is_compiled_with_deepspeeds_flags_less_debug_info():
     build_cpu_adam_without_debug_info()  # idempotent: not wrapped twice
     builder = deepspeed_cpu_adam.CPUAdamBuilder
     theirs, ours = builder.cxx_args.deepspeeds(builder()), builder().cxx_args()
-    assert "-g" in theirs and "-O3" in theirs  # when DeepSpeed drops -g itself, this function can go
+    # when DeepSpeed drops -g itself, this function can go
+    assert "-g" in theirs and "-O3" in theirs
     assert ours == [arg for arg in theirs if arg != "-g"]
     assert not hasattr(builder.cxx_args.deepspeeds, "deepspeeds")
 
@@ -106,17 +117,31 @@ print(type(optimizer).__name__, sum("cpuinfo" in start for start in starts))
 def test_cpu_adam_asks_py_cpuinfo_once_per_process():
     """py-cpuinfo starts a Python subprocess per question (~0.5 s); DeepSpeed asked it four
     times for each CPU Adam it built and constructed."""
-    run = subprocess.run([sys.executable, "-c", CPUINFO_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", CPUINFO_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-2:] == ["DeepSpeedCPUAdam", "1"], run.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [
-    ["deepspeed.zero_stage=2", "deepspeed.offload_optimizer=true"],
-    ["deepspeed.zero_stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_params=true"],
-], ids=["zero2-offload_optimizer", "zero3-offload_optimizer-offload_params"])
+@pytest.mark.parametrize(
+    "offload",
+    [
+        ["deepspeed.zero_stage=2", "deepspeed.offload_optimizer=true"],
+        [
+            "deepspeed.zero_stage=3",
+            "deepspeed.offload_optimizer=true",
+            "deepspeed.offload_params=true",
+        ],
+    ],
+    ids=["zero2-offload_optimizer", "zero3-offload_optimizer-offload_params"],
+)
 def test_offload_trains_with_cpu_adam_and_resumes_exactly(tiny_dataset, tmp_path, offload):
     common = ["max_steps=10", "log_every=1", "eval_every=0", "checkpoint.every_steps=5", *offload]
     straight = tmp_path / "straight"
@@ -129,7 +154,10 @@ def test_offload_trains_with_cpu_adam_and_resumes_exactly(tiny_dataset, tmp_path
     assert f"resumed from {step_5}" in runs[-1].stderr
     for run in runs:  # the optimizer DeepSpeed steps, as the trainer reports it
         assert "optimizer: DeepSpeedCPUAdam in DeepSpeed's DeepSpeedZeroOptimizer" in run.stderr
-        assert "states offloaded to CPU" in run.stderr and "warning: DeepSpeed's CPU Adam" not in run.stderr
+        assert (
+            "states offloaded to CPU" in run.stderr
+            and "warning: DeepSpeed's CPU Adam" not in run.stderr
+        )
     expected = {r["step"]: r["train/loss"] for r in metrics(straight) if "train/loss" in r}
     got = {r["step"]: r["train/loss"] for r in metrics(stopped) if "train/loss" in r}
     print("\nstep  uninterrupted  resumed at step 5")
@@ -160,10 +188,14 @@ def test_the_jit_cache_is_keyed_by_the_cpu_type():
     from launch.deepspeed.engine import cpu_key, use_cpu_keyed_jit_cache
 
     key = cpu_key(CPUINFO)
-    assert key.startswith("intel-r-xeon-r-platinum-8480-") and key == cpu_key(CPUINFO.replace("sse2 avx2", "avx2 sse2"))
-    assert cpu_key(CPUINFO.replace(" avx512f avx512bw amx_tile", "")) != key  # the same model name, no AVX-512
+    assert key.startswith("intel-r-xeon-r-platinum-8480-") and key == cpu_key(
+        CPUINFO.replace("sse2 avx2", "avx2 sse2")
+    )
+    # the same model name, no AVX-512
+    assert cpu_key(CPUINFO.replace(" avx512f avx512bw amx_tile", "")) != key
     assert cpu_key(CPUINFO.replace("model\t\t: 143", "model\t\t: 106")) != key
-    assert cpu_key(CPUINFO.replace("something else entirely", "other")) == key  # the first processor names it
+    # the first processor names it
+    assert cpu_key(CPUINFO.replace("something else entirely", "other")) == key
     arm = "processor : 0\nFeatures : fp asimd sve\nCPU implementer : 0x41\nCPU part : 0xd40\n"
     assert cpu_key(arm) != cpu_key(arm.replace(" sve", ""))
 
@@ -171,7 +203,10 @@ def test_the_jit_cache_is_keyed_by_the_cpu_type():
     folder = use_cpu_keyed_jit_cache(env, CPUINFO)
     assert folder == env["TORCH_EXTENSIONS_DIR"] and folder.endswith(f"_{key}")
     assert use_cpu_keyed_jit_cache(env, CPUINFO) == folder  # idempotent: not nested twice
-    assert use_cpu_keyed_jit_cache({"TORCH_EXTENSIONS_DIR": "/shared/ext"}, CPUINFO) == f"/shared/ext/{os.path.basename(folder)}"
+    assert (
+        use_cpu_keyed_jit_cache({"TORCH_EXTENSIONS_DIR": "/shared/ext"}, CPUINFO)
+        == f"/shared/ext/{os.path.basename(folder)}"
+    )
     other = use_cpu_keyed_jit_cache({}, CPUINFO.replace(" amx_tile", ""))
     assert other != folder and os.path.dirname(other) == os.path.dirname(folder)
 
@@ -192,7 +227,12 @@ def test_cpu_adam_builds_into_this_cpus_folder(monkeypatch, tmp_path):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(deepspeed_cpu_adam.CPUAdamBuilder, "load", record_build_dir)
-    cpu_adam(_groups([torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    cpu_adam(
+        _groups([torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]),
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     key = cpu_key(open("/proc/cpuinfo").read())
     (build_dir,) = seen
     assert os.path.dirname(os.path.dirname(build_dir)) == str(tmp_path)

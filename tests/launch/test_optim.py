@@ -27,17 +27,30 @@ def test_each_implementation_is_what_torch_is_asked_for():
     assert adamw_kernels("for_loop") == {"fused": False, "foreach": False}
     with pytest.raises(ValueError, match="optim.implementation"):
         adamw_kernels("apex")
-    model = build_model(ModelConfig(arch="gpt", vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
-    for implementation, fused, foreach in (("auto", True, None), ("for_loop", False, False), ("foreach", False, True)):
+    model = build_model(
+        ModelConfig(arch="gpt", vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    )
+    for implementation, fused, foreach in (
+        ("auto", True, None),
+        ("for_loop", False, False),
+        ("foreach", False, True),
+    ):
         optimizer = build_optimizer(model, OptimConfig(implementation=implementation))
-        assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(fused, foreach)] * 2
+        assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [
+            (fused, foreach)
+        ] * 2
 
 
 def test_the_config_refuses_an_unknown_kernel_and_one_beside_offload():
     problems = config_problems(TrainConfig(optim=OptimConfig(implementation="apex")))
     assert problems == ["optim.implementation: 'apex' is not one of auto, fused, foreach, for_loop"]
-    offload = TrainConfig(optim=OptimConfig(implementation="fused"), deepspeed=DeepSpeedConfig(offload_optimizer=True))
-    assert any(p.startswith("optim.implementation: with deepspeed.offload_optimizer") for p in config_problems(offload))
+    offload = TrainConfig(
+        optim=OptimConfig(implementation="fused"), deepspeed=DeepSpeedConfig(offload_optimizer=True)
+    )
+    assert any(
+        p.startswith("optim.implementation: with deepspeed.offload_optimizer")
+        for p in config_problems(offload)
+    )
 
 
 @pytest.mark.slow
@@ -46,17 +59,34 @@ def test_fused_and_for_loop_take_the_same_step_on_zero_partitions(tmp_path):
     agree to a few ulps of the largest value; a kernel that mishandled DeepSpeed's flat partitions
     (an offset, a stride, the weight-decay group) would differ by the order of the update, lr = 1e-2."""
     worker = ROOT / "tests" / "launch" / "adamw_worker.py"
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(worker), str(tmp_path), ",".join(COMBOS)], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            str(tmp_path),
+            ",".join(COMBOS),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     ulp = torch.finfo(torch.float32).eps
     for combo in COMBOS:
         result = json.loads((tmp_path / f"{combo}.json").read_text())
         assert "AdamW (fused kernel)" in result["described"]["fused"], result["described"]
         assert "fused kernel" not in result["described"]["for_loop"]
-        assert result["losses"]["fused"] == result["losses"]["for_loop"]  # the same weights before the step
+        # the same weights before the step
+        assert result["losses"]["fused"] == result["losses"]["for_loop"]
         for key in ("weights", "exp_avg", "exp_avg_sq"):
             diff, scale = result[key]["diff"], result[key]["scale"]
             assert scale > 0 and diff <= 4 * ulp * scale, (combo, key, diff, scale)
-        assert result["update"] > 100 * 4 * ulp * result["weights"]["scale"], result  # the check can fail
+        # the check can fail
+        assert result["update"] > 100 * 4 * ulp * result["weights"]["scale"], result

@@ -18,21 +18,23 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port
+from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
+from test_train import TINY
+
+from common.configure import UserError
 from launch.distributed import port_in_use
 from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
-from common.configure import UserError
 from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
 from pipeline.shards import Shard, read_shard
-from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
-from test_train import TINY
 
 PYTHON = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-LINUX = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+LINUX = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="finds processes through /proc"
+)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -56,7 +58,11 @@ def alive(pid: int) -> bool:
 
 
 def children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and parent_of(int(p.name)) == pid
+    ]
 
 
 def descendants(pid: int) -> list[int]:
@@ -123,19 +129,35 @@ time.sleep(600)
 """
 
 
-def start_launcher(tmp_path: Path, kind_env: dict, *, from_thread=False, exit_at_once=False, nohup=False,
-                   watch_interval_s=0.2):
+def start_launcher(
+    tmp_path: Path,
+    kind_env: dict,
+    *,
+    from_thread=False,
+    exit_at_once=False,
+    nohup=False,
+    watch_interval_s=0.2,
+):
     child, report = tmp_path / "child.py", tmp_path / "armed"
     child.write_text(CHILD.format(root=str(ROOT), NOHUP=nohup, INTERVAL=watch_interval_s))
-    code = LAUNCHER.format(KIND_ENV=kind_env, child=str(child), report=str(report), FROM_THREAD=from_thread,
-                           EXIT_AT_ONCE=exit_at_once)
-    launcher = subprocess.Popen([PYTHON, "-c", code], env=ENV, stderr=open(tmp_path / "stderr", "w"))
+    code = LAUNCHER.format(
+        KIND_ENV=kind_env,
+        child=str(child),
+        report=str(report),
+        FROM_THREAD=from_thread,
+        EXIT_AT_ONCE=exit_at_once,
+    )
+    launcher = subprocess.Popen(
+        [PYTHON, "-c", code], env=ENV, stderr=open(tmp_path / "stderr", "w")
+    )
     return launcher, report
 
 
 def child_pid(report: Path) -> int:
     pid_file = Path(f"{report}.pid")
-    return int(wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 30, "the child to start"))
+    return int(
+        wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 30, "the child to start")
+    )
 
 
 def armed(report: Path) -> str:
@@ -144,9 +166,12 @@ def armed(report: Path) -> str:
 
 
 @LINUX
-@pytest.mark.parametrize("kind_env", [{}, {"TORCHELASTIC_RUN_ID": "test"}], ids=["watchdog", "pdeathsig"])
+@pytest.mark.parametrize(
+    "kind_env", [{}, {"TORCHELASTIC_RUN_ID": "test"}], ids=["watchdog", "pdeathsig"]
+)
 def test_a_rank_dies_when_its_launcher_is_killed(tmp_path, kind_env):
-    # Under torchrun the watchdog is slowed down to 10 minutes: only the kernel's PR_SET_PDEATHSIG can act in time.
+    # Under torchrun the watchdog is slowed down to 10 minutes: only the kernel's PR_SET_PDEATHSIG
+    # can act in time.
     launcher, report = start_launcher(tmp_path, kind_env, watch_interval_s=600 if kind_env else 0.2)
     pid = None
     try:
@@ -165,10 +190,13 @@ def test_a_rank_whose_launcher_died_while_it_started_exits_at_once(tmp_path):
     launcher, report = start_launcher(tmp_path, {"TORCHELASTIC_RUN_ID": "test"}, exit_at_once=True)
     pid = child_pid(report)  # it starts before its launcher exits
     try:
-        launcher.wait()  # by now the child has been handed to init or a subreaper, while it imports torch
+        # by now the child has been handed to init or a subreaper, while it imports torch
+        launcher.wait()
         adopter = parent_of(pid)
         if adopter and "python" in Path(command_of(adopter).split(" ")[0]).name:
-            pytest.skip("orphans go to a Python process here, which may be a launcher for all a rank can tell")
+            pytest.skip(
+                "orphans go to a Python process here, which may be a launcher for all a rank can tell"
+            )
         wait_for(lambda: not alive(pid), 60, "the orphaned child to exit")
         assert not report.exists()  # it never got past die_with_parent
         assert "launcher that started this rank is gone" in (tmp_path / "stderr").read_text()
@@ -210,7 +238,8 @@ def test_launcher_kinds():
     assert launcher_kind({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}) == "torchrun"
     assert launcher_kind({"CROSS_RANK": "0", "LOCAL_SIZE": "2", "RANK": "0"}) == "deepspeed"
     assert launcher_kind({"SLURM_STEP_ID": "0", "SLURM_TASK_PID": str(os.getpid())}) == "srun"
-    # A program that an srun task started in turn, or the batch script's own step, is not srun's task.
+    # A program that an srun task started in turn, or the batch script's own step, is not srun's
+    # task.
     assert launcher_kind({"SLURM_STEP_ID": "0", "SLURM_TASK_PID": "1"}) == "plain"
     assert launcher_kind({"SLURM_PROCID": "0", "SLURM_TASK_PID": str(os.getpid())}) == "plain"
     assert launcher_kind({}) == "plain"
@@ -220,45 +249,96 @@ def test_launcher_kinds():
 
 
 def train_command(data: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return ["-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={data}",
-            f"run_dir={run_dir}", *TINY, "wandb.mode=disabled", *overrides]
+    return [
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *TINY,
+        "wandb.mode=disabled",
+        *overrides,
+    ]
 
 
 def start_job(launcher: str, data: Path, run_dir: Path, stderr: Path) -> subprocess.Popen:
     """Two ranks of a long tiny-GPT run, with a DataLoader worker each, under torchrun or the
     deepspeed runner (which starts deepspeed.launcher.launch, which starts the ranks)."""
-    train = train_command(data, run_dir, "max_steps=100000", "log_every=1", "eval_every=0", "checkpoint.every_steps=0",
-                          "data.log_sample_keys=true", "data.num_workers=1")
+    train = train_command(
+        data,
+        run_dir,
+        "max_steps=100000",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+        "data.log_sample_keys=true",
+        "data.num_workers=1",
+    )
     if launcher == "torchrun":
-        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *train]
+        command = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            *train,
+        ]
     else:
-        command = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
-                   "--module", *train[1:]]
-    return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+        command = [
+            str(Path(PYTHON).with_name("deepspeed")),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            *train[1:],
+        ]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=open(stderr, "w")
+    )
 
 
 def is_rank(pid: int) -> bool:
     """A launch.train process (a rank or its DataLoader worker), not the launcher that names it."""
     words = set(command_of(pid).split())
-    return "launch.train" in words and not words & {"torch.distributed.run", "deepspeed.launcher.launch"}
+    return "launch.train" in words and not words & {
+        "torch.distributed.run",
+        "deepspeed.launcher.launch",
+    }
 
 
 def steps_of(run_dir: Path, rank: int) -> list[int]:
     keys = run_dir / f"sample_keys.rank{rank}.jsonl"
-    return [json.loads(line)["step"] for line in keys.read_text().splitlines()] if keys.is_file() else []
+    return (
+        [json.loads(line)["step"] for line in keys.read_text().splitlines()]
+        if keys.is_file()
+        else []
+    )
 
 
 @LINUX
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, target, signum", [
-    ("torchrun", "ranks", signal.SIGUSR1),
-    ("torchrun", "launcher", signal.SIGUSR1),
-    ("torchrun", "launcher", signal.SIGKILL),
-    ("deepspeed", "launcher", signal.SIGUSR1),
-    ("deepspeed", "launcher", signal.SIGKILL),
-], ids=["torchrun-ranks-USR1", "torchrun-USR1", "torchrun-KILL", "deepspeed-runner-USR1", "deepspeed-runner-KILL"])
-def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(tiny_dataset, tmp_path, launcher, target,
-                                                                             signum):
+@pytest.mark.parametrize(
+    "launcher, target, signum",
+    [
+        ("torchrun", "ranks", signal.SIGUSR1),
+        ("torchrun", "launcher", signal.SIGUSR1),
+        ("torchrun", "launcher", signal.SIGKILL),
+        ("deepspeed", "launcher", signal.SIGUSR1),
+        ("deepspeed", "launcher", signal.SIGKILL),
+    ],
+    ids=[
+        "torchrun-ranks-USR1",
+        "torchrun-USR1",
+        "torchrun-KILL",
+        "deepspeed-runner-USR1",
+        "deepspeed-runner-KILL",
+    ],
+)
+def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
+    tiny_dataset, tmp_path, launcher, target, signum
+):
     """Issue #28, item 4. SIGUSR1 to the ranks (SLURM's `--signal=B:USR1` path, through the
     batch script) asks them to checkpoint and exit for a requeue. SIGUSR1 to the launcher (what
     `scancel --signal=USR1` or `--signal=USR1` without `B:` does) kills torchrun or the deepspeed
@@ -269,41 +349,61 @@ def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(tin
     job = start_job(launcher, tiny_dataset, run_dir, stderr)
     processes: list[int] = []
     try:
-        wait_for(lambda: job.poll() is not None or all(steps_of(run_dir, r) for r in range(2)), 300,
-                 "both ranks to train")
-        assert job.poll() is None, f"the job ended before it was signalled: {stderr.read_text()[-3000:]}"
-        processes = descendants(job.pid)  # the ranks, their DataLoader workers, DeepSpeed's launch.py
-        ranks = [pid for pid in processes if is_rank(pid) and not is_rank(parent_of(pid))]  # not their workers
+        wait_for(
+            lambda: job.poll() is not None or all(steps_of(run_dir, r) for r in range(2)),
+            300,
+            "both ranks to train",
+        )
+        assert job.poll() is None, (
+            f"the job ended before it was signalled: {stderr.read_text()[-3000:]}"
+        )
+        # the ranks, their DataLoader workers, DeepSpeed's launch.py
+        processes = descendants(job.pid)
+        # not their workers
+        ranks = [pid for pid in processes if is_rank(pid) and not is_rank(parent_of(pid))]
         assert len(ranks) == 2, [command_of(pid) for pid in processes]
         reached = len(steps_of(run_dir, 0))
-        for pid in (ranks if target == "ranks" else [job.pid]):
+        for pid in ranks if target == "ranks" else [job.pid]:
             os.kill(pid, signum)
         signalled = time.monotonic()
         try:
-            wait_for(lambda: not any(alive(pid) for pid in processes), 10, "every process of the job to end")
+            wait_for(
+                lambda: not any(alive(pid) for pid in processes),
+                10,
+                "every process of the job to end",
+            )
         except AssertionError:
-            raise AssertionError(f"{[command_of(p)[:80] for p in processes if alive(p)]} still alive 10 s after "
-                                 f"{signum.name} to the {target}: {stderr.read_text()[-3000:]}") from None
-        print(f"\n{signum.name} to the {target} of {launcher}: every process gone "
-              f"{time.monotonic() - signalled:.1f} s later")
+            raise AssertionError(
+                f"{[command_of(p)[:80] for p in processes if alive(p)]} still alive 10 s after "
+                f"{signum.name} to the {target}: {stderr.read_text()[-3000:]}"
+            ) from None
+        print(
+            f"\n{signum.name} to the {target} of {launcher}: every process gone "
+            f"{time.monotonic() - signalled:.1f} s later"
+        )
         if target == "ranks":
             assert job.wait(timeout=30) == 0, stderr.read_text()[-3000:]
     finally:
         kill_all([job.pid, *processes])
     text = stderr.read_text()
     last = steps_of(run_dir, 0)[-1]
-    assert last >= reached and steps_of(run_dir, 1)[-1] == last  # no step lost, none trained after the stop
+    # no step lost, none trained after the stop
+    assert last >= reached and steps_of(run_dir, 1)[-1] == last
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": last}, text[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
     said = [line for line in text.splitlines() if line.startswith("stop requested")]
-    assert said == [f"stop requested: checkpoint at step {last} saved; exiting for a requeue"], text[-3000:]
+    assert said == [f"stop requested: checkpoint at step {last} saved; exiting for a requeue"], (
+        text[-3000:]
+    )
 
 
 # ----------------------------------------------------------------------------- one-line errors
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> tuple[int, list[str]]:
-    run = subprocess.run([PYTHON, *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(
+        [PYTHON, *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout
+    )
     return run.returncode, run.stderr.splitlines()
 
 
@@ -341,13 +441,30 @@ def test_the_error_line_is_written_in_one_piece(monkeypatch):
 
 BAD_MANIFESTS = {
     "a JSON list": (lambda m: [m], "a JSON list, expected an object"),
-    "no tokenizer": (lambda m: {k: v for k, v in m.items() if k != "tokenizer"}, "no tokenizer record"),
-    "tokenizer not an object": (lambda m: {**m, "tokenizer": "sp.model"}, "the tokenizer record is a JSON string"),
-    "no sha256": (lambda m: {**m, "tokenizer": {"vocab_size": 10}}, "the tokenizer record has no sha256"),
-    "no vocab_size": (lambda m: {**m, "tokenizer": {"sha256": "ab" * 32}}, "the tokenizer record has no vocab_size"),
-    "bad vocab_size": (lambda m: {**m, "tokenizer": {**m["tokenizer"], "vocab_size": "4096"}},
-                       "vocab_size '4096' is not a positive integer"),
-    "bad sha256": (lambda m: {**m, "tokenizer": {**m["tokenizer"], "sha256": None}}, "sha256 None is not 64 hex"),
+    "no tokenizer": (
+        lambda m: {k: v for k, v in m.items() if k != "tokenizer"},
+        "no tokenizer record",
+    ),
+    "tokenizer not an object": (
+        lambda m: {**m, "tokenizer": "sp.model"},
+        "the tokenizer record is a JSON string",
+    ),
+    "no sha256": (
+        lambda m: {**m, "tokenizer": {"vocab_size": 10}},
+        "the tokenizer record has no sha256",
+    ),
+    "no vocab_size": (
+        lambda m: {**m, "tokenizer": {"sha256": "ab" * 32}},
+        "the tokenizer record has no vocab_size",
+    ),
+    "bad vocab_size": (
+        lambda m: {**m, "tokenizer": {**m["tokenizer"], "vocab_size": "4096"}},
+        "vocab_size '4096' is not a positive integer",
+    ),
+    "bad sha256": (
+        lambda m: {**m, "tokenizer": {**m["tokenizer"], "sha256": None}},
+        "sha256 None is not 64 hex",
+    ),
     "datasets a list": (lambda m: {**m, "datasets": []}, "datasets is a JSON list"),
 }
 
@@ -370,7 +487,9 @@ def test_the_tools_report_a_broken_manifest_in_one_line(tmp_path, case):
     data = tmp_path / "data"
     manifest = make_dataset(data, packed=[8])
     (data / MANIFEST).write_text(json.dumps(change(manifest)))
-    assert_one_error_line(*run_cli("-m", "pipeline.validate", f"data_dir={data}"), str(data / MANIFEST), expected)
+    assert_one_error_line(
+        *run_cli("-m", "pipeline.validate", f"data_dir={data}"), str(data / MANIFEST), expected
+    )
     if case == "no tokenizer":  # the trainer reads it first thing too
         code, lines = run_cli(*train_command(data, tmp_path / "run", "max_steps=1"))
         assert_one_error_line(code, lines, str(data / MANIFEST), expected)
@@ -380,12 +499,15 @@ def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
     manifest = make_dataset(directory, packed=list(sizes), seq_len=seq_len)
     manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
     save_manifest(directory, manifest)
-    (directory / TOKENIZER_FILE).write_bytes(b"")  # the trainer copies it into run_dir, nothing more
+    # the trainer copies it into run_dir, nothing more
+    (directory / TOKENIZER_FILE).write_bytes(b"")
     return manifest
 
 
 def model_config(arch: str, max_seq_len: int) -> ModelConfig:
-    return ModelConfig(arch=arch, vocab_size=VOCAB_SIZE, d_model=8, n_layers=1, n_heads=2, max_seq_len=max_seq_len)
+    return ModelConfig(
+        arch=arch, vocab_size=VOCAB_SIZE, d_model=8, n_layers=1, n_heads=2, max_seq_len=max_seq_len
+    )
 
 
 def test_a_model_shorter_than_the_packed_blocks_is_found_from_the_manifest(tmp_path):
@@ -394,7 +516,8 @@ def test_a_model_shorter_than_the_packed_blocks_is_found_from_the_manifest(tmp_p
         assert data_fits_model(tmp_path, manifest, task, model_config("gpt", 32)) is None
         assert data_fits_model(tmp_path, manifest, task, model_config("gpt", 16)) == (
             f"model.max_seq_len=16 is shorter than the inputs of {tmp_path}, which need 32 positions (packed "
-            "blocks of seq_len 32); set model.max_seq_len=32 or more")
+            "blocks of seq_len 32); set model.max_seq_len=32 or more"
+        )
     # Without a recorded seq_len (a dataset made by hand) the blocks themselves are measured.
     del manifest["datasets"]["packed"]["seq_len"]
     assert longest_input(tmp_path, manifest, "causal_lm").positions == 32
@@ -406,17 +529,31 @@ def test_a_model_shorter_than_the_translation_pairs_is_found(tmp_path):
     for index, entry in enumerate(manifest["datasets"]["translation"]["splits"]["train"]["shards"]):
         shard = Shard(index, str(tmp_path / entry["path"]), entry["samples"], None)
         members = read_shard(shard, FIELDS["translation"], set(range(shard.samples))).values()
-        longest = max([longest] + [len(decode_array(raw)) for sample in members for raw in sample.values()])
-    # A side of n tokens takes n + 1 positions: </s> after a source; <s> before a target, whose own </s>
+        longest = max(
+            [longest] + [len(decode_array(raw)) for sample in members for raw in sample.values()]
+        )
+    # A side of n tokens takes n + 1 positions: </s> after a source; <s> before a target, whose own
+    # </s>
     # is only predicted.
-    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}) == {"src_ids": 13, "tgt_ids": 8}
-    assert data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", longest + 1)) is None
+    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}) == {
+        "src_ids": 13,
+        "tgt_ids": 8,
+    }
+    assert (
+        data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", longest + 1))
+        is None
+    )
     problem = data_fits_model(tmp_path, manifest, "translation", model_config("seq2seq", longest))
-    assert problem.startswith(f"model.max_seq_len={longest} is shorter than the inputs of {tmp_path}, which need "
-                              f"{longest + 1} positions (the longest ")
-    assert problem.endswith(f", {longest} tokens, in the train split); set model.max_seq_len={longest + 1} or more")
+    assert problem.startswith(
+        f"model.max_seq_len={longest} is shorter than the inputs of {tmp_path}, which need "
+        f"{longest + 1} positions (the longest "
+    )
+    assert problem.endswith(
+        f", {longest} tokens, in the train split); set model.max_seq_len={longest + 1} or more"
+    )
 
-    # prepare's bound answers when it fits the model, without reading a shard; when it does not, the pairs decide.
+    # prepare's bound answers when it fits the model, without reading a shard; when it does not, the
+    # pairs decide.
     manifest["config"] = {"translation": {"max_tokens": 96}}
     assert longest_input(tmp_path, manifest, "translation", bound_ok=64).positions == longest + 1
     for entry in manifest["datasets"]["translation"]["splits"]["train"]["shards"]:
@@ -428,26 +565,46 @@ def test_a_model_shorter_than_the_translation_pairs_is_found(tmp_path):
 def test_a_model_shorter_than_its_data_stops_the_trainer_in_one_line(tmp_path):
     data = tmp_path / "data"
     packed_data(data, seq_len=32, sizes=(40, 40))
-    code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=16", "max_steps=1"))
+    code, lines = run_cli(
+        *train_command(data, tmp_path / "run", "model.max_seq_len=16", "max_steps=1")
+    )
     assert_one_error_line(code, lines, "model.max_seq_len=16", "set model.max_seq_len=32")
-    assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)  # found before the engine
-    assert not (tmp_path / "run").exists()  # the run directory it made for the run is not left behind
+    # found before the engine
+    assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)
+    # the run directory it made for the run is not left behind
+    assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("split, change, expected", [
-    ("train", lambda shards: shards.append(dict(shards[1])), "packed/train/0000-0001.tar: listed 2 times"),
-    ("valid", lambda shards: shards[0].update(samples=-3), "packed/valid/0000-0000.tar: samples -3"),
-], ids=["train shard listed twice", "valid shard of -3 samples"])
-def test_a_manifest_repeating_a_shard_or_counting_below_one_stops_the_trainer_in_one_line(tmp_path, split, change,
-                                                                                          expected):
+@pytest.mark.parametrize(
+    "split, change, expected",
+    [
+        (
+            "train",
+            lambda shards: shards.append(dict(shards[1])),
+            "packed/train/0000-0001.tar: listed 2 times",
+        ),
+        (
+            "valid",
+            lambda shards: shards[0].update(samples=-3),
+            "packed/valid/0000-0000.tar: samples -3",
+        ),
+    ],
+    ids=["train shard listed twice", "valid shard of -3 samples"],
+)
+def test_a_manifest_repeating_a_shard_or_counting_below_one_stops_the_trainer_in_one_line(
+    tmp_path, split, change, expected
+):
     """Not read twice, not dropped, and not evaluation quietly left out: the run stops before it starts."""
     data = tmp_path / "data"
     manifest = packed_data(data, seq_len=32)
     manifest["datasets"]["packed"]["splits"]["valid"] = make_dataset(
-        data, packed=[40], seq_len=32, split="valid", seed=1)["datasets"]["packed"]["splits"]["valid"]
+        data, packed=[40], seq_len=32, split="valid", seed=1
+    )["datasets"]["packed"]["splits"]["valid"]
     change(manifest["datasets"]["packed"]["splits"][split]["shards"])
     save_manifest(data, manifest)
-    code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"))
+    code, lines = run_cli(
+        *train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1")
+    )
     assert_one_error_line(code, lines, f"{data / MANIFEST}: {expected}")
     assert not (tmp_path / "run").exists()  # nothing written, not even an empty run directory
 
@@ -459,13 +616,18 @@ def test_an_unwritable_run_dir_is_named(tmp_path):
     assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
     with pytest.raises(UserError, match=f"^run_dir={afile}: {afile} is a file, not a directory"):
         check_writable_dir(afile, "run_dir")
-    with pytest.raises(UserError, match=f"^run_dir={afile / 'run'}: {afile} is a file, not a directory"):
+    with pytest.raises(
+        UserError, match=f"^run_dir={afile / 'run'}: {afile} is a file, not a directory"
+    ):
         check_writable_dir(afile / "run", "run_dir")
     if os.geteuid() != 0:  # root writes through permission bits
         readonly = tmp_path / "readonly"
         readonly.mkdir(mode=0o555)
-        with pytest.raises(UserError, match=f"^run_dir={readonly / 'run'}: cannot create files in {readonly}: "
-                                            "Permission denied"):
+        with pytest.raises(
+            UserError,
+            match=f"^run_dir={readonly / 'run'}: cannot create files in {readonly}: "
+            "Permission denied",
+        ):
             check_writable_dir(readonly / "run", "run_dir")
 
 
@@ -474,7 +636,9 @@ def test_an_unwritable_run_dir_stops_the_trainer_in_one_line(tmp_path):
     packed_data(data, seq_len=32)
     afile = tmp_path / "afile"
     afile.write_text("")
-    code, lines = run_cli(*train_command(data, afile / "run", "model.max_seq_len=32", "max_steps=1"))
+    code, lines = run_cli(
+        *train_command(data, afile / "run", "model.max_seq_len=32", "max_steps=1")
+    )
     assert_one_error_line(code, lines, "run_dir", f"{afile} is a file, not a directory")
 
 
@@ -486,16 +650,26 @@ def test_a_taken_master_port_stops_the_trainer_in_one_line(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         assert port_in_use(port)
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_RANK": "0"}
-        code, lines = run_cli(*train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"), env=env)
+        env = {
+            **ENV,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+        }
+        code, lines = run_cli(
+            *train_command(data, tmp_path / "run", "model.max_seq_len=32", "max_steps=1"), env=env
+        )
     assert_one_error_line(code, lines, f"MASTER_PORT={port}", "already in use")
     assert not port_in_use(port)
 
 
-# ----------------------------------------------------------------------------- uneven shards, several processes
+# ----------------------------------------------------------------------------- uneven shards,
+# several processes
 
-UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples: not a multiple of 2 ranks x micro batch 4, nor of the workers
+# 117 samples: not a multiple of 2 ranks x micro batch 4, nor of the workers
+UNEVEN = [1, 40, 7, 23, 3, 31, 12]
 
 
 @LINUX
@@ -505,13 +679,32 @@ def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs
     data, out, epochs = tmp_path / "data", tmp_path / "out", 3
     manifest = make_dataset(data, packed=UNEVEN)
     out.mkdir()
-    launcher = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                 str(ROOT / "tests" / "launch" / "uneven_worker.py"), str(data), str(out), str(epochs)],
-                                cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "launch" / "uneven_worker.py"),
+            str(data),
+            str(out),
+            str(epochs),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ranks = []
     try:
-        ranks = wait_for(lambda: launcher.poll() is not None or children(launcher.pid), 60, "the ranks")
-        output, _ = launcher.communicate(timeout=240)  # a hang fails here instead of hanging the suite
+        ranks = wait_for(
+            lambda: launcher.poll() is not None or children(launcher.pid), 60, "the ranks"
+        )
+        # a hang fails here instead of hanging the suite
+        output, _ = launcher.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         raise AssertionError("the ranks did not finish: out of step over uneven shards?") from None
     finally:
@@ -520,14 +713,16 @@ def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs
 
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     total = sum(UNEVEN)
-    per_rank = total // (2 * MICRO_BATCH)  # whole global batches of 8; the remainder waits for the next epoch
+    # whole global batches of 8; the remainder waits for the next epoch
+    per_rank = total // (2 * MICRO_BATCH)
     every_id = set().union(*shard_ids(manifest).values())
     orders = []
     for epoch in range(epochs):
         for report in reports:
             assert report[epoch]["epoch"] == epoch and report[epoch]["loader_epoch"] == epoch + 1
             assert len(report[epoch]["batches"]) == report[epoch]["len"] == per_rank
-            assert report[epoch]["all_reduced_batches"] == 2 * per_rank  # every batch met its partner
+            # every batch met its partner
+            assert report[epoch]["all_reduced_batches"] == 2 * per_rank
             assert all(len(batch) == MICRO_BATCH for batch in report[epoch]["batches"])
         seen = [i for report in reports for batch in report[epoch]["batches"] for i in batch]
         assert len(seen) == len(set(seen)) == per_rank * 2 * MICRO_BATCH  # each sample at most once
@@ -536,16 +731,25 @@ def test_two_ranks_with_workers_stay_in_step_over_uneven_shards_for_three_epochs
     assert orders[0] != orders[1] != orders[2]  # reshuffled each epoch
 
 
-@pytest.mark.parametrize("entry, args", [
-    ("launch.export", ["checkpoint={missing}", "out={blocked}/model"]),
-    ("pipeline.prepare", [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "output_dir={blocked}/data"]),
-], ids=["export-out", "prepare-output_dir"])
+@pytest.mark.parametrize(
+    "entry, args",
+    [
+        ("launch.export", ["checkpoint={missing}", "out={blocked}/model"]),
+        (
+            "pipeline.prepare",
+            [str(ROOT / "configs" / "prepare_gettext_en_de.yaml"), "output_dir={blocked}/data"],
+        ),
+    ],
+    ids=["export-out", "prepare-output_dir"],
+)
 def test_an_unwritable_output_is_one_line(tmp_path, entry, args):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     missing = tmp_path / "no-run"
     argv = [arg.format(blocked=blocked, missing=missing) for arg in args]
-    run = subprocess.run([sys.executable, "-m", entry, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", entry, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(blocked) in errors[0], run.stderr[-2000:]
@@ -583,10 +787,25 @@ def test_a_rank_ends_without_the_teardown_abort(tmp_path, outcome, code):
     script = tmp_path / "rank_exit.py"
     script.write_text(RANK_EXIT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    plain = subprocess.run([sys.executable, str(script), "plain", outcome], env=env, capture_output=True, text=True, timeout=120)
-    assert plain.returncode == -signal.SIGABRT and "terminate called" in plain.stderr, (plain.returncode, plain.stderr[-500:])
+    plain = subprocess.run(
+        [sys.executable, str(script), "plain", outcome],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == -signal.SIGABRT and "terminate called" in plain.stderr, (
+        plain.returncode,
+        plain.stderr[-500:],
+    )
     for _ in range(3):
-        rank = subprocess.run([sys.executable, str(script), "rank", outcome], env=env, capture_output=True, text=True, timeout=120)
+        rank = subprocess.run(
+            [sys.executable, str(script), "rank", outcome],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert rank.returncode == code, rank.stderr[-500:]
         assert rank.stdout == "finished"
         assert "terminate called" not in rank.stderr

@@ -8,24 +8,55 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
-        "data.micro_batch_size=4", "data.num_workers=0", "optim.lr=3e-3", "schedule.warmup_steps=5",
-        "eval_batches=0", "threads_per_rank=1",
-        # W&B starts a service process per run (seconds each); the tests of W&B ask for it.
-        "wandb.mode=disabled",
-        # ZeRO-3 would keep every tensor of a model this small whole on every rank.
-        "deepspeed.zero3_persistence_threshold=0"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=64",
+    "data.micro_batch_size=4",
+    "data.num_workers=0",
+    "optim.lr=3e-3",
+    "schedule.warmup_steps=5",
+    "eval_batches=0",
+    "threads_per_rank=1",
+    # W&B starts a service process per run (seconds each); the tests of W&B ask for it.
+    "wandb.mode=disabled",
+    # ZeRO-3 would keep every tensor of a model this small whole on every rank.
+    "deepspeed.zero3_persistence_threshold=0",
+]
 
 
-def train(config: str, data: Path, run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def train(
+    config: str, data: Path, run_dir: Path, *overrides: str, nproc: int = 2
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    command = [*launcher, "-m", "launch.train", str(ROOT / "configs" / config), f"data.data_dir={data}", f"run_dir={run_dir}", *TINY, *overrides]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
+    command = [
+        *launcher,
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / config),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
@@ -40,15 +71,25 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_loss_falls(tiny_dataset, tmp_path, config, stage):
     run_dir = tmp_path / "run"
     profiled = config == "tiny_gpt.yaml" and stage == 2  # and `profile_start`, on one of them
-    run = train(config, tiny_dataset, run_dir, "max_steps=30", "log_every=1", "eval_every=30",
-                f"deepspeed.zero_stage={stage}", "checkpoint.every_steps=0",
-                *(["profile_start=10", "profile_steps=2"] if profiled else []))
+    run = train(
+        config,
+        tiny_dataset,
+        run_dir,
+        "max_steps=30",
+        "log_every=1",
+        "eval_every=30",
+        f"deepspeed.zero_stage={stage}",
+        "checkpoint.every_steps=0",
+        *(["profile_start=10", "profile_steps=2"] if profiled else []),
+    )
     if profiled:  # steps 11-12: each rank's Chrome trace, rank 0's table of where the time went
         traces = sorted(p.name for p in (run_dir / "profile").iterdir())
         assert traces == ["trace_rank0_steps11-12.json", "trace_rank1_steps11-12.json"], traces
         assert json.loads((run_dir / "profile" / traces[0]).read_text())["traceEvents"]
-        table = run.stderr[run.stderr.index("profile of optimizer steps 11-12 (rank 0): wall"):]
-        assert "host operators by CPU time of their own" in table and "aten::" in table, table[:3000]
+        table = run.stderr[run.stderr.index("profile of optimizer steps 11-12 (rank 0): wall") :]
+        assert "host operators by CPU time of their own" in table and "aten::" in table, table[
+            :3000
+        ]
     rows = metrics(run_dir)
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 30
@@ -60,9 +101,16 @@ def test_loss_falls(tiny_dataset, tmp_path, config, stage):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000030"
 
 
-# The uninterrupted run of the resume below, shared with test_zero_paths (conftest's dropout_zero3_gpt).
-DROPOUT_ZERO3 = ["max_steps=10", "log_every=1", "eval_every=0", "checkpoint.every_steps=5", "deepspeed.zero_stage=3",
-                 "model.dropout=0.1"]
+# The uninterrupted run of the resume below, shared with test_zero_paths (conftest's
+# dropout_zero3_gpt).
+DROPOUT_ZERO3 = [
+    "max_steps=10",
+    "log_every=1",
+    "eval_every=0",
+    "checkpoint.every_steps=5",
+    "deepspeed.zero_stage=3",
+    "model.dropout=0.1",
+]
 
 
 def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path, dropout_zero3_gpt):
@@ -80,9 +128,14 @@ def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path, dropout_
     print("\nstep  uninterrupted  stopped+resumed")
     for step in range(1, 11):
         print(f"{step:4d}  {expected[step]:.8f}     {got[step]:.8f}")
-    assert [got[s] for s in range(6, 11)] == pytest.approx([expected[s] for s in range(6, 11)], abs=1e-6, rel=0)
+    assert [got[s] for s in range(6, 11)] == pytest.approx(
+        [expected[s] for s in range(6, 11)], abs=1e-6, rel=0
+    )
     # The resumed job continued the same W&B run.
-    ids = {json.loads((p / "client_state.json").read_text())["wandb_run_id"] for p in (stopped / "checkpoints").glob("step_*")}
+    ids = {
+        json.loads((p / "client_state.json").read_text())["wandb_run_id"]
+        for p in (stopped / "checkpoints").glob("step_*")
+    }
     assert len(ids) == 1
 
 
@@ -129,36 +182,76 @@ def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
     # A job that died at step 30 with its last checkpoint at step 20 had logged 10..30.
     from launch.train.resume import truncate_metrics
 
-    rows = [{"step": step, "train/loss": 9.0 - step / 10} for step in (10, 20, 30)] + [{"step": 30, "eval/loss": 7.5}]
+    rows = [{"step": step, "train/loss": 9.0 - step / 10} for step in (10, 20, 30)] + [
+        {"step": 30, "eval/loss": 7.5}
+    ]
     # ... and was killed while writing a row: a torn last line.
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3')
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3'
+    )
     assert truncate_metrics(tmp_path, 20) == 3
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [10, 20]
     assert truncate_metrics(tmp_path, 20) == 0 and truncate_metrics(tmp_path / "nowhere", 0) == 0
-    assert truncate_metrics(tmp_path, 0) == 2 and (tmp_path / "metrics.jsonl").read_text() == ""  # a fresh start
+    # a fresh start
+    assert truncate_metrics(tmp_path, 0) == 2 and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    train("tiny_bert.yaml", tiny_dataset, run_dir, "max_steps=6", "log_every=2", "eval_every=6", "deepspeed.zero_stage=3",
-          "checkpoint.every_steps=0", "wandb.mode=offline")
+    train(
+        "tiny_bert.yaml",
+        tiny_dataset,
+        run_dir,
+        "max_steps=6",
+        "log_every=2",
+        "eval_every=6",
+        "deepspeed.zero_stage=3",
+        "checkpoint.every_steps=0",
+        "wandb.mode=offline",
+    )
     records = _wandb_records(run_dir)
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     logged = [h for h in history if "train/loss" in h]
     assert [h["_step"] for h in logged] == [2, 4, 6]
     expected_losses = {r["step"]: r["train/loss"] for r in metrics(run_dir) if "train/loss" in r}
     assert {h["_step"]: h["train/loss"] for h in logged} == pytest.approx(expected_losses)
-    config_items = {item.key: item.value_json for r in records if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
-    assert json.loads(config_items["task"]) == "mlm" and json.loads(config_items["deepspeed"])["zero_stage"] == 3
-    summary = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "summary"
-               for item in r.summary.update if item.key}
+    config_items = {
+        item.key: item.value_json
+        for r in records
+        if r.WhichOneof("record_type") == "run"
+        for item in r.run.config.update
+    }
+    assert (
+        json.loads(config_items["task"]) == "mlm"
+        and json.loads(config_items["deepspeed"])["zero_stage"] == 3
+    )
+    summary = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "summary"
+        for item in r.summary.update
+        if item.key
+    }
     assert len(summary["git_commit"]) == 40 and len(summary["data_manifest_sha256"]) == 64
     assert summary["parameters"] > 0
 
     # Exported weights reproduce the engine's evaluation loss with the plain model.
     out = tmp_path / "export"
-    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     from launch.export import load_model_dir
     from launch.tasks import TASKS
@@ -170,7 +263,15 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     loss_sum = count = 0.0
     with torch.no_grad():
         for rank in range(2):  # the engine evaluated with 2 ranks: the same shares, the same masks
-            loader = ShardLoader(str(tiny_dataset), "mlm", "valid", micro_batch_size=4, rank=rank, world_size=2, seed=0)
+            loader = ShardLoader(
+                str(tiny_dataset),
+                "mlm",
+                "valid",
+                micro_batch_size=4,
+                rank=rank,
+                world_size=2,
+                seed=0,
+            )
             for batch in loader:
                 inputs = task.model_inputs(batch)
                 output = model(**inputs)
@@ -186,9 +287,23 @@ def test_same_command_under_the_deepspeed_launcher(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     deepspeed = Path(sys.executable).with_name("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    command = [str(deepspeed), "--num_gpus", "2", "--master_port", "29731", "--module", "launch.train",
-               str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={tiny_dataset}", f"run_dir={run_dir}", *TINY,
-               "max_steps=3", "log_every=1", "eval_every=0", "checkpoint.every_steps=0"]
+    command = [
+        str(deepspeed),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        "29731",
+        "--module",
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={tiny_dataset}",
+        f"run_dir={run_dir}",
+        *TINY,
+        "max_steps=3",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "world 2" in run.stderr
@@ -196,23 +311,46 @@ def test_same_command_under_the_deepspeed_launcher(tiny_dataset, tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
 
 
-def test_a_second_job_on_one_run_dir_fails_at_once_and_a_dead_ones_lock_is_taken_over(tiny_dataset, tmp_path):
+def test_a_second_job_on_one_run_dir_fails_at_once_and_a_dead_ones_lock_is_taken_over(
+    tiny_dataset, tmp_path
+):
     import signal
     import time
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={tiny_dataset}",
-               f"run_dir={run_dir}", *TINY, "log_every=1", "eval_every=0", "checkpoint.every_steps=0"]
-    first = subprocess.Popen([*command, "max_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={tiny_dataset}",
+        f"run_dir={run_dir}",
+        *TINY,
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+    ]
+    first = subprocess.Popen(
+        [*command, "max_steps=100000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 300
         while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
             assert first.poll() is None, "the first job ended"
             time.sleep(0.5)
-        second = subprocess.run([*command, "max_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=120)
+        second = subprocess.run(
+            [*command, "max_steps=3"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2
         (line,) = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert f"locked by train pid {first.pid}" in line
@@ -220,7 +358,13 @@ def test_a_second_job_on_one_run_dir_fails_at_once_and_a_dead_ones_lock_is_taken
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    third = subprocess.run([*command, "max_steps=3", "resume=none"], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=600)
+    third = subprocess.run(
+        [*command, "max_steps=3", "resume=none"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"taking over the stale lock of pid {first.pid}" in third.stderr

@@ -6,35 +6,50 @@ import os
 import sys
 
 import pytest
-
-from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
-from common.configure import UserError
 from test_train import metrics, train
+
+from common.configure import UserError
+from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
 
 
 def _config(stage: int, precision: str, config_file: str = "") -> dict:
     from launch.deepspeed.config import deepspeed_config
 
-    cfg = TrainConfig(grad_accum=4, deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, config_file=config_file))
+    cfg = TrainConfig(
+        grad_accum=4,
+        deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, config_file=config_file),
+    )
     return deepspeed_config(cfg, BatchPlan(2, 4, 2))
 
 
 def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(tmp_path):
     for stage in (1, 2, 3):
         config = _config(stage, "bf16")
-        assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
-        assert not {"data_types", "communication_data_type"} & set(_config(stage, "fp32"))  # fp32 anyway
+        assert (
+            config["data_types"] == {"grad_accum_dtype": "fp32"}
+            and config["communication_data_type"] == "fp32"
+        )
+        # fp32 anyway
+        assert not {"data_types", "communication_data_type"} & set(_config(stage, "fp32"))
     # DeepSpeed has no fp32 accumulation for bf16 without ZeRO (NotImplementedError at initialize).
     assert not {"data_types", "communication_data_type"} & set(_config(0, "bf16"))
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}))
+    user.write_text(
+        json.dumps({"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"})
+    )
     config = _config(2, "bf16", str(user))  # the user's choices are kept
-    assert config["data_types"] == {"grad_accum_dtype": "bf16"} and config["communication_data_type"] == "bf16"
+    assert (
+        config["data_types"] == {"grad_accum_dtype": "bf16"}
+        and config["communication_data_type"] == "bf16"
+    )
     user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
     with pytest.raises(UserError) as refused:
         _config(0, "bf16", str(user))
-    assert "\n" not in str(refused.value) and "data_types.grad_accum_dtype=fp32" in str(refused.value)
-    user.write_text(json.dumps({"zero_optimization": {"stage": 0}}))  # the user's JSON turns ZeRO off
+    assert "\n" not in str(refused.value) and "data_types.grad_accum_dtype=fp32" in str(
+        refused.value
+    )
+    # the user's JSON turns ZeRO off
+    user.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
     assert not {"data_types", "communication_data_type"} & set(_config(2, "bf16", str(user)))
 
 
@@ -45,10 +60,22 @@ def test_bf16_with_grad_accum_trains_under_zero_1_and_its_checkpoint_reads(tiny_
     master weights (`launch.deepspeed.safe_load.consolidated_state_dict`): each rounds to the bf16
     weight the checkpoint holds, and they are not the bf16 weights themselves."""
     run_dir = tmp_path / "run"
-    run = train("tiny_gpt.yaml", tiny_dataset, run_dir, "max_steps=10", "log_every=1", "eval_every=0",
-                "checkpoint.every_steps=0", "grad_accum=2", "deepspeed.zero_stage=1", "deepspeed.precision=bf16")
-    assert ("optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer; gradients accumulated in float32, reduced in float32"
-            in run.stderr)
+    run = train(
+        "tiny_gpt.yaml",
+        tiny_dataset,
+        run_dir,
+        "max_steps=10",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+        "grad_accum=2",
+        "deepspeed.zero_stage=1",
+        "deepspeed.precision=bf16",
+    )
+    assert (
+        "optimizer: AdamW (fused kernel) in DeepSpeed's BF16_Optimizer; gradients accumulated in float32, reduced in float32"
+        in run.stderr
+    )
     losses = [r["train/loss"] for r in metrics(run_dir) if "train/loss" in r]
     print("\nbf16 ZeRO-1 grad_accum=2 losses:", [round(x, 4) for x in losses])
     assert len(losses) == 10 and losses[-1] < 0.9 * losses[0], losses
@@ -58,8 +85,11 @@ def test_bf16_with_grad_accum_trains_under_zero_1_and_its_checkpoint_reads(tiny_
     from launch.deepspeed.safe_load import consolidated_state_dict
 
     masters = consolidated_state_dict(run_dir / "checkpoints", "step_00000010")
-    saved = torch.load(run_dir / "checkpoints" / "step_00000010" / "mp_rank_00_model_states.pt", map_location="cpu",
-                       weights_only=False)["module"]
+    saved = torch.load(
+        run_dir / "checkpoints" / "step_00000010" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )["module"]
     assert set(saved) <= set(masters) and all(saved[name].dtype == torch.bfloat16 for name in saved)
     assert all(torch.equal(masters[name].bfloat16(), saved[name]) for name in saved)
     assert any(not torch.equal(masters[name], saved[name].float()) for name in saved)
@@ -89,8 +119,9 @@ if os.environ.get("AC_PROBE_DIR"):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_under_zero_3_reproduces_the_losses(tiny_dataset, tmp_path, monkeypatch,
-                                                                     dropout_zero3_gpt):
+def test_activation_checkpointing_under_zero_3_reproduces_the_losses(
+    tiny_dataset, tmp_path, monkeypatch, dropout_zero3_gpt
+):
     """model.activation_checkpointing (torch.utils.checkpoint, non-reentrant) recomputes each block
     in the backward, where ZeRO-3 must gather the block's parameters again: the losses (and so
     the updates) equal a run without it (the session's, shared with test_train's resume). Dropout
@@ -101,18 +132,35 @@ def test_activation_checkpointing_under_zero_3_reproduces_the_losses(tiny_datase
     probe = tmp_path / "probe"
     (probe / "counts").mkdir(parents=True)
     (probe / "sitecustomize.py").write_text(PROBE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.setenv("AC_PROBE_DIR", str(probe / "counts"))
     checkpointed = tmp_path / "checkpointed"
     # No engine checkpoints in this run: saving them is no part of the claim (and changes no loss).
-    train("tiny_gpt.yaml", tiny_dataset, checkpointed, *DROPOUT_ZERO3, "checkpoint.every_steps=0",
-          "model.activation_checkpointing=true")
-    # Each rank checkpointed both blocks at each of the 10 steps, and recomputed each in its backward.
+    train(
+        "tiny_gpt.yaml",
+        tiny_dataset,
+        checkpointed,
+        *DROPOUT_ZERO3,
+        "checkpoint.every_steps=0",
+        "model.activation_checkpointing=true",
+    )
+    # Each rank checkpointed both blocks at each of the 10 steps, and recomputed each in its
+    # backward.
     counts = {path.name: len(path.read_text()) for path in (probe / "counts").iterdir()}
-    assert counts == {f"{phase}.rank{rank}": 2 * 10 for phase in ("forward", "recompute") for rank in (0, 1)}, counts
+    assert counts == {
+        f"{phase}.rank{rank}": 2 * 10 for phase in ("forward", "recompute") for rank in (0, 1)
+    }, counts
     expected = {r["step"]: r["train/loss"] for r in metrics(plain) if "train/loss" in r}
     got = {r["step"]: r["train/loss"] for r in metrics(checkpointed) if "train/loss" in r}
-    print("\nstep  plain        checkpointed", *(f"{s:4d}  {expected[s]:.8f}  {got[s]:.8f}" for s in sorted(expected)),
-          sep="\n", file=sys.stderr)
+    print(
+        "\nstep  plain        checkpointed",
+        *(f"{s:4d}  {expected[s]:.8f}  {got[s]:.8f}" for s in sorted(expected)),
+        sep="\n",
+        file=sys.stderr,
+    )
     assert sorted(got) == list(range(1, 11))
-    assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(got)], abs=1e-6, rel=0)
+    assert [got[s] for s in sorted(got)] == pytest.approx(
+        [expected[s] for s in sorted(got)], abs=1e-6, rel=0
+    )

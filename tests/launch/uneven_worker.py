@@ -35,10 +35,22 @@ COLLECTIVE_TIMEOUT_S = 60
 def main(data_dir: str, out_dir: str, epochs: int) -> None:
     die_with_parent()  # a test that gives up on a hang kills torchrun; the ranks must not live on
     denv = read_env()
-    dist.init_process_group("gloo", rank=denv.rank, world_size=denv.world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    loader = ShardLoader(data_dir, "causal_lm", "train", micro_batch_size=MICRO_BATCH, rank=denv.rank,
-                         world_size=denv.world_size, num_workers=WORKERS, seed=SEED)
+    dist.init_process_group(
+        "gloo",
+        rank=denv.rank,
+        world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    loader = ShardLoader(
+        data_dir,
+        "causal_lm",
+        "train",
+        micro_batch_size=MICRO_BATCH,
+        rank=denv.rank,
+        world_size=denv.world_size,
+        num_workers=WORKERS,
+        seed=SEED,
+    )
     report = []
     for epoch in range(epochs):
         ids, total = [], torch.zeros(1, dtype=torch.float64)
@@ -47,12 +59,20 @@ def main(data_dir: str, out_dir: str, epochs: int) -> None:
             step = torch.ones(1, dtype=torch.float64)
             dist.all_reduce(step)  # every rank must reach this as often as every other
             total += step
-        report.append({"epoch": epoch, "loader_epoch": loader.epoch, "batches": ids, "len": len(loader),
-                       "all_reduced_batches": int(total.item())})
+        report.append(
+            {
+                "epoch": epoch,
+                "loader_epoch": loader.epoch,
+                "batches": ids,
+                "len": len(loader),
+                "all_reduced_batches": int(total.item()),
+            }
+        )
     dist.barrier()
     (Path(out_dir) / f"rank{denv.rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run_rank(lambda: main(sys.argv[1], sys.argv[2], int(sys.argv[3])))  # os._exit: no gloo teardown abort
+    # os._exit: no gloo teardown abort
+    run_rank(lambda: main(sys.argv[1], sys.argv[2], int(sys.argv[3])))

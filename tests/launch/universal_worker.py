@@ -36,28 +36,42 @@ from launch.optim import build_optimizer, build_scheduler  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.config import LoaderConfig  # noqa: E402
 
-MODEL = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0)
+MODEL = ModelConfig(
+    arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0
+)
 GLOBAL_BATCH, MICRO, STEPS = 4, 2, 3
 TAG = ckpt.tag_for(STEPS)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, MODEL.vocab_size, (GLOBAL_BATCH, MODEL.max_seq_len + 1), generator=generator)
+    tokens = torch.randint(
+        0, MODEL.vocab_size, (GLOBAL_BATCH, MODEL.max_seq_len + 1), generator=generator
+    )
     return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs and the next tokens
 
 
 def build(stage: int, precision: str, world_size: int, *, load_universal: bool = False) -> Engine:
     grad_accum = GLOBAL_BATCH // (MICRO * world_size)
-    cfg = TrainConfig(max_steps=10, grad_accum=grad_accum, model=MODEL, data=LoaderConfig(micro_batch_size=MICRO),
-                      optim=OptimConfig(lr=1e-2), schedule=ScheduleConfig(warmup_steps=2),
-                      deepspeed=DeepSpeedConfig(zero_stage=stage, precision=precision, zero3_persistence_threshold=0))
+    cfg = TrainConfig(
+        max_steps=10,
+        grad_accum=grad_accum,
+        model=MODEL,
+        data=LoaderConfig(micro_batch_size=MICRO),
+        optim=OptimConfig(lr=1e-2),
+        schedule=ScheduleConfig(warmup_steps=2),
+        deepspeed=DeepSpeedConfig(
+            zero_stage=stage, precision=precision, zero3_persistence_threshold=0
+        ),
+    )
     plan = BatchPlan(MICRO, grad_accum, world_size)
     torch.manual_seed(0)
     model = build_model(MODEL)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
-    return Engine(model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal))
+    return Engine(
+        model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)
+    )
 
 
 def train_step(engine: Engine, step: int, rank: int, world_size: int) -> float:
@@ -84,7 +98,9 @@ def save(out: Path, stage: int, precision: str) -> None:
     engine.save(root, TAG, {"step": STEPS, "world_size": world_size})
     dist.barrier()
     if rank == 0:  # as launch.train's save_checkpoint does
-        (root / TAG / "client_state.json").write_text(json.dumps({"step": STEPS, "world_size": world_size}) + "\n")
+        (root / TAG / "client_state.json").write_text(
+            json.dumps({"step": STEPS, "world_size": world_size}) + "\n"
+        )
     saved = engine.full_state()
     loss = train_step(engine, STEPS, rank, world_size)
     after = engine.full_state()

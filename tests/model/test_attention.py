@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import model.blocks as blocks
-from model.blocks import _RecomputedAttention, document_attention_mask, padding_mask, self_attention_mask
+from model.blocks import (
+    _RecomputedAttention,
+    document_attention_mask,
+    padding_mask,
+    self_attention_mask,
+)
 
 BF16_U = 2.0**-8  # bf16's unit roundoff
 
@@ -49,14 +54,17 @@ def _rel(got, ref):
 
 
 @pytest.mark.parametrize("sharpness", [1.0, 8.0])  # scores ~ N(0, 1), and ~ N(0, 64): peaked rows
-@pytest.mark.parametrize("name, T, S", [
-    ("causal", 64, 64),
-    ("causal+padding", 48, 48),
-    ("padding", 40, 40),  # BERT
-    ("causal documents", 64, 64),  # GPT, packed documents
-    ("documents", 64, 64),  # BERT, packed documents
-    ("padding", 24, 56),  # cross-attention: other key length
-])
+@pytest.mark.parametrize(
+    "name, T, S",
+    [
+        ("causal", 64, 64),
+        ("causal+padding", 48, 48),
+        ("padding", 40, 40),  # BERT
+        ("causal documents", 64, 64),  # GPT, packed documents
+        ("documents", 64, 64),  # BERT, packed documents
+        ("padding", 24, 56),  # cross-attention: other key length
+    ],
+)
 def test_recomputed_attention_matches_float32_sdpa_as_closely_as_bf16_sdpa(name, T, S, sharpness):
     q, k, v, grad = _qkv(3, 2, T, S, 16, sharpness=sharpness)
     mask, is_causal = _masks(name, 3, T, S)
@@ -66,11 +74,20 @@ def test_recomputed_attention_matches_float32_sdpa_as_closely_as_bf16_sdpa(name,
 
     ref = _run(sdpa, q, k, v, grad, torch.float32)
     theirs = _run(sdpa, q, k, v, grad, torch.bfloat16)
-    ours = _run(lambda q, k, v: _RecomputedAttention.apply(q, k, v, mask, is_causal), q, k, v, grad, torch.bfloat16)
+    ours = _run(
+        lambda q, k, v: _RecomputedAttention.apply(q, k, v, mask, is_causal),
+        q,
+        k,
+        v,
+        grad,
+        torch.bfloat16,
+    )
     for what, got, other, want in zip(("output", "grad q", "grad k", "grad v"), ours, theirs, ref):
         err, sdpa_err = _rel(got, want), _rel(other, want)
         # Scores rounded to bf16 (an earlier version) passed at sharpness 1 and failed at 8.
-        assert err <= max(1.5 * sdpa_err, 2 * BF16_U), f"{name} {what}: {err:.2e} against bf16 SDPA's {sdpa_err:.2e}"
+        assert err <= max(1.5 * sdpa_err, 2 * BF16_U), (
+            f"{name} {what}: {err:.2e} against bf16 SDPA's {sdpa_err:.2e}"
+        )
 
 
 def _profiled_step(block, x):
@@ -84,7 +101,16 @@ def _profiled_step(block, x):
 def test_compiled_bf16_blocks_recompute_attention_up_to_the_key_limit_and_match_eager(monkeypatch):
     from model import ModelConfig
 
-    cfg = ModelConfig(arch="gpt", vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=32, dropout=0.0)
+    cfg = ModelConfig(
+        arch="gpt",
+        vocab_size=64,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        d_ff=64,
+        max_seq_len=32,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     eager = blocks.Block(cfg)
     x = torch.randn(2, 16, 32)
@@ -104,10 +130,13 @@ def test_compiled_bf16_blocks_recompute_attention_up_to_the_key_limit_and_match_
     compiled.forward = torch.compile(compiled.forward, backend="inductor")
     got = grads(compiled, torch.bfloat16)
     for i, (g, e, r) in enumerate(zip(got, bf16, ref)):
-        assert _rel(g, r) <= max(1.5 * _rel(e, r), 4 * BF16_U), f"parameter {i}: {_rel(g, r):.2e} against eager's {_rel(e, r):.2e}"
+        assert _rel(g, r) <= max(1.5 * _rel(e, r), 4 * BF16_U), (
+            f"parameter {i}: {_rel(g, r):.2e} against eager's {_rel(e, r):.2e}"
+        )
 
     flash_backward = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
-    assert flash_backward not in _profiled_step(compiled, x.to(torch.bfloat16))  # 16 keys: recomputed
+    # 16 keys: recomputed
+    assert flash_backward not in _profiled_step(compiled, x.to(torch.bfloat16))
     assert flash_backward in _profiled_step(eager, x.to(torch.bfloat16))  # eager: SDPA's backward
     monkeypatch.setattr(blocks, "RECOMPUTE_MAX_KEYS", 8)  # 16 keys are now too many: SDPA again
     torch._dynamo.reset()

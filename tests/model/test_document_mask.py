@@ -35,7 +35,16 @@ VARIANTS = {
 
 
 def tiny(arch: str, **overrides) -> ModelConfig:
-    base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
+    base = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_seq_len=32,
+        dropout=0.0,
+    )
     return ModelConfig(**{**base, **overrides}).validate()
 
 
@@ -83,8 +92,11 @@ def assert_each_document_as_if_alone(model, inputs):
         kernel = model.attention_kernel
         for row, (_, real) in enumerate(ROWS):
             for start, end in documents(inputs["document_ids"][row], real):
-                alone = model(inputs["input_ids"][row:row + 1, start:end]).logits  # positions from 0
-                torch.testing.assert_close(packed[row:row + 1, start:end], alone, rtol=1e-5, atol=1e-5)
+                # positions from 0
+                alone = model(inputs["input_ids"][row : row + 1, start:end]).logits
+                torch.testing.assert_close(
+                    packed[row : row + 1, start:end], alone, rtol=1e-5, atol=1e-5
+                )
     return kernel
 
 
@@ -105,7 +117,9 @@ def test_without_document_ids_documents_see_each_other(arch):
     with torch.no_grad():
         masked = model(**inputs).logits
         plain = model(inputs["input_ids"], inputs["attention_mask"]).logits
-        one_document = model(**{**inputs, "document_ids": torch.zeros_like(inputs["document_ids"])}).logits
+        one_document = model(
+            **{**inputs, "document_ids": torch.zeros_like(inputs["document_ids"])}
+        ).logits
     assert model.attention_kernel == "sdpa (document mask)"
     start, end = documents(inputs["document_ids"][0], 30)[1]
     assert not torch.allclose(masked[0, start:end], plain[0, start:end], atol=1e-3)
@@ -117,14 +131,18 @@ def test_without_document_ids_documents_see_each_other(arch):
 
 def test_positions_restart_at_each_document():
     document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3, 3]])
-    assert positions_in_documents(document_ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4, 0, 0, 1]]
+    assert positions_in_documents(document_ids).tolist() == [
+        [0, 1, 2, 0, 1, 0, 1, 2, 3],
+        [0, 0, 1, 2, 3, 4, 0, 0, 1],
+    ]
 
 
 def test_dense_document_mask_by_hand():
     document_ids = torch.tensor([[0, 0, 1, 1]])
     key_mask = torch.tensor([[1, 1, 1, 0]])
     causal = document_attention_mask(document_ids, key_mask, causal=True)[0, 0].int().tolist()
-    assert causal == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0]]  # the pad query sees its document
+    # the pad query sees its document
+    assert causal == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0]]
     bidirectional = document_attention_mask(document_ids, None, causal=False)[0, 0].int().tolist()
     assert bidirectional == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
 
@@ -147,7 +165,9 @@ def test_flex_attention_equals_sdpa_on_cpu(arch, variant):
     it has no CPU backward): the logits of SDPA with the dense mask, padding included; with the
     llama variant, FlexAttention's own grouped key/value heads (`enable_gqa`) in a rotary stack."""
     torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else BERT)(tiny(arch, **(VARIANTS["llama"] if variant == "llama" else {}))).eval()
+    model = (GPT if arch == "gpt" else BERT)(
+        tiny(arch, **(VARIANTS["llama"] if variant == "llama" else {}))
+    ).eval()
     inputs = batch()
     logits = {}
     for kernel in ("sdpa", "flex_attention"):
@@ -157,7 +177,9 @@ def test_flex_attention_equals_sdpa_on_cpu(arch, variant):
             logits[kernel] = model(**inputs).logits
         assert model.attention_kernel == f"{kernel} (document mask)"
     real = inputs["attention_mask"].bool()
-    torch.testing.assert_close(logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        logits["flex_attention"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_auto_kernel_is_sdpa_on_cpu_and_with_attention_dropout():
@@ -167,10 +189,14 @@ def test_auto_kernel_is_sdpa_on_cpu_and_with_attention_dropout():
     assert model._document_kernel(torch.device("cuda")) == "sdpa"  # FlexAttention has no dropout
     model.eval()
     from model.blocks import FLEX_MIN_HEAD_DIM, flex_attention_available
+
     assert tiny("gpt").d_model // tiny("gpt").n_heads < FLEX_MIN_HEAD_DIM
-    assert model._document_kernel(torch.device("cuda")) == "sdpa"  # heads too narrow for FlexAttention's kernel
+    # heads too narrow for FlexAttention's kernel
+    assert model._document_kernel(torch.device("cuda")) == "sdpa"
     wide = GPT(tiny("gpt", n_heads=2)).eval()  # 16 dimensions a head
-    assert wide._document_kernel(torch.device("cuda")) == ("flex_attention" if flex_attention_available() else "sdpa")
+    assert wide._document_kernel(torch.device("cuda")) == (
+        "flex_attention" if flex_attention_available() else "sdpa"
+    )
     model.document_attention = "flex_attention"
     with pytest.raises(ValueError, match="heads of 8 dimensions"):
         model._document_kernel(torch.device("cuda"))
@@ -182,7 +208,8 @@ def test_flex_attention_on_cuda(arch):
     """On CUDA the automatic kernel is compiled FlexAttention: each document as if alone, and the
     logits and gradients of SDPA with the dense mask."""
     torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else BERT)(tiny(arch, n_heads=2)).cuda()  # 16 dimensions a head, its kernel's least
+    # 16 dimensions a head, its kernel's least
+    model = (GPT if arch == "gpt" else BERT)(tiny(arch, n_heads=2)).cuda()
     inputs = {key: value.cuda() for key, value in batch().items()}
     results = {}
     for kernel in ("auto", "sdpa"):
@@ -195,7 +222,9 @@ def test_flex_attention_on_cuda(arch):
         results[kernel] += ([p.grad.clone() for p in model.parameters() if p.grad is not None],)
     assert results["auto"][0] == "flex_attention (document mask)"
     real = inputs["attention_mask"].bool()
-    torch.testing.assert_close(results["auto"][1][real], results["sdpa"][1][real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        results["auto"][1][real], results["sdpa"][1][real], rtol=1e-4, atol=1e-4
+    )
     for flex_grad, sdpa_grad in zip(results["auto"][2], results["sdpa"][2], strict=True):
         torch.testing.assert_close(flex_grad, sdpa_grad, rtol=1e-3, atol=1e-5)
     model.document_attention = "auto"
@@ -223,7 +252,9 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
         assert model.attention_kernel == "flex_attention (document mask)"
         compile_model(model)
         model.train()
-        model(**{k: v for k, v in inputs.items() if k != "document_ids"}).logits.float().square().mean().backward()
+        model(
+            **{k: v for k, v in inputs.items() if k != "document_ids"}
+        ).logits.float().square().mean().backward()
         torch.cuda.synchronize()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
@@ -235,22 +266,34 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
 def test_collate_numbers_documents_from_doc_starts():
     from pipeline.collate import pack, unpack
 
-    samples = [[np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
-               [np.array([9, 3, 9], np.uint16), np.array([0, 2], np.uint16)]]
+    samples = [
+        [np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
+        [np.array([9, 3, 9], np.uint16), np.array([0, 2], np.uint16)],
+    ]
     batch = unpack("causal_lm", pack("causal_lm", samples, document_mask=True))
-    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]]  # padding: the last document
+    # padding: the last document
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]]
     assert batch["document_ids"].dtype == torch.long
     assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("starts, problem", [([1, 3], "0 first"), ([0, 3, 3], "strictly increasing"),
-                                             ([0, 5, 2], "strictly increasing"), ([0, 6], "below 6")])
+@pytest.mark.parametrize(
+    "starts, problem",
+    [
+        ([1, 3], "0 first"),
+        ([0, 3, 3], "strictly increasing"),
+        ([0, 5, 2], "strictly increasing"),
+        ([0, 6], "below 6"),
+    ],
+)
 def test_bad_doc_starts_make_an_unreadable_sample(starts, problem):
     from pipeline.format import encode_array
     from pipeline.shards import decode_sample
 
-    raw = {"input_ids": encode_array(np.array([9, 9, 3, 9, 3, 9], np.uint16)),
-           "doc_starts": encode_array(np.array(starts, np.uint16))}
+    raw = {
+        "input_ids": encode_array(np.array([9, 9, 3, 9, 3, 9], np.uint16)),
+        "doc_starts": encode_array(np.array(starts, np.uint16)),
+    }
     with pytest.raises(ValueError, match=problem.split()[0]):
         decode_sample(raw, ("input_ids", "doc_starts"), vocab_size=40)
     raw["doc_starts"] = encode_array(np.array([0, 3, 5], np.uint16))
@@ -269,11 +312,18 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 
     manifest = json.loads((old_dir / "manifest.json").read_text())
     for record in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:
-        members = read_shard(Shard(0, str(old_dir / record["path"]), record["samples"], None), ("input_ids",),
-                             set(range(record["samples"])))
+        members = read_shard(
+            Shard(0, str(old_dir / record["path"]), record["samples"], None),
+            ("input_ids",),
+            set(range(record["samples"])),
+        )
         blocks = [decode_array(members[i]["input_ids"]) for i in range(record["samples"])]
         keys = [f"{Path(record['path']).stem}_{i:04d}" for i in range(record["samples"])]
-        written = write_shard(new_dir / record["path"], keys, [{"input_ids": b, "doc_starts": doc_starts(b)} for b in blocks])
+        written = write_shard(
+            new_dir / record["path"],
+            keys,
+            [{"input_ids": b, "doc_starts": doc_starts(b)} for b in blocks],
+        )
         record.update({**written, "path": record["path"]})
     manifest["datasets"]["packed"]["fields"] = ["input_ids", "doc_starts"]
     (new_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -281,8 +331,8 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tmp_path, task):
-    from pipeline.loader import ShardLoader
     from common.configure import UserError
+    from pipeline.loader import ShardLoader
     from tests.shardtools import make_dataset
 
     old, new = tmp_path / "old", tmp_path / "new"
@@ -290,24 +340,33 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
     with_doc_starts(old, new)
 
     def batches(data_dir, **kw):
-        return list(ShardLoader(str(data_dir), task, "train", micro_batch_size=2, num_workers=1, seed=3, **kw))
+        return list(
+            ShardLoader(
+                str(data_dir), task, "train", micro_batch_size=2, num_workers=1, seed=3, **kw
+            )
+        )
 
     before = batches(old)
-    for a, b in zip(before, batches(new), strict=True):  # doc_starts stored, not asked for: today's batches
+    # doc_starts stored, not asked for: today's batches
+    for a, b in zip(before, batches(new), strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     masked = batches(new, document_mask=True)
     for a, b in zip(before, masked, strict=True):
         assert set(b) == set(a) | {"document_ids"} and all(torch.equal(a[key], b[key]) for key in a)
         ids = b.get("original_ids", b["input_ids"])
         # A document starts at 0 and right after each </s> inside the block.
-        expected = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1)
+        expected = torch.cat(
+            [torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1
+        )
         assert torch.equal(b["document_ids"], expected)
     # The trainer's inputs: the document structure reaches the model, and is never dropped on the
     # way to the device as an all-ones attention mask is; without the flag there is none.
     from launch.tasks import TASKS
 
     inputs = TASKS[task].model_inputs(masked[0], torch.device("cpu"))
-    assert "attention_mask" not in inputs and torch.equal(inputs["document_ids"], masked[0]["document_ids"])
+    assert "attention_mask" not in inputs and torch.equal(
+        inputs["document_ids"], masked[0]["document_ids"]
+    )
     assert "document_ids" not in TASKS[task].model_inputs(before[0], torch.device("cpu"))
     with pytest.raises(UserError, match="prepared without document boundaries.*prepare it again"):
         ShardLoader(str(old), task, "train", micro_batch_size=2, document_mask=True)
@@ -331,11 +390,15 @@ def test_prepared_blocks_number_their_documents_after_each_eos(tiny_dataset):
     after each </s> of a block, in every block of an epoch."""
     from pipeline.loader import ShardLoader
 
-    loader = ShardLoader(str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True)
+    loader = ShardLoader(
+        str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True
+    )
     documents_seen = 0
     for batch in loader:
         ids = batch["input_ids"]
-        expected = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1)
+        expected = torch.cat(
+            [torch.zeros_like(ids[:, :1]), (ids[:, :-1] == EOS).long().cumsum(1)], dim=1
+        )
         assert torch.equal(batch["document_ids"], expected)
         documents_seen += int(batch["document_ids"][:, -1].sum()) + len(ids)
     assert documents_seen > 1.5 * len(loader) * 8  # blocks of several documents, not one each
@@ -355,23 +418,48 @@ def test_train_with_document_mask(tiny_dataset, tmp_path, config):
     from conftest import ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    tiny = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
-            "data.micro_batch_size=4", "data.num_workers=0", "eval_every=3", "eval_batches=1", "log_every=1",
-            "max_steps=3", "wandb.mode=disabled", "threads_per_rank=1", "deepspeed.zero_stage=0"]
+    tiny = [
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.d_ff=64",
+        "model.max_seq_len=64",
+        "data.micro_batch_size=4",
+        "data.num_workers=0",
+        "eval_every=3",
+        "eval_batches=1",
+        "log_every=1",
+        "max_steps=3",
+        "wandb.mode=disabled",
+        "threads_per_rank=1",
+        "deepspeed.zero_stage=0",
+    ]
     # The two runs are single processes and independent: side by side, on two cores.
     jobs = {}
     for masked in (True, False):
-        command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / config), f"data.data_dir={tiny_dataset}",
-                   f"run_dir={tmp_path / f'run-{masked}'}", *tiny, f"data.document_mask={str(masked).lower()}"]
-        jobs[masked] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "launch.train",
+            str(ROOT / "configs" / config),
+            f"data.data_dir={tiny_dataset}",
+            f"run_dir={tmp_path / f'run-{masked}'}",
+            *tiny,
+            f"data.document_mask={str(masked).lower()}",
+        ]
+        jobs[masked] = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     first_losses = {}
     try:
         for masked, job in jobs.items():
             _, stderr = job.communicate(timeout=600)
             assert job.returncode == 0, stderr[-4000:]
             assert ("attention: sdpa (document mask)" in stderr) == masked, stderr[-2000:]
-            rows = [json.loads(line) for line in (tmp_path / f"run-{masked}" / "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(line)
+                for line in (tmp_path / f"run-{masked}" / "metrics.jsonl").read_text().splitlines()
+            ]
             losses = [row["train/loss"] for row in rows if "train/loss" in row]
             assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
             first_losses[masked] = losses[0]

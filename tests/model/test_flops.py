@@ -12,7 +12,9 @@ from model import ModelConfig, build_model, flops_per_token, matmul_params, trai
 
 
 def test_gpt_hand_count():
-    cfg = ModelConfig(arch="gpt", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    cfg = ModelConfig(
+        arch="gpt", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8
+    )
     # Matmul weights a token passes through: q, k, v, out 4 * 4*4 = 64; MLP 4*8 + 8*4 = 64;
     # LM head 4*10 = 40.
     assert matmul_params(cfg) == 64 + 64 + 40
@@ -24,21 +26,44 @@ def test_gpt_hand_count():
 
 
 def test_bert_and_seq2seq_hand_count():
-    bert = ModelConfig(arch="bert", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    bert = ModelConfig(
+        arch="bert", vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, max_seq_len=8
+    )
     assert matmul_params(bert) == 168 + 16  # the MLM head's dense layer
-    s2s = ModelConfig(arch="seq2seq", vocab_size=10, d_model=4, n_layers=1, n_decoder_layers=1, n_heads=2, d_ff=8, max_seq_len=8)
+    s2s = ModelConfig(
+        arch="seq2seq",
+        vocab_size=10,
+        d_model=4,
+        n_layers=1,
+        n_decoder_layers=1,
+        n_heads=2,
+        d_ff=8,
+        max_seq_len=8,
+    )
     encoder = 6 * 128 * 5 + 12 * 1 * 5 * 5 * 4  # S=5: blocks only, no head
     decoder_tokens = 6 * (128 + 2 * 16 + 40) * 3  # T=3: block, cross-attention q and out, LM head
     memory_kv = 6 * 2 * 16 * 5  # cross-attention keys and values of the 5 memory positions
     attention = 12 * 1 * (3 + 5) * 3 * 4  # self (T keys) and cross (S keys) attention of T queries
-    assert training_flops(s2s, seq_len=5, tgt_len=3) == encoder + decoder_tokens + memory_kv + attention
+    assert (
+        training_flops(s2s, seq_len=5, tgt_len=3)
+        == encoder + decoder_tokens + memory_kv + attention
+    )
     assert flops_per_token(s2s, 5, 3) == training_flops(s2s, 5, 3) / 8
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert", "seq2seq"])
 def test_formula_equals_torch_flop_counter(arch):
-    cfg = ModelConfig(arch=arch, vocab_size=50, d_model=16, n_layers=2, n_heads=2, d_ff=24, max_seq_len=16,
-                      dropout=0.0, n_decoder_layers=3 if arch == "seq2seq" else 0)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=50,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        d_ff=24,
+        max_seq_len=16,
+        dropout=0.0,
+        n_decoder_layers=3 if arch == "seq2seq" else 0,
+    )
     model = build_model(cfg)
     src = torch.randint(5, 50, (1, 7))
     tgt = torch.randint(5, 50, (1, 5))
@@ -50,33 +75,75 @@ def test_formula_equals_torch_flop_counter(arch):
     with counter, sdpa_kernel(SDPBackend.MATH):
         out = model(src, None, tgt, labels=tgt) if arch == "seq2seq" else model(src, labels=labels)
         out.loss.backward()
-    assert counter.get_total_flops() == training_flops(cfg, 7, 5, scored=4 if arch == "bert" else None)
+    assert counter.get_total_flops() == training_flops(
+        cfg, 7, 5, scored=4 if arch == "bert" else None
+    )
 
 
 def test_llama_shape_hand_count():
     """Grouped-query attention shrinks k and v to d x d_kv; a gated MLP has three d x d_ff matrices;
     the untied LM head counts as the tied one did (a matmul either way); attention's T^2 term stays."""
-    cfg = ModelConfig(arch="gpt", vocab_size=10, d_model=8, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=6, max_seq_len=8,
-                      positions="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
+    cfg = ModelConfig(
+        arch="gpt",
+        vocab_size=10,
+        d_model=8,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=6,
+        max_seq_len=8,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        tie_embeddings=False,
+    )
     # q, out 2 * 8*8 = 128; k, v 2 * 8*4 = 64 (2 heads of 2); MLP 3 * 8*6 = 144; LM head 8*10 = 80.
     assert matmul_params(cfg) == 128 + 64 + 144 + 80
     assert flops_per_token(cfg, seq_len=3) == 6 * 416 + 12 * 1 * 3 * 8
-    s2s = ModelConfig(arch="seq2seq", vocab_size=10, d_model=8, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=6,
-                      max_seq_len=8, activation="swiglu")
+    s2s = ModelConfig(
+        arch="seq2seq",
+        vocab_size=10,
+        d_model=8,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=6,
+        max_seq_len=8,
+        activation="swiglu",
+    )
     encoder = 6 * (192 + 144) * 5 + 12 * 1 * 5 * 5 * 8  # S=5
-    decoder_tokens = 6 * (192 + 144 + 128 + 80) * 3  # T=3: block, cross-attention q and out, LM head
+    # T=3: block, cross-attention q and out, LM head
+    decoder_tokens = 6 * (192 + 144 + 128 + 80) * 3
     memory_kv = 6 * 64 * 5  # cross-attention k and v (2 kv heads) of the 5 memory positions
     attention = 12 * 1 * (3 + 5) * 3 * 8
-    assert training_flops(s2s, seq_len=5, tgt_len=3) == encoder + decoder_tokens + memory_kv + attention
+    assert (
+        training_flops(s2s, seq_len=5, tgt_len=3)
+        == encoder + decoder_tokens + memory_kv + attention
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert", "seq2seq"])
 def test_formula_equals_torch_flop_counter_in_the_llama_shape(arch):
     """Rotary positions, RMSNorm, SwiGLU, 2 key/value heads of 4 (SDPA's math path counts the
     grouped heads' attention as the full one), no biases, untied output layer."""
-    cfg = ModelConfig(arch=arch, vocab_size=50, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=16,
-                      dropout=0.0, n_decoder_layers=3 if arch == "seq2seq" else 0, positions="rope", norm="rmsnorm",
-                      activation="swiglu", bias=False, tie_embeddings=arch != "seq2seq")
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=50,
+        d_model=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=24,
+        max_seq_len=16,
+        dropout=0.0,
+        n_decoder_layers=3 if arch == "seq2seq" else 0,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        tie_embeddings=arch != "seq2seq",
+    )
     model = build_model(cfg)
     src = torch.randint(5, 50, (1, 7))
     tgt = torch.randint(5, 50, (1, 5))
@@ -87,7 +154,9 @@ def test_formula_equals_torch_flop_counter_in_the_llama_shape(arch):
     with counter, sdpa_kernel(SDPBackend.MATH):
         out = model(src, None, tgt, labels=tgt) if arch == "seq2seq" else model(src, labels=labels)
         out.loss.backward()
-    assert counter.get_total_flops() == training_flops(cfg, 7, 5, scored=4 if arch == "bert" else None)
+    assert counter.get_total_flops() == training_flops(
+        cfg, 7, 5, scored=4 if arch == "bert" else None
+    )
 
 
 def test_llmc_count_takes_every_parameter_of_an_untied_head():
@@ -97,5 +166,7 @@ def test_llmc_count_takes_every_parameter_of_an_untied_head():
     untied = dataclasses.replace(tied, tie_embeddings=False)
     n = [sum(p.numel() for p in build_model(c).parameters()) for c in (tied, untied)]
     assert n[1] - n[0] == 100 * 16
-    assert llmc_flops_per_token(untied, n[1], 8) - llmc_flops_per_token(tied, n[0], 8) == 6 * 100 * 16
+    assert (
+        llmc_flops_per_token(untied, n[1], 8) - llmc_flops_per_token(tied, n[0], 8) == 6 * 100 * 16
+    )
     assert flops_per_token(untied, 8) == flops_per_token(tied, 8)  # ours: the same matmuls

@@ -16,7 +16,16 @@ PAD, BOS, EOS = 0, 2, 3
 
 
 def tiny(arch: str, **overrides) -> ModelConfig:
-    base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.1)
+    base = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_seq_len=32,
+        dropout=0.1,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -34,7 +43,11 @@ def gpt():
 def seq2seq(request):
     torch.manual_seed(0)
     # A mixed model, as warm starting makes it: post-LN BERT-like encoder, chosen decoder.
-    cfg = tiny("seq2seq", encoder=StackConfig(norm_position="post"), decoder=StackConfig(norm_position=request.param))
+    cfg = tiny(
+        "seq2seq",
+        encoder=StackConfig(norm_position="post"),
+        decoder=StackConfig(norm_position=request.param),
+    )
     return build_model(cfg)
 
 
@@ -109,18 +122,33 @@ def test_gpt_sampling_is_reproducible_and_seeded(gpt):
     prompt = ids(3, 4)
 
     def sample(seed, **kw):
-        return gpt.generate(prompt, max_new_tokens=10, do_sample=True, generator=torch.Generator().manual_seed(seed), **kw)
+        return gpt.generate(
+            prompt,
+            max_new_tokens=10,
+            do_sample=True,
+            generator=torch.Generator().manual_seed(seed),
+            **kw,
+        )
 
     assert torch.equal(sample(1), sample(1))
     assert not torch.equal(sample(1), sample(2))
-    assert torch.equal(sample(1, temperature=0.7, top_k=5, top_p=0.9), sample(1, temperature=0.7, top_k=5, top_p=0.9))
+    assert torch.equal(
+        sample(1, temperature=0.7, top_k=5, top_p=0.9),
+        sample(1, temperature=0.7, top_k=5, top_p=0.9),
+    )
 
 
 def test_gpt_top_k_1_and_tiny_top_p_equal_greedy(gpt):
     prompt = ids(3, 4)
     greedy = gpt.generate(prompt, max_new_tokens=8)
     for kw in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, temperature=5.0)):
-        sampled = gpt.generate(prompt, max_new_tokens=8, do_sample=True, generator=torch.Generator().manual_seed(0), **kw)
+        sampled = gpt.generate(
+            prompt,
+            max_new_tokens=8,
+            do_sample=True,
+            generator=torch.Generator().manual_seed(0),
+            **kw,
+        )
         assert torch.equal(sampled, greedy), kw
 
 
@@ -164,7 +192,9 @@ def test_seq2seq_cached_greedy_equals_recomputation(seq2seq):
     tgt = torch.full((2, 1), BOS)
     with torch.no_grad():
         for _ in range(7):
-            tgt = torch.cat([tgt, seq2seq(src, None, tgt).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            tgt = torch.cat(
+                [tgt, seq2seq(src, None, tgt).logits[:, -1].argmax(-1, keepdim=True)], 1
+            )
     assert not (tgt[:, 1:] == EOS).any()  # an untrained model: no early stop to account for
     assert torch.equal(hyp.tokens, tgt[:, 1:]) and hyp.lengths.tolist() == [7, 7]
 
@@ -182,7 +212,9 @@ def test_beam_search_with_one_beam_equals_greedy(seq2seq, scale):
     torch.testing.assert_close(beam.scores, greedy.scores)
 
 
-def _teacher_forced_score(model, src, src_mask, tokens, ended: bool, length_penalty: float) -> float:
+def _teacher_forced_score(
+    model, src, src_mask, tokens, ended: bool, length_penalty: float
+) -> float:
     model.eval()
     with torch.no_grad():
         inputs = torch.tensor([[BOS] + tokens])
@@ -202,7 +234,9 @@ def test_beam_search_scores_match_the_model(seq2seq, length_penalty):
         for b in range(2):
             tokens = hyp.tokens[b, : hyp.lengths[b]].tolist()
             ended = len(tokens) < 8
-            expected = _teacher_forced_score(model, src[b : b + 1], src_mask[b : b + 1], tokens, ended, length_penalty)
+            expected = _teacher_forced_score(
+                model, src[b : b + 1], src_mask[b : b + 1], tokens, ended, length_penalty
+            )
             assert hyp.scores[b].item() == pytest.approx(expected, abs=1e-4)
 
 
@@ -231,7 +265,9 @@ def test_seq2seq_batched_padded_sources_equal_each_alone(seq2seq, scale):
 
 # Unsynced, greedy stops after the first step; beam search once 3 hypotheses have ended:
 # one at step 0 (all beams are still the same <s>), then one per beam at step 1.
-@pytest.mark.parametrize("beam_size, synced, expected_steps", [(1, False, 1), (3, False, 2), (1, True, 5), (3, True, 5)])
+@pytest.mark.parametrize(
+    "beam_size, synced, expected_steps", [(1, False, 1), (3, False, 2), (1, True, 5), (3, True, 5)]
+)
 def test_seq2seq_stops_at_eos_unless_synced(seq2seq, beam_size, synced, expected_steps):
     lm_head = seq2seq.decoder.lm_head
     with counting(lm_head) as calls, counting(seq2seq.encoder) as encoder_calls, eos_bonus(lm_head):
@@ -258,7 +294,8 @@ def test_row_limits_follow_fairseqs_formula():
         row_limits(src, mask, 30, -1.0, 0)
 
 
-@pytest.mark.parametrize("beam_size, scale", [(1, 0.02), (3, 0.05)])  # both: some rows cut, some ended
+# both: some rows cut, some ended
+@pytest.mark.parametrize("beam_size, scale", [(1, 0.02), (3, 0.05)])
 def test_a_rows_own_limit_equals_max_len_for_it_alone(seq2seq, beam_size, scale):
     """max_len_a/b: each row of a batch decodes as it would alone with max_len = its own limit,
     for rows that end before it (ending_early) and rows it cuts."""
@@ -281,7 +318,14 @@ def test_a_rows_own_limit_equals_max_len_for_it_alone(seq2seq, beam_size, scale)
 
 # --- the Llama shape: rotary positions, grouped key/value heads in the cache ----------------
 
-LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2, bias=False, tie_embeddings=False)
+LLAMA = dict(
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    n_kv_heads=2,
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -326,10 +370,13 @@ def test_rotary_seq2seq_cached_greedy_equals_recomputation(rotary_seq2seq):
     tgt = torch.full((2, 1), BOS)
     with torch.no_grad():
         for _ in range(7):
-            tgt = torch.cat([tgt, rotary_seq2seq(src, None, tgt).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            tgt = torch.cat(
+                [tgt, rotary_seq2seq(src, None, tgt).logits[:, -1].argmax(-1, keepdim=True)], 1
+            )
     for row in range(2):
         expected = tgt[row, 1:].tolist()
-        expected = expected[: expected.index(EOS)] if EOS in expected else expected  # </s> is not returned
+        # </s> is not returned
+        expected = expected[: expected.index(EOS)] if EOS in expected else expected
         assert hyp.tokens[row, : hyp.lengths[row]].tolist() == expected
 
 
@@ -341,8 +388,9 @@ def test_rotary_seq2seq_beam_scores_match_the_model_and_padding_changes_nothing(
     hyp = rotary_seq2seq.generate(src, src_mask, max_len=8, beam_size=3)
     for b in range(2):
         tokens = hyp.tokens[b, : hyp.lengths[b]].tolist()
-        expected = _teacher_forced_score(rotary_seq2seq, src[b : b + 1], src_mask[b : b + 1], tokens,
-                                         len(tokens) < 8, 1.0)
+        expected = _teacher_forced_score(
+            rotary_seq2seq, src[b : b + 1], src_mask[b : b + 1], tokens, len(tokens) < 8, 1.0
+        )
         assert hyp.scores[b].item() == pytest.approx(expected, abs=1e-4)
     alone = rotary_seq2seq.generate(src[1:, :4], max_len=8, beam_size=3)
     n = int(alone.lengths[0])

@@ -49,18 +49,37 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def hf_gpt2():
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  bos_token_id=2, eos_token_id=3, pad_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=V,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     return perturb(transformers.GPT2LMHeadModel(cfg))
 
 
 @pytest.fixture(scope="module")
 def hf_bert():
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=48, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, bos_token_id=2, eos_token_id=3)
+    cfg = transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
     torch.manual_seed(0)
     return perturb(transformers.BertForMaskedLM(cfg))
 
@@ -75,8 +94,21 @@ def test_gpt2_into_ours(hf_gpt2):
 
 def test_ours_into_gpt2():
     torch.manual_seed(1)
-    ours = perturb(build_model(ModelConfig(arch="gpt", vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=48,
-                                           max_seq_len=16, activation="gelu_tanh", dropout=0.0)))
+    ours = perturb(
+        build_model(
+            ModelConfig(
+                arch="gpt",
+                vocab_size=V,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                d_ff=48,
+                max_seq_len=16,
+                activation="gelu_tanh",
+                dropout=0.0,
+            )
+        )
+    )
     hf = gpt_to_hf(ours).eval()
     x = ids(2, 12, seed=1)
     with torch.no_grad():
@@ -86,20 +118,41 @@ def test_ours_into_gpt2():
 
 def test_bert_into_ours(hf_bert):
     ours = bert_from_hf(hf_bert).eval()
-    assert (ours.cfg.norm_position, ours.cfg.layer_norm_eps, ours.cfg.activation) == ("post", 1e-12, "gelu")
+    assert (ours.cfg.norm_position, ours.cfg.layer_norm_eps, ours.cfg.activation) == (
+        "post",
+        1e-12,
+        "gelu",
+    )
     x = ids(2, 12)
     mask = torch.ones_like(x)
     mask[1, 8:] = 0
     with torch.no_grad():
         assert max_diff(ours(x).logits, hf_bert(x).logits) < ATOL
         real = mask.bool()
-        assert max_diff(ours(x, mask).logits[real], hf_bert(x, attention_mask=mask).logits[real]) < ATOL
+        assert (
+            max_diff(ours(x, mask).logits[real], hf_bert(x, attention_mask=mask).logits[real])
+            < ATOL
+        )
 
 
 def test_ours_into_bert():
     torch.manual_seed(2)
-    ours = perturb(build_model(ModelConfig(arch="bert", vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=48,
-                                           max_seq_len=16, norm_position="post", layer_norm_eps=1e-12, dropout=0.0)))
+    ours = perturb(
+        build_model(
+            ModelConfig(
+                arch="bert",
+                vocab_size=V,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                d_ff=48,
+                max_seq_len=16,
+                norm_position="post",
+                layer_norm_eps=1e-12,
+                dropout=0.0,
+            )
+        )
+    )
     hf = bert_to_hf(ours).eval()
     x = ids(2, 12, seed=2)
     with torch.no_grad():
@@ -110,7 +163,9 @@ def test_ours_into_bert():
 def test_round_trip_keeps_hf_logits(hf_bert, hf_gpt2):
     x = ids(1, 10, seed=3)
     with torch.no_grad():
-        assert max_diff(bert_to_hf(bert_from_hf(hf_bert)).eval()(x).logits, hf_bert(x).logits) < ATOL
+        assert (
+            max_diff(bert_to_hf(bert_from_hf(hf_bert)).eval()(x).logits, hf_bert(x).logits) < ATOL
+        )
         assert max_diff(gpt_to_hf(gpt_from_hf(hf_gpt2)).eval()(x).logits, hf_gpt2(x).logits) < ATOL
 
 
@@ -118,13 +173,21 @@ def test_config_translation_refuses_other_conventions():
     with pytest.raises(ValueError, match="norm_position='pre'"):
         hf_gpt2_config(ModelConfig(arch="gpt", vocab_size=V, norm_position="post"))
     with pytest.raises(ValueError, match="positions='learned'"):
-        hf_bert_config(ModelConfig(arch="bert", vocab_size=V, norm_position="post", positions="sinusoidal"))
+        hf_bert_config(
+            ModelConfig(arch="bert", vocab_size=V, norm_position="post", positions="sinusoidal")
+        )
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
-        config_from_hf_gpt2(transformers.GPT2Config(vocab_size=V, scale_attn_by_inverse_layer_idx=True))
+        config_from_hf_gpt2(
+            transformers.GPT2Config(vocab_size=V, scale_attn_by_inverse_layer_idx=True)
+        )
     with pytest.raises(ValueError, match="is_decoder"):
         config_from_hf_bert(transformers.BertConfig(vocab_size=V, is_decoder=True))
     with pytest.raises(ValueError, match="activation 'gelu_fast'"):
-        config_from_hf_gpt2(transformers.GPT2Config(vocab_size=V, activation_function="gelu_fast", bos_token_id=2, eos_token_id=3))
+        config_from_hf_gpt2(
+            transformers.GPT2Config(
+                vocab_size=V, activation_function="gelu_fast", bos_token_id=2, eos_token_id=3
+            )
+        )
 
 
 def test_hf_special_ids_are_kept_or_overridden():
@@ -141,10 +204,21 @@ def test_hf_special_ids_are_kept_or_overridden():
 def hf_llama(request):
     """4 query heads over 2 key/value heads (grouped-query) or 1 (multi-query), an untied head,
     rotary base 1000 (not the default), RMSNorm epsilon 1e-6."""
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=request.param, max_position_embeddings=32,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=request.param,
+        max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return perturb(transformers.LlamaForCausalLM(cfg))
 
@@ -152,29 +226,63 @@ def hf_llama(request):
 def test_llama_into_ours(hf_llama):
     ours = gpt_from_llama(hf_llama).eval()
     cfg = ours.cfg
-    assert (cfg.positions, cfg.norm, cfg.activation, cfg.rope_theta, cfg.layer_norm_eps) == ("rope", "rmsnorm", "swiglu",
-                                                                                           1000.0, 1e-6)
-    assert (cfg.n_kv_heads, cfg.bias, cfg.tie_embeddings, cfg.d_ff) == (hf_llama.config.num_key_value_heads, False, False, 48)
+    assert (cfg.positions, cfg.norm, cfg.activation, cfg.rope_theta, cfg.layer_norm_eps) == (
+        "rope",
+        "rmsnorm",
+        "swiglu",
+        1000.0,
+        1e-6,
+    )
+    assert (cfg.n_kv_heads, cfg.bias, cfg.tie_embeddings, cfg.d_ff) == (
+        hf_llama.config.num_key_value_heads,
+        False,
+        False,
+        48,
+    )
     x = ids(2, 12)
     mask = torch.ones_like(x)
     mask[1, 8:] = 0  # right padding: positions are the same arange for both
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf_llama(x).logits, rtol=1e-5, atol=ATOL)
         real = mask.bool()
-        torch.testing.assert_close(ours(x, mask).logits[real], hf_llama(x, attention_mask=mask).logits[real],
-                                   rtol=1e-5, atol=ATOL)
+        torch.testing.assert_close(
+            ours(x, mask).logits[real],
+            hf_llama(x, attention_mask=mask).logits[real],
+            rtol=1e-5,
+            atol=ATOL,
+        )
 
 
 @pytest.mark.parametrize("bias, tie", [(False, True), (True, False)])
 def test_ours_into_llama(bias, tie):
     """Biases (Llama's attention_bias and mlp_bias together) and a tied head convert too."""
     torch.manual_seed(3)
-    ours = perturb(build_model(ModelConfig(arch="gpt", vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                           d_ff=48, max_seq_len=16, positions="rope", rope_theta=500000.0,
-                                           norm="rmsnorm", activation="swiglu", bias=bias, tie_embeddings=tie,
-                                           dropout=0.0)))
+    ours = perturb(
+        build_model(
+            ModelConfig(
+                arch="gpt",
+                vocab_size=V,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                d_ff=48,
+                max_seq_len=16,
+                positions="rope",
+                rope_theta=500000.0,
+                norm="rmsnorm",
+                activation="swiglu",
+                bias=bias,
+                tie_embeddings=tie,
+                dropout=0.0,
+            )
+        )
+    )
     hf = gpt_to_llama(ours).eval()
-    assert hf.config.attention_bias == hf.config.mlp_bias == bias and hf.config.tie_word_embeddings == tie
+    assert (
+        hf.config.attention_bias == hf.config.mlp_bias == bias
+        and hf.config.tie_word_embeddings == tie
+    )
     x = ids(2, 12, seed=1)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x).logits, rtol=1e-5, atol=ATOL)
@@ -200,12 +308,18 @@ def test_llama_config_translation_refuses_other_conventions():
     with pytest.raises(ValueError, match="positions='rope'"):
         hf_llama_config(ModelConfig(arch="gpt", vocab_size=V, norm="rmsnorm", activation="swiglu"))
     with pytest.raises(ValueError, match="norm='rmsnorm'"):
-        hf_llama_config(ModelConfig(arch="gpt", vocab_size=V, positions="rope", activation="swiglu"))
+        hf_llama_config(
+            ModelConfig(arch="gpt", vocab_size=V, positions="rope", activation="swiglu")
+        )
     with pytest.raises(ValueError, match="hidden_act"):
         config_from_hf_llama(transformers.LlamaConfig(vocab_size=V, hidden_act="gelu"))
     with pytest.raises(ValueError, match="rope_type='linear'"):
-        config_from_hf_llama(transformers.LlamaConfig(vocab_size=V, rope_parameters={
-            "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}))
+        config_from_hf_llama(
+            transformers.LlamaConfig(
+                vocab_size=V,
+                rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            )
+        )
     # GPT-2 and BERT take none of the new options.
     with pytest.raises(ValueError, match="norm='layernorm'"):
         hf_gpt2_config(ModelConfig(arch="gpt", vocab_size=V, norm="rmsnorm"))
@@ -239,17 +353,51 @@ def test_rotary_bert_against_modernbert_layers():
     from transformers.models.modernbert import modeling_modernbert as mb
 
     hf_cfg = transformers.ModernBertConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=16, global_attn_every_n_layers=1, norm_eps=1e-5, norm_bias=False,
-        attention_bias=False, mlp_bias=False, classifier_bias=False, decoder_bias=False, hidden_activation="gelu",
-        classifier_activation="gelu", pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        global_attn_every_n_layers=1,
+        norm_eps=1e-5,
+        norm_bias=False,
+        attention_bias=False,
+        mlp_bias=False,
+        classifier_bias=False,
+        decoder_bias=False,
+        hidden_activation="gelu",
+        classifier_activation="gelu",
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        cls_token_id=2,
+        sep_token_id=3,
+    )
     hf_cfg._attn_implementation = "eager"
     assert hf_cfg.layer_types == ["full_attention"] * 2
     theta = hf_cfg.rope_parameters["full_attention"]["rope_theta"]
     torch.manual_seed(4)
-    ours = perturb(build_model(ModelConfig(
-        arch="bert", vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=16, dropout=0.0,
-        norm_position="pre", positions="rope", rope_theta=theta, activation="geglu", bias=False, layer_norm_eps=1e-5)))
+    ours = perturb(
+        build_model(
+            ModelConfig(
+                arch="bert",
+                vocab_size=V,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                d_ff=48,
+                max_seq_len=16,
+                dropout=0.0,
+                norm_position="pre",
+                positions="rope",
+                rope_theta=theta,
+                activation="geglu",
+                bias=False,
+                layer_norm_eps=1e-5,
+            )
+        )
+    )
 
     layers = [mb.ModernBertEncoderLayer(hf_cfg, layer_idx=1).eval() for _ in range(2)]
     head = mb.ModernBertPredictionHead(hf_cfg).eval()
@@ -258,7 +406,9 @@ def test_rotary_bert_against_modernbert_layers():
         for layer, block in zip(layers, ours.blocks, strict=True):
             attn = block.attn
             layer.attn_norm.weight.copy_(block.attn_norm.weight)
-            layer.attn.Wqkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            layer.attn.Wqkv.weight.copy_(
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            )
             layer.attn.Wo.weight.copy_(attn.out_proj.weight)
             layer.mlp_norm.weight.copy_(block.mlp_norm.weight)
             layer.mlp.Wi.weight.copy_(block.mlp.fc.weight)
@@ -270,7 +420,11 @@ def test_rotary_bert_against_modernbert_layers():
         h = ours.embed.tok(x)  # (B, T, C)
         position_ids = torch.arange(x.shape[1])[None]
         cos_sin = rotary(h, position_ids, "full_attention")
-        additive = None if mask is None else torch.zeros(mask.shape).masked_fill(mask == 0, float("-inf"))[:, None, None]
+        additive = (
+            None
+            if mask is None
+            else torch.zeros(mask.shape).masked_fill(mask == 0, float("-inf"))[:, None, None]
+        )
         for layer in layers:
             h = layer(h, attention_mask=additive, position_embeddings=cos_sin)
         h = torch.nn.functional.layer_norm(h, (32,), ours.norm.weight, None, 1e-5)
@@ -282,4 +436,6 @@ def test_rotary_bert_against_modernbert_layers():
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, by_hand(x, None), rtol=1e-5, atol=ATOL)
         real = mask.bool()
-        torch.testing.assert_close(ours(x, mask).logits[real], by_hand(x, mask)[real], rtol=1e-5, atol=ATOL)
+        torch.testing.assert_close(
+            ours(x, mask).logits[real], by_hand(x, mask)[real], rtol=1e-5, atol=ATOL
+        )

@@ -13,7 +13,9 @@ from model.loss import IGNORE_INDEX, linear_cross_entropy
 LOSS_SCALE = 1024.0  # what DeepSpeed's fp16 scaler sends into backward as the loss's gradient
 
 
-def make(n: int, c: int, v: int, dtype: torch.dtype, bias: bool, seed: int = 0, device: str = "cpu"):
+def make(
+    n: int, c: int, v: int, dtype: torch.dtype, bias: bool, seed: int = 0, device: str = "cpu"
+):
     """Hidden states ~ N(0, 1) (a final layer norm's output), a GPT-2-initialised projection
     (std 0.02), a small bias, targets with every 7th row ignored."""
     g = torch.Generator().manual_seed(seed)
@@ -22,7 +24,10 @@ def make(n: int, c: int, v: int, dtype: torch.dtype, bias: bool, seed: int = 0, 
     b = torch.randn(v, generator=g) * 0.1 if bias else None
     t = torch.randint(0, v, (n,), generator=g)
     t[::7] = IGNORE_INDEX
-    return [None if x is None else x.to(device=device, dtype=dtype if x.is_floating_point() else None) for x in (h, w, b, t)]
+    return [
+        None if x is None else x.to(device=device, dtype=dtype if x.is_floating_point() else None)
+        for x in (h, w, b, t)
+    ]
 
 
 def fused(h, w, b, t, smoothing, **kwargs):
@@ -30,13 +35,17 @@ def fused(h, w, b, t, smoothing, **kwargs):
 
 
 def reference(h, w, b, t, smoothing):
-    return F.cross_entropy(F.linear(h, w, b), t, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
+    return F.cross_entropy(
+        F.linear(h, w, b), t, ignore_index=IGNORE_INDEX, label_smoothing=smoothing
+    )
 
 
 def loss_and_grads(loss_fn, h, w, b, t, smoothing, dtype=None, scale=1.0, **kwargs):
     """The loss and the gradients of fresh leaves (cast to `dtype`) from backward of loss * scale,
     divided by the scale in float32 or wider."""
-    leaves = [None if x is None else x.detach().to(dtype or x.dtype).requires_grad_() for x in (h, w, b)]
+    leaves = [
+        None if x is None else x.detach().to(dtype or x.dtype).requires_grad_() for x in (h, w, b)
+    ]
     loss = loss_fn(*leaves, t, smoothing, **kwargs)
     (loss * scale).backward()
     wide = torch.promote_types(leaves[0].dtype, torch.float32)
@@ -54,7 +63,9 @@ def test_any_chunking_matches_cross_entropy_on_logits(rows, bias, smoothing):
     h, t = h.reshape(3, 50, 16), t.reshape(3, 50)  # (B, T, C) as the models pass it
     t[1, 10:] = IGNORE_INDEX  # a run of ignored rows across chunk boundaries
     got = loss_and_grads(fused, h, w, b, t, smoothing, scale=2.5, chunk_rows=rows)
-    want = loss_and_grads(lambda h, *a: reference(h.reshape(-1, 16), *a), h, w, b, t.reshape(-1), smoothing, scale=2.5)
+    want = loss_and_grads(
+        lambda h, *a: reference(h.reshape(-1, 16), *a), h, w, b, t.reshape(-1), smoothing, scale=2.5
+    )
     torch.testing.assert_close(got, want)  # float64 tolerances: rtol 1e-7
     with torch.no_grad():  # the no-grad path: the same chunks and kernels, so the same number
         assert torch.equal(fused(h, w, b, t, smoothing, chunk_rows=rows), got[0])
@@ -146,7 +157,9 @@ def assert_16bit_close(got, ref, dtype, name):
 def test_16bit_gradients_with_a_loss_scale_match_float32(dtype, n, bias, smoothing, rows):
     h, w, b, t = make(n, 64, 512, dtype, bias)
     loss, grads = loss_and_grads(fused, h, w, b, t, smoothing, scale=LOSS_SCALE, chunk_rows=rows)
-    want_loss, want = loss_and_grads(reference, h, w, b, t, smoothing, dtype=torch.float32, scale=LOSS_SCALE)
+    want_loss, want = loss_and_grads(
+        reference, h, w, b, t, smoothing, dtype=torch.float32, scale=LOSS_SCALE
+    )
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)  # float32 logits and log-softmax
     for name, got, ref in zip(("grad_h", "grad_w", "grad_b"), grads, want):
         assert_16bit_close(got, ref, dtype, name)
@@ -166,7 +179,11 @@ def test_out_dtype_gemm_branches_emulated_on_cpu(mode, dtype, monkeypatch):
     def fake_mm(a, b, out_dtype=None, *, out=None):
         if out_dtype is None:
             return mm(a, b, out=out)
-        assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and out_dtype == torch.float32
+        assert (
+            a.dtype == b.dtype
+            and a.dtype in (torch.float16, torch.bfloat16)
+            and out_dtype == torch.float32
+        )
         assert out is None or out.dtype == out_dtype
         calls.append("mm")
         return mm(a.float(), b.float(), out=out)
@@ -174,7 +191,11 @@ def test_out_dtype_gemm_branches_emulated_on_cpu(mode, dtype, monkeypatch):
     def fake_addmm(c, a, b, out_dtype=None, *, out=None):
         if out_dtype is None:
             return addmm(c, a, b, out=out)
-        assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and out_dtype == torch.float32
+        assert (
+            a.dtype == b.dtype
+            and a.dtype in (torch.float16, torch.bfloat16)
+            and out_dtype == torch.float32
+        )
         assert c.dtype in (out_dtype, a.dtype) and (out is None or out.dtype == out_dtype)
         assert mode == "addmm", "the 'mm' mode never calls addmm with out_dtype"
         calls.append("addmm")
@@ -185,12 +206,16 @@ def test_out_dtype_gemm_branches_emulated_on_cpu(mode, dtype, monkeypatch):
     monkeypatch.setitem(loss_module._OUT_DTYPE_GEMMS, "cpu", mode)
     h, w, b, t = make(2000, 32, 300, dtype, bias=True)
     loss, grads = loss_and_grads(fused, h, w, b, t, 0.1, scale=LOSS_SCALE, chunk_rows=300)
-    want_loss, want = loss_and_grads(reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE)
+    want_loss, want = loss_and_grads(
+        reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE
+    )
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
     for name, got, ref in zip(("grad_h", "grad_w", "grad_b"), grads, want):
         assert_16bit_close(got, ref, dtype, name)
     # 7 chunks: logits, grad_h and (in 'mm' mode) grad_w and grad_b through mm, else addmm
-    assert calls.count("mm") == 7 * (2 if mode == "addmm" else 4) and calls.count("addmm") == 7 * 2 * (mode == "addmm")
+    assert calls.count("mm") == 7 * (2 if mode == "addmm" else 4) and calls.count(
+        "addmm"
+    ) == 7 * 2 * (mode == "addmm")
     with torch.no_grad():
         torch.testing.assert_close(fused(h, w, b, t, 0.1, chunk_rows=300), loss, rtol=0, atol=0)
 
@@ -214,14 +239,23 @@ def test_cuda_gpt2_shape_16bit_gradients_match_float32(dtype, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a float32 reference
     n, c, v = 16384, 768, 50257
     h, w, _, t = make(n, c, v, dtype, bias=False, device="cuda")
-    loss, (gh, gw) = loss_and_grads(fused, h, w, None, t, 0.0, scale=LOSS_SCALE)  # CUDA chunks: several
+    # CUDA chunks: several
+    loss, (gh, gw) = loss_and_grads(fused, h, w, None, t, 0.0, scale=LOSS_SCALE)
     # The reference in float32, in chunks of rows to bound its (rows, V) logits: its loss is the
     # sum over chunks of summed losses / the number of scored rows.
     h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
     count = (t != IGNORE_INDEX).sum()
     want_loss = 0.0
     for start in range(0, n, 4096):
-        part = F.cross_entropy(F.linear(h32[start : start + 4096], w32), t[start : start + 4096], ignore_index=IGNORE_INDEX, reduction="sum") / count
+        part = (
+            F.cross_entropy(
+                F.linear(h32[start : start + 4096], w32),
+                t[start : start + 4096],
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            / count
+        )
         (part * LOSS_SCALE).backward()
         want_loss += part.item()
     torch.testing.assert_close(loss.item(), want_loss, rtol=1e-5, atol=0)
@@ -234,8 +268,10 @@ def test_cuda_gpt2_shape_16bit_gradients_match_float32(dtype, monkeypatch):
 
 @pytest.mark.parametrize("padding", [0, 24])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("out_dtype, scale", [(torch.float32, 1.0), (torch.bfloat16, 1.0),
-                                              (torch.float16, loss_module.FP16_GRAD_SCALE)])
+@pytest.mark.parametrize(
+    "out_dtype, scale",
+    [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, loss_module.FP16_GRAD_SCALE)],
+)
 def test_the_fusable_chunk_computes_what_the_eager_one_does(out_dtype, scale, smoothing, padding):
     """`_loss_and_logit_grad_fusable` (what inductor compiles on CUDA) run eagerly against the
     eager kernels on the unpadded logits: the chunk's loss to float32 rounding, the logit
@@ -246,21 +282,25 @@ def test_the_fusable_chunk_computes_what_the_eager_one_does(out_dtype, scale, sm
     logits = torch.randn(300, vocab + padding, generator=g) * 3
     targets = torch.randint(0, vocab, (300,), generator=g)
     keep = torch.rand(300, generator=g) > 0.2
-    want_loss, want = loss_module._loss_and_logit_grad(logits[:, :vocab].clone(), targets, keep, smoothing, scale,
-                                                       out_dtype, vocab)
+    want_loss, want = loss_module._loss_and_logit_grad(
+        logits[:, :vocab].clone(), targets, keep, smoothing, scale, out_dtype, vocab
+    )
     for fn in (loss_module._loss_and_logit_grad_fusable, loss_module._loss_and_logit_grad):
         got_loss, got = fn(logits.clone(), targets, keep, smoothing, scale, out_dtype, vocab)
         assert got.dtype == want.dtype == out_dtype and got.shape == (300, vocab + padding)
         torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
         u = torch.finfo(out_dtype).eps
-        torch.testing.assert_close(got[:, :vocab].float() / scale, want.float() / scale, rtol=u, atol=1e-6)
+        torch.testing.assert_close(
+            got[:, :vocab].float() / scale, want.float() / scale, rtol=u, atol=1e-6
+        )
         assert not got[:, vocab:].any()
 
 
 def test_the_padded_vocabulary_is_a_multiple_where_the_compiled_chunk_is_meant_to_run(monkeypatch):
     monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cuda",))
     monkeypatch.setattr(loss_module, "_FUSED", {})
-    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257  # a CPU's eager kernels: no padding
+    # a CPU's eager kernels: no padding
+    assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50257
     assert loss_module.padded_vocab(50257, torch.device("cuda")) == 50304
     monkeypatch.setattr(loss_module, "FUSED_CHUNK_DEVICES", ("cpu", "cuda"))
     assert loss_module.padded_vocab(50257, torch.device("cpu")) == 50304
@@ -281,7 +321,9 @@ def test_the_compiled_chunk_keeps_loss_and_gradients(dtype, monkeypatch):
     h, w, b, t = make(2500, 64, 500, dtype, bias=True)  # 500: padded to 512
     loss, grads = loss_and_grads(fused, h, w, b, t, 0.1, scale=LOSS_SCALE, chunk_rows=1000)
     assert "fn" in loss_module._FUSED and "failed" not in loss_module._FUSED, loss_module._FUSED
-    want_loss, want = loss_and_grads(reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE)
+    want_loss, want = loss_and_grads(
+        reference, h, w, b, t, 0.1, dtype=torch.float32, scale=LOSS_SCALE
+    )
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
     for name, got, ref in zip(("grad_h", "grad_w", "grad_b"), grads, want):
         if dtype == torch.float32:

@@ -21,7 +21,16 @@ V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
 
 
 def tiny(arch: str = "gpt", **overrides) -> ModelConfig:
-    base = dict(arch=arch, vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=24, dropout=0.0)
+    base = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_seq_len=24,
+        dropout=0.0,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -31,7 +40,14 @@ def ids(*shape: int, seed: int = 0) -> torch.Tensor:
 
 # The Llama shape: rotary positions, RMSNorm, SwiGLU, grouped-query attention (2 key/value
 # heads for 4 query heads), no biases, an output layer of its own.
-LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2, bias=False, tie_embeddings=False)
+LLAMA = dict(
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    n_kv_heads=2,
+    bias=False,
+    tie_embeddings=False,
+)
 VARIANTS = {
     "pre-learned": {},
     "post-sinusoidal-relu": dict(norm_position="post", positions="sinusoidal", activation="relu"),
@@ -56,17 +72,29 @@ VARIANTS = {
         (dict(bos_id=V), f"bos_id={V}"),
         (dict(layer_norm_eps=0.0), "layer_norm_eps=0.0"),
         (dict(n_decoder_layers=2), "only arch=seq2seq has a decoder"),
-        (dict(encoder=StackConfig(norm_position="post")), "encoder.norm_position='post': per-stack overrides"),
-        (dict(arch="seq2seq", decoder=StackConfig(n_heads=5)), "not divisible by decoder.n_heads=5"),
+        (
+            dict(encoder=StackConfig(norm_position="post")),
+            "encoder.norm_position='post': per-stack overrides",
+        ),
+        (
+            dict(arch="seq2seq", decoder=StackConfig(n_heads=5)),
+            "not divisible by decoder.n_heads=5",
+        ),
         (dict(arch="seq2seq", encoder=StackConfig(activation="tanh")), "encoder.activation='tanh'"),
         (dict(arch="seq2seq", label_smoothing=1.0), "label_smoothing=1.0"),
         (dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=4"),
         (dict(n_kv_heads=-1), "n_kv_heads=-1"),
-        (dict(arch="seq2seq", decoder=StackConfig(n_kv_heads=3)), "decoder.n_kv_heads=3 does not divide n_heads=4"),
+        (
+            dict(arch="seq2seq", decoder=StackConfig(n_kv_heads=3)),
+            "decoder.n_kv_heads=3 does not divide n_heads=4",
+        ),
         (dict(norm="batchnorm"), "norm='batchnorm'"),
         (dict(positions="rope", d_model=36), "d_model=36 / n_heads=4: heads of 9 dimensions"),
         (dict(positions="rope", rope_theta=0.0), "rope_theta=0.0"),
-        (dict(arch="seq2seq", share_embeddings=True, tie_embeddings=False), "needs tie_embeddings=True"),
+        (
+            dict(arch="seq2seq", share_embeddings=True, tie_embeddings=False),
+            "needs tie_embeddings=True",
+        ),
     ],
 )
 def test_config_validation(overrides, message):
@@ -80,16 +108,26 @@ def test_config_is_an_omegaconf_structured_config():
     from omegaconf.errors import ValidationError
 
     base = OmegaConf.structured(ModelConfig)
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["arch=seq2seq", "decoder.norm_position=post", "d_ff=128"]))
+    merged = OmegaConf.merge(
+        base, OmegaConf.from_dotlist(["arch=seq2seq", "decoder.norm_position=post", "d_ff=128"])
+    )
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, ModelConfig) and isinstance(cfg.decoder, StackConfig)
-    assert cfg.for_stack("decoder").norm_position == "post" and cfg.for_stack("encoder").norm_position == "pre"
+    assert (
+        cfg.for_stack("decoder").norm_position == "post"
+        and cfg.for_stack("encoder").norm_position == "pre"
+    )
     with pytest.raises(ValidationError):
         OmegaConf.merge(base, OmegaConf.from_dotlist(["n_layers=many"]))
 
 
 def test_for_stack_resolves_overrides():
-    cfg = tiny("seq2seq", n_layers=3, n_decoder_layers=1, decoder=StackConfig(n_heads=2, activation="gelu_tanh"))
+    cfg = tiny(
+        "seq2seq",
+        n_layers=3,
+        n_decoder_layers=1,
+        decoder=StackConfig(n_heads=2, activation="gelu_tanh"),
+    )
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
     assert (enc.n_layers, enc.n_heads, enc.activation) == (3, 4, "gelu")
     assert (dec.n_layers, dec.n_heads, dec.activation) == (1, 2, "gelu_tanh")
@@ -98,9 +136,15 @@ def test_for_stack_resolves_overrides():
 
 def test_gated_d_ff_default_is_llamas_rule():
     # 2/3 of 4 x d_model, rounded up to a multiple of 256: Llama 7B's 11008 at d_model 4096.
-    assert [ModelConfig(d_model=d, activation="swiglu").d_ff for d in (4096, 768, 256, 32)] == [11008, 2048, 768, 256]
+    assert [ModelConfig(d_model=d, activation="swiglu").d_ff for d in (4096, 768, 256, 32)] == [
+        11008,
+        2048,
+        768,
+        256,
+    ]
     assert ModelConfig(d_model=256, activation="geglu").d_ff == 768
-    assert ModelConfig(d_model=256, activation="swiglu", d_ff=700).d_ff == 700  # an explicit width is kept
+    # an explicit width is kept
+    assert ModelConfig(d_model=256, activation="swiglu", d_ff=700).d_ff == 700
     # A Seq2Seq stack with an activation of its own gets its own width by the same rule.
     cfg = tiny("seq2seq", d_model=256, n_heads=4, d_ff=0, decoder=StackConfig(activation="swiglu"))
     assert (cfg.for_stack("encoder").d_ff, cfg.for_stack("decoder").d_ff) == (1024, 768)
@@ -116,7 +160,11 @@ def test_build_model_dispatches_on_arch():
 
 
 def test_all_stacks_share_key_names():
-    gpt, bert, s2s = build_model(tiny("gpt")), build_model(tiny("bert")), build_model(tiny("seq2seq"))
+    gpt, bert, s2s = (
+        build_model(tiny("gpt")),
+        build_model(tiny("bert")),
+        build_model(tiny("seq2seq")),
+    )
     gpt_keys, bert_keys = set(gpt.state_dict()), set(bert.state_dict())
     stack_keys = {k for k in gpt_keys if not k.startswith("lm_head")}
     assert stack_keys == {k for k in bert_keys if not k.startswith("head.")}
@@ -125,7 +173,10 @@ def test_all_stacks_share_key_names():
 
     decoder = s2s.decoder.state_dict()
     assert {k for k in decoder if "cross_attn" not in k} == gpt_keys
-    assert {k for k in decoder if "cross_attn" in k} >= {"blocks.0.cross_attn.q_proj.weight", "blocks.0.cross_attn_norm.weight"}
+    assert {k for k in decoder if "cross_attn" in k} >= {
+        "blocks.0.cross_attn.q_proj.weight",
+        "blocks.0.cross_attn_norm.weight",
+    }
     missing, unexpected = s2s.decoder.load_state_dict(gpt.state_dict(), strict=False)
     assert all("cross_attn" in k for k in missing) and not unexpected
     missing, unexpected = s2s.encoder.load_state_dict(bert.state_dict(), strict=False)
@@ -139,11 +190,21 @@ def test_llama_shape_keys_and_shapes():
     keys = set(gpt.state_dict())
     assert not any(k.endswith(".bias") for k in keys) and not any("pos" in k for k in keys)
     assert {k.rsplit(".", 1)[0] for k in keys if k.startswith("blocks.0.")} == {
-        "blocks.0.attn_norm", "blocks.0.attn.q_proj", "blocks.0.attn.k_proj", "blocks.0.attn.v_proj",
-        "blocks.0.attn.out_proj", "blocks.0.mlp_norm", "blocks.0.mlp.fc", "blocks.0.mlp.proj"}
+        "blocks.0.attn_norm",
+        "blocks.0.attn.q_proj",
+        "blocks.0.attn.k_proj",
+        "blocks.0.attn.v_proj",
+        "blocks.0.attn.out_proj",
+        "blocks.0.mlp_norm",
+        "blocks.0.mlp.fc",
+        "blocks.0.mlp.proj",
+    }
     block = gpt.blocks[0]
     assert isinstance(block.attn_norm, torch.nn.RMSNorm) and isinstance(gpt.norm, torch.nn.RMSNorm)
-    assert block.attn.k_proj.weight.shape == (2 * 8, 32) and block.attn.q_proj.weight.shape == (32, 32)
+    assert block.attn.k_proj.weight.shape == (2 * 8, 32) and block.attn.q_proj.weight.shape == (
+        32,
+        32,
+    )
     assert block.mlp.fc.weight.shape == (2 * 64, 32) and block.mlp.proj.weight.shape == (32, 64)
     assert gpt.lm_head.weight is not gpt.embed.tok.weight and "lm_head.weight" in keys
     assert gpt.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)
@@ -152,7 +213,9 @@ def test_llama_shape_keys_and_shapes():
     assert bert.head.decoder.weight is not bert.embed.tok.weight
     # LayerNorm without biases, a gated GELU (GeGLU): ModernBERT's layout.
     modern = build_model(tiny("bert", positions="rope", activation="geglu", bias=False))
-    assert modern.blocks[0].attn_norm.bias is None and isinstance(modern.blocks[0].attn_norm, torch.nn.LayerNorm)
+    assert modern.blocks[0].attn_norm.bias is None and isinstance(
+        modern.blocks[0].attn_norm, torch.nn.LayerNorm
+    )
     assert not any(k.endswith(".bias") for k in modern.state_dict())
 
 
@@ -162,7 +225,11 @@ def test_sinusoidal_stack_has_no_position_parameters():
 
 
 def test_output_embeddings_are_tied():
-    gpt, bert, s2s = build_model(tiny("gpt")), build_model(tiny("bert")), build_model(tiny("seq2seq"))
+    gpt, bert, s2s = (
+        build_model(tiny("gpt")),
+        build_model(tiny("bert")),
+        build_model(tiny("seq2seq")),
+    )
     assert gpt.lm_head.weight is gpt.embed.tok.weight
     assert bert.head.decoder.weight is bert.embed.tok.weight
     assert s2s.decoder.lm_head.weight is s2s.decoder.embed.tok.weight
@@ -204,7 +271,9 @@ def test_seq2seq_decoder_is_causal(variant):
     assert not torch.allclose(a[:, 4:], b[:, 4:])
 
 
-def _padded(x: torch.Tensor, pad: int, left: bool, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(
+    x: torch.Tensor, pad: int, left: bool, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (1, T) padded with `pad` garbage tokens (not pad_id, to prove the mask does the work)."""
     garbage = ids(1, pad, seed=seed)
     parts = [garbage, x] if left else [x, garbage]
@@ -213,7 +282,9 @@ def _padded(x: torch.Tensor, pad: int, left: bool, seed: int = 3) -> tuple[torch
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch, left", [("gpt", False), ("gpt", True), ("bert", False), ("bert", True)])
+@pytest.mark.parametrize(
+    "arch, left", [("gpt", False), ("gpt", True), ("bert", False), ("bert", True)]
+)
 def test_padding_does_not_change_real_outputs(arch, left, variant):
     torch.manual_seed(0)
     model = build_model(tiny(arch, **VARIANTS[variant])).eval()
@@ -278,8 +349,11 @@ def test_bert_loss_counts_only_masked_positions():
     out = model(x, labels=labels)
     full = model(x).logits  # (B, T, V): the head on every position
     assert out.logits is None
-    torch.testing.assert_close(out.scored_logits, full[[0, 1], [2, 5]])  # (N, V): only the scored ones
-    expected = (F.cross_entropy(full[0, 2], torch.tensor(7)) + F.cross_entropy(full[1, 5], torch.tensor(9))) / 2
+    # (N, V): only the scored ones
+    torch.testing.assert_close(out.scored_logits, full[[0, 1], [2, 5]])
+    expected = (
+        F.cross_entropy(full[0, 2], torch.tensor(7)) + F.cross_entropy(full[1, 5], torch.tensor(9))
+    ) / 2
     torch.testing.assert_close(out.loss, expected)
 
 
@@ -313,7 +387,12 @@ def test_linear_cross_entropy_matches_logits_then_cross_entropy(smoothing, bias,
         if fused:
             loss = head(h, targets, smoothing)
         else:
-            loss = F.cross_entropy(head(h).reshape(-1, V), targets.reshape(-1), ignore_index=-100, label_smoothing=smoothing)
+            loss = F.cross_entropy(
+                head(h).reshape(-1, V),
+                targets.reshape(-1),
+                ignore_index=-100,
+                label_smoothing=smoothing,
+            )
         (2.5 * loss).backward()  # a scaled loss: the saved gradients are scaled by grad_output
         results.append([loss, h.grad, head.weight.grad] + ([head.bias.grad] if bias else []))
     for a, b in zip(*results):
@@ -335,14 +414,18 @@ def test_loss_with_no_targets_is_zero_not_nan():
 def test_init_follows_gpt2_and_bert():
     n_layers = 2
     gpt = build_model(tiny("gpt", d_model=128, n_heads=4, d_ff=128, n_layers=n_layers))
-    bert = build_model(tiny("bert", d_model=128, n_heads=4, d_ff=128, n_layers=n_layers, norm_position="post"))
+    bert = build_model(
+        tiny("bert", d_model=128, n_heads=4, d_ff=128, n_layers=n_layers, norm_position="post")
+    )
     scaled = 0.02 / math.sqrt(2 * n_layers)
     assert gpt.blocks[0].attn.out_proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
     assert gpt.blocks[1].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
     assert gpt.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert bert.blocks[0].attn.out_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert gpt.embed.tok.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert gpt.blocks[0].attn.q_proj.bias.abs().max() == 0 and bert.head.decoder.bias.abs().max() == 0
+    assert (
+        gpt.blocks[0].attn.q_proj.bias.abs().max() == 0 and bert.head.decoder.bias.abs().max() == 0
+    )
     assert torch.equal(bert.blocks[0].attn_norm.weight, torch.ones(128))
 
 
@@ -367,7 +450,9 @@ def test_activation_checkpointing_gives_the_same_gradients_in_the_llama_shape(ar
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = build_model(tiny(arch, activation_checkpointing=checkpointing, dropout=0.1, **LLAMA)).train()
+        model = build_model(
+            tiny(arch, activation_checkpointing=checkpointing, dropout=0.1, **LLAMA)
+        ).train()
         x = ids(2, 6)
         torch.manual_seed(1)
         out = model(x, None, x, labels=x) if arch == "seq2seq" else model(x, labels=x)
@@ -424,16 +509,25 @@ def test_bert_overfits_one_batch():
     model = build_model(tiny("bert", norm_position="post", layer_norm_eps=1e-12))
     x = ids(4, 12)
     masked = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.25
-    first, last = _overfit(model, dict(input_ids=x.masked_fill(masked, 4), labels=x.masked_fill(~masked, -100)), 300)
+    first, last = _overfit(
+        model, dict(input_ids=x.masked_fill(masked, 4), labels=x.masked_fill(~masked, -100)), 300
+    )
     assert first > 3.0 and last < 0.05
 
 
 def test_seq2seq_overfits_one_batch():
     torch.manual_seed(0)
-    model = build_model(tiny("seq2seq", label_smoothing=0.0, decoder=StackConfig(norm_position="post")))
+    model = build_model(
+        tiny("seq2seq", label_smoothing=0.0, decoder=StackConfig(norm_position="post"))
+    )
     src, tgt = ids(4, 8, seed=1), ids(4, 7, seed=2)
     bos, eos = torch.full((4, 1), 2), torch.full((4, 1), 3)
-    batch = dict(src_ids=src, src_mask=torch.ones_like(src), decoder_input_ids=torch.cat([bos, tgt], 1), labels=torch.cat([tgt, eos], 1))
+    batch = dict(
+        src_ids=src,
+        src_mask=torch.ones_like(src),
+        decoder_input_ids=torch.cat([bos, tgt], 1),
+        labels=torch.cat([tgt, eos], 1),
+    )
     first, last = _overfit(model, batch, 300)
     assert first > 3.0 and last < 0.05
 
@@ -452,7 +546,9 @@ def test_import_model_loads_neither_deepspeed_nor_ray():
         "assert not bad, bad\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -466,7 +562,16 @@ def test_model_sources_import_no_forbidden_package():
 
 
 def test_config_dataclass_fields_are_plain_types():
-    allowed = {"str", "int", "float", "bool", "Optional[int]", "Optional[str]", "Optional[float]", "StackConfig"}
+    allowed = {
+        "str",
+        "int",
+        "float",
+        "bool",
+        "Optional[int]",
+        "Optional[str]",
+        "Optional[float]",
+        "StackConfig",
+    }
     for cls in (ModelConfig, StackConfig):
         for f in dataclasses.fields(cls):
             assert f.type in allowed, f"{cls.__name__}.{f.name}: {f.type}"

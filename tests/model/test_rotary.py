@@ -13,14 +13,23 @@ import torch
 
 import model.blocks as blocks
 from model import KVCache, ModelConfig, build_model
-from model.blocks import Rotary, attention, document_attention_mask, expand_kv, rotate, self_attention_mask
+from model.blocks import (
+    Rotary,
+    attention,
+    document_attention_mask,
+    expand_kv,
+    rotate,
+    self_attention_mask,
+)
 
 D, MAX_LEN = 16, 64
 
 
 def qk(T: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 3, T, D, generator=g, dtype=torch.float64), torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
+    return torch.randn(2, 3, T, D, generator=g, dtype=torch.float64), torch.randn(
+        2, 3, T, D, generator=g, dtype=torch.float64
+    )
 
 
 def scores(q, k, q_positions, k_positions, rotary):
@@ -36,8 +45,12 @@ def test_scores_depend_only_on_relative_position(theta):
     positions = torch.arange(8)[None]  # (1, T)
     at_zero = scores(q, k, positions, positions, rotary)
     for shift in (1, 5, 40):
-        torch.testing.assert_close(scores(q, k, positions + shift, positions + shift, rotary), at_zero,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            scores(q, k, positions + shift, positions + shift, rotary),
+            at_zero,
+            rtol=1e-5,
+            atol=1e-5,
+        )
     # Not vacuous: shifting only the keys changes the scores, and so do the positions at all.
     assert not torch.allclose(scores(q, k, positions, positions + 3, rotary), at_zero, atol=1e-3)
     assert not torch.allclose(at_zero, q @ k.transpose(-2, -1), atol=1e-3)
@@ -56,8 +69,19 @@ def test_rotation_keeps_lengths_and_position_zero_is_the_identity():
 def test_the_table_stays_float32_under_16_bit_parameters():
     """DeepSpeed's bf16 casts parameters, not buffers (as here): the angles keep float32 and
     the rotation hands back the queries' dtype."""
-    model = build_model(ModelConfig(arch="gpt", vocab_size=40, d_model=32, n_layers=1, n_heads=2, max_seq_len=MAX_LEN,
-                                    positions="rope", norm="rmsnorm", activation="swiglu"))
+    model = build_model(
+        ModelConfig(
+            arch="gpt",
+            vocab_size=40,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            max_seq_len=MAX_LEN,
+            positions="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+        )
+    )
     for p in model.parameters():
         p.data = p.data.bfloat16()
     assert model.rotary.cos.dtype == model.rotary.sin.dtype == torch.float32
@@ -69,8 +93,17 @@ def test_the_table_stays_float32_under_16_bit_parameters():
 
 
 def test_seq2seq_cross_attention_takes_no_rotation():
-    model = build_model(ModelConfig(arch="seq2seq", vocab_size=40, d_model=32, n_layers=1, n_heads=2, max_seq_len=16,
-                                    positions="rope")).eval()
+    model = build_model(
+        ModelConfig(
+            arch="seq2seq",
+            vocab_size=40,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            max_seq_len=16,
+            positions="rope",
+        )
+    ).eval()
     seen = {}
 
     def record(name):
@@ -93,7 +126,9 @@ def _masks(B: int, T: int):
     return {
         "none": (None, False),
         "causal": (None, True),
-        "causal+padding": self_attention_mask(key_mask, T, T, causal=True, device=torch.device("cpu")),
+        "causal+padding": self_attention_mask(
+            key_mask, T, T, causal=True, device=torch.device("cpu")
+        ),
         "documents": (document_attention_mask(documents, None, causal=False), False),
     }
 
@@ -115,19 +150,32 @@ def test_grouped_heads_equal_repeated_heads(mask_name, sdpa_takes_gqa, monkeypat
     got = [grouped.detach()] + [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    repeated = torch.nn.functional.scaled_dot_product_attention(q, *expand_kv(k, v, H), attn_mask=mask,
-                                                                is_causal=is_causal)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q, *expand_kv(k, v, H), attn_mask=mask, is_causal=is_causal
+    )
     repeated.square().sum().backward()
     expected = [repeated.detach()] + [t.grad for t in (q, k, v)]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Query head h reads key/value head h // 2: heads 0 and 1 share one.
-    assert torch.equal(expand_kv(k, v, H)[0][:, 1], k[:, 0]) and torch.equal(expand_kv(k, v, H)[0][:, 2], k[:, 1])
+    assert torch.equal(expand_kv(k, v, H)[0][:, 1], k[:, 0]) and torch.equal(
+        expand_kv(k, v, H)[0][:, 2], k[:, 1]
+    )
 
 
 def test_the_decoding_cache_keeps_only_the_key_value_heads():
-    model = build_model(ModelConfig(arch="gpt", vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
-                                    max_seq_len=16, positions="rope")).eval()
+    model = build_model(
+        ModelConfig(
+            arch="gpt",
+            vocab_size=40,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=1,
+            max_seq_len=16,
+            positions="rope",
+        )
+    ).eval()
     cache = KVCache(2)
     with torch.no_grad():
         model(torch.randint(5, 40, (3, 5)), cache=cache)
@@ -140,23 +188,44 @@ def test_grouped_heads_on_cuda_equal_the_cpu():
     repeated for a padding mask; FlexAttention's grouped heads for a document mask) against the
     CPU's float32 logits of the same weights."""
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="gpt", vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, max_seq_len=32,
-                      dropout=0.0, positions="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    cfg = ModelConfig(
+        arch="gpt",
+        vocab_size=40,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        max_seq_len=32,
+        dropout=0.0,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+    )
     cpu = build_model(cfg).eval()
     gpu = build_model(cfg).cuda().eval()
     gpu.load_state_dict(cpu.state_dict())
     x = torch.randint(5, 40, (2, 24))
     mask = torch.ones_like(x)
     mask[1, 18:] = 0
-    documents = torch.cat([torch.zeros(2, 10, dtype=torch.long), torch.ones(2, 14, dtype=torch.long)], dim=1)
+    documents = torch.cat(
+        [torch.zeros(2, 10, dtype=torch.long), torch.ones(2, 14, dtype=torch.long)], dim=1
+    )
     real = mask.bool()
     with torch.no_grad():
-        expected = {"plain": cpu(x).logits, "padding": cpu(x, mask).logits[real],
-                    "documents": cpu(x, document_ids=documents).logits}
-        got = {"padding": gpu(x.cuda(), mask.cuda()).logits[real.cuda()],
-               "documents": gpu(x.cuda(), document_ids=documents.cuda()).logits}
+        expected = {
+            "plain": cpu(x).logits,
+            "padding": cpu(x, mask).logits[real],
+            "documents": cpu(x, document_ids=documents).logits,
+        }
+        got = {
+            "padding": gpu(x.cuda(), mask.cuda()).logits[real.cuda()],
+            "documents": gpu(x.cuda(), document_ids=documents.cuda()).logits,
+        }
         assert gpu.attention_kernel == "flex_attention (document mask)"
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got["plain"] = gpu(x.cuda()).logits.float()
     for name, tolerance in (("padding", 1e-4), ("documents", 1e-4), ("plain", 0.1)):
-        torch.testing.assert_close(got[name].cpu(), expected[name], rtol=0, atol=tolerance, msg=name)
+        torch.testing.assert_close(
+            got[name].cpu(), expected[name], rtol=0, atol=tolerance, msg=name
+        )

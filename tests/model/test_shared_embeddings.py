@@ -12,21 +12,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
+from test_warm_start import SHA, V, bert_config, gpt_config, pretrained
 from torch import nn
 
-from conftest import ROOT
 from launch.optim import parameter_groups
 from model import ModelConfig, build_model, seq2seq_config
-from model.warm_start import warm_start
-from model.warm_start import WarmStartError
-from test_warm_start import SHA, V, bert_config, gpt_config, pretrained
+from model.warm_start import WarmStartError, warm_start
 
 SHARED = ("encoder.embed.tok.weight", "decoder.embed.tok.weight", "decoder.lm_head.weight")
 
 
 def config(**overrides) -> ModelConfig:
-    base = dict(arch="seq2seq", vocab_size=V, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16, dropout=0.0,
-                share_embeddings=True)
+    base = dict(
+        arch="seq2seq",
+        vocab_size=V,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        d_ff=32,
+        max_seq_len=16,
+        dropout=0.0,
+        share_embeddings=True,
+    )
     return ModelConfig(**{**base, **overrides}).validate()
 
 
@@ -45,20 +53,27 @@ def test_one_tensor_counted_once_and_in_one_parameter_group():
     assert encoder is decoder is head
     unshared = build_model(config(share_embeddings=False))
     count = sum(p.numel() for p in model.parameters())
-    assert count == sum(p.numel() for p in unshared.parameters()) - 2 * V * 16 + V * 16  # GPT already tied its head
+    # GPT already tied its head
+    assert count == sum(p.numel() for p in unshared.parameters()) - 2 * V * 16 + V * 16
     groups = parameter_groups(model, weight_decay=0.1)
     placed = [p for group in groups for p in group["params"]]
     assert sum(p is encoder for p in placed) == 1 and len(placed) == len({id(p) for p in placed})
-    assert any(p is encoder for p in groups[1]["params"]) and groups[1]["weight_decay"] == 0.0  # an embedding: no decay
-    # A state dict names it three times (as plain exports save tied weights), all equal, and loads back.
+    # an embedding: no decay
+    assert any(p is encoder for p in groups[1]["params"]) and groups[1]["weight_decay"] == 0.0
+    # A state dict names it three times (as plain exports save tied weights), all equal, and loads
+    # back.
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert all(torch.equal(state[k], state[SHARED[0]]) for k in SHARED)
     fresh = build_model(config())
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.get_parameter(SHARED[0]), encoder) and fresh.get_parameter(SHARED[1]) is fresh.get_parameter(SHARED[2])
+    assert torch.equal(fresh.get_parameter(SHARED[0]), encoder) and fresh.get_parameter(
+        SHARED[1]
+    ) is fresh.get_parameter(SHARED[2])
     # Three different matrices are refused, not resolved by load order.
     state[SHARED[1]] = state[SHARED[1]] + 1
-    with pytest.raises(RuntimeError, match="share_embeddings: .* must hold one matrix; they differ"):
+    with pytest.raises(
+        RuntimeError, match="share_embeddings: .* must hold one matrix; they differ"
+    ):
         fresh.load_state_dict(state)
 
 
@@ -71,11 +86,14 @@ def test_logits_and_gradient_equal_a_reference_with_three_copies_of_one_scaled_m
     # sinusoids) whose three places hold their own copies, the inputs pre-scaled by hand where
     # the stacks would not scale them.
     reference = build_model(config(positions=positions, share_embeddings=False))
-    reference.load_state_dict({k: v for k, v in model.state_dict().items() if k not in SHARED}, strict=False)
+    reference.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if k not in SHARED}, strict=False
+    )
     by_hand = math.sqrt(16) if positions == "learned" else 1.0
     reference.encoder.embed.tok.weight = nn.Parameter(W.detach() * by_hand)
     reference.decoder.embed.tok.weight = nn.Parameter(W.detach() * by_hand)
-    reference.decoder.lm_head.weight = nn.Parameter(W.detach().clone())  # untied: the output layer, unscaled
+    # untied: the output layer, unscaled
+    reference.decoder.lm_head.weight = nn.Parameter(W.detach().clone())
     assert model.encoder.embed.scale == model.decoder.embed.scale == 4.0
 
     inputs = batch()
@@ -88,21 +106,31 @@ def test_logits_and_gradient_equal_a_reference_with_three_copies_of_one_scaled_m
     logits.pow(2).sum().backward()
     expected.pow(2).sum().backward()
     r = reference
-    want = by_hand * (r.encoder.embed.tok.weight.grad + r.decoder.embed.tok.weight.grad) + r.decoder.lm_head.weight.grad
+    want = (
+        by_hand * (r.encoder.embed.tok.weight.grad + r.decoder.embed.tok.weight.grad)
+        + r.decoder.lm_head.weight.grad
+    )
     torch.testing.assert_close(W.grad, want, rtol=1e-4, atol=1e-7)
 
 
 def test_config_refuses_share_embeddings_without_two_embeddings():
     for arch in ("gpt", "bert"):
-        with pytest.raises(ValueError, match=r"^model config: share_embeddings=True: only arch=seq2seq") as err:
+        with pytest.raises(
+            ValueError, match=r"^model config: share_embeddings=True: only arch=seq2seq"
+        ) as err:
             ModelConfig(arch=arch, vocab_size=V, share_embeddings=True).validate()
         assert "\n" not in str(err.value)
     # Two sources with different vocabularies: one line, naming the key.
     other = pretrained(gpt_config(vocab_size=V + 8), seed=3)
-    with pytest.raises(WarmStartError, match=r"differ in vocab_size: \[40, 48\] \(share_embeddings=True needs one"):
+    with pytest.raises(
+        WarmStartError, match=r"differ in vocab_size: \[40, 48\] \(share_embeddings=True needs one"
+    ):
         seq2seq_config(bert_config(), other.config, share_embeddings=True)
     cfg = seq2seq_config(bert_config(), gpt_config(), share_embeddings=True)
-    with pytest.raises(WarmStartError, match=r"vocabulary mismatch: decoder .*share_embeddings=True needs one vocabulary"):
+    with pytest.raises(
+        WarmStartError,
+        match=r"vocabulary mismatch: decoder .*share_embeddings=True needs one vocabulary",
+    ):
         warm_start(cfg, SHA, decoder=other)
 
 
@@ -117,7 +145,9 @@ def test_warm_start_takes_the_decoders_gpt_embedding_and_says_why(sources):
     model, report = warm_start(cfg, SHA, encoder=bert, decoder=gpt)
     W = model.get_parameter(SHARED[0])
     assert all(model.get_parameter(key) is W for key in SHARED)
-    assert torch.equal(W, gpt.state_dict["embed.tok.weight"]) and not torch.equal(W, bert.state_dict["embed.tok.weight"])
+    assert torch.equal(W, gpt.state_dict["embed.tok.weight"]) and not torch.equal(
+        W, bert.state_dict["embed.tok.weight"]
+    )
     # Every key accounted for; the three shared names report the GPT's matrix.
     assert list(report.tensors) == list(model.state_dict())
     assert report.tensors[SHARED[0]].source == "decoder:embed.tok.weight"
@@ -128,7 +158,10 @@ def test_warm_start_takes_the_decoders_gpt_embedding_and_says_why(sources):
     text = str(report)
     (line,) = [line for line in text.splitlines() if line.startswith("shared ")]
     assert "<- decoder:embed.tok.weight (the decoder source trained it as its output layer" in line
-    assert "scaled by sqrt(d_model) = 5.65685" in line and "encoder:embed.tok.weight, if given, is dropped" in line
+    assert (
+        "scaled by sqrt(d_model) = 5.65685" in line
+        and "encoder:embed.tok.weight, if given, is dropped" in line
+    )
     # The rest of the encoder is still BERT's.
     assert torch.equal(model.state_dict()["encoder.norm.weight"], bert.state_dict["norm.weight"])
 
@@ -138,12 +171,22 @@ def test_warm_start_without_a_decoder_source_takes_the_encoders(sources):
     cfg = seq2seq_config(bert.config, None, share_embeddings=True)
     model, report = warm_start(cfg, SHA, encoder=bert)
     assert torch.equal(model.get_parameter(SHARED[2]), bert.state_dict["embed.tok.weight"])
-    assert all(report.tensors[k].source == "encoder:embed.tok.weight" and report.tensors[k].status == "copied"
-               for k in SHARED)
-    assert "(there is no decoder source; the encoder source's is the one pretrained matrix)" in report.shared
+    assert all(
+        report.tensors[k].source == "encoder:embed.tok.weight"
+        and report.tensors[k].status == "copied"
+        for k in SHARED
+    )
+    assert (
+        "(there is no decoder source; the encoder source's is the one pretrained matrix)"
+        in report.shared
+    )
     # Without share_embeddings nothing of this appears.
     _, plain = warm_start(seq2seq_config(bert.config, None), SHA, encoder=bert)
-    assert not plain.shared and "shared " not in str(plain) and plain.tensors[SHARED[1]].status == "new"
+    assert (
+        not plain.shared
+        and "shared " not in str(plain)
+        and plain.tensors[SHARED[1]].status == "new"
+    )
 
 
 # ----------------------------------------------------------------------------- a 2-rank ZeRO-3 run
@@ -152,9 +195,19 @@ def test_warm_start_without_a_decoder_source_takes_the_encoders(sources):
 def _train(data: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     from test_train import train
 
-    return train("tiny_translation.yaml", data, run_dir, "deepspeed.zero_stage=3", "model.share_embeddings=true",
-                 "max_steps=4", "log_every=1", "eval_every=0", "checkpoint.every_steps=2", "model.dropout=0.1",
-                 *overrides)
+    return train(
+        "tiny_translation.yaml",
+        data,
+        run_dir,
+        "deepspeed.zero_stage=3",
+        "model.share_embeddings=true",
+        "max_steps=4",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=2",
+        "model.dropout=0.1",
+        *overrides,
+    )
 
 
 def _losses(run_dir: Path) -> dict:
@@ -175,7 +228,9 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     gpt_cfg = ModelConfig(arch="gpt", norm_position="pre", activation="gelu_tanh", **shape)
     torch.manual_seed(0)
     gpt = build_model(gpt_cfg)
-    save_model_dir(tmp_path / "bert", build_model(bert_cfg).state_dict(), bert_cfg, tokenizer, {"task": "mlm"})
+    save_model_dir(
+        tmp_path / "bert", build_model(bert_cfg).state_dict(), bert_cfg, tokenizer, {"task": "mlm"}
+    )
     save_model_dir(tmp_path / "gpt", gpt.state_dict(), gpt_cfg, tokenizer, {"task": "causal_lm"})
     init = [f"init.encoder={tmp_path / 'bert'}", f"init.decoder={tmp_path / 'gpt'}"]
 
@@ -188,20 +243,27 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     assert f"resumed from {step_2}" in resumed.stderr
 
     warm = (straight / "warm_start.txt").read_text()
-    assert "shared   share_embeddings: source, target and output embeddings <- decoder:embed.tok.weight" in warm
+    assert (
+        "shared   share_embeddings: source, target and output embeddings <- decoder:embed.tok.weight"
+        in warm
+    )
     assert "copied   encoder.embed.tok.weight <- decoder:embed.tok.weight" in warm
     assert "dropped  encoder:embed.tok.weight" in warm
-    from launch.config import TrainConfig
     from common.configure import load_config
+    from launch.config import TrainConfig
 
     model_cfg = load_config(TrainConfig, stopped / "config.yaml").model
     assert model_cfg.share_embeddings
     # The engine trained one tensor: the run's parameter count is the shared model's.
     count = sum(p.numel() for p in build_model(model_cfg).parameters())
-    assert f"translation: {count:,} parameters" in first.stderr and f"translation: {count:,} parameters" in resumed.stderr
+    assert (
+        f"translation: {count:,} parameters" in first.stderr
+        and f"translation: {count:,} parameters" in resumed.stderr
+    )
 
     expected, got = _losses(straight), _losses(stopped)
-    assert sorted(expected) == [1, 2, 3, 4] and sorted(got) == [3, 4]  # the resumed job trained 3 and 4 only
+    # the resumed job trained 3 and 4 only
+    assert sorted(expected) == [1, 2, 3, 4] and sorted(got) == [3, 4]
     assert [got[s] for s in (3, 4)] == pytest.approx([expected[s] for s in (3, 4)], abs=1e-6, rel=0)
 
     # The checkpoint the resumed engine wrote records one tensor under the three names
@@ -215,8 +277,13 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     # Export writes the tensor once; it loads back as one tensor of a share_embeddings model.
     out = tmp_path / "export"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "launch.export", f"checkpoint={stopped}", f"out={out}"], cwd=ROOT,
-                         env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.export", f"checkpoint={stopped}", f"out={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     from safetensors import safe_open
 
@@ -230,7 +297,9 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     assert torch.equal(W, state[SHARED[0]])
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(share_embeddings=False, positions="sinusoidal")])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(share_embeddings=False, positions="sinusoidal")]
+)
 def test_scaled_lookups_start_at_unit_variance(overrides):
     """Embeddings looked up scaled by sqrt(d_model) start at std d_model^-0.5 (tensor2tensor's and
     fairseq's initialisation), so the scaled lookup has unit variance; unscaled ones keep init_std."""

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.configure import UserError
 from pipeline import epoch as epoch_module  # where a batch reads its shards
 from pipeline.config import LoaderConfig
-from common.configure import UserError
 from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
 from pipeline.loader import ShardLoader
 from tests.shardtools import (
@@ -48,15 +48,25 @@ def assert_same_batches(a, b):
 
 
 @pytest.mark.parametrize(
-    "sizes, num_workers", [(UNEVEN, 2), (UNEVEN, 0), ([5, 17, 2], 2)], ids=["uneven-2w", "uneven-0w", "few-shards-2w"]
+    "sizes, num_workers",
+    [(UNEVEN, 2), (UNEVEN, 0), ([5, 17, 2], 2)],
+    ids=["uneven-2w", "uneven-0w", "few-shards-2w"],
 )
 def test_every_sample_once_across_ranks_and_workers(tmp_path, sizes, num_workers):
     make_dataset(tmp_path, packed=sizes)
     world, micro = 2, 4
     seen, counts = [], []
     for rank in range(world):
-        loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=micro, rank=rank,
-                             world_size=world, num_workers=num_workers, seed=3)
+        loader = ShardLoader(
+            str(tmp_path),
+            "causal_lm",
+            "train",
+            micro_batch_size=micro,
+            rank=rank,
+            world_size=world,
+            num_workers=num_workers,
+            seed=3,
+        )
         batches = list(loader)
         assert all(b["input_ids"].shape == (micro, 8) for b in batches)
         counts.append(len(batches))
@@ -73,7 +83,9 @@ def test_every_sample_once_across_ranks_and_workers(tmp_path, sizes, num_workers
 def test_batches_do_not_depend_on_num_workers(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
     kw = dict(task="mlm", micro_batch_size=3, rank=1, world_size=2, seed=5)
-    assert_same_batches(epoch_batches(tmp_path, num_workers=0, **kw), epoch_batches(tmp_path, num_workers=3, **kw))
+    assert_same_batches(
+        epoch_batches(tmp_path, num_workers=0, **kw), epoch_batches(tmp_path, num_workers=3, **kw)
+    )
 
 
 def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path):
@@ -106,7 +118,8 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
         if len(taken) == 5:
             break
     state = json.loads(json.dumps(interrupted.state_dict()))
-    assert state["epoch"] == 0 and state["samples_consumed"] == 5 * 3 * 2  # 5 batches of 3 on each of 2 ranks
+    # 5 batches of 3 on each of 2 ranks
+    assert state["epoch"] == 0 and state["samples_consumed"] == 5 * 3 * 2
 
     # Another process, another num_workers, another rank's copy of the state: the same batches.
     resumed = ShardLoader(str(tmp_path), task, "train", num_workers=0, **kw)
@@ -166,7 +179,8 @@ def make_corrupt_dataset(data_dir):
     records = manifest["datasets"]["packed"]["splits"]["train"]["shards"]
     paths = [data_dir / r["path"] for r in records]
     # 1: cut short, manifest size stale; 2: cut short at a member boundary, manifest size updated
-    # (so the tar reader must notice); 3: garbage over its middle; 4: gone; 5: a token id outside the vocabulary.
+    # (so the tar reader must notice); 3: garbage over its middle; 4: gone; 5: a token id outside
+    # the vocabulary.
     data = paths[1].read_bytes()
     paths[1].write_bytes(data[: len(data) // 2])
     data = paths[2].read_bytes()
@@ -179,12 +193,22 @@ def make_corrupt_dataset(data_dir):
     first = sum(sizes[:5])
     ids = np.arange(FIRST_ID + first, FIRST_ID + first + sizes[5], dtype=np.int64)
     ids[3] = VOCAB_SIZE + 5
-    records[5].update(write_shard(paths[5], [f"x_{i:08d}" for i in range(sizes[5])],
-                                  [{"input_ids": np.full(8, v, dtype=np.int32)} for v in ids]))
+    records[5].update(
+        write_shard(
+            paths[5],
+            [f"x_{i:08d}" for i in range(sizes[5])],
+            [{"input_ids": np.full(8, v, dtype=np.int32)} for v in ids],
+        )
+    )
     records[5]["path"] = os.path.relpath(paths[5], data_dir)
     save_manifest(data_dir, manifest)
-    good = set().union(*(ids for path, ids in shard_ids(manifest).items()
-                         if path not in {records[i]["path"] for i in UNREADABLE}))
+    good = set().union(
+        *(
+            ids
+            for path, ids in shard_ids(manifest).items()
+            if path not in {records[i]["path"] for i in UNREADABLE}
+        )
+    )
     return paths, good - {first + 3}
 
 
@@ -194,8 +218,15 @@ def test_corrupt_shards_are_skipped_and_ranks_stay_equal(tmp_path, caplog):
     skipped, fillers = set(), 0
     with caplog.at_level(logging.WARNING, logger="pipeline.loader"):
         for rank in range(2):
-            loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, rank=rank, world_size=2,
-                                 num_workers=2)
+            loader = ShardLoader(
+                str(tmp_path),
+                "causal_lm",
+                "train",
+                micro_batch_size=4,
+                rank=rank,
+                world_size=2,
+                num_workers=2,
+            )
             batches = list(loader)
             assert len(batches) == len(loader) == sum(sizes) // 8
             # A filler repeats a readable batch of the epoch; every other batch is new.
@@ -237,7 +268,11 @@ def test_all_shards_unreadable_is_a_clear_error(tmp_path):
 def test_mlm_masks_15_percent_80_10_10_and_never_special_tokens(tmp_path):
     make_dataset(tmp_path, packed=[64], seq_len=128)
     (batch,) = epoch_batches(tmp_path, task="mlm", micro_batch_size=64, seed=1)
-    inputs, original, selected = batch["input_ids"], batch["original_ids"], batch["masked_positions"]
+    inputs, original, selected = (
+        batch["input_ids"],
+        batch["original_ids"],
+        batch["masked_positions"],
+    )
     assert torch.equal(inputs[~selected], original[~selected])  # only selected tokens change
     special = original < 6
     assert special.sum() > 500
@@ -267,15 +302,18 @@ def test_causal_lm_collation_pads(tmp_path):
     rows = sorted(range(2), key=lambda r: -int(batch["attention_mask"][r].sum()))
     assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, PAD_ID, PAD_ID]]
     assert batch["attention_mask"][rows].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert set(batch) == set(BATCH_FIELDS["causal_lm"])  # labels are the task's (tests/launch/test_tasks.py)
+    # labels are the task's (tests/launch/test_tasks.py)
+    assert set(batch) == set(BATCH_FIELDS["causal_lm"])
     assert batch["input_ids"].dtype == torch.long
 
 
 def test_translation_collation(tmp_path):
     manifest = make_dataset(tmp_path, translation=[2])
     record = manifest["datasets"]["translation"]["splits"]["train"]["shards"][0]
-    pairs = [{"src_ids": np.array([10, 11, 12], np.uint16), "tgt_ids": np.array([20], np.uint16)},
-             {"src_ids": np.array([13], np.uint16), "tgt_ids": np.array([21, 22, 23], np.uint16)}]
+    pairs = [
+        {"src_ids": np.array([10, 11, 12], np.uint16), "tgt_ids": np.array([20], np.uint16)},
+        {"src_ids": np.array([13], np.uint16), "tgt_ids": np.array([21, 22, 23], np.uint16)},
+    ]
     record.update(write_shard(tmp_path / record["path"], ["a", "b"], pairs))
     record["path"] = os.path.relpath(record["path"], tmp_path)
     save_manifest(tmp_path, manifest)
@@ -293,9 +331,13 @@ def test_translation_collation(tmp_path):
 def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
     make_dataset(tmp_path, packed=[8])
     cfg = LoaderConfig(data_dir=str(tmp_path), micro_batch_size=4, num_workers=0)
-    ShardLoader.from_config(cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256=TOKENIZER_SHA256)
+    ShardLoader.from_config(
+        cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256=TOKENIZER_SHA256
+    )
     with pytest.raises(UserError, match="tokenizer sha256"):
-        ShardLoader.from_config(cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64)
+        ShardLoader.from_config(
+            cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64
+        )
     with pytest.raises(UserError, match="manifest"):
         ShardLoader(str(tmp_path / "nowhere"), "causal_lm", "train", micro_batch_size=4)
     with pytest.raises(UserError, match="translation"):
@@ -304,12 +346,27 @@ def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
         ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=4)
 
 
-@pytest.mark.parametrize("change, expected", [
-    (lambda shards: shards.append(dict(shards[1])), "packed/train/0000-0001.tar: listed 2 times in packed/train"),
-    (lambda shards: shards[2].update(samples=-3), "packed/train/0000-0002.tar: samples -3 in the manifest"),
-    (lambda shards: shards[0].update(samples=0), "packed/train/0000-0000.tar: samples 0 in the manifest"),
-], ids=["listed twice", "negative count", "zero count"])
-def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(tmp_path, change, expected):
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            lambda shards: shards.append(dict(shards[1])),
+            "packed/train/0000-0001.tar: listed 2 times in packed/train",
+        ),
+        (
+            lambda shards: shards[2].update(samples=-3),
+            "packed/train/0000-0002.tar: samples -3 in the manifest",
+        ),
+        (
+            lambda shards: shards[0].update(samples=0),
+            "packed/train/0000-0000.tar: samples 0 in the manifest",
+        ),
+    ],
+    ids=["listed twice", "negative count", "zero count"],
+)
+def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(
+    tmp_path, change, expected
+):
     """A shard listed twice was read twice an epoch, one whose count is not positive dropped,
     both without a word: refused, in one line naming the shard, before any batch."""
     manifest = copy.deepcopy(make_dataset(tmp_path, packed=[8, 8, 8]))
@@ -317,12 +374,16 @@ def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(t
     save_manifest(tmp_path, manifest)
     with pytest.raises(UserError) as err:
         ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
-    assert str(err.value).startswith(f"{tmp_path}/manifest.json: {expected}") and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{tmp_path}/manifest.json: {expected}") and "\n" not in str(
+        err.value
+    )
 
 
 def test_state_from_another_plan_is_refused(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
-    state = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2).state_dict()
+    state = ShardLoader(
+        str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2
+    ).state_dict()
     other = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=3)
     with pytest.raises(UserError, match="global_batch_size: saved 8, now 12"):
         other.load_state_dict(state)
@@ -330,22 +391,39 @@ def test_state_from_another_plan_is_refused(tmp_path):
 
 # Global batches: the samples of each optimizer step are fixed by the global batch alone.
 
-SHAPES = [dict(world_size=2, grad_accum=1, micro_batch_size=4), dict(world_size=1, grad_accum=2, micro_batch_size=4),
-          dict(world_size=4, grad_accum=1, micro_batch_size=2), dict(world_size=1, grad_accum=1, micro_batch_size=8),
-          dict(world_size=2, grad_accum=2, micro_batch_size=2)]
+SHAPES = [
+    dict(world_size=2, grad_accum=1, micro_batch_size=4),
+    dict(world_size=1, grad_accum=2, micro_batch_size=4),
+    dict(world_size=4, grad_accum=1, micro_batch_size=2),
+    dict(world_size=1, grad_accum=1, micro_batch_size=8),
+    dict(world_size=2, grad_accum=2, micro_batch_size=2),
+]
 
 
-def steps_of(data_dir, task="causal_lm", *, world_size, grad_accum, micro_batch_size, state=None, **kw):
+def steps_of(
+    data_dir, task="causal_lm", *, world_size, grad_accum, micro_batch_size, state=None, **kw
+):
     """The sample ids of each optimizer step, over all ranks: a list of sets."""
     per_rank = []
     for rank in range(world_size):
-        loader = ShardLoader(str(data_dir), task, "train", micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                             rank=rank, world_size=world_size, **kw)
+        loader = ShardLoader(
+            str(data_dir),
+            task,
+            "train",
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            rank=rank,
+            world_size=world_size,
+            **kw,
+        )
         if state is not None:
             loader.load_state_dict(state)
         per_rank.append([batch_ids(b) for b in loader])
     steps = len(per_rank[0]) // grad_accum
-    return [{i for rank in per_rank for b in rank[s * grad_accum:(s + 1) * grad_accum] for i in b} for s in range(steps)]
+    return [
+        {i for rank in per_rank for b in rank[s * grad_accum : (s + 1) * grad_accum] for i in b}
+        for s in range(steps)
+    ]
 
 
 def test_the_samples_of_each_step_do_not_depend_on_world_size_or_accumulation(tmp_path):
@@ -360,8 +438,18 @@ def test_resume_on_another_world_size_continues_the_same_steps(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
     uninterrupted = steps_of(tmp_path, **SHAPES[0], seed=9)
     for done in (1, 5, len(uninterrupted) - 1):
-        two_ranks = [ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, rank=r, world_size=2, seed=9)
-                     for r in range(2)]
+        two_ranks = [
+            ShardLoader(
+                str(tmp_path),
+                "causal_lm",
+                "train",
+                micro_batch_size=4,
+                rank=r,
+                world_size=2,
+                seed=9,
+            )
+            for r in range(2)
+        ]
         for loader in two_ranks:
             for index, _ in enumerate(loader):
                 if index + 1 == done:
@@ -369,7 +457,10 @@ def test_resume_on_another_world_size_continues_the_same_steps(tmp_path):
         state = json.loads(json.dumps(two_ranks[0].state_dict()))
         assert state == two_ranks[1].state_dict() and state["samples_consumed"] == done * 8
         for shape in SHAPES[1:]:
-            assert steps_of(tmp_path, **shape, seed=9, state=state) == uninterrupted[done:], (done, shape)
+            assert steps_of(tmp_path, **shape, seed=9, state=state) == uninterrupted[done:], (
+                done,
+                shape,
+            )
 
 
 def test_mlm_masks_follow_the_sample_not_the_rank(tmp_path):
@@ -380,7 +471,10 @@ def test_mlm_masks_follow_the_sample_not_the_rank(tmp_path):
         for rank in range(shape["world_size"]):
             for batch in ShardLoader(str(tmp_path), "mlm", "train", rank=rank, seed=2, **shape):
                 for row, sample in enumerate(batch_ids(batch)):
-                    out[sample] = (batch["input_ids"][row].tolist(), batch["masked_positions"][row].tolist())
+                    out[sample] = (
+                        batch["input_ids"][row].tolist(),
+                        batch["masked_positions"][row].tolist(),
+                    )
         return out
 
     reference = masks(**SHAPES[0])
@@ -394,17 +488,25 @@ def test_sample_keys_name_the_samples_of_the_last_batch(tmp_path):
     by_path = {str(tmp_path / path): sorted(ids) for path, ids in shard_ids(manifest).items()}
     for batch in loader:
         keys = loader.sample_keys()
-        assert [by_path[key.split("#")[0]][int(key.split("#")[1])] for key in keys] == batch_ids(batch)
+        assert [by_path[key.split("#")[0]][int(key.split("#")[1])] for key in keys] == batch_ids(
+            batch
+        )
 
 
 def test_workers_send_numpy_ids_not_tensors(tmp_path):
-    # A batch crosses from a worker as numpy arrays (pickled in one message); the main process makes the tensors.
+    # A batch crosses from a worker as numpy arrays (pickled in one message); the main process makes
+    # the tensors.
     make_dataset(tmp_path, packed=[8], translation=[8])
-    for task, keys in [("causal_lm", {"ids", "lengths"}), ("mlm", {"ids", "lengths", "original_ids", "masked_positions"}),
-                       ("translation", {"src_ids", "src_lengths", "tgt_ids", "tgt_lengths"})]:
+    for task, keys in [
+        ("causal_lm", {"ids", "lengths"}),
+        ("mlm", {"ids", "lengths", "original_ids", "masked_positions"}),
+        ("translation", {"src_ids", "src_lengths", "tgt_ids", "tgt_lengths"}),
+    ]:
         loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4)
         _, packed, _ = loader._epoch_batches(0, 0).build(0)
-        assert set(packed) == keys and all(isinstance(value, np.ndarray) for value in packed.values())
+        assert set(packed) == keys and all(
+            isinstance(value, np.ndarray) for value in packed.values()
+        )
 
 
 # Length grouping (data.length_grouping; the module doc, 9).
@@ -413,7 +515,9 @@ GROUPED = [64, 40, 7, 64, 33]  # 208 pairs: shards that do not start on a batch 
 
 def pair_lengths(batch: dict) -> list[int]:
     """Source + target tokens of each pair of a translation batch (no <s>/</s>/padding)."""
-    return [int(s) - 1 + int(t) - 2 for s, t in zip(batch["src_mask"].sum(1), batch["tgt_mask"].sum(1))]
+    return [
+        int(s) - 1 + int(t) - 2 for s, t in zip(batch["src_mask"].sum(1), batch["tgt_mask"].sum(1))
+    ]
 
 
 def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_path):
@@ -421,12 +525,25 @@ def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_pat
     plain, grouped = ([], []), ([], [])
     for rank in range(2):
         for out, grouping in ((plain, False), (grouped, True)):
-            for batch in ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, rank=rank, world_size=2,
-                                     num_workers=2, seed=3, length_grouping=grouping):
+            for batch in ShardLoader(
+                str(tmp_path),
+                "translation",
+                "train",
+                micro_batch_size=4,
+                rank=rank,
+                world_size=2,
+                num_workers=2,
+                seed=3,
+                length_grouping=grouping,
+            ):
                 out[0].append(batch_ids(batch))
                 out[1].append(pair_lengths(batch))
     # The same samples, each once (208 // 8 = 26 steps of 8: all of them), in other batches.
-    assert sorted(i for ids in grouped[0] for i in ids) == sorted(i for ids in plain[0] for i in ids) == list(range(208))
+    assert (
+        sorted(i for ids in grouped[0] for i in ids)
+        == sorted(i for ids in plain[0] for i in ids)
+        == list(range(208))
+    )
     assert grouped[0] != plain[0]
 
     def spread(lengths):
@@ -443,9 +560,22 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
     make_dataset(tmp_path, translation=GROUPED)
     kw = dict(task="translation", seed=5, length_grouping=True)
     reference = steps_of(tmp_path, **SHAPES[0], num_workers=2, **kw)
-    assert steps_of(tmp_path, **SHAPES[1], **kw) == reference  # same micro batch, other world size / accumulation
-    two_ranks = [ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, rank=r, world_size=2,
-                             num_workers=2, seed=5, length_grouping=True) for r in range(2)]
+    # same micro batch, other world size / accumulation
+    assert steps_of(tmp_path, **SHAPES[1], **kw) == reference
+    two_ranks = [
+        ShardLoader(
+            str(tmp_path),
+            "translation",
+            "train",
+            micro_batch_size=4,
+            rank=r,
+            world_size=2,
+            num_workers=2,
+            seed=5,
+            length_grouping=True,
+        )
+        for r in range(2)
+    ]
     for loader in two_ranks:
         for index, _ in enumerate(loader):
             if index + 1 == 9:
@@ -454,10 +584,24 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
     assert state["fingerprint"]["length_grouping"] == 4
     assert steps_of(tmp_path, **SHAPES[1], state=state, **kw) == reference[9:]
     # Grouping on or off changes which samples share a step: a resume across the change is refused.
-    for grouping, saved in ((False, state), (True, ShardLoader(str(tmp_path), "translation", "train",
-                                                               micro_batch_size=4, world_size=2).state_dict())):
-        other = ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2, seed=5,
-                            length_grouping=grouping)
+    for grouping, saved in (
+        (False, state),
+        (
+            True,
+            ShardLoader(
+                str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2
+            ).state_dict(),
+        ),
+    ):
+        other = ShardLoader(
+            str(tmp_path),
+            "translation",
+            "train",
+            micro_batch_size=4,
+            world_size=2,
+            seed=5,
+            length_grouping=grouping,
+        )
         with pytest.raises(UserError, match="length_grouping: saved"):
             other.load_state_dict(saved)
 
@@ -467,11 +611,17 @@ def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
     multiprocessing's exit handler, which terminates and then joins them, waited for ever on a
     loader nobody closed: the test process of a CI run hung at exit. Its flag is raised at exit
     now, and the workers end by themselves."""
-    script = ("from pipeline.loader import ShardLoader\n"
-              f"loader = ShardLoader({str(tiny_dataset)!r}, 'causal_lm', 'train', micro_batch_size=2, num_workers=1)\n"
-              "batches = iter(loader)\nnext(batches)\nkept = [loader, batches]\nprint('exiting', flush=True)\n")
+    script = (
+        "from pipeline.loader import ShardLoader\n"
+        f"loader = ShardLoader({str(tiny_dataset)!r}, 'causal_lm', 'train', micro_batch_size=2, num_workers=1)\n"
+        "batches = iter(loader)\nnext(batches)\nkept = [loader, batches]\nprint('exiting', flush=True)\n"
+    )
     try:
-        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
     except subprocess.TimeoutExpired:
-        raise AssertionError("the process still runs 60 s after its last line: its loader's workers were never ended")
+        raise AssertionError(
+            "the process still runs 60 s after its last line: its loader's workers were never ended"
+        )
     assert run.returncode == 0 and run.stdout.strip() == "exiting", run.stderr[-2000:]

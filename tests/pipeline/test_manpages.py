@@ -11,18 +11,15 @@ from collections import Counter
 
 import pytest
 import webdataset as wds
+from conftest import ROOT, prepare_args, synthetic_pairs, write_tsv
 
-from pipeline.sources import normalize_key
-
-from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
+from pipeline.config import PrepareConfig
 from pipeline.format import MANIFEST, decode_array
 from pipeline.manpage import man_paragraphs
 from pipeline.readers import check_usable, read_unit
-from pipeline.sources import decode_counting, expand_paths, plan_units
+from pipeline.sources import decode_counting, expand_paths, normalize_key, plan_units
 from pipeline.tokenizer import load_tokenizer
-
-from conftest import ROOT, prepare_args, synthetic_pairs, write_tsv
 
 
 def read_pages(paths, **overrides):
@@ -34,7 +31,9 @@ def read_pages(paths, **overrides):
     records = [r for unit in plan_units(files, cfg, 1 << 20) for r in read_unit(unit, cfg, stats)]
     return records, files, stats
 
-# Every construct the converter handles; EXPECTED is what a reader of the formatted page sees as prose.
+
+# Every construct the converter handles; EXPECTED is what a reader of the formatted page sees as
+# prose.
 PAGE = rb""".\" A page with every construct the converter knows.
 '\" t
 .TH DEMO 1 "2026-11-24" "demo 1.0" "User Commands"
@@ -172,7 +171,7 @@ EXPECTED = [
     "Fonts: the demo(1) page and the quoted words and file. [-v] <name> -o file xy small text small bold",
     "Quotes: \u201cdouble\u201d, \u201cstrings\u201d, \u201cbracketed\u201d, 'single' and \"plain\"; a continued line \u2022 a bullet.",
     "Escapes: back\\slash, nothingatallhereorthere, non breaking and space, (c) 2026, Demo\u00ae and Demo\u2122, caf\u00e9, "
-    "\u2014 dash, ' pod \"quoted\" and -- dash, unknown glyph and escape, size small and big, caf\ufffd Latin-1.",
+    '\u2014 dash, \' pod "quoted" and -- dash, unknown glyph and escape, size small and big, caf\ufffd Latin-1.',
     "Be verbose: print each file name before its text.",
     "Write to file instead of the standard output.",
     "A bulleted item with enough words in it.",
@@ -203,7 +202,9 @@ def test_gz_page_so_redirect_mdoc_page_and_links(tmp_path):
     with gzip.open(man1 / "demo.1.gz", "wb") as fh:
         fh.write(PAGE)
     (man1 / "alias.1").write_bytes(b'.\\" redirect\n.so man1/demo.1\n')
-    (man1 / "bsd.1").write_bytes(b".Dd November 24, 2026\n.Dt BSD 1\n.Sh NAME\n.Nm bsd\n.Nd a page in mdoc that is skipped\n")
+    (man1 / "bsd.1").write_bytes(
+        b".Dd November 24, 2026\n.Dt BSD 1\n.Sh NAME\n.Nm bsd\n.Nd a page in mdoc that is skipped\n"
+    )
     os.symlink("demo.1.gz", man1 / "same.1.gz")
     records, files, stats = read_pages([man1 / "*"])
     assert [os.path.basename(f) for f in files] == ["alias.1", "bsd.1", "demo.1.gz"]
@@ -216,24 +217,63 @@ def test_a_source_of_redirects_only_says_so(tmp_path):
     (tmp_path / "a.1").write_bytes(b".so man1/b.1\n")
     records, files, stats = read_pages([tmp_path / "a.1"])
     cfg = load_config(PrepareConfig, None, ["source.format=manpage"]).source
-    with pytest.raises(UserError, match="no usable records in 1 file of source.paths: manpage: 1 so_redirects"):
+    with pytest.raises(
+        UserError, match="no usable records in 1 file of source.paths: manpage: 1 so_redirects"
+    ):
         check_usable(stats, cfg, len(files), Counter())
 
 
 def test_declared_encoding_and_min_words(tmp_path):
     page = tmp_path / "latin.1"
-    page.write_bytes(b'.\\" -*- coding: latin-1 -*-\n.TH X 1\n.SH BESCHREIBUNG\nDer Caf\xe9 ist heute offen.\n.TP\n.B \\-v\nKurz.\n')
+    page.write_bytes(
+        b'.\\" -*- coding: latin-1 -*-\n.TH X 1\n.SH BESCHREIBUNG\nDer Caf\xe9 ist heute offen.\n.TP\n.B \\-v\nKurz.\n'
+    )
     records, _, stats = read_pages([page])
     assert records == [("Der Café ist heute offen.", None)] and stats["bad_bytes_replaced"] == 0
     records, _, _ = read_pages([page], min_words=1)
     assert [text for text, _ in records] == ["Der Café ist heute offen.", "-v", "Kurz."]
 
 
-@pytest.mark.parametrize("text", [
-    "\\", "\\(", "\\[unterminated", "\\*[", "\\f", "\\s", "\\h'1i", ".if", ".ie", ".el", ".el \\{\\", ".if t \\{\\",
-    ".de", ".de X", ".TS", ".ds", ".tr \\(", ".SH", ".TP", ".IP", ".BR", ".UE x", ".MR", ".so", "\\N'99999999'",
-    "\\[u110000]", "\\[uD800]", "\\N'55296'", "\\[u0000]", "\\[uZZ]", "\\[char999]", ".ds A \\*A\n\\*A", "'\\\"", "\\c", "\\\\\\",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\",
+        "\\(",
+        "\\[unterminated",
+        "\\*[",
+        "\\f",
+        "\\s",
+        "\\h'1i",
+        ".if",
+        ".ie",
+        ".el",
+        ".el \\{\\",
+        ".if t \\{\\",
+        ".de",
+        ".de X",
+        ".TS",
+        ".ds",
+        ".tr \\(",
+        ".SH",
+        ".TP",
+        ".IP",
+        ".BR",
+        ".UE x",
+        ".MR",
+        ".so",
+        "\\N'99999999'",
+        "\\[u110000]",
+        "\\[uD800]",
+        "\\N'55296'",
+        "\\[u0000]",
+        "\\[uZZ]",
+        "\\[char999]",
+        ".ds A \\*A\n\\*A",
+        "'\\\"",
+        "\\c",
+        "\\\\\\",
+    ],
+)
 def test_broken_input_never_crashes(text):
     page = f".TH X 1\n.SH DESCRIPTION\nSome words before the broken part.\n{text}\nand some words after it.\n"
     for cut in range(len(page) + 1):
@@ -242,14 +282,16 @@ def test_broken_input_never_crashes(text):
 
 def test_random_bytes_never_crash():
     rng = random.Random(0)
-    alphabet = b'.\\\'"(*[]{}fsBIRPnhv-ec &\n abcTSEH'
+    alphabet = b".\\'\"(*[]{}fsBIRPnhv-ec &\n abcTSEH"
     for _ in range(200):
         data = bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 400)))
         man_paragraphs(decode_counting(data)[0], 1, Counter())
 
 
-WORDS = ("the option file reads writes each page output input default value when with from into system user "
-         "command prints shows every line name mode list error status").split()
+WORDS = (
+    "the option file reads writes each page output input default value when with from into system user "
+    "command prints shows every line name mode list error status"
+).split()
 
 
 def write_pages(folder, n_pages=4, paragraphs=25, seed=0):
@@ -259,7 +301,12 @@ def write_pages(folder, n_pages=4, paragraphs=25, seed=0):
     folder.mkdir()
     expected = []
     for page in range(n_pages):
-        lines = [f".TH PAGE{page} 1", ".SH NAME", f"page{page} \\- a generated page number {page} of the test", ".SH DESCRIPTION"]
+        lines = [
+            f".TH PAGE{page} 1",
+            ".SH NAME",
+            f"page{page} \\- a generated page number {page} of the test",
+            ".SH DESCRIPTION",
+        ]
         expected.append(f"page{page} - a generated page number {page} of the test")
         for i in range(paragraphs):
             words = [rng.choice(WORDS) for _ in range(rng.randrange(6, 30))] + [f"p{page}x{i}"]
@@ -283,24 +330,45 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
     expected = write_pages(tmp_path / "man1")
     pairs = f"  - {{name: pairs, format: tsv, paths: ['{tmp_path / 'pairs.tsv'}']}}\n"
     man = f"  - {{name: man, format: manpage, paths: ['{tmp_path / 'man1' / '*'}'], tokenizer_share: 0.5}}\n"
-    settings = [a for a in prepare_args(tmp_path / "unused", tmp_path / "x", **{"ray.num_workers": 2})
-                if not a.startswith(("source.", "output_dir"))]
+    settings = [
+        a
+        for a in prepare_args(tmp_path / "unused", tmp_path / "x", **{"ray.num_workers": 2})
+        if not a.startswith(("source.", "output_dir"))
+    ]
 
     def prepare(name, sources, *extra):
         config = tmp_path / f"{name}.yaml"
         config.write_text("sources:\n" + sources)
         out = tmp_path / name
-        run = subprocess.run([sys.executable, "-m", "pipeline.prepare", str(config), f"output_dir={out}", *settings, *extra],
-                             cwd=ROOT, capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.prepare",
+                str(config),
+                f"output_dir={out}",
+                *settings,
+                *extra,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         return out, json.loads((out / MANIFEST).read_text()), run.stdout
 
     alone, alone_manifest, _ = prepare("alone", pairs)
-    both, manifest, summary = prepare("both", pairs + man, f"tokenizer.model_path={alone / 'tokenizer.model'}")
+    both, manifest, summary = prepare(
+        "both", pairs + man, f"tokenizer.model_path={alone / 'tokenizer.model'}"
+    )
 
     by_source = manifest["sources"]["by_source"]["man"]
     assert by_source["format"] == "manpage" and by_source["files"] == 5
-    assert by_source["pages"] == 4 and by_source["so_redirects"] == 1 and by_source["records"] == len(expected)
+    assert (
+        by_source["pages"] == 4
+        and by_source["so_redirects"] == 1
+        and by_source["records"] == len(expected)
+    )
     assert "source man (manpage): 5 files" in summary
     # Every paragraph was packed as the man source's, token for token (less each bucket's short
     # tail, which packing drops and counts).
@@ -310,7 +378,10 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
     assert man_stats["documents"] == len(set(expected))
     assert man_stats["tokens"] == sum(len(ids) + 1 for ids in sp.encode(sorted(set(expected))))
     in_shards = sum(entry["sources"]["man"]["tokens"] for entry in packed["splits"].values())
-    assert in_shards == man_stats["tokens"] - man_stats["tail_tokens_dropped"] and packed["splits"]["train"]["sources"]["man"]["tokens"] > 0
+    assert (
+        in_shards == man_stats["tokens"] - man_stats["tail_tokens_dropped"]
+        and packed["splits"]["train"]["sources"]["man"]["tokens"] > 0
+    )
 
     # The pages' text is in the man source's packed shards and nowhere in translation.
 
@@ -322,7 +393,9 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
             for shard in entry["shards"]:
                 if shard["source"] != source:
                     continue
-                for sample in wds.WebDataset(str(out / shard["path"]), shardshuffle=False, empty_check=False):
+                for sample in wds.WebDataset(
+                    str(out / shard["path"]), shardshuffle=False, empty_check=False
+                ):
                     for field in fields:
                         ids[field] += decode_array(sample[field + ".npy"]).tolist()
             found += [normalize_key(sp.decode(field_ids)) for field_ids in ids.values()]
@@ -330,18 +403,30 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
 
     packed_man = texts(both, "packed", "man", ["input_ids"])
     found = sum(normalize_key(text) in packed_man for text in expected)
-    assert found >= 0.9 * len(expected)  # the rest ends in a dropped tail or runs on into the next bucket
-    assert {shard["source"] for entry in manifest["datasets"]["translation"]["splits"].values() for shard in entry["shards"]} == {"pairs"}
+    # the rest ends in a dropped tail or runs on into the next bucket
+    assert found >= 0.9 * len(expected)
+    assert {
+        shard["source"]
+        for entry in manifest["datasets"]["translation"]["splits"].values()
+        for shard in entry["shards"]
+    } == {"pairs"}
     translated = texts(both, "translation", "pairs", ["src_ids", "tgt_ids"])
     assert not any(f"p{page}x" in translated for page in range(4))
 
-    # The translation data is unchanged by the pages: the same shards (a lone source's lie one folder up).
+    # The translation data is unchanged by the pages: the same shards (a lone source's lie one
+    # folder up).
     for split, entry in manifest["datasets"]["translation"]["splits"].items():
         alone_entry = alone_manifest["datasets"]["translation"]["splits"][split]
-        assert (entry["samples"], entry["tokens"]) == (alone_entry["samples"], alone_entry["tokens"]) and entry["samples"] > 0
+        assert (entry["samples"], entry["tokens"]) == (
+            alone_entry["samples"],
+            alone_entry["tokens"],
+        ) and entry["samples"] > 0
         assert len(entry["shards"]) == len(alone_entry["shards"])
         for shard, alone_shard in zip(entry["shards"], alone_entry["shards"]):
             assert shard["path"].replace("/pairs/", "/") == alone_shard["path"]
-            assert {k: v for k, v in shard.items() if k not in ("path", "source")} == \
-                {k: v for k, v in alone_shard.items() if k not in ("path", "source")}
-            assert (both / shard["path"]).read_bytes() == (alone / alone_shard["path"]).read_bytes(), shard["path"]
+            assert {k: v for k, v in shard.items() if k not in ("path", "source")} == {
+                k: v for k, v in alone_shard.items() if k not in ("path", "source")
+            }
+            assert (both / shard["path"]).read_bytes() == (
+                alone / alone_shard["path"]
+            ).read_bytes(), shard["path"]

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
-from pipeline import remote
+
 from common.configure import UserError
+from pipeline import remote
 from pipeline.loader import ShardLoader
 from pipeline.remote import FetchConfig
 from tests.shardtools import make_dataset
@@ -50,7 +50,11 @@ class _Handler(BaseHTTPRequestHandler):
             failures = server.fail.get(path, 0)
             if failures > 0:
                 server.fail[path] = failures - 1
-            hang = path.endswith(".tar") and server.answer_only is not None and path not in server.answer_only
+            hang = (
+                path.endswith(".tar")
+                and server.answer_only is not None
+                and path not in server.answer_only
+            )
             server.hanging += hang
         if hang:
             server.release.wait(HANG_S)
@@ -69,7 +73,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path in server.trickle:
                 for start in range(0, len(body), 256):
-                    self.wfile.write(body[start:start + 256])
+                    self.wfile.write(body[start : start + 256])
                     self.wfile.flush()
                     time.sleep(server.trickle_s)
             else:
@@ -171,7 +175,8 @@ def test_the_url_gives_the_local_batches_also_after_a_resume(served, num_workers
     assert_same_batches(remote_batches, local)
     assert loader.stats["shards_skipped"] == 0
     assert set(served.shard_requests()) == shards_read(served.local)
-    assert len(served.shard_requests()) == len(set(served.shard_requests()))  # downloaded once, then read from the cache
+    # downloaded once, then read from the cache
+    assert len(served.shard_requests()) == len(set(served.shard_requests()))
 
     state = mid_epoch_state(served.local, 15)
     resumed_local, _ = batches(served.local, state, num_workers=num_workers)
@@ -188,12 +193,16 @@ def test_shards_are_prefetched_ahead_of_the_reader_and_no_further(served):
             shard = str(Path(key.split("#")[0]).relative_to(served.local.parent))
             if shard not in order:
                 order.append(shard)
-    loader = ShardLoader(served.url, "causal_lm", "train", micro_batch_size=4, fetch=served.fetch(prefetch=2))
+    loader = ShardLoader(
+        served.url, "causal_lm", "train", micro_batch_size=4, fetch=served.fetch(prefetch=2)
+    )
     stream = iter(loader)
     next(stream)
-    read = {"data/" + key.split("#")[0].removeprefix(served.url + "/") for key in loader.sample_keys()}
-    assert read == set(order[:len(read)])
-    ahead = order[:len(read) + 2]  # the reader's shards and the two after the last of them
+    read = {
+        "data/" + key.split("#")[0].removeprefix(served.url + "/") for key in loader.sample_keys()
+    }
+    assert read == set(order[: len(read)])
+    ahead = order[: len(read) + 2]  # the reader's shards and the two after the last of them
     deadline = time.monotonic() + 20
     while len(served.shard_requests()) < len(ahead):
         assert time.monotonic() < deadline, served.shard_requests()
@@ -206,7 +215,8 @@ def test_shards_are_prefetched_ahead_of_the_reader_and_no_further(served):
 
 def test_a_dataset_prepared_anew_at_the_same_url_is_not_read_from_stale_cache_entries(served):
     first, _ = batches(served.url, fetch=served.fetch())
-    make_dataset(served.local, packed=UNEVEN, seed=1)  # other tokens, the same shard names and byte sizes
+    # other tokens, the same shard names and byte sizes
+    make_dataset(served.local, packed=UNEVEN, seed=1)
     local, _ = batches(served.local)
     again, _ = batches(served.url, fetch=served.fetch())
     assert_same_batches(again, local)
@@ -216,10 +226,14 @@ def test_a_dataset_prepared_anew_at_the_same_url_is_not_read_from_stale_cache_en
 def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
     state = mid_epoch_state(served.local, 20)
     needed = shards_read(served.local, state)
-    assert 0 < len(needed) < len(shards_read(served.local))  # the resume point lies past some shard, or the test proves nothing
+    # the resume point lies past some shard, or the test proves nothing
+    assert 0 < len(needed) < len(shards_read(served.local))
 
     resumed, _ = batches(served.url, state, fetch=served.fetch())
-    assert len(resumed) == len(list(ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4))) - 20
+    assert (
+        len(resumed)
+        == len(list(ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4))) - 20
+    )
     assert set(served.shard_requests()) == needed
 
 
@@ -238,7 +252,9 @@ def test_a_shard_that_fails_twice_is_retried_and_read(served, caplog):
 
 
 @pytest.mark.parametrize("num_workers, failure", [(0, "500"), (1, "500"), (0, "404")])
-def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, tmp_path, num_workers, failure):
+def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(
+    served, tmp_path, num_workers, failure
+):
     shard = "packed/train/0000-0003.tar"
     if failure == "500":
         served.server.fail["/data/" + shard] = -1
@@ -248,25 +264,40 @@ def test_a_shard_that_always_fails_is_skipped_like_a_corrupt_local_one(served, t
     shutil.copytree(served.local, corrupt)
     (corrupt / shard).write_bytes(b"not a tar")
     local, local_loader = batches(corrupt, num_workers=num_workers)
-    remote_batches, loader = batches(served.url, num_workers=num_workers, fetch=served.fetch(retries=2))
+    remote_batches, loader = batches(
+        served.url, num_workers=num_workers, fetch=served.fetch(retries=2)
+    )
     assert loader.stats["shards_skipped"] == local_loader.stats["shards_skipped"] == 1
     assert loader.stats["filler_batches"] == local_loader.stats["filler_batches"] > 0
     assert loader.skipped_shards[0]["path"] == f"{served.url}/{shard}"
     reason = loader.skipped_shards[0]["reason"]
-    assert "cannot fetch" in reason and ("500" in reason if failure == "500" else "not found" in reason), reason
+    assert "cannot fetch" in reason and (
+        "500" in reason if failure == "500" else "not found" in reason
+    ), reason
     assert_same_batches(remote_batches, local)
     # Three attempts by the prefetcher (the reader takes its verdict), at most three more by the
     # reader if it came first: never one attempt per batch. A missing file is not retried.
-    assert 3 <= served.requests("data/" + shard) <= 6 if failure == "500" else served.requests("data/" + shard) <= 2
+    assert (
+        3 <= served.requests("data/" + shard) <= 6
+        if failure == "500"
+        else served.requests("data/" + shard) <= 2
+    )
     assert not list(served.cache.glob("*.part"))
 
 
 def _fetch_in_subprocess(url: str, fetch: FetchConfig) -> subprocess.Popen:
-    code = ("import hashlib, sys; from pipeline import remote\n"
-            f"path = remote.local_file({url!r}, remote.FetchConfig(cache_dir={fetch.cache_dir!r}, timeout_s=30))\n"
-            "print(hashlib.sha256(open(path, 'rb').read()).hexdigest())")
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    code = (
+        "import hashlib, sys; from pipeline import remote\n"
+        f"path = remote.local_file({url!r}, remote.FetchConfig(cache_dir={fetch.cache_dir!r}, timeout_s=30))\n"
+        "print(hashlib.sha256(open(path, 'rb').read()).hexdigest())"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_killed_download_leaves_no_file_under_the_final_name(served):
@@ -286,7 +317,8 @@ def test_a_killed_download_leaves_no_file_under_the_final_name(served):
         if child.poll() is None:
             child.kill()
     assert not list(served.cache.glob("*.data"))
-    assert len(list(served.cache.glob("*.part"))) == 1  # the dead download's, under its temporary name
+    # the dead download's, under its temporary name
+    assert len(list(served.cache.glob("*.part"))) == 1
 
     served.server.trickle.clear()
     path = remote.local_file(f"{served.url}/packed/train/0000-0001.tar", fetch)
@@ -335,7 +367,9 @@ def test_the_cache_keeps_under_its_cap_evicting_the_least_recently_used(tmp_path
         # A cap below one shard: that shard alone stays, the others go.
         small = served.fetch(max_bytes=size // 2)
         remote.local_file(url[1], small, size=size)
-        assert {path.name.split("-", 1)[1] for path in served.cache.glob("*.data")} == {"0000-0001_tar.data"}
+        assert {path.name.split("-", 1)[1] for path in served.cache.glob("*.data")} == {
+            "0000-0001_tar.data"
+        }
     finally:
         served.server.shutdown()
         served.server.server_close()
@@ -343,14 +377,26 @@ def test_the_cache_keeps_under_its_cap_evicting_the_least_recently_used(tmp_path
 
 def test_an_unreachable_or_unknown_url_is_one_line(served):
     port = served.server.server_address[1]
-    with pytest.raises(UserError, match=r"no manifest\.json at http://127\.0\.0\.1:\d+/nowhere: not a prepared"):
-        ShardLoader(f"http://127.0.0.1:{port}/nowhere", "causal_lm", "train", micro_batch_size=4,
-                    fetch=served.fetch(retries=0))
+    with pytest.raises(
+        UserError, match=r"no manifest\.json at http://127\.0\.0\.1:\d+/nowhere: not a prepared"
+    ):
+        ShardLoader(
+            f"http://127.0.0.1:{port}/nowhere",
+            "causal_lm",
+            "train",
+            micro_batch_size=4,
+            fetch=served.fetch(retries=0),
+        )
     served.server.shutdown()
     served.server.server_close()
     with pytest.raises(UserError, match="cannot fetch the manifest") as err:
-        ShardLoader(f"http://127.0.0.1:{port}/data", "causal_lm", "train", micro_batch_size=4,
-                    fetch=FetchConfig(retries=1, backoff_s=0.01))
+        ShardLoader(
+            f"http://127.0.0.1:{port}/data",
+            "causal_lm",
+            "train",
+            micro_batch_size=4,
+            fetch=FetchConfig(retries=1, backoff_s=0.01),
+        )
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="unknown protocol 'nosuch'"):
         ShardLoader("nosuch://bucket/data", "causal_lm", "train", micro_batch_size=4)
@@ -366,18 +412,41 @@ def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset,
         losses = []
         for name, data_dir in (("local", tiny_dataset), ("url", served.url)):
             run_dir = tmp_path / name
-            command = [sys.executable, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"),
-                       f"data.data_dir={data_dir}", f"run_dir={run_dir}", f"data.cache_dir={served.cache}",
-                       "max_steps=3", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
-                       "model.max_seq_len=64", "data.micro_batch_size=4", "data.num_workers=1", "eval_batches=0",
-                       "wandb.mode=disabled", "threads_per_rank=1", "log_every=1", "eval_every=0",
-                       "checkpoint.every_steps=0"]
+            command = [
+                sys.executable,
+                "-m",
+                "launch.train",
+                str(ROOT / "configs" / "tiny_gpt.yaml"),
+                f"data.data_dir={data_dir}",
+                f"run_dir={run_dir}",
+                f"data.cache_dir={served.cache}",
+                "max_steps=3",
+                "model.d_model=32",
+                "model.n_layers=1",
+                "model.n_heads=2",
+                "model.d_ff=64",
+                "model.max_seq_len=64",
+                "data.micro_batch_size=4",
+                "data.num_workers=1",
+                "eval_batches=0",
+                "wandb.mode=disabled",
+                "threads_per_rank=1",
+                "log_every=1",
+                "eval_every=0",
+                "checkpoint.every_steps=0",
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-            run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            run = subprocess.run(
+                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+            )
             assert run.returncode == 0, run.stderr[-4000:]
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            ]
             losses.append([row["train/loss"] for row in rows if "train/loss" in row])
-            assert (run_dir / "tokenizer.model").read_bytes() == (tiny_dataset / "tokenizer.model").read_bytes()
+            assert (run_dir / "tokenizer.model").read_bytes() == (
+                tiny_dataset / "tokenizer.model"
+            ).read_bytes()
         assert len(losses[0]) == 3 and losses[1] == losses[0]
         assert served.shard_requests()  # the URL run read its shards over HTTP
     finally:
@@ -385,20 +454,43 @@ def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset,
         served.server.server_close()
 
 
-def test_the_dry_run_reads_a_url_s_manifest_and_fetches_its_tokenizer(tmp_path, capsys, monkeypatch):
+def test_the_dry_run_reads_a_url_s_manifest_and_fetches_its_tokenizer(
+    tmp_path, capsys, monkeypatch
+):
     from test_preflight import args, dry_run, make_data
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ):
         monkeypatch.delenv(name, raising=False)
     served = serve_directory(make_data(tmp_path / "data"), tmp_path / "cache")
     try:
-        code, out, problems = dry_run(args(served.url, tmp_path, f"data.cache_dir={served.cache}"), capsys)
+        code, out, problems = dry_run(
+            args(served.url, tmp_path, f"data.cache_dir={served.cache}"), capsys
+        )
         assert code == 0 and problems == [], out
         assert "tokenizer.model fetched, sha256 matches the manifest" in out
         (served.local / "tokenizer.model").write_bytes(b"another tokenizer")
-        code, out, problems = dry_run(args(served.url, tmp_path, f"data.cache_dir={tmp_path / 'cache2'}",
-                                              "data.fetch_backoff_s=0.01"), capsys)
-        assert code != 0 and len(problems) == 1 and "sha256" in problems[0] and "tokenizer.model" in problems[0], out
+        code, out, problems = dry_run(
+            args(
+                served.url,
+                tmp_path,
+                f"data.cache_dir={tmp_path / 'cache2'}",
+                "data.fetch_backoff_s=0.01",
+            ),
+            capsys,
+        )
+        assert (
+            code != 0
+            and len(problems) == 1
+            and "sha256" in problems[0]
+            and "tokenizer.model" in problems[0]
+        ), out
     finally:
         served.server.shutdown()
         served.server.server_close()
@@ -419,7 +511,8 @@ def test_evaluation_pairs_read_from_a_url_are_the_local_ones(tmp_path):
         served.server.server_close()
 
 
-# ----------------------------------------------------------------------------- a server that never answers
+# ----------------------------------------------------------------------------- a server that never
+# answers
 # Issue #28, item 3: a stop request (a signal, the STOP file) ends a job whose fetches hang, within
 # seconds and as any stop does, instead of after the fetch timeouts and retries (minutes).
 
@@ -430,11 +523,29 @@ def train_from(url: str, run_dir: Path, cache: Path, *overrides: str, nproc: int
     """launch.train on a tiny GPT reading `url`, with the fetch timeouts and retries at their defaults."""
     from test_train import TINY
 
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
-    return [sys.executable, *launcher, "-m", "launch.train", str(ROOT / "configs" / "tiny_gpt.yaml"),
-            f"data.data_dir={url}", f"run_dir={run_dir}", f"data.cache_dir={cache}", *TINY, "wandb.mode=disabled",
-            "max_steps=100000", "log_every=1", "eval_every=0", "checkpoint.every_steps=0", "data.log_sample_keys=true",
-            *overrides]
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        if nproc > 1
+        else []
+    )
+    return [
+        sys.executable,
+        *launcher,
+        "-m",
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={url}",
+        f"run_dir={run_dir}",
+        f"data.cache_dir={cache}",
+        *TINY,
+        "wandb.mode=disabled",
+        "max_steps=100000",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=0",
+        "data.log_sample_keys=true",
+        *overrides,
+    ]
 
 
 def answer_the_first_shard_only(served: Served) -> None:
@@ -442,7 +553,9 @@ def answer_the_first_shard_only(served: Served) -> None:
     loader = ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=1)
     next(iter(loader))
     (key,) = loader.sample_keys()
-    served.server.answer_only = {"/" + str(Path(key.split("#")[0]).relative_to(served.local.parent))}
+    served.server.answer_only = {
+        "/" + str(Path(key.split("#")[0]).relative_to(served.local.parent))
+    }
 
 
 def steps_made(run_dir: Path) -> int:
@@ -455,8 +568,11 @@ def wait_until_stuck(job: subprocess.Popen, served: Served, run_dir: Path) -> in
     the steps made."""
     from test_reliability import wait_for
 
-    wait_for(lambda: job.poll() is not None or (served.server.hanging and steps_made(run_dir)), 300,
-             "a shard request to hang after the first step")
+    wait_for(
+        lambda: job.poll() is not None or (served.server.hanging and steps_made(run_dir)),
+        300,
+        "a shard request to hang after the first step",
+    )
     last, since = -1, time.monotonic()
     while time.monotonic() - since < 3:
         assert job.poll() is None, f"the job ended (exit {job.returncode}) before it was stopped"
@@ -478,14 +594,20 @@ def assert_stopped_at(run_dir: Path, stderr: str, steps: int) -> None:
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": steps}
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     said = [line for line in stderr.splitlines() if line.startswith("stop requested")]
-    assert said == [f"stop requested: checkpoint at step {steps} saved; exiting for a requeue"], stderr[-3000:]
+    assert said == [f"stop requested: checkpoint at step {steps} saved; exiting for a requeue"], (
+        stderr[-3000:]
+    )
     assert "Traceback" not in stderr, stderr[-3000:]
     assert not (run_dir / "STOP").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
-@pytest.mark.parametrize("how, workers", [("SIGTERM", 1), ("SIGUSR1", 0), ("SIGINT", 1), ("STOP", 0)])
-def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(tiny_dataset, tmp_path, how, workers):
+@pytest.mark.parametrize(
+    "how, workers", [("SIGTERM", 1), ("SIGUSR1", 0), ("SIGINT", 1), ("STOP", 0)]
+)
+def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(
+    tiny_dataset, tmp_path, how, workers
+):
     """The server answers the manifest, the tokenizer and the epoch's first shard, and accepts
     every other shard request and never answers it. Once training has used up the first shard
     and waits (in a DataLoader worker, or in the rank itself without workers), a stop request
@@ -497,8 +619,13 @@ def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(tin
     run_dir = tmp_path / "run"
     stderr = tmp_path / "stderr"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    job = subprocess.Popen(train_from(served.url, run_dir, served.cache, f"data.num_workers={workers}"), cwd=ROOT,
-                           env=env, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+    job = subprocess.Popen(
+        train_from(served.url, run_dir, served.cache, f"data.num_workers={workers}"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(stderr, "w"),
+    )
     processes = []
     try:
         steps = wait_until_stuck(job, served, run_dir)
@@ -510,11 +637,17 @@ def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(tin
         try:
             job.wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{how}: the job still runs {STOP_WITHIN_S} s after the stop request, blocked on "
-                                 f"the server ({served.server.hanging} shard requests unanswered)") from None
+            raise AssertionError(
+                f"{how}: the job still runs {STOP_WITHIN_S} s after the stop request, blocked on "
+                f"the server ({served.server.hanging} shard requests unanswered)"
+            ) from None
         took = time.monotonic() - asked
-        wait_for(lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end")
-        print(f"\n{how}, {workers} workers: stopped {took:.1f} s after the request, at step {steps}")
+        wait_for(
+            lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end"
+        )
+        print(
+            f"\n{how}, {workers} workers: stopped {took:.1f} s after the request, at step {steps}"
+        )
         assert job.returncode == 0, stderr.read_text()[-3000:]
         assert_stopped_at(run_dir, stderr.read_text(), steps)
     finally:
@@ -562,8 +695,14 @@ def test_a_stop_request_ends_a_job_waiting_for_its_manifest(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     with silent_server() as (port, accepted):
-        job = subprocess.Popen(train_from(f"http://127.0.0.1:{port}/data", run_dir, tmp_path / "cache"), cwd=ROOT,
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        job = subprocess.Popen(
+            train_from(f"http://127.0.0.1:{port}/data", run_dir, tmp_path / "cache"),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while not accepted() and job.poll() is None and time.monotonic() < deadline:
@@ -575,7 +714,9 @@ def test_a_stop_request_ends_a_job_waiting_for_its_manifest(tmp_path):
             try:
                 _, stderr = job.communicate(timeout=STOP_WITHIN_S)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"the job still waits for its manifest {STOP_WITHIN_S} s after SIGTERM") from None
+                raise AssertionError(
+                    f"the job still waits for its manifest {STOP_WITHIN_S} s after SIGTERM"
+                ) from None
             print(f"\nstopped {time.monotonic() - asked:.1f} s after SIGTERM")
         finally:
             if job.poll() is None:
@@ -583,7 +724,9 @@ def test_a_stop_request_ends_a_job_waiting_for_its_manifest(tmp_path):
                 job.wait()
     assert job.returncode == 0, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("stop requested")]
-    assert said == ["stop requested before training began: nothing to checkpoint; exiting for a requeue"], stderr
+    assert said == [
+        "stop requested before training began: nothing to checkpoint; exiting for a requeue"
+    ], stderr
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 0}
     assert "Traceback" not in stderr and not (run_dir / "checkpoints").exists()
 
@@ -601,8 +744,13 @@ def test_two_ranks_blocked_on_a_server_that_never_answers_stop_together(tiny_dat
     run_dir = tmp_path / "run"
     stderr = tmp_path / "stderr"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    job = subprocess.Popen(train_from(served.url, run_dir, served.cache, "data.num_workers=1", nproc=2), cwd=ROOT,
-                           env=env, stdout=subprocess.DEVNULL, stderr=open(stderr, "w"))
+    job = subprocess.Popen(
+        train_from(served.url, run_dir, served.cache, "data.num_workers=1", nproc=2),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(stderr, "w"),
+    )
     processes = []
     try:
         steps = wait_until_stuck(job, served, run_dir)
@@ -613,13 +761,19 @@ def test_two_ranks_blocked_on_a_server_that_never_answers_stop_together(tiny_dat
         try:
             job.wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the ranks still run {STOP_WITHIN_S} s after the STOP file") from None
+            raise AssertionError(
+                f"the ranks still run {STOP_WITHIN_S} s after the STOP file"
+            ) from None
         took = time.monotonic() - asked
-        wait_for(lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end")
+        wait_for(
+            lambda: not any(alive(pid) for pid in processes), 5, "every process of the job to end"
+        )
         print(f"\n2 ranks: stopped {took:.1f} s after the STOP file, at step {steps}")
         assert job.returncode == 0, stderr.read_text()[-3000:]
         assert_stopped_at(run_dir, stderr.read_text(), steps)
-        assert steps_made(run_dir) == len((run_dir / "sample_keys.rank1.jsonl").read_text().splitlines())
+        assert steps_made(run_dir) == len(
+            (run_dir / "sample_keys.rank1.jsonl").read_text().splitlines()
+        )
     finally:
         kill_all([job.pid, *processes, *descendants(job.pid)])
         served.server.release.set()

@@ -12,21 +12,34 @@ from collections import Counter
 import polib
 import pytest
 
-from pipeline.config import PrepareConfig
 from common.configure import UserError, load_config
+from pipeline.config import PrepareConfig
 from pipeline.readers import check_usable, chunk_text, describe_skipped, read_mo, read_po, read_unit
-from pipeline.sources import (ASSUMED_RATIO, Unit, decode_counting, decompressed_size, expand_paths, plan_units,
-                              stream_chunks)
+from pipeline.sources import (
+    ASSUMED_RATIO,
+    Unit,
+    decode_counting,
+    decompressed_size,
+    expand_paths,
+    plan_units,
+    stream_chunks,
+)
 
 
 def source_cfg(**overrides):
-    return load_config(PrepareConfig, None, [f"source.{k}={v}" for k, v in overrides.items()]).source
+    return load_config(
+        PrepareConfig, None, [f"source.{k}={v}" for k, v in overrides.items()]
+    ).source
 
 
 def read_all(path, **overrides):
     cfg = source_cfg(paths=f"[{path}]", **overrides)
     stats = Counter()
-    records = [r for unit in plan_units(expand_paths(cfg), cfg, 1 << 20) for r in read_unit(unit, cfg, stats)]
+    records = [
+        r
+        for unit in plan_units(expand_paths(cfg), cfg, 1 << 20)
+        for r in read_unit(unit, cfg, stats)
+    ]
     return records, stats
 
 
@@ -73,16 +86,25 @@ def test_byte_ranges_cover_each_line_exactly_once(tmp_path):
     assert len(units) > 10
     stats = Counter()
     got = [r[0] for unit in units for r in read_unit(unit, cfg, stats)]
-    assert got == [l.strip() for l in lines]
+    assert got == [line.strip() for line in lines]
 
 
 def test_jsonl_fields_and_malformed_records(tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [json.dumps({"text": "one", "de": "eins"}), "{not json", json.dumps({"other": 1}), json.dumps({"text": "two", "de": "zwei"})]
+    rows = [
+        json.dumps({"text": "one", "de": "eins"}),
+        "{not json",
+        json.dumps({"other": 1}),
+        json.dumps({"text": "two", "de": "zwei"}),
+    ]
     path.write_text("\n".join(rows) + "\n")
     records, stats = read_all(path, format="jsonl")
     assert records == [("one", None), ("two", None)] and stats["malformed_records"] == 2
-    assert stats["lines"] == 4 and stats["malformed_not_json"] == 1 and stats["malformed_no_text_field"] == 1
+    assert (
+        stats["lines"] == 4
+        and stats["malformed_not_json"] == 1
+        and stats["malformed_no_text_field"] == 1
+    )
     records, _ = read_all(path, format="jsonl", target_field="de")
     assert records == [("one", "eins"), ("two", "zwei")]
 
@@ -91,10 +113,14 @@ def test_tsv_pairs(tmp_path):
     path = tmp_path / "p.tsv"
     path.write_bytes(b"a\tA\nonly-one-column\n\nb\tB\textra\n")
     records, stats = read_all(path, format="tsv")
-    assert records == [("a", "A"), ("b", "B")] and stats["malformed_records"] == 1 and stats["malformed_1_columns"] == 1
+    assert (
+        records == [("a", "A"), ("b", "B")]
+        and stats["malformed_records"] == 1
+        and stats["malformed_1_columns"] == 1
+    )
 
 
-PO = r'''
+PO = r"""
 msgid ""
 msgstr ""
 "Content-Type: text/plain; charset=UTF-8\n"
@@ -126,9 +152,15 @@ msgstr "Mehr"
 
 #~ msgid "Old"
 #~ msgstr "Alt"
-'''
+"""
 
-EXPECTED = {("Open file", "Datei öffnen"), ("Quit", "Beenden"), ("%d file", "%d Datei"), ("%d files", "%d Dateien"), ("Multiline", "Mehrzeilig")}
+EXPECTED = {
+    ("Open file", "Datei öffnen"),
+    ("Quit", "Beenden"),
+    ("%d file", "%d Datei"),
+    ("%d files", "%d Dateien"),
+    ("Multiline", "Mehrzeilig"),
+}
 
 
 def test_po_skips_header_fuzzy_untranslated_obsolete_and_handles_plurals(tmp_path):
@@ -203,7 +235,9 @@ def _tree(root):
 
 def test_a_glob_through_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
     files = _tree(tmp_path)
-    (tmp_path / "loop").symlink_to(".")  # glob's ** followed it until the kernel's ELOOP: hundreds of paths
+    (tmp_path / "loop").symlink_to(
+        "."
+    )  # glob's ** followed it until the kernel's ELOOP: hundreds of paths
     with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
         found = expand_paths(source_cfg(paths=f"[{tmp_path}/**/*.txt]", format="text"))
     assert found == files
@@ -216,7 +250,9 @@ def test_a_file_under_several_names_is_listed_once_and_the_others_counted(tmp_pa
     (tmp_path / "alias").symlink_to("sub")  # sub's two files again, under alias/
     (tmp_path / "link.txt").symlink_to("a.txt")
     with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
-        found = expand_paths(source_cfg(paths=f"[{tmp_path}/**/*.txt,{tmp_path}/sub/b.txt]", format="text"))
+        found = expand_paths(
+            source_cfg(paths=f"[{tmp_path}/**/*.txt,{tmp_path}/sub/b.txt]", format="text")
+        )
     assert found == files
     (warning,) = caplog.messages  # one line: the count and an example
     assert "3 paths" in warning and "read once" in warning
@@ -227,14 +263,20 @@ def test_a_path_that_is_not_a_regular_file_is_named_as_such(tmp_path):
     os.mkfifo(tmp_path / "pipe.txt")
     (tmp_path / "catalog.mo").mkdir()
     for name, what in (("pipe.txt", "a FIFO"), ("catalog.mo", "a directory")):
-        with pytest.raises(UserError, match=f"^source.paths: not a regular file: {tmp_path / name} is {what}"):
+        with pytest.raises(
+            UserError, match=f"^source.paths: not a regular file: {tmp_path / name} is {what}"
+        ):
             expand_paths(source_cfg(paths=f"[{tmp_path / name}]", format="gettext"))
     (tmp_path / "dangling.txt").symlink_to("nowhere.txt")
-    with pytest.raises(UserError, match=f"file not found: {tmp_path}/dangling.txt is a symbolic link to nowhere.txt"):
+    with pytest.raises(
+        UserError,
+        match=f"file not found: {tmp_path}/dangling.txt is a symbolic link to nowhere.txt",
+    ):
         expand_paths(source_cfg(paths=f"[{tmp_path}/dangling.txt]", format="text"))
 
 
-# ---------------------------------------------------------------- inputs that yield nothing: the cause, in words
+# ---------------------------------------------------------------- inputs that yield nothing: the
+# cause, in words
 
 
 def check(path, **overrides):
@@ -252,20 +294,28 @@ def test_jsonl_lines_that_all_lack_the_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(500)))
     message = check(path, format="jsonl")
-    assert message == "no usable records in 1 file of source.paths: jsonl: 500 of 500 lines lack the field 'text'"
-    path.write_text("".join(json.dumps({"text": f"one {i}", "de": i}) + "\n" for i in range(20)) + "[1, 2]\n")
+    assert (
+        message
+        == "no usable records in 1 file of source.paths: jsonl: 500 of 500 lines lack the field 'text'"
+    )
+    path.write_text(
+        "".join(json.dumps({"text": f"one {i}", "de": i}) + "\n" for i in range(20)) + "[1, 2]\n"
+    )
     assert check(path, format="jsonl", target_field="de").endswith(
-        "jsonl: 1 of 21 lines are JSON but not objects, 20 of 21 lines have a non-string 'de'")
+        "jsonl: 1 of 21 lines are JSON but not objects, 20 of 21 lines have a non-string 'de'"
+    )
 
 
 def test_one_column_tsv(tmp_path):
     path = tmp_path / "p.tsv"
     path.write_text("".join(f"just one column {i}\n" for i in range(300)))
     assert check(path, format="tsv").endswith(
-        "tsv: 300 of 300 lines have 1 column (source_column=0 and target_column=1 need 2)")
+        "tsv: 300 of 300 lines have 1 column (source_column=0 and target_column=1 need 2)"
+    )
     path.write_text("a\tb\n" * 5 + "a\n" * 3)
     assert check(path, format="tsv", target_column=2).endswith(
-        "tsv: 8 of 8 lines have fewer than 3 columns (3 with 1, 5 with 2) (source_column=0 and target_column=2 need 3)")
+        "tsv: 8 of 8 lines have fewer than 3 columns (3 with 1, 5 with 2) (source_column=0 and target_column=2 need 3)"
+    )
 
 
 def test_random_bytes_as_jsonl_are_not_json(tmp_path):
@@ -284,8 +334,13 @@ def test_random_bytes_as_text_are_dropped_as_undecodable(tmp_path):
     assert stats["undecodable_dropped"] > 10 * len(records)
     assert all(r[0].count("\ufffd") <= 0.1 * len(r[0]) for r in records)
     message = check(path, format="text")
-    assert message.startswith(f"source is mostly undecodable (binary, or not UTF-8): {stats['undecodable_dropped']} of ")
-    assert f"have more than 10% undecodable characters (source.max_replaced_fraction=0.1), {stats['undecodable_dropped']} of them in {path}" in message
+    assert message.startswith(
+        f"source is mostly undecodable (binary, or not UTF-8): {stats['undecodable_dropped']} of "
+    )
+    assert (
+        f"have more than 10% undecodable characters (source.max_replaced_fraction=0.1), {stats['undecodable_dropped']} of them in {path}"
+        in message
+    )
     # 1.0 keeps everything, as before the threshold existed.
     records, stats = read_all(path, format="text", max_replaced_fraction=1.0)
     assert stats["undecodable_dropped"] == 0 and stats["records"] == len(records) > 500
@@ -304,24 +359,39 @@ def test_replaced_fraction_threshold_per_text(tmp_path):
     records, stats = read_all(path, format="tsv")
     assert records == [("fine", "gut")] and stats["undecodable_dropped"] == 1
     assert describe_skipped(stats, source_cfg(format="tsv")) == (
-        "tsv: 1 of 2 pairs have more than 10% undecodable characters (source.max_replaced_fraction=0.1)")
+        "tsv: 1 of 2 pairs have more than 10% undecodable characters (source.max_replaced_fraction=0.1)"
+    )
 
 
 def test_good_input_has_nothing_to_describe(tmp_path):
     path = tmp_path / "p.tsv"
     path.write_text("a\tA\nb\tB\n")
     records, stats = read_all(path, format="tsv")
-    assert len(records) == 2 and describe_skipped(stats, source_cfg(format="tsv")) == "" and check(path, format="tsv") == ""
+    assert (
+        len(records) == 2
+        and describe_skipped(stats, source_cfg(format="tsv")) == ""
+        and check(path, format="tsv") == ""
+    )
     (tmp_path / "empty.txt").write_text("\n\n")
-    assert check(tmp_path / "empty.txt", format="text") == "no usable records in 1 file of source.paths: text: 2 empty"
+    assert (
+        check(tmp_path / "empty.txt", format="text")
+        == "no usable records in 1 file of source.paths: text: 2 empty"
+    )
 
 
-# ---------------------------------------------------------------- parquet, .gz and .zst, several sources
+# ---------------------------------------------------------------- parquet, .gz and .zst, several
+# sources
 
 
 def _mono_texts(n, seed=1):
     rng = random.Random(seed)
-    return [f"line {i} " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(1, 9))) for i in range(n)]
+    return [
+        f"line {i} "
+        + " ".join(
+            rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(1, 9))
+        )
+        for i in range(n)
+    ]
 
 
 def test_parquet_read_in_row_groups_equals_the_same_rows_as_jsonl(tmp_path):
@@ -330,12 +400,22 @@ def test_parquet_read_in_row_groups_equals_the_same_rows_as_jsonl(tmp_path):
 
     texts, targets = _mono_texts(500), _mono_texts(500, seed=2)
     texts[7], targets[9] = "  ", None  # an empty text and a missing target are skipped like jsonl's
-    pq.write_table(pa.table({"body": texts, "de": targets, "other": list(range(500))}), tmp_path / "a.parquet",
-                   row_group_size=64)
+    pq.write_table(
+        pa.table({"body": texts, "de": targets, "other": list(range(500))}),
+        tmp_path / "a.parquet",
+        row_group_size=64,
+    )
     jsonl = tmp_path / "a.jsonl"
-    jsonl.write_text("".join(json.dumps({"body": t, "de": g}) + "\n" for t, g in zip(texts, targets)))
+    jsonl.write_text(
+        "".join(json.dumps({"body": t, "de": g}) + "\n" for t, g in zip(texts, targets))
+    )
     for target in ("''", "de"):
-        cfg = source_cfg(paths=f"[{tmp_path / 'a.parquet'}]", format="parquet", text_field="body", target_field=target)
+        cfg = source_cfg(
+            paths=f"[{tmp_path / 'a.parquet'}]",
+            format="parquet",
+            text_field="body",
+            target_field=target,
+        )
         # Units of whole row groups: a small chunk size gives several, covering every group once.
         units = plan_units(expand_paths(cfg), cfg, 4000)
         assert len(units) > 2 and [u.start for u in units][0] == 0 and units[-1].end == 8
@@ -351,9 +431,13 @@ def test_parquet_schema_problems_are_one_line_errors(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["a b c"], "n": [1]}), tmp_path / "a.parquet")
-    with pytest.raises(UserError, match=r"source.text_field: .* has no column 'body' \(columns: text, n\)"):
+    with pytest.raises(
+        UserError, match=r"source.text_field: .* has no column 'body' \(columns: text, n\)"
+    ):
         read_all(tmp_path / "a.parquet", format="parquet", text_field="body")
-    with pytest.raises(UserError, match=r"source.target_field: column 'n' .* holds int64, not strings"):
+    with pytest.raises(
+        UserError, match=r"source.target_field: column 'n' .* holds int64, not strings"
+    ):
         read_all(tmp_path / "a.parquet", format="parquet", target_field="n")
     (tmp_path / "b.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(UserError, match="not a readable parquet file"):
@@ -365,7 +449,11 @@ def test_gz_and_zst_give_the_same_records_as_plain(tmp_path, fmt):
     import zstandard
 
     texts = _mono_texts(300) + ["caf\u00e9 \u00fcber", "   "]
-    data = ("".join(json.dumps({"text": t}) + "\n" for t in texts) if fmt == "jsonl" else "\n".join(texts) + "\n").encode()
+    data = (
+        "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        if fmt == "jsonl"
+        else "\n".join(texts) + "\n"
+    ).encode()
     (tmp_path / "a").write_bytes(data)
     (tmp_path / "a.gz").write_bytes(gzip.compress(data))
     (tmp_path / "a.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
@@ -397,14 +485,22 @@ def test_stream_chunks_cut_at_newlines_and_give_the_whole_files_records(tmp_path
     rng = random.Random(5)
     rng.shuffle(texts)
     if fmt == "jsonl":
-        lines = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts] + [b"{broken", b"\xff\xfe"]
+        lines = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts] + [
+            b"{broken",
+            b"\xff\xfe",
+        ]
     elif fmt == "tsv":
-        lines = [f"{t}\t{t.upper()}".encode() for t in texts] + [b"one column", b"bad \xc3( byte\tx"]
+        lines = [f"{t}\t{t.upper()}".encode() for t in texts] + [
+            b"one column",
+            b"bad \xc3( byte\tx",
+        ]
     else:
         lines = [t.encode() for t in texts] + [b"", b"bad \xc3( byte"]
     data = b"\n".join(lines)  # no newline after the last line
     path = tmp_path / f"a.{fmt}{suffix}"
-    path.write_bytes(gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
+    path.write_bytes(
+        gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data)
+    )
     cfg = source_cfg(paths=f"[{path}]", format=fmt)
     (unit,) = plan_units([str(path)], cfg, 4096)
     assert unit.stream
@@ -412,7 +508,9 @@ def test_stream_chunks_cut_at_newlines_and_give_the_whole_files_records(tmp_path
     assert len(chunks) > 20 and b"".join(c.data for c in chunks) == data
     assert all(c.data.endswith(b"\n") for c in chunks[:-1])
     assert all(len(c.data) <= 4096 or max(map(len, c.data.split(b"\n"))) >= 4096 for c in chunks)
-    assert [c.start for c in chunks[1:]] == [c.end for c in chunks[:-1]] and chunks[-1].end == len(data)
+    assert [c.start for c in chunks[1:]] == [c.end for c in chunks[:-1]] and chunks[-1].end == len(
+        data
+    )
     assert any(len(c.data) > 4096 for c in chunks)  # the long line: one chunk of its own
     whole_stats, chunk_stats = Counter(), Counter()
     whole = list(read_unit(unit, cfg, whole_stats))
@@ -427,37 +525,74 @@ def test_decompressed_size_from_zstd_header_gzip_trailer_or_assumed(tmp_path):
     data = ("".join(f"line {i} of some text\n" for i in range(5000))).encode()
     (tmp_path / "a.txt").write_bytes(data)
     (tmp_path / "a.txt.gz").write_bytes(gzip.compress(data))
-    (tmp_path / "a.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(data))  # declares its size
+    (tmp_path / "a.txt.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(data)
+    )  # declares its size
     streamed = zstandard.ZstdCompressor().compressobj()  # a streaming writer does not know it
     (tmp_path / "s.txt.zst").write_bytes(streamed.compress(data) + streamed.flush())
     assert decompressed_size(str(tmp_path / "a.txt")) == len(data)
     assert decompressed_size(str(tmp_path / "a.txt.gz")) == len(data)
     assert decompressed_size(str(tmp_path / "a.txt.zst")) == len(data)
-    assert decompressed_size(str(tmp_path / "s.txt.zst")) == ASSUMED_RATIO * (tmp_path / "s.txt.zst").stat().st_size
+    assert (
+        decompressed_size(str(tmp_path / "s.txt.zst"))
+        == ASSUMED_RATIO * (tmp_path / "s.txt.zst").stat().st_size
+    )
     # Two gzip members: the trailer gives the last one's size, less than the file's: assumed.
     (tmp_path / "m.txt.gz").write_bytes(gzip.compress(data) + gzip.compress(b"tail\n"))
-    assert decompressed_size(str(tmp_path / "m.txt.gz")) == ASSUMED_RATIO * (tmp_path / "m.txt.gz").stat().st_size
+    assert (
+        decompressed_size(str(tmp_path / "m.txt.gz"))
+        == ASSUMED_RATIO * (tmp_path / "m.txt.gz").stat().st_size
+    )
 
 
 def prepare_cfg(*overrides):
     return load_config(PrepareConfig, None, list(overrides))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["sources=[{name: a, format: csv, paths: [x]}]"], r"^sources\[0\] \(a\)\.format: 'csv' is not one of"),
-    (["sources=[{name: a, format: text, paths: [x]}, {name: a, format: jsonl, paths: [y]}]"],
-     r"^sources: the name 'a' is given to 2 sources"),
-    (["source.format=text", "sources=[{name: a, format: text, paths: [x]}]"], r"^source and sources: both given"),
-    (["sources=[{name: 'a/b', format: text, paths: [x]}]"], r"^sources\[0\] \(a/b\)\.name: 'a/b' is not a name"),
-    (["sources=[{name: a, format: text, paths: [x], tokenizer_share: 0}]"], r"^sources\[0\] \(a\)\.tokenizer_share: must be"),
-    (["sources=[{name: a, format: text, paths: []}]"], r"^sources\[0\] \(a\)\.paths: no input files given"),
-    (["sources=[{name: a, format: text, paths: [/no/such/file]}]"], r"^sources\[0\] \(a\)\.paths: file not found"),
-    (["sources=[{name: a, format: text, paths: [x]}]", "tasks=[translation]"], r"^tasks: translation needs a parallel source"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["sources=[{name: a, format: csv, paths: [x]}]"],
+            r"^sources\[0\] \(a\)\.format: 'csv' is not one of",
+        ),
+        (
+            ["sources=[{name: a, format: text, paths: [x]}, {name: a, format: jsonl, paths: [y]}]"],
+            r"^sources: the name 'a' is given to 2 sources",
+        ),
+        (
+            ["source.format=text", "sources=[{name: a, format: text, paths: [x]}]"],
+            r"^source and sources: both given",
+        ),
+        (
+            ["sources=[{name: 'a/b', format: text, paths: [x]}]"],
+            r"^sources\[0\] \(a/b\)\.name: 'a/b' is not a name",
+        ),
+        (
+            ["sources=[{name: a, format: text, paths: [x], tokenizer_share: 0}]"],
+            r"^sources\[0\] \(a\)\.tokenizer_share: must be",
+        ),
+        (
+            ["sources=[{name: a, format: text, paths: []}]"],
+            r"^sources\[0\] \(a\)\.paths: no input files given",
+        ),
+        (
+            ["sources=[{name: a, format: text, paths: [/no/such/file]}]"],
+            r"^sources\[0\] \(a\)\.paths: file not found",
+        ),
+        (
+            ["sources=[{name: a, format: text, paths: [x]}]", "tasks=[translation]"],
+            r"^tasks: translation needs a parallel source",
+        ),
+    ],
+)
 def test_bad_source_configs_are_one_line_errors(tmp_path, overrides, message):
     from pipeline.prepare import prepare
 
-    overrides = [o.replace("[x]", f"[{tmp_path / 'x'}]").replace("[y]", f"[{tmp_path / 'x'}]") for o in overrides]
+    overrides = [
+        o.replace("[x]", f"[{tmp_path / 'x'}]").replace("[y]", f"[{tmp_path / 'x'}]")
+        for o in overrides
+    ]
     (tmp_path / "x").write_text("some text\n")
     with pytest.raises(UserError, match=message) as err:
         prepare(prepare_cfg(f"output_dir={tmp_path / 'out'}", "tasks=[causal_lm]", *overrides))
@@ -469,4 +604,6 @@ def test_legacy_source_is_a_list_of_one_named_default():
     from pipeline.sources import source_list
 
     cfg = prepare_cfg("source.format=text")
-    assert [s.format for s in source_list(cfg)] == ["text"] and source_list(cfg)[0].name == "default"
+    assert [s.format for s in source_list(cfg)] == ["text"] and source_list(cfg)[
+        0
+    ].name == "default"

@@ -3,13 +3,12 @@
 import random
 
 import pytest
+from conftest import synthetic_pairs
 
-from pipeline.config import TokenizerConfig
 from common.configure import UserError
+from pipeline.config import TokenizerConfig
 from pipeline.format import SPECIAL_TOKENS
 from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
-
-from conftest import synthetic_pairs
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,12 @@ def test_round_trip_including_unseen_characters(trained):
 def test_training_is_deterministic(trained):
     model, _ = trained
     texts = [t for pair in synthetic_pairs(400) for t in pair]
-    assert train_tokenizer(texts, TokenizerConfig(vocab_size=400, lang_tags=["<2de>", "<2en>"], num_threads=1)) == model
+    assert (
+        train_tokenizer(
+            texts, TokenizerConfig(vocab_size=400, lang_tags=["<2de>", "<2en>"], num_threads=1)
+        )
+        == model
+    )
 
 
 def test_bottom_k_sample_is_order_independent_and_capped():
@@ -72,10 +76,21 @@ def test_prepare_encoder_equals_the_public_batch_call(trained):
     _, sp = trained
     rng = random.Random(0)
     texts = [t for pair in synthetic_pairs(300) for t in pair]
-    texts += ["", " ", "  leading and  double  spaces ", "tab\there", "ünïcødé ☃ 漢字", "<2de> <mask> </s>", "x" * 3000]
-    texts += ["".join(rng.choice("abc äöü漢 \t,.") for _ in range(rng.randint(0, 40))) for _ in range(200)]
+    texts += [
+        "",
+        " ",
+        "  leading and  double  spaces ",
+        "tab\there",
+        "ünïcødé ☃ 漢字",
+        "<2de> <mask> </s>",
+        "x" * 3000,
+    ]
+    texts += [
+        "".join(rng.choice("abc äöü漢 \t,.") for _ in range(rng.randint(0, 40))) for _ in range(200)
+    ]
     expected = sp.encode(texts, num_threads=1)
-    assert work._in_thread_binding(sp) is not None  # this sentencepiece has it: the fast path is the one tested
+    # this sentencepiece has it: the fast path is the one tested
+    assert work._in_thread_binding(sp) is not None
     assert work._encode(sp, texts) == expected
 
     class Wrapped:  # the public API only, as a sentencepiece without the binding would offer

@@ -19,20 +19,39 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, prepare_args
 from test_train import TINY, _wandb_records, metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 LOCAL_CONF = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/slurm-local")) / "etc" / "slurm.conf"
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def slurm_env() -> dict:
-    env = {**os.environ, "PYTHON": sys.executable, "PROJECT_DIR": str(ROOT), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").exists() and LOCAL_CONF.exists():
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PROJECT_DIR": str(ROOT),
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+    }
+    if (
+        "SLURM_CONF" not in env
+        and not Path("/etc/slurm/slurm.conf").exists()
+        and LOCAL_CONF.exists()
+    ):
         env["SLURM_CONF"] = str(LOCAL_CONF)
     return env
 
@@ -44,27 +63,52 @@ def slurm(*command: str, timeout: float = 60) -> str:
 
 
 if shutil.which("sbatch") is None and not IN_CI:
-    pytest.skip("sbatch not installed: apt-get install munge slurmctld slurmd slurm-client slurmdbd mariadb-server, "
-                "then `bash slurm/local-cluster.sh start` (as root)", allow_module_level=True)
+    pytest.skip(
+        "sbatch not installed: apt-get install munge slurmctld slurmd slurm-client slurmdbd mariadb-server, "
+        "then `bash slurm/local-cluster.sh start` (as root)",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
 def cluster() -> None:
     """Checked before the session's data fixtures are built (autouse, session scope)."""
     if shutil.which("sbatch") is None:
-        pytest.fail("CI=true but sbatch is not installed: .ci/run installs SLURM and starts slurm/local-cluster.sh")
+        pytest.fail(
+            "CI=true but sbatch is not installed: .ci/run installs SLURM and starts slurm/local-cluster.sh"
+        )
     try:
         nodes = slurm("sinfo", "-h", "-N", "-o", "%N %t", timeout=30).splitlines()
     except (AssertionError, subprocess.TimeoutExpired) as err:
-        pytest.fail(f"no SLURM cluster answers ({err}); start one with `bash slurm/local-cluster.sh start`")
-    ready = [line for line in nodes if line.split()[1:2] and line.split()[1] in ("idle", "mix", "alloc")]
+        pytest.fail(
+            f"no SLURM cluster answers ({err}); start one with `bash slurm/local-cluster.sh start`"
+        )
+    ready = [
+        line for line in nodes if line.split()[1:2] and line.split()[1] in ("idle", "mix", "alloc")
+    ]
     assert len(ready) >= 2, f"the SLURM cluster needs 2 nodes up; sinfo says {nodes}"
 
 
-def submit(script: str, log: Path, *args: str, flags: tuple[str, ...] = (), env: dict | None = None) -> str:
+def submit(
+    script: str, log: Path, *args: str, flags: tuple[str, ...] = (), env: dict | None = None
+) -> str:
     """sbatch from the project root; the flags after the script's #SBATCH lines replace them."""
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={log}", *flags, str(ROOT / "slurm" / script), *args],
-                         cwd=ROOT, env={**slurm_env(), **(env or {})}, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--output={log}",
+            *flags,
+            str(ROOT / "slurm" / script),
+            *args,
+        ],
+        cwd=ROOT,
+        env={**slurm_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -104,13 +148,30 @@ def logged_steps(run_dir: Path) -> int:
 
 def sacct(job_id: str) -> str:
     """The accounting record, when the cluster keeps one (slurm/local-cluster.sh runs slurmdbd)."""
-    run = subprocess.run(["sacct", "-j", job_id, "--duplicates", "--format=JobID,JobName,NodeList,State,ExitCode,Elapsed"],
-                         env=slurm_env(), capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            "sacct",
+            "-j",
+            job_id,
+            "--duplicates",
+            "--format=JobID,JobName,NodeList,State,ExitCode,Elapsed",
+        ],
+        env=slurm_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return run.stdout if run.returncode == 0 else f"(sacct unavailable: {run.stderr.strip()})"
 
 
 def train_args(data: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [str(ROOT / "configs" / "tiny_gpt.yaml"), f"data.data_dir={data}", f"run_dir={run_dir}", *TINY, *overrides]
+    return [
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
 
 
 # finetune.sbatch launches like pretrain.sbatch; here a randomly initialised Seq2Seq stands in
@@ -118,13 +179,29 @@ def train_args(data: Path, run_dir: Path, *overrides: str) -> list[str]:
 SEQ2SEQ = ("task=translation", "model.arch=seq2seq")
 
 
-@pytest.mark.parametrize("script, task", [("pretrain.sbatch", ()), ("finetune.sbatch", SEQ2SEQ)], ids=["pretrain", "finetune"])
+@pytest.mark.parametrize(
+    "script, task",
+    [("pretrain.sbatch", ()), ("finetune.sbatch", SEQ2SEQ)],
+    ids=["pretrain", "finetune"],
+)
 def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     # NCCL settings of the submitting shell reach the job (logged by the script for every rank).
-    job = submit(script, log, *train_args(tiny_dataset, run_dir, *task, "max_steps=10", "log_every=2", "eval_every=10",
-                                          "checkpoint.every_steps=0", "deepspeed.zero_stage=3"),
-                 env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"})
+    job = submit(
+        script,
+        log,
+        *train_args(
+            tiny_dataset,
+            run_dir,
+            *task,
+            "max_steps=10",
+            "log_every=2",
+            "eval_every=10",
+            "checkpoint.every_steps=0",
+            "deepspeed.zero_stage=3",
+        ),
+        env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"},
+    )
     info = wait_for(job, log, timeout=240)
     print(f"\n{sacct(job)}")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()[-4000:]
@@ -132,8 +209,10 @@ def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
     assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]"
     text = log.read_text()
     assert "world 2" in text and "2 x 1 ranks" in text
-    assert ("NCCL settings passed to the ranks: NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
-            in text)
+    assert (
+        "NCCL settings passed to the ranks: NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
+        in text
+    )
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
     assert (run_dir / "checkpoints" / "step_00000010").is_dir()
     losses = {row["step"]: row["train/loss"] for row in metrics(run_dir) if "train/loss" in row}
@@ -146,17 +225,25 @@ def test_training_on_two_nodes(tiny_dataset, tmp_path, script, task):
 def test_prepare_on_two_nodes_matches_one_node(tiny_corpus, tiny_dataset, tmp_path):
     """tiny_dataset is the same config prepared by one machine's local Ray."""
     out, log = tmp_path / "data", tmp_path / "prepare.log"
-    job = submit("prepare.sbatch", log, str(ROOT / "configs/prepare_gettext_en_de.yaml"), *prepare_args(tiny_corpus, out))
+    job = submit(
+        "prepare.sbatch",
+        log,
+        str(ROOT / "configs/prepare_gettext_en_de.yaml"),
+        *prepare_args(tiny_corpus, out),
+    )
     info = wait_for(job, log, timeout=240)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
     assert ": 2 nodes, 2 CPUs" in text  # the head and the worker joined before prepare ran
     assert "stopping Ray" in text
     files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(tiny_dataset) for p in tiny_dataset.rglob("*") if p.is_file())
+    assert files == sorted(
+        p.relative_to(tiny_dataset) for p in tiny_dataset.rglob("*") if p.is_file()
+    )
     assert sum(f.suffix == ".tar" for f in files) > 6
     for relative in files:
-        if relative.name not in ("manifest.json", "config.yaml"):  # these name output_dir and ray.address
+        # these name output_dir and ray.address
+        if relative.name not in ("manifest.json", "config.yaml"):
             assert (out / relative).read_bytes() == (tiny_dataset / relative).read_bytes(), relative
     ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (out, tiny_dataset))
     for manifest in (ours, theirs):
@@ -169,9 +256,24 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     checkpoint, requeue, resume from that checkpoint in the same W&B run, every step once."""
     run_dir, log = tmp_path / "run", tmp_path / "requeue.log"
     max_steps = 100  # the stop lands about step 16 (the signal is sent once 10 are logged)
-    job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, f"max_steps={max_steps}", "log_every=1",
-                                                    "eval_every=0", "checkpoint.every_steps=0", "wandb.mode=offline"))
-    wait_until(lambda: logged_steps(run_dir) >= 10 or job_info(job)["JobState"] in ENDED, 180, "training to start")
+    job = submit(
+        "pretrain.sbatch",
+        log,
+        *train_args(
+            tiny_dataset,
+            run_dir,
+            f"max_steps={max_steps}",
+            "log_every=1",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            "wandb.mode=offline",
+        ),
+    )
+    wait_until(
+        lambda: logged_steps(run_dir) >= 10 or job_info(job)["JobState"] in ENDED,
+        180,
+        "training to start",
+    )
     slurm("scancel", "--batch", "--signal=USR1", job)
     info = wait_for(job, log, timeout=300)
     print(f"\n{sacct(job)}")
@@ -184,18 +286,30 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
     assert len(stops) == 1, text[-4000:]
     stopped = int(stops[0])
     assert 10 <= stopped < max_steps
-    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in text
+    assert (
+        f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in text
+    )
     assert json.loads((run_dir / "final.json").read_text())["step"] == max_steps
     steps = [row["step"] for row in metrics(run_dir)]
     assert steps == list(range(1, max_steps + 1))  # no step trained twice, none skipped
 
     # One W&B run: both jobs wrote to the run id kept in the checkpoint, history without repeats.
-    run_id = json.loads((run_dir / "checkpoints" / f"step_{max_steps:08d}" / "client_state.json").read_text())["wandb_run_id"]
-    assert sorted(p.name.rsplit("-", 1)[1] for p in run_dir.glob("wandb/offline-run-*")) == [run_id, run_id]
+    run_id = json.loads(
+        (run_dir / "checkpoints" / f"step_{max_steps:08d}" / "client_state.json").read_text()
+    )["wandb_run_id"]
+    assert sorted(p.name.rsplit("-", 1)[1] for p in run_dir.glob("wandb/offline-run-*")) == [
+        run_id,
+        run_id,
+    ]
     records = _wandb_records(run_dir)
     assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {run_id}
-    history = [json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "history"
-               for item in r.history.item if (item.key or "/".join(item.nested_key)) == "_step"]
+    history = [
+        json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for item in r.history.item
+        if (item.key or "/".join(item.nested_key)) == "_step"
+    ]
     assert history == list(range(1, max_steps + 1))
 
 
@@ -206,16 +320,34 @@ def test_requeued_onto_fewer_nodes_continues_with_the_same_global_batch(tiny_dat
     step once."""
     run_dir, log = tmp_path / "run", tmp_path / "shrink.log"
     max_steps = 40
-    job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, f"max_steps={max_steps}", "log_every=1",
-                                                    "eval_every=0", "checkpoint.every_steps=0", "global_batch_size=8"))
-    wait_until(lambda: logged_steps(run_dir) >= 5 or job_info(job)["JobState"] in ENDED, 180, "training to start")
+    job = submit(
+        "pretrain.sbatch",
+        log,
+        *train_args(
+            tiny_dataset,
+            run_dir,
+            f"max_steps={max_steps}",
+            "log_every=1",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            "global_batch_size=8",
+        ),
+    )
+    wait_until(
+        lambda: logged_steps(run_dir) >= 5 or job_info(job)["JobState"] in ENDED,
+        180,
+        "training to start",
+    )
     nodes = job_info(job)["NodeList"]
     lost = slurm("scontrol", "show", "hostnames", nodes).split()[-1]
     slurm("scontrol", "update", f"NodeName={lost}", "State=DRAIN", "Reason=pretrain-test-lost-node")
     try:
         slurm("scancel", "--batch", "--signal=USR1", job)
-        wait_until(lambda: job_info(job)["Restarts"] == "1" and job_info(job)["JobState"] == "PENDING", 240,
-                   "the requeue")
+        wait_until(
+            lambda: job_info(job)["Restarts"] == "1" and job_info(job)["JobState"] == "PENDING",
+            240,
+            "the requeue",
+        )
         slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=1")  # one rank per node
         info = wait_for(job, log, timeout=600)
     finally:
@@ -237,16 +369,35 @@ def _rank_pids(job_id: str, rank: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
         except (OSError, ValueError):
             continue
-        if f"SLURM_JOB_ID={job_id}" in environ and f"RANK={rank}" in environ and "launch.train" in cmdline:
+        if (
+            f"SLURM_JOB_ID={job_id}" in environ
+            and f"RANK={rank}" in environ
+            and "launch.train" in cmdline
+        ):
             pids.append(int(proc.name))
     return pids
 
 
 def test_dead_rank_fails_the_job_quickly(tiny_dataset, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "dead.log"
-    job = submit("pretrain.sbatch", log, *train_args(tiny_dataset, run_dir, "max_steps=100000", "log_every=1", "eval_every=0",
-                                                    "checkpoint.every_steps=0", "dist_timeout_s=600"))
-    wait_until(lambda: logged_steps(run_dir) >= 3 or job_info(job)["JobState"] in ENDED, 180, "training to start")
+    job = submit(
+        "pretrain.sbatch",
+        log,
+        *train_args(
+            tiny_dataset,
+            run_dir,
+            "max_steps=100000",
+            "log_every=1",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            "dist_timeout_s=600",
+        ),
+    )
+    wait_until(
+        lambda: logged_steps(run_dir) >= 3 or job_info(job)["JobState"] in ENDED,
+        180,
+        "training to start",
+    )
     pids = _rank_pids(job, 1)
     assert pids, f"rank 1 of job {job} not found; log:\n{log.read_text()[-3000:]}"
     killed = time.monotonic()
@@ -254,7 +405,9 @@ def test_dead_rank_fails_the_job_quickly(tiny_dataset, tmp_path):
         os.kill(pid, signal.SIGKILL)
     info = wait_for(job, log, timeout=120)
     took = time.monotonic() - killed
-    print(f"\njob {job} ended {info['JobState']} {took:.1f} s after rank 1 was killed (dist_timeout_s=600)\n{sacct(job)}")
+    print(
+        f"\njob {job} ended {info['JobState']} {took:.1f} s after rank 1 was killed (dist_timeout_s=600)\n{sacct(job)}"
+    )
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0"
     assert took < 60  # torchrun sees its worker die; srun --kill-on-bad-exit ends the other node
     assert not (run_dir / "final.json").exists()
