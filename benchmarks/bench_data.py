@@ -4,18 +4,18 @@
                                     [--scale 1,10,20] [--skip-loader]
     python benchmarks/bench_data.py --big-file 100 [--unit-mb 16] [--prepare-repeats N]
 
-1. Loader: `pipeline.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
+1. Loader: `pipeline.load.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
    `webdataset.WebDataset` read of the same shards (np.load of `input_ids.npy`, stacked into a
    (B, T) int64 batch, no shuffle, no checks), both through a torch DataLoader with the same
    `num_workers`. One run is one epoch of the train split, timed from `iter()` to the last batch
    (worker start-up included: ShardLoader starts fresh workers every epoch). The runs alternate
    ours, bare, ours, bare... after one untimed warm-up of each; the table gives medians. Target:
    ours >= 0.9x bare.
-2. Prepare: `pipeline.prepare.prepare(cfg)` with the dataset's own resolved config
+2. Prepare: `pipeline.prepare.job.prepare(cfg)` with the dataset's own resolved config
    (`DIR/config.yaml`), `ray.num_workers=1` and `=2`, `progress=false`, output to a temporary
    directory and `tokenizer.model_path=DIR/tokenizer.model`, so no tokenizer is trained and the
    shards must come out byte-identical to DIR's (checked). Stage times come from wrapping
-   `pipeline.ray_runner.ray_session` / `run_tasks` for the run, not from editing the pipeline.
+   `pipeline.prepare.ray_runner.ray_session` / `run_tasks` for the run, not from editing the pipeline.
    One more run trains the tokenizer as shipped (2 workers) to show what training adds. The
    baseline is one process encoding the same texts the encode stage encodes (found with the
    pipeline's own scan and dedup functions) with `sp.encode(texts, num_threads=1)`, timed in
@@ -112,7 +112,7 @@ def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
 
 
 def our_loader(data_dir: Path, num_workers: int):
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     return ShardLoader(
         str(data_dir), TASK, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0
@@ -197,7 +197,7 @@ def prepare_config(
     source_paths: list[str] | None,
 ):
     from common.configure import load_config
-    from pipeline.config import PrepareConfig
+    from pipeline.prepare.config import PrepareConfig
 
     overrides = [
         f"output_dir={output_dir}",
@@ -215,7 +215,7 @@ def prepare_config(
 @contextlib.contextmanager
 def stage_timer(timings: dict):
     """Time Ray start/stop and each `run_tasks` stage of one prepare run by wrapping, not editing, the runner."""
-    from pipeline import ray_runner
+    from pipeline.prepare import ray_runner
 
     session, run_tasks = ray_runner.ray_session, ray_runner.run_tasks
 
@@ -267,7 +267,7 @@ def shard_digests(manifest: dict) -> dict[str, str]:
 
 
 def run_prepare(cfg) -> dict:
-    from pipeline.prepare import prepare
+    from pipeline.prepare.job import prepare
 
     timings: dict = {}
     with stage_timer(timings):
@@ -281,8 +281,8 @@ def run_prepare(cfg) -> dict:
 def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
-    from pipeline.sources import expand_paths, plan_units, source_list, stream_chunks
-    from pipeline.work import MONO, PAIRS, scan_unit, unique_records
+    from pipeline.prepare.sources import expand_paths, plan_units, source_list, stream_chunks
+    from pipeline.prepare.work import MONO, PAIRS, scan_unit, unique_records
 
     units = [
         chunk
@@ -424,8 +424,8 @@ RECORDS_PER_FILE = 5_000  # several files, so the scan stage has units to share 
 
 def corpus_pairs(cfg) -> list[tuple[str, str]]:
     """The distinct cleaned (source, target) pairs of the dataset's source, with the pipeline's readers."""
-    from pipeline.readers import read_unit
-    from pipeline.sources import expand_paths, plan_units
+    from pipeline.prepare.readers import read_unit
+    from pipeline.prepare.sources import expand_paths, plan_units
 
     pairs: dict[tuple[str, str], None] = {}
     for unit in plan_units(expand_paths(cfg.source), cfg.source, cfg.unit_bytes):
@@ -564,10 +564,10 @@ def big_jsonl_zst(path: Path, compressed_mb: float, seed: int = 0) -> dict:
 
 def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path) -> dict:
     from common.configure import load_config
-    from pipeline.config import PrepareConfig
-    from pipeline.readers import read_unit
-    from pipeline.sources import Unit, source_list
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.readers import read_unit
+    from pipeline.prepare.sources import Unit, source_list
+    from pipeline.prepare.train_tokenizer import train_tokenizer
 
     path = tmp / "web.jsonl.zst"
     started = time.perf_counter()
@@ -886,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
 
     source_paths = None
     if args.quick:
-        from pipeline.sources import expand_paths
+        from pipeline.prepare.sources import expand_paths
 
         source_paths = expand_paths(prepare_config(data_dir, data_dir, 1, True, None).source)[:8]
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:

@@ -11,7 +11,7 @@
    each in its own DeepSpeed engine from the same config (`launch.deepspeed.config.deepspeed_config` of
    configs/tiny_gpt.yaml or tiny_bert.yaml with the shape's overrides: ZeRO-2, the same micro
    batch, AdamW groups and schedule), and feeds both the same batches, read once from the
-   dataset's train shards by `pipeline.loader.ShardLoader` and held in memory (the loader has
+   dataset's train shards by `pipeline.load.loader.ShardLoader` and held in memory (the loader has
    its own benchmark). Timed rounds alternate ours, theirs, ours, theirs...: each round is
    `--steps` optimizer steps between barriers, after one untimed warm-up round of each. Tokens/s
    counts every input token of every rank; the table gives the median round and the ratio.
@@ -77,7 +77,7 @@ def open_rank(config: Path, overrides: list[str], n_batches: int):
     from common.configure import load_config
     from launch.config import TrainConfig
     from launch.tasks import TASKS
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     cfg = load_config(TrainConfig, config, overrides)
     denv = dist.read_env()

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from launch.config import TrainConfig
     from launch.tasks import TASKS
     from model import build_model
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     torch.set_num_threads(1)
     cfg = load_config(

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from common.configure import UserError, parse_cli, run_main
+from common.progress import meter
 from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
 from launch.export import provenance, read_json, read_run_checkpoint, save_model_dir
-from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR
 

@@ -1,7 +1,7 @@
 """Configuration schemas of the launch entry points: train, main, export, evaluate, translate, report.
 
 The run config embeds the model's (`model.config.ModelConfig`) and the loader's
-(`pipeline.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
+(`pipeline.load.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
 (`launch.deepspeed.config.deepspeed_config`), with the batch arithmetic done once in `BatchPlan`.
 """
 
@@ -14,8 +14,8 @@ from omegaconf import MISSING
 
 from common.configure import UserError
 from model.config import ModelConfig
-from pipeline.config import LoaderConfig
-from pipeline.config import global_batch_size as samples_per_step
+from pipeline.load.config import LoaderConfig
+from pipeline.load.config import global_batch_size as samples_per_step
 
 if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need it
     from launch.tasks import Task

@@ -34,7 +34,7 @@ from launch.config import (
     TrainConfig,
     TranslateConfig,
 )
-from pipeline.config import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 from pipeline.validate import ValidateConfig
 
 BEGIN = "<!-- config-reference:begin -->"

@@ -3,7 +3,7 @@
 A checkpoint is an exported model directory (`launch.export`: safetensors and JSON, nothing
 unpickled) or a training run (its run directory, `checkpoints/` directory or one `step_*`
 checkpoint, verified and consolidated on the fly, weights-only: `launch.deepspeed.safe_load`). A
-source is encoded as in training (`pipeline.loader`: the source's ids, then </s>), cut to the
+source is encoded as in training (`pipeline.load.loader`: the source's ids, then </s>), cut to the
 model's `max_seq_len` first; sources are padded into batches and decoded with
 `Seq2Seq.generate` (beam search, greedy for beam 1); hypotheses go back to text with the
 SentencePiece tokenizer the model was trained with.

@@ -39,6 +39,7 @@ import torch
 
 from common.configure import UserError, parse_cli, strip_launcher_args
 from common.hashing import file_sha256
+from common.progress import meter
 from launch import distributed as dist
 from launch import launcher
 from launch.config import EvaluateConfig
@@ -56,7 +57,6 @@ from launch.decoding import (
 from launch.preconditions import check_writable_dir
 from pipeline import remote
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
-from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.sub=value ...]

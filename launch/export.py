@@ -45,10 +45,10 @@ from common.configure import (
     run_main,
 )
 from common.hashing import file_sha256
+from common.progress import meter
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from pipeline.progress import meter
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 

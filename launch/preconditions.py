@@ -24,9 +24,9 @@ from common.configure import UserError
 from launch.tasks import TASKS
 from model import ModelConfig
 from pipeline import remote
-from pipeline.collate import pack, unpack
 from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
-from pipeline.shards import Shard, ShardError, read_shard, stored_fields
+from pipeline.load.collate import pack, unpack
+from pipeline.load.shards import Shard, ShardError, read_shard, stored_fields
 
 TRAINING_SPLITS = ("train", "valid")  # what the trainer reads; test stays for evaluation
 FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)  # a token id with no special meaning, to stand for any
@@ -114,7 +114,7 @@ _SIDE = {"input_ids": "block", "src_ids": "source", "tgt_ids": "target"}
 
 def input_positions(task: str, lengths: dict[str, int]) -> dict[str, int]:
     """The positions of the model input each stored field of a sample becomes, for arrays of these
-    lengths. Asked of the code that builds the inputs, the collation (`pipeline.collate`: </s>
+    lengths. Asked of the code that builds the inputs, the collation (`pipeline.load.collate`: </s>
     after a source, <s> + target + </s>) and the task (`launch.tasks`: the decoder reads the target
     without its last token), so that what they add or drop is counted in one place: theirs."""
     dataset = DATASET_FOR_TASK[task]

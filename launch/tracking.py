@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.progress import interval, remaining
+from common.progress import interval, remaining
 
 
 def read_metrics_rows(run_dir: Path) -> list[dict]:

@@ -18,8 +18,8 @@ import sys
 from typing import BinaryIO, Iterable, TextIO
 
 from common.configure import UserError, parse_cli, run_main
+from common.progress import meter
 from launch.config import TranslateConfig
-from pipeline.progress import meter
 from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input=FILE] [key.sub=value ...]

@@ -26,6 +26,7 @@ SPLITS = ("train", "valid", "test")
 # Task -> the shard set that serves it: causal_lm and mlm read the same packed
 # blocks (masks are drawn at load time, so every epoch sees new ones).
 DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
+TASKS = tuple(DATASET_FOR_TASK)
 FIELDS = {"packed": ("input_ids", "doc_starts"), "translation": ("src_ids", "tgt_ids")}
 # Members that hold positions in another member rather than token ids: what they index. Every
 # other member holds token ids, and only those count as tokens (manifest, validate, loader).

@@ -45,7 +45,7 @@ class FetchConfig:
 
     @classmethod
     def from_loader_config(cls, cfg) -> FetchConfig:
-        """The fetch settings of a `pipeline.config.LoaderConfig`."""
+        """The fetch settings of a `pipeline.load.config.LoaderConfig`."""
         return cls(
             cache_dir=cfg.cache_dir,
             max_bytes=int(cfg.cache_max_gb * _GB),

@@ -17,8 +17,8 @@ from omegaconf import MISSING
 
 from common.configure import UserError, parse_cli, run_main
 from common.hashing import file_sha256
+from common.progress import meter
 from pipeline.format import FIELDS, decode_array, is_token_field, read_manifest, shard_list_problems
-from pipeline.progress import meter
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
 

@@ -13,7 +13,7 @@ cd "$PROJECT_DIR" || exit 2
 log() { echo "[$(date '+%F %T')] $*" >&2; }
 die() { log "error: $*"; exit 2; }
 
-[[ -f launch/train/loop.py && -f pipeline/prepare.py ]] ||
+[[ -f launch/train/loop.py && -f pipeline/prepare/job.py ]] ||
     die "PROJECT_DIR=$PROJECT_DIR is not the project (submit from its root or set PROJECT_DIR)"
 
 # The interpreter of the project's environment: $PYTHON, else .venv/bin/python, else python3.

@@ -253,7 +253,7 @@ class RayHead:
         process of this cluster outlives the tests."""
         import psutil
 
-        from pipeline.ray_runner import reap
+        from pipeline.prepare.ray_runner import reap
 
         try:
             spawned = psutil.Process(self.process.pid).children(recursive=True)

@@ -35,7 +35,7 @@ from launch.config import (
     TrainConfig,
     TranslateConfig,
 )
-from pipeline.config import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 from pipeline.validate import ValidateConfig
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -274,7 +274,10 @@ BAD_INPUT = {
         "source.paths: file not found",
     ),
     "pipeline.validate": (["data_dir={tmp}/nowhere"], "data_dir: not a directory"),
-    "pipeline.make_parquet": (["{tmp}/out", "--max-rows", "0"], "--max-rows: must be at least 1"),
+    "pipeline.prepare.make_parquet": (
+        ["{tmp}/out", "--max-rows", "0"],
+        "--max-rows: must be at least 1",
+    ),
     "launch.train": (
         [
             str(ROOT / "configs" / "tiny_gpt.yaml"),
@@ -305,7 +308,10 @@ BAD_INPUT = {
 
 
 def test_every_entry_point_has_a_bad_input_case():
-    assert set(BAD_INPUT) == set(ENTRY_POINTS) | {"pipeline.make_parquet", "launch.preflight"}
+    assert set(BAD_INPUT) == set(ENTRY_POINTS) | {
+        "pipeline.prepare.make_parquet",
+        "launch.preflight",
+    }
 
 
 @pytest.mark.parametrize("module", BAD_INPUT)
@@ -348,7 +354,7 @@ WITHOUT_TORCH = [
 ]
 HELP_WITHOUT_TORCH = """
 import contextlib, io, runpy, sys
-import launch.config, model.config, pipeline.config
+import launch.config, model.config, pipeline.prepare.config
 assert "torch" not in sys.modules, "the schemas import torch"
 for module in sys.argv[1:]:
     sys.argv = [module, "--help"]

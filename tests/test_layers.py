@@ -5,6 +5,10 @@ file hashing, the directory lock) -> `pipeline/` (data) and `model/` (plain PyTo
 never import each other -> `launch/`. Every import counts, at module level or inside a
 function (a cycle hidden in a function still runs), except those under `if TYPE_CHECKING:`,
 which never run.
+
+Inside `pipeline/`, two rooms: `pipeline.prepare` (writes a dataset) and `pipeline.load` (streams
+it into batches) never import each other; they meet at the modules directly under `pipeline/`
+(`format`, `tokenizer`, `remote`, `validate`), which import neither room.
 """
 
 import ast
@@ -108,12 +112,35 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     ]
 
 
+ROOMS = ("pipeline.prepare", "pipeline.load")
+
+
+def _room(module: str) -> str | None:
+    return next((room for room in ROOMS if module == room or module.startswith(room + ".")), None)
+
+
+def room_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one data room into the other, or from a shared pipeline module into a room."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        if not name.startswith("pipeline.") or name in ROOMS:
+            continue
+        for target in sorted(targets):
+            if _room(target) is not None and _room(target) != _room(name):
+                found.append(f"{name} imports {target}")
+    return found
+
+
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
 def test_no_layer_imports_a_higher_one():
     assert upward_imports(import_graph()) == []
+
+
+def test_the_data_rooms_meet_only_at_the_shared_modules():
+    assert room_crossings(import_graph()) == []
 
 
 def test_the_checks_catch_a_cycle_hidden_in_a_function_and_an_upward_import(tmp_path):
@@ -130,13 +157,27 @@ def test_the_checks_catch_a_cycle_hidden_in_a_function_and_an_upward_import(tmp_
     )
     (tmp_path / "model" / "n.py").write_text("from model import m\n")
     (tmp_path / "launch" / "l.py").write_text("")
+    for room in ROOMS:
+        (tmp_path / room.replace(".", "/")).mkdir()
+        (tmp_path / room.replace(".", "/") / "__init__.py").write_text("")
+    (tmp_path / "pipeline" / "prepare" / "p.py").write_text("x = 1\n")
+    (tmp_path / "pipeline" / "load" / "q.py").write_text(
+        "def f():\n    from pipeline.prepare import p\n"
+    )
+    (tmp_path / "pipeline" / "format.py").write_text("import pipeline.load.q\n")
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["pipeline.a", "pipeline.b"]]
     assert upward_imports(graph) == ["model.m imports launch.l"]
+    assert room_crossings(graph) == [
+        "pipeline.format imports pipeline.load.q",
+        "pipeline.load.q imports pipeline.prepare",
+        "pipeline.load.q imports pipeline.prepare.p",
+    ]
 
 
-def test_only_the_data_layer_imports_ray():
-    """Ray is the data stage's (pipeline/ray_runner.py runs the tasks); training and the model never load it."""
+def test_only_the_ray_runner_imports_ray():
+    """Ray is the prepare side's (pipeline/prepare/ray_runner.py runs the tasks); training, the
+    loader and the model never load it."""
     importers = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
@@ -150,4 +191,4 @@ def test_only_the_data_layer_imports_ray():
                 )
                 if any(name.split(".")[0] == "ray" for name in names):
                     importers.add(str(path.relative_to(ROOT)))
-    assert importers and all(path.startswith("pipeline/") for path in importers), sorted(importers)
+    assert importers == {"pipeline/prepare/ray_runner.py"}, sorted(importers)

@@ -5,7 +5,7 @@ for its `HFLM` (the whole text encoded, the context's tokens cut off the front);
 requests through `HFLM` over our Hugging Face export give the same log-likelihoods
 (tests/launch/test_lm_eval.py). An empty context, and each rolling window's first token, is
 conditioned on </s>: in training every document follows the previous one's </s>, never <s>
-(`pipeline.work._Packer`), so </s> is also the `prefix_token_id` HFLM is given for our exports.
+(`pipeline.prepare.work._Packer`), so </s> is also the `prefix_token_id` HFLM is given for our exports.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.configure import parse_cli, save_config
+from common.progress import every_s, interval, is_progress_line
 from launch.config import MainConfig
 from launch.main.plan import (
     StageClock,
@@ -29,7 +30,6 @@ from launch.main.plan import (
     wandb_group,
 )
 from launch.main.summary import write_report
-from pipeline.progress import every_s, interval, is_progress_line
 
 USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
@@ -304,7 +304,7 @@ def _wait(process: subprocess.Popen, seconds: float) -> int | None:
 
 
 def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
-    """The last progress line (`pipeline.progress.is_progress_line`) in the last `tail` bytes of `log`."""
+    """The last progress line (`common.progress.is_progress_line`) in the last `tail` bytes of `log`."""
     with open(log, "rb") as fh:
         fh.seek(max(fh.seek(0, os.SEEK_END) - tail, 0))
         text = fh.read().decode("utf-8", errors="replace")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.configure import UserError, parse_cli
+from common.progress import interval
 from launch.config import MainConfig, TrainConfig
-from pipeline.progress import interval
 
 
 def _say(message: str) -> None:

@@ -21,10 +21,10 @@ from launch.main import plan as job
 from launch.preflight.checks import check_source_fits, preflight
 from launch.preflight.report import PlannedData, Report, render
 from model.config import STACKS
-from pipeline.config import PrepareConfig
 from pipeline.format import MANIFEST
-from pipeline.prepare import check_config as check_prepare_config
-from pipeline.sources import expand_paths, source_list, source_where
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.job import check_config as check_prepare_config
+from pipeline.prepare.sources import expand_paths, source_list, source_where
 
 STACK_OF = dict(zip(STACKS, (0, 1)))  # (encoder, decoder) index of a start's side
 

@@ -12,8 +12,8 @@ from launch.config import TrainConfig
 from launch.preflight.report import SHOWN_SHARDS, DataInfo, PlannedData, Report
 from launch.tasks import Task
 from pipeline import remote
-from pipeline.epoch import DEFAULT_SOURCE
 from pipeline.format import TOKENIZER_FILE, ManifestError, read_manifest, shard_entries
+from pipeline.load.epoch import DEFAULT_SOURCE
 
 
 def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo | None:
@@ -148,7 +148,7 @@ def planned_data(
 
 
 def check_mixture(cfg: TrainConfig, task: Task, entries: list[dict], report: Report) -> None:
-    """`data.mixture`'s sources against the train split's, as the loader checks them (`pipeline.loader`)."""
+    """`data.mixture`'s sources against the train split's, as the loader checks them (`pipeline.load.loader`)."""
     samples: dict[str, int] = {}
     for entry in entries:
         name = str(entry.get("source", DEFAULT_SOURCE))

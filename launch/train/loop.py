@@ -40,7 +40,7 @@ from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
 from model import attention_kernels, llmc_flops_per_token
-from pipeline.loader import ShardLoader
+from pipeline.load.loader import ShardLoader
 
 USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]
 

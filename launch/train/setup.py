@@ -32,9 +32,9 @@ from launch.train.state import Data, Run
 from model import ModelConfig, Pretrained, build_model
 from model.warm_start import warm_start
 from pipeline import remote
-from pipeline.epoch import describe_mixture
 from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
-from pipeline.loader import ShardLoader
+from pipeline.load.epoch import describe_mixture
+from pipeline.load.loader import ShardLoader
 
 
 def setup(cfg: TrainConfig) -> Run:

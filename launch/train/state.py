@@ -11,7 +11,7 @@ from launch.deepspeed.engine import Engine
 from launch.tasks import Task
 from launch.tracking import Tracker
 from launch.train.guard import Guard
-from pipeline.loader import ShardLoader
+from pipeline.load.loader import ShardLoader
 
 
 @dataclass

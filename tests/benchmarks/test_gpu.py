@@ -8,7 +8,7 @@ processes (torchrun, the benchmark) hand them `GPU_ENV`, the environment as it w
 Shapes: configs/gpt2_small.yaml's blocks (d_model 768, 12 heads, d_ff 3072, sequence 1024) and
 configs/bert_base.yaml's (sequence 512), with 2 layers and tests/shardtools' 4,096-piece
 vocabulary, so that each test takes seconds. Model inputs are made as the trainer makes them:
-`pipeline.loader.ShardLoader` batches (pinned on CUDA) through `Task.model_inputs` and
+`pipeline.load.loader.ShardLoader` batches (pinned on CUDA) through `Task.model_inputs` and
 `Task.to_device`, which drops the all-ones attention mask of packed blocks on the host.
 """
 
@@ -34,7 +34,7 @@ from launch.config import TrainConfig
 from launch.optim import parameter_groups
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
-from pipeline.loader import ShardLoader
+from pipeline.load.loader import ShardLoader
 from tests.shardtools import VOCAB_SIZE, make_dataset
 
 gpu = pytest.mark.gpu

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from common.configure import UserError, load_config
-from pipeline.config import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -58,7 +58,7 @@ def make(out: Path) -> None:
     from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
-    from pipeline.config import LoaderConfig
+    from pipeline.load.config import LoaderConfig
 
     torch.set_num_threads(1)
     distributed.init_process_group(distributed.read_env(), timeout_s=120)

@@ -305,7 +305,7 @@ def tiny_engine(stage: int, precision: str):
     from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
     from model import ModelConfig, build_model
-    from pipeline.config import LoaderConfig
+    from pipeline.load.config import LoaderConfig
 
     model_cfg = ModelConfig(
         arch="gpt", vocab_size=256, d_model=64, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0

@@ -12,7 +12,7 @@ import launch.config_reference
 from common.configure import config_to_dict, load_config
 from launch.config import MainConfig, TrainConfig
 from launch.config_reference import BEGIN, DEFAULT_PATH, END, SCHEMAS, block_span, main, reference
-from pipeline.config import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "configuration.md"

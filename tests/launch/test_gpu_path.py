@@ -19,7 +19,7 @@ from launch.distributed import DistEnv, check_gpus_per_node
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.loss import IGNORE_INDEX
-from pipeline.loader import ShardLoader
+from pipeline.load.loader import ShardLoader
 from tests.shardtools import make_dataset
 
 TINY_SYNC = [

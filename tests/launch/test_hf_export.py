@@ -22,8 +22,9 @@ from launch.config import TrainConfig  # noqa: E402
 from launch.export import PROVENANCE, TOKENIZER, save_hf_dir  # noqa: E402
 from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
-from pipeline.config import TokenizerConfig  # noqa: E402
-from pipeline.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from pipeline.prepare.config import TokenizerConfig  # noqa: E402
+from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)

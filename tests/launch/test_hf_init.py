@@ -103,7 +103,7 @@ def first_batch(run_dir: Path, task_name: str = "causal_lm") -> dict:
     from common.configure import load_config
     from launch.config import TrainConfig
     from launch.tasks import TASKS
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     cfg = load_config(TrainConfig, run_dir / "config.yaml")
     loader = ShardLoader.from_config(

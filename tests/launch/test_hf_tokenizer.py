@@ -14,10 +14,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from launch.hf_tokenizer import save_hf_tokenizer  # noqa: E402
-from pipeline.config import TokenizerConfig  # noqa: E402
 from pipeline.format import SPECIAL_TOKENS  # noqa: E402
-from pipeline.readers import read_mo  # noqa: E402
-from pipeline.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from pipeline.prepare.config import TokenizerConfig  # noqa: E402
+from pipeline.prepare.readers import read_mo  # noqa: E402
+from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 # The default corpus's languages, and scripts its vocabulary mostly lacks.
 CORPUS_LANGS = ("de",)

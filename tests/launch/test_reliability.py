@@ -28,7 +28,7 @@ from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
 from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
-from pipeline.shards import Shard, read_shard
+from pipeline.load.shards import Shard, read_shard
 
 PYTHON = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}

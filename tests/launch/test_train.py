@@ -255,7 +255,7 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     from launch.export import load_model_dir
     from launch.tasks import TASKS
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     model, meta = load_model_dir(out)
     assert meta["step"] == 6 and meta["task"] == "mlm"

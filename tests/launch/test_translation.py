@@ -134,8 +134,8 @@ def _vocab_size(tokenizer: Path) -> int:
 
 
 def test_tokenizer_mismatch_is_refused_before_any_compute(tiny_dataset, tmp_path):
-    from pipeline.config import TokenizerConfig
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.prepare.config import TokenizerConfig
+    from pipeline.prepare.train_tokenizer import train_tokenizer
 
     # Another tokenizer, trained on the same kind of text with a different vocabulary size.
     texts = [text for pair in synthetic_pairs(300, seed=1) for text in pair]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.distributed import read_env, run_rank  # noqa: E402
 from launch.launcher import die_with_parent  # noqa: E402
-from pipeline.loader import ShardLoader  # noqa: E402
+from pipeline.load.loader import ShardLoader  # noqa: E402
 from tests.shardtools import batch_ids  # noqa: E402
 
 MICRO_BATCH, WORKERS, SEED = 4, 2, 5

@@ -34,7 +34,7 @@ from launch.deepspeed.config import deepspeed_config  # noqa: E402
 from launch.deepspeed.engine import Engine  # noqa: E402
 from launch.optim import build_optimizer, build_scheduler  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
-from pipeline.config import LoaderConfig  # noqa: E402
+from pipeline.load.config import LoaderConfig  # noqa: E402
 
 MODEL = ModelConfig(
     arch="gpt", vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, dropout=0.0

@@ -264,7 +264,7 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
 
 
 def test_collate_numbers_documents_from_doc_starts():
-    from pipeline.collate import pack, unpack
+    from pipeline.load.collate import pack, unpack
 
     samples = [
         [np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
@@ -288,7 +288,7 @@ def test_collate_numbers_documents_from_doc_starts():
 )
 def test_bad_doc_starts_make_an_unreadable_sample(starts, problem):
     from pipeline.format import encode_array
-    from pipeline.shards import decode_sample
+    from pipeline.load.shards import decode_sample
 
     raw = {
         "input_ids": encode_array(np.array([9, 9, 3, 9, 3, 9], np.uint16)),
@@ -307,8 +307,8 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
     import json
 
     from pipeline.format import decode_array, write_shard
-    from pipeline.shards import Shard, read_shard
-    from pipeline.work import doc_starts
+    from pipeline.load.shards import Shard, read_shard
+    from pipeline.prepare.work import doc_starts
 
     manifest = json.loads((old_dir / "manifest.json").read_text())
     for record in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:
@@ -332,7 +332,7 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tmp_path, task):
     from common.configure import UserError
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
     from tests.shardtools import make_dataset
 
     old, new = tmp_path / "old", tmp_path / "new"
@@ -374,7 +374,7 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
 
 def test_document_mask_is_for_packed_blocks_only(tmp_path):
     from common.configure import UserError
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
     from tests.shardtools import make_dataset
 
     make_dataset(tmp_path, translation=[4])
@@ -388,7 +388,7 @@ def test_document_mask_is_for_packed_blocks_only(tmp_path):
 def test_prepared_blocks_number_their_documents_after_each_eos(tiny_dataset):
     """What pipeline.prepare writes, as the loader hands it out: a new document at 0 and right
     after each </s> of a block, in every block of an epoch."""
-    from pipeline.loader import ShardLoader
+    from pipeline.load.loader import ShardLoader
 
     loader = ShardLoader(
         str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from common.configure import UserError
-from pipeline import epoch as epoch_module  # where a batch reads its shards
-from pipeline.config import LoaderConfig
 from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
-from pipeline.loader import ShardLoader
+from pipeline.load import epoch as epoch_module  # where a batch reads its shards
+from pipeline.load.config import LoaderConfig
+from pipeline.load.loader import ShardLoader
 from tests.shardtools import (
     FIRST_ID,
     TOKENIZER_SHA256,
@@ -216,7 +216,7 @@ def test_corrupt_shards_are_skipped_and_ranks_stay_equal(tmp_path, caplog):
     sizes = CORRUPT_SIZES
     paths, good_ids = make_corrupt_dataset(tmp_path)
     skipped, fillers = set(), 0
-    with caplog.at_level(logging.WARNING, logger="pipeline.loader"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.load.loader"):
         for rank in range(2):
             loader = ShardLoader(
                 str(tmp_path),
@@ -612,7 +612,7 @@ def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
     loader nobody closed: the test process of a CI run hung at exit. Its flag is raised at exit
     now, and the workers end by themselves."""
     script = (
-        "from pipeline.loader import ShardLoader\n"
+        "from pipeline.load.loader import ShardLoader\n"
         f"loader = ShardLoader({str(tiny_dataset)!r}, 'causal_lm', 'train', micro_batch_size=2, num_workers=1)\n"
         "batches = iter(loader)\nnext(batches)\nkept = [loader, batches]\nprint('exiting', flush=True)\n"
     )

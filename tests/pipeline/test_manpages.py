@@ -1,4 +1,4 @@
-"""The `manpage` source format: roff man pages to paragraphs of running text (pipeline.manpage),
+"""The `manpage` source format: roff man pages to paragraphs of running text (pipeline.prepare.manpage),
 read through the source readers, and prepared beside a parallel source."""
 
 import gzip
@@ -14,11 +14,11 @@ import webdataset as wds
 from conftest import ROOT, prepare_args, synthetic_pairs, write_tsv
 
 from common.configure import UserError, load_config
-from pipeline.config import PrepareConfig
 from pipeline.format import MANIFEST, decode_array
-from pipeline.manpage import man_paragraphs
-from pipeline.readers import check_usable, read_unit
-from pipeline.sources import decode_counting, expand_paths, normalize_key, plan_units
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.manpage import man_paragraphs
+from pipeline.prepare.readers import check_usable, read_unit
+from pipeline.prepare.sources import decode_counting, expand_paths, normalize_key, plan_units
 from pipeline.tokenizer import load_tokenizer
 
 

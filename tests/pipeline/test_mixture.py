@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from common.configure import UserError
-from pipeline.epoch import mixture_shares
 from pipeline.format import EOS_ID, FIELDS, sample_key, shard_name, write_shard
-from pipeline.loader import ShardLoader
+from pipeline.load.epoch import mixture_shares
+from pipeline.load.loader import ShardLoader
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
 
 SEQ_LEN = 8
@@ -178,7 +178,7 @@ def test_changed_weights_are_refused_on_resume_unless_allowed(tmp_path, caplog):
     with pytest.raises(UserError, match="allow_mixture_change"):
         loader(tmp_path, {}).load_state_dict(state)
     changed = loader(tmp_path, {"a": 0.9, "b": 0.1}, allow_mixture_change=True)
-    with caplog.at_level(logging.WARNING, logger="pipeline.loader"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.load.loader"):
         changed.load_state_dict(state)
     assert "data.mixture changed on resume" in caplog.text
     reference = loader(tmp_path, {"a": 0.9, "b": 0.1})

@@ -17,7 +17,7 @@ from conftest import ROOT, RayHead, prepare_args, run_prepare, synthetic_pairs, 
 
 from common.hashing import file_sha256
 from pipeline.format import MANIFEST, decode_array
-from pipeline.sources import normalize_key
+from pipeline.prepare.sources import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
 
@@ -556,7 +556,7 @@ def test_shard_writer_writes_what_webdataset_tarwriter_writes_and_scan_tar_vouch
     import io
 
     from pipeline.format import encode_array, write_shard
-    from pipeline.shards import scan_tar
+    from pipeline.load.shards import scan_tar
 
     rng = np.random.default_rng(0)
     packed = [
@@ -601,10 +601,10 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     """The streamed encode stage (dedup, encode, pack and write ENCODE_CHUNK texts at a time)
     gives the same shards whatever the chunk size: here 7 texts against 100,000 (all at once)."""
     from common.configure import load_config
-    from pipeline import work
-    from pipeline.config import PrepareConfig
-    from pipeline.sources import expand_paths, plan_units
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.prepare import work
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.sources import expand_paths, plan_units
+    from pipeline.prepare.train_tokenizer import train_tokenizer
 
     cfg = load_config(PrepareConfig, None, prepare_args(tiny_corpus, tmp_path / "unused"))
     units = plan_units(expand_paths(cfg.source), cfg.source, 1 << 20)
@@ -637,9 +637,9 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
 def test_tokenizer_sample_shares():
     """Slots divided by tokenizer_share; a source short of texts gives what it has and the rest go to the others."""
     from common.configure import load_config
-    from pipeline.config import PrepareConfig
-    from pipeline.prepare import tokenizer_sample
-    from pipeline.sources import Unit
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.job import tokenizer_sample
+    from pipeline.prepare.sources import Unit
 
     def cfg(k, shares):
         listed = ", ".join(
@@ -842,9 +842,9 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
     import zstandard
 
     from common.configure import load_config
-    from pipeline.config import PrepareConfig
-    from pipeline.prepare import _size, scratch_need
-    from pipeline.sources import expand_paths, source_list
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.job import _size, scratch_need
+    from pipeline.prepare.sources import expand_paths, source_list
 
     write_web_corpus(tmp_path, n_docs=200, n_pairs=100)
     docs, pairs = (

@@ -1,4 +1,4 @@
-"""Progress a user can watch (issue #32 §4): `pipeline.progress.meter` (a tqdm bar on a terminal,
+"""Progress a user can watch (issue #32 §4): `common.progress.meter` (a tqdm bar on a terminal,
 plain lines every PROGRESS_EVERY_S seconds elsewhere, one rank only), the entry points that use it
 run as subprocesses on tiny data, with stderr a pipe and a pseudo-terminal, the training log
 line (tokens/s, ETA, last checkpoint) and the main job's stage lines and overall ETA."""
@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import ROOT
 
-from pipeline.progress import meter
+from common.progress import meter
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PROGRESS_EVERY_S": "0"}
 # A tiny translation model trained 4 steps, checkpointed at 2 and 4 (both kept, for averaging).

@@ -27,7 +27,7 @@ from conftest import ROOT
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.loader import ShardLoader
+from pipeline.load.loader import ShardLoader
 from pipeline.remote import FetchConfig
 from tests.shardtools import make_dataset
 

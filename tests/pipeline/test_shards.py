@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import shards
+from pipeline.load import shards
 from tests.shardtools import make_dataset
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "data" / "gettext-en-de"

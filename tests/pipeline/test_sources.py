@@ -13,9 +13,16 @@ import polib
 import pytest
 
 from common.configure import UserError, load_config
-from pipeline.config import PrepareConfig
-from pipeline.readers import check_usable, chunk_text, describe_skipped, read_mo, read_po, read_unit
-from pipeline.sources import (
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.readers import (
+    check_usable,
+    chunk_text,
+    describe_skipped,
+    read_mo,
+    read_po,
+    read_unit,
+)
+from pipeline.prepare.sources import (
     ASSUMED_RATIO,
     Unit,
     decode_counting,
@@ -238,7 +245,7 @@ def test_a_glob_through_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path
     (tmp_path / "loop").symlink_to(
         "."
     )  # glob's ** followed it until the kernel's ELOOP: hundreds of paths
-    with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.prepare.sources"):
         found = expand_paths(source_cfg(paths=f"[{tmp_path}/**/*.txt]", format="text"))
     assert found == files
     (warning,) = caplog.messages
@@ -249,7 +256,7 @@ def test_a_file_under_several_names_is_listed_once_and_the_others_counted(tmp_pa
     files = _tree(tmp_path)
     (tmp_path / "alias").symlink_to("sub")  # sub's two files again, under alias/
     (tmp_path / "link.txt").symlink_to("a.txt")
-    with caplog.at_level(logging.WARNING, logger="pipeline.sources"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.prepare.sources"):
         found = expand_paths(
             source_cfg(paths=f"[{tmp_path}/**/*.txt,{tmp_path}/sub/b.txt]", format="text")
         )
@@ -587,7 +594,7 @@ def prepare_cfg(*overrides):
     ],
 )
 def test_bad_source_configs_are_one_line_errors(tmp_path, overrides, message):
-    from pipeline.prepare import prepare
+    from pipeline.prepare.job import prepare
 
     overrides = [
         o.replace("[x]", f"[{tmp_path / 'x'}]").replace("[y]", f"[{tmp_path / 'x'}]")
@@ -601,7 +608,7 @@ def test_bad_source_configs_are_one_line_errors(tmp_path, overrides, message):
 
 
 def test_legacy_source_is_a_list_of_one_named_default():
-    from pipeline.sources import source_list
+    from pipeline.prepare.sources import source_list
 
     cfg = prepare_cfg("source.format=text")
     assert [s.format for s in source_list(cfg)] == ["text"] and source_list(cfg)[

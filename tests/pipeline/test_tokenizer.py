@@ -6,9 +6,10 @@ import pytest
 from conftest import synthetic_pairs
 
 from common.configure import UserError
-from pipeline.config import TokenizerConfig
 from pipeline.format import SPECIAL_TOKENS
-from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
+from pipeline.prepare.config import TokenizerConfig
+from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
+from pipeline.tokenizer import processor_from_bytes, tokenizer_info
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_foreign_model_and_bad_type_are_refused():
 def test_prepare_encoder_equals_the_public_batch_call(trained):
     """prepare's in-thread per-text encoding gives the public batch call's ids exactly, and a
     processor without the one-text binding falls back to that call."""
-    from pipeline import work
+    from pipeline.prepare import work
 
     _, sp = trained
     rng = random.Random(0)

@@ -1,4 +1,4 @@
-"""`python -m pipeline.make_parquet OUT.parquet [--max-rows N] [--row-group-rows N]`: a parquet
+"""`python -m pipeline.prepare.make_parquet OUT.parquet [--max-rows N] [--row-group-rows N]`: a parquet
 file of real English monolingual text that every Debian or Ubuntu machine has, for the second
 source of `configs/prepare_two_sources.yaml`.
 

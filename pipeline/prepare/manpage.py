@@ -1,6 +1,6 @@
 """Running text from roff man pages, for monolingual pretraining text (the `manpage` source format).
 
-The design and its reasons: docs/design.md#pipelinemanpagepy.
+The design and its reasons: docs/design.md#pipelinepreparemanpagepy.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def page_encoding(head: bytes) -> str:
 
 
 def man_paragraphs(text: str, min_words: int, stats: Counter) -> list[str]:
-    """The paragraphs of running text of one decoded page, each on one line (docs/design.md#pipelinemanpagepy)."""
+    """The paragraphs of running text of one decoded page, each on one line (docs/design.md#pipelinepreparemanpagepy)."""
     page = _Page(min_words, stats)
     for line in _logical_lines(text):
         if page.mdoc:

@@ -1,6 +1,6 @@
 """Stream prepared WebDataset shards into token batches: rank/worker split, seeded shuffle, exact resume.
 
-The design and its reasons: docs/design.md#pipelineloaderpy.
+The design and its reasons: docs/design.md#pipelineloadloaderpy.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.collate import MLMMasking, unpack
-from pipeline.config import LoaderConfig, global_batch_size
-from pipeline.epoch import (
+from pipeline.format import MANIFEST, SPECIAL_TOKENS, read_manifest, shard_entries
+from pipeline.load.collate import MLMMasking, unpack
+from pipeline.load.config import LoaderConfig, global_batch_size
+from pipeline.load.epoch import (
     _FILLER,
     DEFAULT_SOURCE,
     _epoch_batches,
@@ -33,8 +34,7 @@ from pipeline.epoch import (
     _sources,
     describe_mixture,
 )
-from pipeline.format import MANIFEST, SPECIAL_TOKENS, read_manifest, shard_entries
-from pipeline.shards import Shard, sample_fields
+from pipeline.load.shards import Shard, sample_fields
 
 log = logging.getLogger(__name__)
 

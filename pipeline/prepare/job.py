@@ -1,7 +1,7 @@
 """`python -m pipeline.prepare CONFIG [key=value ...]`: raw text to tokenizer and WebDataset shards.
 
 plan (files -> work units) -> Ray: scan units into hash buckets -> train SentencePiece on a
-bottom-k sample -> Ray: encode buckets into shards -> manifest.json. See `pipeline.work`
+bottom-k sample -> Ray: encode buckets into shards -> manifest.json. See `pipeline.prepare.work`
 for what each task does and `pipeline.format` for what is written. Several sources
 (`sources:`) go through the same two stages together, unit order being source order; the
 manifest keeps each source's statistics (`sources.by_source`, `datasets[...].stats_by_source`)
@@ -35,21 +35,21 @@ from common.configure import (
     config_from_dict,
     config_to_dict,
     parse_cli,
-    run_main,
     save_config,
 )
 from common.lock import dir_lock
-from pipeline.config import TASKS, PrepareConfig
 from pipeline.format import (
     DATASET_FOR_TASK,
     FIELDS,
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    TASKS,
     TOKENIZER_FILE,
 )
-from pipeline.readers import check_usable, describe_skipped, is_parallel
-from pipeline.sources import (
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
+from pipeline.prepare.sources import (
     Unit,
     check_sources,
     decompressed_size,
@@ -59,7 +59,8 @@ from pipeline.sources import (
     source_where,
     stream_chunks,
 )
-from pipeline.tokenizer import BottomKSample, processor_from_bytes, tokenizer_info, train_tokenizer
+from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
+from pipeline.tokenizer import processor_from_bytes, tokenizer_info
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
@@ -219,8 +220,8 @@ def _build(
     log,
 ) -> dict:
     """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
-    from pipeline.ray_runner import ray_session, run_tasks
-    from pipeline.work import encode_splits, scan_units
+    from pipeline.prepare.ray_runner import ray_session, run_tasks
+    from pipeline.prepare.work import encode_splits, scan_units
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
@@ -398,7 +399,7 @@ def scan_batches(
 
 
 def _job_bytes(work_dir: Path, n_units: int, dataset: str, bucket: int) -> int:
-    from pipeline.work import MONO, PAIRS, bucket_file
+    from pipeline.prepare.work import MONO, PAIRS, bucket_file
 
     family = MONO if dataset == "packed" else PAIRS
     paths = (
@@ -531,11 +532,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupt(signum: int, frame) -> None:
-    from pipeline.ray_runner import INTERRUPTED  # no Ray import: ray_runner imports it lazily
+    # no Ray import: ray_runner imports it lazily
+    from pipeline.prepare.ray_runner import INTERRUPTED
 
     INTERRUPTED.set()
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-if __name__ == "__main__":
-    run_main(main)

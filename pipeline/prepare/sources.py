@@ -1,8 +1,8 @@
 """The sources of a prepare: their files (globs, links, what is not a regular file), the work units
 they are cut into (compressed streams in chunks, parquet by row groups), and reading a unit's
-bytes; `pipeline.readers` turns a unit into records (text, jsonl, tsv, gettext, parquet, man pages).
+bytes; `pipeline.prepare.readers` turns a unit into records (text, jsonl, tsv, gettext, parquet, man pages).
 
-The design and its reasons: docs/design.md#pipelinesourcespy.
+The design and its reasons: docs/design.md#pipelinepreparesourcespy.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Iterator, Optional
 
 from common.configure import UserError, config_from_dict
-from pipeline.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
+from pipeline.prepare.config import SOURCE_FORMATS, PrepareConfig, SourceConfig
 
 Record = tuple[str, Optional[str]]
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sized
 
 from common.configure import UserError
-from pipeline.config import RayConfig
-from pipeline.progress import meter
+from common.progress import meter
+from pipeline.prepare.config import RayConfig
 
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 

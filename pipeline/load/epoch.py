@@ -1,9 +1,9 @@
 """Which samples make batch j of a rank, and when: the epoch's order as a pure function of
 (seed, epoch, global batch, micro batch, world size, rank, j), mixtures of sources, length
-groups, and reading the shards a batch touches. `pipeline.loader.ShardLoader` hands these
+groups, and reading the shards a batch touches. `pipeline.load.loader.ShardLoader` hands these
 batches out and keeps the state that resumes them.
 
-The design and its reasons: docs/design.md#pipelineloaderpy.
+The design and its reasons: docs/design.md#pipelineloadloaderpy.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.collate import MLMMasking, pack
-from pipeline.config import global_batch_size
 from pipeline.format import is_token_field
-from pipeline.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
+from pipeline.load.collate import MLMMasking, pack
+from pipeline.load.config import global_batch_size
+from pipeline.load.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
@@ -53,7 +53,7 @@ ShardKey = tuple[int, int, int]
 
 class _EpochBatches(IterableDataset):
     """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
-    `pipeline.collate.unpack(task, packed)` in the main process makes the token batch.
+    `pipeline.load.collate.unpack(task, packed)` in the main process makes the token batch.
 
     Where a stream position's sample lies (docs/design.md, the loader, 8): the position's source s and its
     index i in that source's own endless stream of passes, pass q = i // N_s; pass q is the

@@ -1,6 +1,6 @@
 """The work one Ray task does during `pipeline.prepare`, as pure functions of their arguments.
 
-The design and its reasons: docs/design.md#pipelineworkpy.
+The design and its reasons: docs/design.md#pipelineprepareworkpy.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline.config import PrepareConfig
 from pipeline.format import EOS_ID, SPLITS, ShardWriter, sample_key, shard_name, token_dtype
-from pipeline.readers import chunk_text, is_parallel, read_unit
-from pipeline.sources import Unit, source_list, text_hash
-from pipeline.tokenizer import BottomKSample, processor_from_bytes
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
+from pipeline.prepare.sources import Unit, source_list, text_hash
+from pipeline.prepare.train_tokenizer import BottomKSample
+from pipeline.tokenizer import processor_from_bytes
 
 MONO, PAIRS = "mono", "pairs"
 ENCODE_CHUNK = 2048  # texts per SentencePiece batch call

@@ -2,7 +2,7 @@
 gettext .mo/.po, parquet, man pages), each counting what it skips; and what was skipped, in
 words, for prepare's summary and its refusal of an unusable source.
 
-The design and its reasons: docs/design.md#pipelinesourcespy.
+The design and its reasons: docs/design.md#pipelinepreparesourcespy.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections import Counter
 from typing import Iterator, Mapping
 
 from common.configure import UserError
-from pipeline.config import SourceConfig
-from pipeline.manpage import man_paragraphs, page_encoding
-from pipeline.sources import (
+from pipeline.prepare.config import SourceConfig
+from pipeline.prepare.manpage import man_paragraphs, page_encoding
+from pipeline.prepare.sources import (
     Record,
     Unit,
     _lines,
@@ -226,7 +226,7 @@ def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
 
 
 def _read_manpage(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    """The paragraphs of running text of one roff page (see `pipeline.manpage`)."""
+    """The paragraphs of running text of one roff page (see `pipeline.prepare.manpage`)."""
     with _open_binary(unit.path) as fh:
         data = fh.read()
     text, bad = decode_counting(data, page_encoding(data[:1024]))

@@ -1,0 +1,82 @@
+"""Training the dataset's SentencePiece tokenizer (Kudo and Richardson 2018) during prepare.
+
+The model is trained on a sample capped at `sample_texts` texts: the ones with the smallest
+salted hashes ("bottom-k" sampling), which is reproducible, independent of input order and of how
+the corpus is split over workers, and needs memory for the sample only. Its reserved ids are
+`pipeline.format.SPECIAL_TOKENS`, in that order, then the language tags.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+from typing import Iterable
+
+import sentencepiece as spm
+
+from common.configure import UserError
+from pipeline.format import SPECIAL_TOKENS
+from pipeline.prepare.config import TokenizerConfig
+
+
+class BottomKSample:
+    """The k (hash, text) pairs with the smallest hashes seen so far; equal texts count once."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._heap: list[tuple[int, str]] = []  # max-heap by negated hash
+        self._members: set[int] = set()
+
+    def add(self, key: int, text: str) -> None:
+        if key in self._members:
+            return
+        if len(self._heap) < self.k:
+            heapq.heappush(self._heap, (-key, text))
+            self._members.add(key)
+        elif key < -self._heap[0][0]:
+            evicted = heapq.heapreplace(self._heap, (-key, text))
+            self._members.discard(-evicted[0])
+            self._members.add(key)
+
+    def merge(self, items: Iterable[tuple[int, str]]) -> None:
+        for key, text in items:
+            self.add(key, text)
+
+    def items(self) -> list[tuple[int, str]]:
+        """The sample sorted by hash: the same order whatever order the texts came in."""
+        return sorted((-neg, text) for neg, text in self._heap)
+
+
+def train_tokenizer(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> bytes:
+    """Train a SentencePiece model on `texts`; returns the serialized model."""
+    if cfg.model_type not in ("unigram", "bpe"):
+        raise UserError(f"tokenizer.model_type: {cfg.model_type!r} is not 'unigram' or 'bpe'")
+    if not texts:
+        raise UserError("no training text for the tokenizer: the train split is empty")
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_writer=model,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=cfg.byte_fallback,
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            control_symbols=list(SPECIAL_TOKENS[4:]) + list(cfg.lang_tags),
+            # A small corpus may not support the requested size; the real size is read back.
+            hard_vocab_limit=False,
+            max_sentence_length=cfg.max_sentence_length,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            split_digits=True,
+            num_threads=cfg.num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise UserError(f"tokenizer training failed: {str(err).splitlines()[0]}") from err
+    return model.getvalue()
