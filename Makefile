@@ -32,8 +32,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# W&B's mode is the caller's (`WANDB_MODE=online make main`); offline when the caller sets none,
+# so that the job needs no network and no login.
 main: setup
-	WANDB_MODE=offline $(PY) -m launch.main configs/main.yaml
+	WANDB_MODE="$${WANDB_MODE:-offline}" $(PY) -m launch.main configs/main.yaml
 
 # SLURM from Debian's packages and a two-node cluster on this machine, for tests/slurm/test_slurm.py
 # (needs root and apt-get; elsewhere those tests skip, except under CI=true where they fail).
