@@ -23,6 +23,7 @@ from launch.main.plan import (
     _say,
     _train_command,
     finetune_overrides,
+    own_eta_s,
     plan_stages,
     prepare_overrides,
     pretrain_overrides,
@@ -276,9 +277,10 @@ def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
         try:
             while (code := _wait(process, every)) is None:
                 running = time.time() - started
+                line = _last_progress_line(log)
                 _say(
-                    f"{stage} ({interval(running)}): {_last_progress_line(log) or 'no progress line yet'}; "
-                    f"{clock.eta(running)}"
+                    f"{stage} ({interval(running)}): {line or 'no progress line yet'}; "
+                    f"{clock.eta(running, own_eta_s(line))}"
                 )
         except Stopped as stop:
             raise Stopped(stop.signum, _stop_stage(stage, process, stop.signum, log)) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ class Stage:
 
 
 class StageClock:
-    """The main job's overall ETA from the stages it has run so far: each stage still to come is
-    given the seconds per unit of work (steps, for training) of the stages of its kind run this
-    time. A kind none of whose stages has run yet is left out of the figure, and named; stages
-    skipped (their output complete) count as done and take nothing."""
+    """The main job's overall ETA from what is known so far: each stage still to come is given the
+    seconds per unit of work (steps, for training) of the stages of its kind run this time; the
+    running stage, its own ETA where its progress line gives one (and, for a kind not yet timed,
+    the rate that ETA implies for the rest of the kind). A kind with neither is left out of the
+    figure and named, so the figure is then a lower bound; with nothing known it says so rather
+    than give a bound of zero. Stages skipped (their output complete) count as done and take
+    nothing."""
 
     def __init__(self, stages: list[Stage]):
         self.stages = stages
@@ -53,25 +57,47 @@ class StageClock:
         self.timed[kind] = (before[0] + seconds, before[1] + work)
         self.position = index + 1
 
-    def eta(self, running_s: float | None = None) -> str:
+    def eta(self, running_s: float | None = None, running_left_s: float | None = None) -> str:
         """'N/M stages done, overall ETA T': `running_s` is how long the stage at the current
-        position has run (None: none runs)."""
+        position has run (None: none runs), `running_left_s` what its own progress line says is
+        left of it (None: it says nothing)."""
+        rates = {kind: seconds / work for kind, (seconds, work) in self.timed.items()}
+        current = self.stages[self.position] if self.position < len(self.stages) else None
+        own = running_s is not None and running_left_s is not None and current is not None
+        if own and current.kind not in rates and current.work > 0:
+            rates[current.kind] = (running_s + running_left_s) / current.work
         left, untimed = 0.0, []
         for offset, stage in enumerate(self.stages[self.position :]):
-            if stage.kind not in self.timed:
+            running = offset == 0 and running_s is not None
+            if running and own:
+                left += running_left_s
+                continue
+            if stage.kind not in rates:
                 untimed += [stage.kind] if stage.kind not in untimed else []
                 continue
-            seconds, work = self.timed[stage.kind]
-            estimate = seconds / work * stage.work
-            left += (
-                max(estimate - running_s, 0.0)
-                if offset == 0 and running_s is not None
-                else estimate
-            )
+            estimate = rates[stage.kind] * stage.work
+            left += max(estimate - running_s, 0.0) if running else estimate
         done = f"{self.position}/{len(self.stages)} stages done"
         if not untimed:
             return f"{done}, overall ETA {interval(left)}"
-        return f"{done}, overall ETA >= {interval(left)} ({', '.join(untimed)} not yet timed)"
+        what = f"({', '.join(untimed)} not yet timed)"
+        if left <= 0:
+            return f"{done}, overall ETA not known yet {what}"
+        return f"{done}, overall ETA >= {interval(left)} {what}"
+
+
+_OWN_ETA = re.compile(r"\bETA (\d+(?::\d\d){1,2})\b")
+
+
+def own_eta_s(progress_line: str) -> float | None:
+    """The seconds a stage's progress line says are left of it (`ETA [H:]MM:SS`), or None."""
+    match = _OWN_ETA.search(progress_line)
+    if match is None:
+        return None
+    seconds = 0.0
+    for part in match.group(1).split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds
 
 
 def plan_stages(cfg: MainConfig, starts: list[tuple[str, str]]) -> list[Stage]:

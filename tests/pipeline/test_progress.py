@@ -169,7 +169,8 @@ def test_stage_clock_estimates_each_kind_from_its_own_stages():
     )
     assert (
         clock.eta()
-        == "0/5 stages done, overall ETA >= 00:00 (prepare, pretrain, fine-tune, evaluate not yet timed)"
+        == "0/5 stages done, overall ETA not known yet (prepare, pretrain, fine-tune, evaluate not "
+        "yet timed)"
     )
     clock.start("pretrain gpt")  # prepare skipped: done, untimed
     clock.finish("pretrain gpt", 50.0)  # 0.5 s a step
@@ -181,14 +182,56 @@ def test_stage_clock_estimates_each_kind_from_its_own_stages():
         clock.eta(running_s=30.0)
         == "2/5 stages done, overall ETA >= 01:10 (fine-tune, evaluate not yet timed)"
     )
+    # Its own progress line knows better than the kind's mean.
+    assert (
+        clock.eta(running_s=30.0, running_left_s=200.0)
+        == "2/5 stages done, overall ETA >= 03:20 (fine-tune, evaluate not yet timed)"
+    )
     clock.finish("pretrain bert", 110.0)  # 160 s for 300 steps now
     clock.start("fine-tune a")
+    # The first of a kind: what it says of itself is what is known.
+    assert (
+        clock.eta(running_s=10.0, running_left_s=15.0)
+        == "3/5 stages done, overall ETA >= 00:15 (evaluate not yet timed)"
+    )
     clock.finish("fine-tune a", 25.0)
     clock.start("evaluate a valid")
     clock.finish("evaluate a valid", 4.0)
     assert clock.eta() == "5/5 stages done, overall ETA 00:00"
     with pytest.raises(ValueError):
         clock.start("export gpt")  # a stage not in the plan is a bug, not a silent gap in the ETA
+
+
+def test_the_first_stage_of_a_kind_times_the_rest_of_its_kind_by_its_own_eta():
+    # While the first fine-tuning runs, the job knows from its progress line how long it takes,
+    # and so how long the second will: the overall ETA is that, not a bound of zero.
+    from launch.main.plan import Stage, StageClock, own_eta_s
+
+    clock = StageClock(
+        [
+            Stage("pretrain gpt", "pretrain", 100),
+            Stage("fine-tune random-random", "fine-tune", 600),
+            Stage("evaluate finetune-random-random valid", "evaluate", 1),
+            Stage("fine-tune bert-gpt", "fine-tune", 600),
+            Stage("evaluate finetune-bert-gpt valid", "evaluate", 1),
+        ]
+    )
+    clock.finish("pretrain gpt", 50.0)
+    clock.start("fine-tune random-random")
+    line = "step 240/600 | loss 4.1 | 3000 tok/s | 192s | ETA 04:48 | last ckpt none yet"
+    assert own_eta_s(line) == 288.0
+    assert own_eta_s("evaluate valid: 10/100 sentence (10%), elapsed 1:02:03, ETA 1:00:00") == 3600
+    assert own_eta_s("no figure here") is None
+    # 192 s run + 288 s left = 480 s for 600 steps: the other fine-tuning takes as long.
+    assert (
+        clock.eta(running_s=192.0, running_left_s=own_eta_s(line))
+        == "1/5 stages done, overall ETA >= 12:48 (evaluate not yet timed)"
+    )
+    # A line without an ETA leaves the kind untimed, and the job says it knows nothing yet.
+    assert (
+        clock.eta(running_s=192.0, running_left_s=None)
+        == "1/5 stages done, overall ETA not known yet (fine-tune, evaluate not yet timed)"
+    )
 
 
 def test_a_running_stage_shows_its_latest_progress_line_and_the_overall_eta(
@@ -214,7 +257,7 @@ def test_a_running_stage_shows_its_latest_progress_line_and_the_overall_eta(
     for line in running:
         assert re.match(
             r"\[main\] fine-tune x \(00:0\d\): step [123]/3 \| .* \| ETA 00:0\d \| last ckpt none yet; "
-            r"1/2 stages done, overall ETA >= 00:00 \(fine-tune not yet timed\)$",
+            r"1/2 stages done, overall ETA 00:0\d$",
             line,
         ), line
     assert said[-1].startswith("[main] fine-tune x: done in ") and said[-1].endswith(
