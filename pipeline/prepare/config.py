@@ -82,7 +82,9 @@ class TokenizerConfig:
     # Size cap of the training sample: the texts with the smallest salted hashes, so the
     # sample is reproducible, independent of input order and drawn in one streaming pass.
     sample_texts: int = 200000
-    max_sentence_length: int = 4192  # SentencePiece: longer training texts (in bytes) are skipped
+    # Training texts longer than this many UTF-8 bytes are cut at spaces into pieces of at most
+    # this size, each a text of the sample (SentencePiece would skip a longer one whole).
+    max_sentence_length: int = 4192
     # Extra control symbols such as target-language tags ("<2de>").
     lang_tags: List[str] = field(default_factory=list)
     num_threads: int = 2  # SentencePiece training threads

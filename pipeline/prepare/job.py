@@ -257,10 +257,19 @@ def _build(
                 ) from err
             by_source.append(stats)
         source_stats = _merge_stats([{"stats": stats} for stats in by_source])
+        sample = None
         if given_model is None:
-            texts = tokenizer_sample(cfg, units, scanned)
-            log(f"prepare: training the tokenizer on {len(texts)} texts")
+            texts, cut = tokenizer_sample(cfg, units, scanned)
+            sample = sample_facts(texts, cut)
+            share = sample["bytes_of_long_texts"] / max(sample["bytes"], 1)
+            log(
+                f"prepare: training the tokenizer on {sample['texts']:,} texts "
+                f"({_size(sample['bytes'])}; {sample['pieces_of_long_texts']:,} of them pieces of "
+                f"texts over tokenizer.max_sentence_length={cfg.tokenizer.max_sentence_length} "
+                f"bytes, {share:.1%} of the bytes)"
+            )
             model_bytes = train_tokenizer(texts, cfg.tokenizer)
+            del texts, cut
         else:
             model_bytes = given_model
         del scanned
@@ -299,6 +308,7 @@ def _build(
             "file": TOKENIZER_FILE,
             **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
             "trained": given_model is None,
+            **({"sample": sample} if sample else {}),
         },
         "config": config_to_dict(cfg),
         "sources": {
@@ -417,14 +427,20 @@ def _unit_bytes(unit: Unit) -> int:
         return 0
 
 
-def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict]) -> list[str]:
+def tokenizer_sample(
+    cfg: PrepareConfig, units: list[Unit], scanned: list[dict]
+) -> tuple[list[str], list[bool]]:
     """The tokenizer's training texts: each source's bottom-k texts, `tokenizer.sample_texts`
     slots divided by `tokenizer_share` (a source short of texts leaves its slots to the others,
-    in proportion), then all ordered by hash. With one source: its bottom-k, as ever."""
+    in proportion), then all ordered by hash. With one source: its bottom-k, as ever. Beside
+    them, whether each is a piece of a text too long for SentencePiece (`sample_pieces`)."""
     sources = source_list(cfg)
     samples = [BottomKSample(cfg.tokenizer.sample_texts) for _ in sources]
+    cut: set[int] = set()
     for unit, result in zip(units, scanned):
-        samples[unit.source].merge(result["sample"])
+        samples[unit.source].merge(result["sample"], result.get("sample_cut", ()))
+    for sample in samples:
+        cut.update(sample.cut_keys())
     items = [sample.items() for sample in samples]
     quota = [0] * len(sources)
     open_sources, slots = list(range(len(sources))), cfg.tokenizer.sample_texts
@@ -445,7 +461,20 @@ def tokenizer_sample(cfg: PrepareConfig, units: list[Unit], scanned: list[dict])
     for i in range(len(sources)):
         for key, text in items[i][: quota[i]]:
             chosen.setdefault(key, text)  # a text two sources share is one training text
-    return [chosen[key] for key in sorted(chosen)]
+    keys = sorted(chosen)
+    return [chosen[key] for key in keys], [key in cut for key in keys]
+
+
+def sample_facts(texts: list[str], cut: list[bool]) -> dict:
+    """The training sample in figures, for the log and the manifest: its texts and bytes, and how
+    many of them are pieces of longer texts (cut to SentencePiece's `max_sentence_length`)."""
+    sizes = [len(text.encode("utf-8")) for text in texts]
+    return {
+        "texts": len(texts),
+        "bytes": sum(sizes),
+        "pieces_of_long_texts": sum(cut),
+        "bytes_of_long_texts": sum(size for size, piece in zip(sizes, cut) if piece),
+    }
 
 
 def _merge_stats(results: list[dict]) -> dict:
@@ -490,6 +519,7 @@ def summary(manifest: dict) -> str:
         "malformed_records",
         "unreadable_files",
         "long_texts_cut",
+        "tokenizer_texts_cut",
     )
     lines.append("sources: " + ", ".join(f"{k}={sources[k]}" for k in keep if k in sources))
     cfg = config_from_dict(PrepareConfig, manifest["config"], "manifest")

@@ -20,31 +20,65 @@ from pipeline.prepare.config import TokenizerConfig
 
 
 class BottomKSample:
-    """The k (hash, text) pairs with the smallest hashes seen so far; equal texts count once."""
+    """The k (hash, text) pairs with the smallest hashes seen so far; equal texts count once. A
+    text may be marked as a piece of a longer one (`sample_pieces`), and the marks follow it."""
 
     def __init__(self, k: int):
         self.k = k
         self._heap: list[tuple[int, str]] = []  # max-heap by negated hash
         self._members: set[int] = set()
+        self._cut: set[int] = set()  # members that are pieces of longer texts
 
-    def add(self, key: int, text: str) -> None:
+    def add(self, key: int, text: str, cut: bool = False) -> None:
         if key in self._members:
             return
         if len(self._heap) < self.k:
             heapq.heappush(self._heap, (-key, text))
-            self._members.add(key)
         elif key < -self._heap[0][0]:
-            evicted = heapq.heapreplace(self._heap, (-key, text))
-            self._members.discard(-evicted[0])
-            self._members.add(key)
+            evicted = -heapq.heapreplace(self._heap, (-key, text))[0]
+            self._members.discard(evicted)
+            self._cut.discard(evicted)
+        else:
+            return
+        self._members.add(key)
+        if cut:
+            self._cut.add(key)
 
-    def merge(self, items: Iterable[tuple[int, str]]) -> None:
+    def merge(self, items: Iterable[tuple[int, str]], cut: Iterable[int] = ()) -> None:
+        cut = set(cut)
         for key, text in items:
-            self.add(key, text)
+            self.add(key, text, key in cut)
 
     def items(self) -> list[tuple[int, str]]:
         """The sample sorted by hash: the same order whatever order the texts came in."""
         return sorted((-neg, text) for neg, text in self._heap)
+
+    def cut_keys(self) -> list[int]:
+        """The keys of the sample's texts that are pieces of longer ones, sorted."""
+        return sorted(self._cut)
+
+
+def sample_pieces(text: str, max_bytes: int) -> list[str]:
+    """`text` as training texts SentencePiece keeps: pieces of at most `max_bytes` UTF-8 bytes
+    (its `max_sentence_length`; it skips a longer text whole, without a word), cut at the last
+    space or newline of each stretch where there is one in its second half, else at a character
+    boundary. A text within the limit is itself."""
+    if len(text) * 4 <= max_bytes:  # no character takes more than 4 bytes
+        return [text]
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return [text]
+    pieces, start = [], 0
+    while len(data) - start > max_bytes:
+        end = start + max_bytes
+        while end > start and (data[end] & 0xC0) == 0x80:  # not inside a character
+            end -= 1
+        space = max(data.rfind(b" ", start, end), data.rfind(b"\n", start, end))
+        cut = space if space > start + max_bytes // 2 else end
+        pieces.append(data[start:cut])
+        start = cut
+    pieces.append(data[start:])
+    return [piece for piece in (p.decode("utf-8").strip() for p in pieces) if piece]
 
 
 def train_tokenizer(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> bytes:

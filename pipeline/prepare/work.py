@@ -19,7 +19,7 @@ from pipeline.format import EOS_ID, SPLITS, ShardWriter, sample_key, shard_name,
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import Unit, source_list, text_hash
-from pipeline.prepare.train_tokenizer import BottomKSample
+from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces
 from pipeline.tokenizer import processor_from_bytes
 
 MONO, PAIRS = "mono", "pairs"
@@ -89,13 +89,21 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
                 stats["long_texts_cut"] += len(pieces) > 1
                 for piece in pieces:
                     if sampling and split == "train":
-                        sample.add(text_hash(piece, salt + "tok"), piece)
+                        parts = sample_pieces(piece, cfg.tokenizer.max_sentence_length)
+                        stats["tokenizer_texts_cut"] += len(parts) > 1
+                        for part in parts:
+                            sample.add(text_hash(part, salt + "tok"), part, len(parts) > 1)
                     if want_mono:
                         key = source_key if piece is source else text_hash(piece, salt)
                         writers.write(MONO, split, key % buckets, piece)
     finally:
         writers.close()
-    return {"stats": dict(stats), "sample": sample.items(), "peak_rss_mb": peak_rss_mb()}
+    return {
+        "stats": dict(stats),
+        "sample": sample.items(),
+        "sample_cut": sample.cut_keys(),
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str) -> list[dict]:
@@ -111,13 +119,14 @@ def scan_units(batch: list[tuple[int, Unit]], cfg: PrepareConfig, work_dir: str)
         # Merged as they come (bottom-k merging is order-free), so the task holds one sample of
         # `sample_texts` texts per source, not one per unit: memory bounded by the sample size.
         samples.setdefault(unit.source, BottomKSample(cfg.tokenizer.sample_texts)).merge(
-            result.pop("sample")
+            result.pop("sample"), result.pop("sample_cut")
         )
-        result["sample"] = []
+        result["sample"], result["sample_cut"] = [], []
         results.append(result)
     last = {unit.source: position for position, (_, unit) in enumerate(batch)}
     for source, position in last.items():
         results[position]["sample"] = samples[source].items()
+        results[position]["sample_cut"] = samples[source].cut_keys()
     for result in results:
         result["peak_rss_mb"] = peak_rss_mb()
     return _cpu_noted(results, cpu)

@@ -657,7 +657,8 @@ def test_tokenizer_sample_shares():
     }
     units = [Unit("x", source=0), Unit("y", source=1), Unit("z", source=2)]
     scanned = [{"sample": texts[0]}, {"sample": texts[1]}, {"sample": texts[2]}]
-    got = tokenizer_sample(cfg(40, [3, 1, 1]), units, scanned)
+    got, cut = tokenizer_sample(cfg(40, [3, 1, 1]), units, scanned)
+    assert cut == [False] * len(got)
     # 40 slots at 3:1:1 -> 24, 8, 8; source 2 has 5: its 3 left over go 3:1 -> 2.25, 0.75 -> 2, 1
     # (largest remainder).
     counts = [sum(t.startswith(p) for t in got) for p in "abc"]
@@ -865,3 +866,52 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
         assert why == f"{_size(web_bytes + pair_bytes)} of decompressed input" + (
             ", pairs twice: as texts and as pairs" if twice else ""
         )
+
+
+def test_long_documents_reach_the_tokenizer_in_pieces(tmp_path, ray_head):
+    """Documents over SentencePiece's `max_sentence_length` bytes (it skips such a text whole) are
+    cut into pieces for the tokenizer's sample: words that only long documents hold become pieces
+    of the vocabulary, and the manifest says how much of the sample came from long texts."""
+    from pipeline.prepare.train_tokenizer import sample_pieces
+
+    rng = random.Random(0)
+    short_words = ["".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(60)]
+    long_words = ["".join(rng.choice("pqrstuvw") for _ in range(7)) for _ in range(12)]
+    docs = [" ".join(rng.choice(short_words) for _ in range(40)) for _ in range(600)]
+    # 30 documents of 12,000-15,000 characters, in words that no short document has
+    docs += [
+        " ".join(rng.choice(long_words) for _ in range(rng.randint(1500, 1875))) for _ in range(30)
+    ]
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n".join(docs) + "\n")
+    out = tmp_path / "out"
+    run = run_prepare(
+        prepare_args(
+            corpus,
+            out,
+            **{
+                "source.format": "text",
+                "tasks": "[causal_lm]",
+                "source.max_doc_chars": 20000,
+                "tokenizer.vocab_size": 300,
+            },
+        ),
+        ray=ray_head,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    manifest = json.loads((out / MANIFEST).read_text())
+    sample = manifest["tokenizer"]["sample"]
+    long_train = manifest["sources"]["tokenizer_texts_cut"]
+    assert 20 <= long_train <= 30  # the long documents of the train split
+    assert sample["pieces_of_long_texts"] >= 3 * long_train  # each 12-15 kB in 4,192-byte pieces
+    assert 0.5 < sample["bytes_of_long_texts"] / sample["bytes"] < 0.8
+    tokenizer = load_tokenizer(out / manifest["tokenizer"]["file"])
+    for word in long_words:
+        assert len(tokenizer.encode(word)) == 1, word  # learnt: "▁word" is one piece
+    # The cut itself: within the limit, at spaces, every character kept once.
+    text = "ab " * 5000 + "é" * 3000
+    pieces = sample_pieces(text, 4192)
+    assert all(len(piece.encode()) <= 4192 for piece in pieces)
+    assert "".join(pieces).replace(" ", "") == text.replace(" ", "")
+    assert all(piece.endswith("ab") for piece in pieces[:3])
+    assert sample_pieces("short text", 4192) == ["short text"]
