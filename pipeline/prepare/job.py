@@ -48,6 +48,7 @@ from pipeline.format import (
     TOKENIZER_FILE,
 )
 from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.memory import available_bytes, estimate_worker_memory
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
 from pipeline.prepare.sources import (
     Unit,
@@ -101,6 +102,7 @@ def prepare(cfg: PrepareConfig) -> dict:
             f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
             f"free; free some space or choose an output_dir on a larger file system"
         )
+    memory = check_memory(cfg, files, units, log)
     # The lock file lies beside the output rather than in it or in its staging directory:
     # both are deleted and renamed during a run, and a lock must stay one file for as long as
     # anyone may contend for it. Taken before the staging directory is touched, since a
@@ -119,6 +121,7 @@ def prepare(cfg: PrepareConfig) -> dict:
                 + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
             )
             manifest = _build(cfg, files, units, given_model, staging, started, log)
+            _say_peak_memory(manifest, memory, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
             _discard(staging, cfg.keep_partial, err, log)
@@ -143,6 +146,36 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
         twice = twice or copies == 2
     return need, f"{_size(text)} of decompressed input" + (
         ", pairs twice: as texts and as pairs" if twice else ""
+    )
+
+
+def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], log) -> int:
+    """Say how much memory a Ray worker will need at its peak (`pipeline.prepare.memory`), and
+    stop in one line when a local Ray's workers would not have it; returns the estimate."""
+    estimate = estimate_worker_memory(cfg, files, units)
+    need = f"each Ray worker needs about {_size(estimate.peak_bytes)} at its peak ({estimate.why})"
+    if cfg.ray.address:
+        log(f"prepare: {need}; not checked here: the workers run on the nodes of {cfg.ray.address}")
+        return estimate.peak_bytes
+    available = available_bytes()
+    each = available // cfg.ray.num_workers if cfg.ray.num_workers > 0 else available
+    if estimate.peak_bytes > each:
+        raise UserError(
+            f"{need}, but this machine has {_size(available)} available for "
+            f"ray.num_workers={cfg.ray.num_workers} ({_size(each)} each); {estimate.remedy}, "
+            "or lower ray.num_workers"
+        )
+    log(
+        f"prepare: {need}; {_size(available)} available, {_size(each)} for each of {cfg.ray.num_workers}"
+    )
+    return estimate.peak_bytes
+
+
+def _say_peak_memory(manifest: dict, estimate: int, log) -> None:
+    peaks = manifest["memory"]
+    log(
+        f"prepare: peak memory of a Ray worker: scan {peaks['scan_peak_mb']:,.0f} MiB, encode "
+        f"{peaks['encode_peak_mb']:,.0f} MiB (estimated before the start: {_size(estimate)})"
     )
 
 
@@ -239,6 +272,7 @@ def _build(
         )
         # one per unit, in unit order
         scanned = [result for results in scanned for result in results]
+        scan_peak = max((result.get("peak_rss_mb", 0.0) for result in scanned), default=0.0)
         units = scanned_units
         sources = source_list(cfg)
         by_source = []
@@ -327,6 +361,11 @@ def _build(
         },
         "datasets": {},
         "seconds": round(time.time() - started, 1),
+        # A worker's peak resident memory in each stage (this machine's, so not reproducible).
+        "memory": {
+            "scan_peak_mb": round(scan_peak, 1),
+            "encode_peak_mb": round(max((r["peak_rss_mb"] for r in encoded), default=0.0), 1),
+        },
     }
     for name in datasets:
         results = [r for r in encoded if r["dataset"] == name]

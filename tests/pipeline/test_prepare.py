@@ -4,6 +4,7 @@ Ray cluster (`ray_head`, as on a SLURM job); those about Ray's own start and sto
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -915,3 +916,35 @@ def test_long_documents_reach_the_tokenizer_in_pieces(tmp_path, ray_head):
     assert "".join(pieces).replace(" ", "") == text.replace(" ", "")
     assert all(piece.endswith("ab") for piece in pieces[:3])
     assert sample_pieces("short text", 4192) == ["short text"]
+
+
+def test_prepare_says_a_workers_memory_first_and_refuses_more_than_a_worker_has(
+    tiny_corpus, tmp_path, ray_head
+):
+    """Before any work, prepare says how much memory one Ray worker will need at its peak, from
+    the plan; at the end, what the workers' peaks were. A local Ray whose workers would each
+    have less than that is refused in one line, before anything is written."""
+    import psutil
+
+    out = tmp_path / "out"
+    run = run_prepare(prepare_args(tiny_corpus, out, progress="true"), ray=ray_head)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stderr.splitlines()
+    (said,) = [line for line in lines if line.startswith("prepare: each Ray worker needs about ")]
+    assert "at its peak (encode: ~" in said and "de-duplication set" in said
+    assert said.endswith(f"not checked here: the workers run on the nodes of {ray_head.address}")
+    (work,) = [line for line in lines if re.match(r"prepare: \d+ files in \d+ units", line)]
+    assert lines.index(said) < lines.index(work)  # said before the scan starts
+    assert any(line.startswith("prepare: peak memory of a Ray worker: scan ") for line in lines)
+    memory = json.loads((out / MANIFEST).read_text())["memory"]
+    assert memory["scan_peak_mb"] > 50 and memory["encode_peak_mb"] > 50
+
+    # Under 64 MiB a worker: less than a worker's own size, whatever the data.
+    workers = psutil.virtual_memory().available // (64 << 20) + 1
+    big = tmp_path / "big"
+    run = run_prepare(prepare_args(tiny_corpus, big, **{"ray.num_workers": workers}))
+    assert run.returncode == 2
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith("error: each Ray worker needs about ") and " at its peak (" in line
+    assert f"available for ray.num_workers={workers} (" in line and "lower ray.num_workers" in line
+    assert not any(tmp_path.glob("big*"))

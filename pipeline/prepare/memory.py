@@ -1,0 +1,185 @@
+"""How much memory one Ray worker of a prepare needs at its peak, estimated from the plan before
+Ray starts, and the check against what this machine can give each worker.
+
+A worker runs one task at a time, so its peak is its own resident size plus the larger of what a
+scan task and an encode task hold:
+
+- an encode task (one dataset's bucket, split by split) keeps a set of the 8-byte digests of the
+  records it has written, to drop duplicates (`work.unique_records`): about SEEN_BYTES per
+  distinct record of the bucket's largest split, the train split; and a chunk of ENCODE_CHUNK
+  texts with their token ids as Python lists (about ENCODE_BYTES_PER_TEXT_BYTE of memory per
+  byte of text);
+- a scan task holds its unit's bytes (a chunk of a compressed file: `unit_bytes`) and the
+  tokenizer's sample of its texts, up to `tokenizer.sample_texts` of them (SAMPLE_OVERHEAD bytes
+  each beside the text).
+
+The number of records is not known before the scan; it is estimated per source from the input's
+decompressed size and the records per byte of a probe: the records of the source's first bytes
+(PROBE_BYTES of them, or its first PROBE_UNITS whole units for formats read whole), read by the
+readers the scan uses. The figures per record are Python's sizes, upper ends where they vary
+(a set's table is 1.7-3.3 slots per element); the resident size before any task is BASE_MB.
+Measured against a real run in docs/results.md#prepares-memory-per-worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
+from pipeline.prepare.sources import Unit, decompressed_size, source_list, stream_chunks
+from pipeline.prepare.work import ENCODE_CHUNK
+
+SCAN_TASKS_PER_WORKER = 4  # as `job.scan_batches` groups units
+
+MB = 1 << 20
+BASE_MB = 180  # a worker with the prepare code, Ray, SentencePiece and numpy loaded, no task run
+SEEN_BYTES = 100  # a distinct record in the de-duplication set: a bytes object and its slots
+ENCODE_BYTES_PER_TEXT_BYTE = 16  # the text, its ids as a list of ints, the packed stream
+SAMPLE_OVERHEAD = 250  # a sample text's str, tuple, heap and set entries, hash; its copy sent back
+PROBE_BYTES = 4 * MB
+PROBE_UNITS = 8
+
+
+@dataclass
+class SourceProbe:
+    records: float  # estimated records of the whole source
+    texts_per_record: float  # monolingual texts a record gives (both sides of a pair, cut pieces)
+    text_bytes: float  # mean UTF-8 bytes of one such text
+
+
+def probe_source(
+    cfg: PrepareConfig, index: int, files: list[str], units: list[Unit]
+) -> SourceProbe:
+    """The source's records, estimated from its first bytes, and the size of their texts."""
+    source = source_list(cfg)[index]
+    total = sum(decompressed_size(path) for path in files)
+    stats: Counter = Counter()
+    records = texts = text_bytes = raw = 0
+    for unit in _probe_units(units, source):
+        raw += _raw_bytes(unit)
+        for first, second in read_unit(unit, source, stats):
+            records += 1
+            for text in (first, second) if second is not None else (first,):
+                for piece in chunk_text(text, source.max_doc_chars):
+                    texts += 1
+                    text_bytes += len(piece.encode("utf-8"))
+        if raw >= PROBE_BYTES:
+            break
+    if not records:
+        return SourceProbe(0.0, 1.0, 0.0)
+    return SourceProbe(records * total / max(raw, 1), texts / records, text_bytes / texts)
+
+
+def _probe_units(units: list[Unit], source) -> list[Unit]:
+    """Units that hold the start of the source: the first PROBE_BYTES of a line-oriented file
+    (decompressed, for a compressed one), else its first PROBE_UNITS units whole."""
+    first = units[0] if units else None
+    if first is None:
+        return []
+    line_oriented = source.format in ("text", "jsonl", "tsv") and not (
+        source.format == "text" and source.text_split == "paragraph"
+    )
+    if line_oriented and first.path.endswith((".gz", ".zst")):
+        chunks = stream_chunks(Unit(first.path, source=first.source, stream=True), PROBE_BYTES)
+        try:
+            return list(itertools.islice(chunks, 1))
+        finally:
+            chunks.close()
+    if line_oriented:
+        size = decompressed_size(first.path)
+        return [Unit(first.path, 0, min(size, PROBE_BYTES), first.source)]
+    return units[:PROBE_UNITS]
+
+
+def _unit_size(unit: Unit, unit_bytes: int) -> int:
+    """About the decompressed bytes a scan task reads for `unit` (a streamed file: a chunk)."""
+    if unit.stream:
+        return unit_bytes
+    return _raw_bytes(unit)
+
+
+def _raw_bytes(unit: Unit) -> int:
+    if unit.data is not None:
+        return len(unit.data)
+    if unit.end >= 0 and not unit.path.endswith(".parquet"):
+        return unit.end - unit.start
+    size = decompressed_size(unit.path)
+    if unit.path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        groups = pq.ParquetFile(unit.path).metadata.num_row_groups
+        return size * (unit.end - unit.start) // max(groups, 1)
+    return size
+
+
+@dataclass
+class MemoryEstimate:
+    peak_bytes: int  # one worker at its peak
+    why: str  # how it was counted, in words
+    remedy: str  # what lowers it
+
+
+def estimate_worker_memory(
+    cfg: PrepareConfig, files: list[list[str]], units: list[Unit]
+) -> MemoryEstimate:
+    """One Ray worker's peak resident memory for this plan (see the module's docstring)."""
+    probes = [
+        probe_source(cfg, index, source_files, [u for u in units if u.source == index])
+        for index, source_files in enumerate(files)
+    ]
+    sources = source_list(cfg)
+    train = 1.0 - cfg.split.valid - cfg.split.test
+    buckets = cfg.shard.buckets
+    mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
+    pairs = "translation" in cfg.tasks
+    mono_texts = sum(p.records * p.texts_per_record for p in probes) if mono else 0.0
+    pair_records = (
+        sum(p.records for p, s in zip(probes, sources) if is_parallel(s)) if pairs else 0.0
+    )
+    largest_bucket = max(mono_texts, pair_records) * train / buckets
+    text_bytes = max((p.text_bytes for p in probes), default=0.0)
+    seen = largest_bucket * SEEN_BYTES
+    chunk = ENCODE_CHUNK * text_bytes * ENCODE_BYTES_PER_TEXT_BYTE
+    encode = seen + chunk
+    # A scan task reads a run of units (about total / SCAN_TASKS_PER_WORKER / workers bytes, or
+    # one unit), and holds a chunk of a compressed file whole: `unit_bytes` of it.
+    total = sum(decompressed_size(path) for source_files in files for path in source_files)
+    largest_unit = max((_unit_size(unit, cfg.unit_bytes) for unit in units), default=0)
+    task_input = min(
+        total, max(largest_unit, total / (SCAN_TASKS_PER_WORKER * max(cfg.ray.num_workers, 1)))
+    )
+    held = cfg.unit_bytes if any(unit.stream for unit in units) else 0
+    task_texts = task_input / max(text_bytes, 1.0)
+    sampling = not cfg.tokenizer.model_path and cfg.tokenizer.sample_texts > 0
+    sample = (
+        min(cfg.tokenizer.sample_texts, task_texts) * (SAMPLE_OVERHEAD + text_bytes)
+        if sampling
+        else 0.0
+    )
+    scan = held + sample
+    peak = BASE_MB * MB + max(encode, scan)
+    records = sum(p.records for p in probes)
+    if encode >= scan:
+        remedy = "raise shard.buckets (the de-duplication set is a bucket's)"
+        why = (
+            f"encode: ~{largest_bucket:,.0f} distinct texts in the largest bucket's train split "
+            f"({records:,.0f} records estimated / {buckets} buckets) x {SEEN_BYTES} bytes of "
+            f"de-duplication set, + {chunk / MB:,.0f} MiB for {ENCODE_CHUNK} texts in encoding"
+        )
+    else:
+        remedy = "lower unit_bytes or tokenizer.sample_texts (a scan task holds both)"
+        why = (
+            f"scan: {held / MB:,.0f} MiB of a compressed file's chunk + a tokenizer sample of "
+            f"~{min(cfg.tokenizer.sample_texts, task_texts):,.0f} texts"
+        )
+    return MemoryEstimate(int(peak), f"{why}, + {BASE_MB} MiB for the worker itself", remedy)
+
+
+def available_bytes() -> int:
+    """The memory this machine can still give processes (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
