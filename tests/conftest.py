@@ -53,6 +53,7 @@ COSTLIEST_FIRST = [
     "launch/test_offload.py",  # 71
     "launch/test_checkpoint_save.py",  # 69
     "launch/test_gpu_path.py",  # 67
+    "test_web_example.py",  # ~55 on a loaded machine: a prepare and the documented chain's checks
     "pipeline/test_progress.py",  # 51
     "launch/test_hf_init.py",  # 49
 ]
