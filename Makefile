@@ -19,9 +19,9 @@ PYTEST_WORKERS ?= 3
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
 
-# pip byte-compiles what it installs on one core (~50 CPU-s for torch and the rest); compileall
-# does the same on every core afterwards (~30 s instead of ~52 s on 2 cores). Its errors are
-# pip's to ignore too (a file of torch's tests written for Python 3.12 only).
+# pip byte-compiles what it installs on one core; compileall does the same on every core
+# afterwards, so set-up takes less wall time on several cores. Its errors are pip's to ignore too
+# (a file of torch's tests written for Python 3.12 only).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --upgrade pip

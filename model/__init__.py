@@ -6,7 +6,8 @@ imported only inside `model.hf`'s functions.
 
 The names below load their module at first use (PEP 562): `from model.config import
 ModelConfig`, which every command line's schema needs, then imports neither torch nor the
-networks, so `--help` and a config's errors answer without torch's ~2 s import.
+networks, so `--help` and a config's errors answer without torch's import
+(docs/design.md#a-ranks-start).
 """
 
 from __future__ import annotations

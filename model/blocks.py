@@ -202,9 +202,8 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
 
 
 # Keys up to which compiled bf16 training on a CPU recomputes attention in backward
-# (`attention`): on a 2-core Xeon with AMX, fwd + bwd of one compiled causal layer (8 x 4 heads x
-# 64, one thread) took 5.9 ms at 128 keys against SDPA's 12.5; at 256 keys both took 18-19 ms,
-# at 512 (4 x 4 heads) 37 against 25.
+# (`attention`): up to there the recomputation is faster than SDPA's CPU flash backward, beyond
+# it slower (docs/results.md#where-a-training-step-goes-ours-and-theirs).
 RECOMPUTE_MAX_KEYS = 128
 
 

@@ -267,9 +267,9 @@ def leave_shm_comm_op_unbuilt() -> None:
     """Tell DeepSpeed its shared-memory all-reduce op is unavailable, before it initialises its
     communication. On a CPU accelerator DeepSpeed builds and loads that C++ op at every
     `init_distributed`, for `inference_all_reduce` (tensor-parallel inference) alone; training's
-    collectives go through torch.distributed either way. Its JIT build is ~35 s of one core at
-    the first job of every fresh install (and again for each new venv path), for a code path this
-    project never takes. DeepSpeed then keeps `shm_comm_op` None and its inference all-reduce
+    collectives go through torch.distributed either way. Its JIT build costs the first job of
+    every fresh install (and of each new venv path) tens of seconds of a core, for a code path
+    this project never takes. DeepSpeed then keeps `shm_comm_op` None and its inference all-reduce
     falls back to torch.distributed's."""
     import deepspeed.ops
 
@@ -280,8 +280,8 @@ def load_muon_compiling_on_first_call() -> None:
     """Import DeepSpeed's Muon module with its `torch.compile` wrappers made at each function's
     first call rather than at import. DeepSpeed imports the module in every ZeRO engine (its
     optimizer check, and ZeRO-1/2's gradient reduce, to test `isinstance(optimizer, Muon)`), and
-    those wrappers import inductor's compiler: 1.2-1.4 s of every rank's start on a 2-core EPYC,
-    for an optimizer this project never passes. A Muon user sees no difference: torch.compile
+    those wrappers import inductor's compiler, a share of every rank's start
+    (docs/design.md#a-ranks-start), for an optimizer this project never passes. A Muon user sees no difference: torch.compile
     compiles at the first call anyway. No-op where the module is loaded already."""
     if MUON_MODULE in sys.modules:
         return
@@ -357,8 +357,8 @@ def cpu_adam(
 def build_cpu_adam_without_debug_info() -> None:
     """Have DeepSpeed compile its CPU Adam op without `-g`. Its flags ask for debug information
     beside -O3; gcc's code is the same either way, but the objects (which include torch's
-    headers) grow from 0.4 to 18 MB and each compile takes ~60% longer: the first offloading
-    job on a fresh install builds in ~29 s instead of ~45 s on a 2-core EPYC. Idempotent."""
+    headers) are many times larger and slower to compile, and the first offloading job of a
+    fresh install waits for that build (docs/design.md#jit-built-ops-per-cpu-type). Idempotent."""
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
 
     builder = deepspeed_cpu_adam.CPUAdamBuilder
@@ -375,9 +375,9 @@ def build_cpu_adam_without_debug_info() -> None:
 
 def ask_cpuinfo_once() -> None:
     """Keep py-cpuinfo's answer for the rest of the process. Its `get_cpu_info` starts a Python
-    subprocess at every call (~0.5 s of a core), and DeepSpeed asks it four times to build and
-    construct CPU Adam (the AMD check, `-march`, the SIMD width, again for the load): 1.5 s of
-    each offloading rank's start. The CPU does not change while a process runs. Idempotent."""
+    subprocess at every call, and DeepSpeed asks it four times to build and construct CPU Adam
+    (the AMD check, `-march`, the SIMD width, again for the load), each a Python start of an
+    offloading rank's. The CPU does not change while a process runs. Idempotent."""
     import cpuinfo
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
