@@ -361,11 +361,6 @@ def _build(
         },
         "datasets": {},
         "seconds": round(time.time() - started, 1),
-        # A worker's peak resident memory in each stage (this machine's, so not reproducible).
-        "memory": {
-            "scan_peak_mb": round(scan_peak, 1),
-            "encode_peak_mb": round(max((r["peak_rss_mb"] for r in encoded), default=0.0), 1),
-        },
     }
     for name in datasets:
         results = [r for r in encoded if r["dataset"] == name]
@@ -408,6 +403,12 @@ def _build(
     save_config(cfg, staging / "config.yaml")
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    # A worker's peak resident memory in each stage, for the log: this machine's and this run's,
+    # so not in manifest.json, whose bytes do not depend on the run.
+    manifest["memory"] = {
+        "scan_peak_mb": round(scan_peak, 1),
+        "encode_peak_mb": round(max((r["peak_rss_mb"] for r in encoded), default=0.0), 1),
+    }
     return manifest
 
 
