@@ -27,6 +27,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from common.configure import UserError
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import Unit, decompressed_size, source_list, stream_chunks
@@ -58,16 +59,21 @@ def probe_source(
     total = sum(decompressed_size(path) for path in files)
     stats: Counter = Counter()
     records = texts = text_bytes = raw = 0
-    for unit in _probe_units(units, source):
-        raw += _raw_bytes(unit)
-        for first, second in read_unit(unit, source, stats):
-            records += 1
-            for text in (first, second) if second is not None else (first,):
-                for piece in chunk_text(text, source.max_doc_chars):
-                    texts += 1
-                    text_bytes += len(piece.encode("utf-8"))
-        if raw >= PROBE_BYTES:
-            break
+    try:
+        for unit in _probe_units(units, source):
+            raw += _raw_bytes(unit)
+            for first, second in read_unit(unit, source, stats):
+                records += 1
+                for text in (first, second) if second is not None else (first,):
+                    for piece in chunk_text(text, source.max_doc_chars):
+                        texts += 1
+                        text_bytes += len(piece.encode("utf-8"))
+            if raw >= PROBE_BYTES:
+                break
+    except UserError:
+        # An unreadable input is the scan's to report, where it belongs (with keep_partial's
+        # staging directory and the counts of what was read); the estimate makes do without it.
+        pass
     if not records:
         return SourceProbe(0.0, 1.0, 0.0)
     return SourceProbe(records * total / max(raw, 1), texts / records, text_bytes / texts)
