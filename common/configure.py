@@ -33,6 +33,7 @@ import inspect
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -110,6 +111,35 @@ def _merge_refusal(base: Any, other: Any, err: Exception, schema: type | None) -
     return _first_line(err)
 
 
+# `${oc.env:NAME}` anywhere in a value, nested ones included, and escaped ones (`\${...}`): a
+# literal is saved unescaped, to become an interpolation where the saved config is read.
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:")
+ENV_REFUSED = (
+    "${oc.env:...} is refused: configs are stored resolved (config.yaml, checkpoints, W&B, "
+    "exports' provenance.json), so the variable's value (a token, say) would leave the machine "
+    "inside a model; write the value (key=$VAR on the command line) and leave secrets to the "
+    "variables their libraries read (WANDB_API_KEY)"
+)
+
+
+def _env_interpolation(values: Any, key: str = "") -> str:
+    """The dotted key of the first value in `values` (plain containers) that reads the
+    environment through `${oc.env:...}`, or ""."""
+    if isinstance(values, dict):
+        items = [(f"{key}.{name}" if key else str(name), value) for name, value in values.items()]
+    elif isinstance(values, list):
+        items = [(f"{key}[{i}]", value) for i, value in enumerate(values)]
+    else:
+        return key if _ENV_INTERPOLATION.search(str(values)) else ""
+    return next((found for name, value in items if (found := _env_interpolation(value, name))), "")
+
+
+def _refuse_env(values: Any, where: str) -> None:
+    key = _env_interpolation(values)
+    if key:
+        raise UserError(f"{where}: {key}: {ENV_REFUSED}")
+
+
 def _list_index(key: str) -> str:
     """The part of a dotted key up to its first list index (`sources[1].name` -> `sources`), or ""."""
     return key.partition("[")[0] if "[" in key else ""
@@ -135,6 +165,7 @@ def load_config(
             raise UserError(f"{path}: not valid YAML: {_yaml_problem(err)}") from err
         if not isinstance(from_file, DictConfig):
             raise UserError(f"{path}: holds a YAML list, not keys and values (key: value lines)")
+        _refuse_env(OmegaConf.to_container(from_file, resolve=False), str(path))
         try:
             base = OmegaConf.merge(base, from_file)
         # a list in the file where the schema has a section, or the reverse, is either
@@ -159,6 +190,7 @@ def load_config(
                 f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
                 f"{_yaml_problem(err, where=False)}"
             ) from err
+        _refuse_env(OmegaConf.to_container(parsed, resolve=False), f"command line {item!r}")
         try:
             base = OmegaConf.merge(base, parsed)
         except (OmegaConfBaseException, TypeError, ValueError) as err:
@@ -179,6 +211,7 @@ def load_config(
 
 def config_from_dict(schema: type[T], values: dict, source: str = "config") -> T:
     """A `schema` instance from a plain dict (a saved config), validated like a YAML file."""
+    _refuse_env(values, source)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as err:
