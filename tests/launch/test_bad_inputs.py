@@ -8,12 +8,18 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT
+from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
 from test_reliability import ENV, assert_one_error_line, packed_data, run_cli, train_command
 
+from common.hashing import file_sha256
 from launch.config import TrainConfig, config_problems
+from model import ModelConfig, build_model
+from pipeline.format import TOKENIZER_FILE, sample_key, write_shard
 
 # ----------------------------------------------------------------------------- item 7
 
@@ -53,3 +59,74 @@ def test_a_bad_learning_rate_stops_the_trainer_in_one_line_leaving_nothing(tmp_p
     )
     assert dry.returncode == 2 and f"optim.lr: {float(lr)} must be" in dry.stdout, dry.stdout
     assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- item 9
+
+
+def translation_model_dir(directory: Path, tokenizer: Path) -> ModelConfig:
+    """An exported translation model over shardtools' vocabulary, trained on nothing."""
+    from launch.export import save_model_dir
+
+    cfg = ModelConfig(
+        arch="seq2seq", vocab_size=VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2, max_seq_len=16
+    )
+    save_model_dir(
+        directory, build_model(cfg).state_dict(), cfg, tokenizer, {"task": "translation", "step": 1}
+    )
+    return cfg
+
+
+def test_token_ids_outside_the_vocabulary_are_named_by_validate_and_refused_by_evaluate(tmp_path):
+    """Training skips such a sample and counts it; evaluation ended in `IndexError: index out of
+    range in self` inside the embedding, and pipeline.validate passed the dataset."""
+    data = tmp_path / "data"
+    manifest = make_dataset(data, translation=[6, 6], split="valid")
+    tokenizer = data / TOKENIZER_FILE
+    tokenizer.write_bytes(b"a stand-in for a SentencePiece model")
+    manifest["tokenizer"]["sha256"] = file_sha256(tokenizer)
+    # One source id past the vocabulary, in the second sample of the second shard.
+    entry = manifest["datasets"]["translation"]["splits"]["valid"]["shards"][1]
+    keys = [sample_key(0, uid) for uid in range(6, 12)]
+    samples = [
+        {
+            "src_ids": np.array([FIRST_ID + uid, VOCAB_SIZE + 7 if uid == 7 else 200], np.uint16),
+            "tgt_ids": np.array([300, 301], np.uint16),
+        }
+        for uid in range(6, 12)
+    ]
+    entry.update(write_shard(data / entry["path"], keys, samples), path=entry["path"])
+    split = manifest["datasets"]["translation"]["splits"]["valid"]
+    split["samples"] = sum(shard["samples"] for shard in split["shards"])  # as prepare writes it
+    save_manifest(data, manifest)
+
+    check = subprocess.run(
+        [sys.executable, "-m", "pipeline.validate", f"data_dir={data}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (
+        f"FAIL {entry['path']}: 1 samples hold token ids outside the vocabulary of {VOCAB_SIZE}: "
+        f"sample {keys[1]} (src_ids: [{FIRST_ID + 7}, {VOCAB_SIZE + 7}])"
+    ) in check.stdout, check.stdout
+
+    translation_model_dir(tmp_path / "model", tokenizer)
+    code, lines = run_cli(
+        "-m",
+        "launch.evaluate",
+        f"checkpoint={tmp_path / 'model'}",
+        f"data_dir={data}",
+        "split=valid",
+        "beam=1",
+        f"out={tmp_path / 'eval'}",
+    )
+    assert_one_error_line(
+        code,
+        lines,
+        f"{data / entry['path']}: sample {keys[1]}: src_ids: token ids in [{FIRST_ID + 7}, {VOCAB_SIZE + 7}], "
+        f"outside the vocabulary of {VOCAB_SIZE}",
+    )
+    assert not (tmp_path / "eval" / "scores.json").exists()
