@@ -376,6 +376,33 @@ def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
     )
 
 
+def _make_checkpoints(out: Path) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    made = subprocess.run(
+        [sys.executable, str(ROOT / "tests/launch/test_checkpoint_integrity.py"), "make", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-4000:]
+
+
+@pytest.fixture(scope="session")
+def made_checkpoints(tmp_path_factory) -> Path:
+    """OUT/stage0 and OUT/stage2: run directories of a tiny GPT with two checkpoints each, ZeRO-0
+    and ZeRO-2, as launch.train leaves them but without integrity.json (test_checkpoint_integrity's
+    `make`, a one-process DeepSpeed engine; ~10 s): read, never written, by the checkpoint
+    integrity and export tests, which copy what they change."""
+    return built_once(tmp_path_factory, "checkpoints", _make_checkpoints)
+
+
 # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)
 if __name__ == "__main__":
     import tempfile
