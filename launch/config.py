@@ -481,6 +481,9 @@ class ExportConfig:
     # encoder-decoder),
     # its fast tokenizer beside the weights
     format: str = "ours"
+    # replace an out that is not an export (a file, a directory holding anything else); an earlier
+    # export is replaced without it, the run directory being read never
+    overwrite: bool = False
 
 
 @dataclass
@@ -494,6 +497,7 @@ class AverageConfig:
     # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
     last: int = 5
     out: str = MISSING  # the model directory written, as launch.export writes it
+    overwrite: bool = False  # replace an out that is not an export, as launch.export's overwrite
 
 
 @dataclass
