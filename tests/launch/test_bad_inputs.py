@@ -21,6 +21,24 @@ from launch.config import TrainConfig, config_problems
 from model import ModelConfig, build_model
 from pipeline.format import TOKENIZER_FILE, sample_key, write_shard
 
+# ----------------------------------------------------------------------------- item 4, training
+
+
+def test_a_damaged_dataset_tokenizer_stops_the_trainer_at_start_in_one_line(tmp_path):
+    """The dataset's tokenizer.model truncated: training exited 0 and copied the broken file into
+    the run directory, whence every export took it. (The export's half: test_export_out.)"""
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    packed_data(data, seq_len=32)
+    tokenizer = data / TOKENIZER_FILE
+    tokenizer.write_bytes(tokenizer.read_bytes()[:10])
+    code, lines = run_cli(*train_command(data, run_dir, "model.max_seq_len=32", "max_steps=1"))
+    assert_one_error_line(
+        code, lines, f"{tokenizer}: sha256 ", "differs from the manifest's", "damaged or replaced"
+    )
+    assert not any("DeepSpeed" in line or "ZeRO" in line for line in lines)  # before the engine
+    assert not run_dir.exists()
+
+
 # ----------------------------------------------------------------------------- item 7
 
 

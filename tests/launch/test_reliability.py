@@ -27,7 +27,7 @@ from launch.distributed import port_in_use
 from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
-from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
+from pipeline.format import FIELDS, MANIFEST, decode_array, read_manifest
 from pipeline.shards import Shard, read_shard
 
 PYTHON = sys.executable
@@ -499,8 +499,6 @@ def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
     manifest = make_dataset(directory, packed=list(sizes), seq_len=seq_len)
     manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
     save_manifest(directory, manifest)
-    # the trainer copies it into run_dir, nothing more
-    (directory / TOKENIZER_FILE).write_bytes(b"")
     return manifest
 
 
