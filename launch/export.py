@@ -53,6 +53,7 @@ from common.configure import (
 )
 from common.hashing import file_sha256
 from common.lock import dir_lock
+from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
@@ -262,7 +263,11 @@ def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
         raise UserError(f"{directory} is not an exported model directory (run launch.export)")
     meta, model_cfg = read_model_config(directory)
     model = build_model(model_cfg)
-    load_model(model, str(directory / WEIGHTS), strict=True)
+    try:
+        load_model(model, str(directory / WEIGHTS), strict=True)
+    # safetensors' errors (a truncated file), torch's (a tensor missing or of another shape)
+    except Exception as err:
+        raise UserError(f"{directory / WEIGHTS} cannot be read: {load_failure(err)}") from err
     model.eval()
     meta["model_config"] = model_cfg
     return model, meta

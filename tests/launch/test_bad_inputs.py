@@ -6,12 +6,14 @@ evaluation split."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
 from test_reliability import ENV, assert_one_error_line, packed_data, run_cli, train_command
@@ -63,20 +65,110 @@ def test_optimizer_settings_torch_refuses_are_config_problems(key, value, expect
     assert config_problems(cfg) == [expected] or expected in config_problems(cfg)[0]
 
 
-@pytest.mark.parametrize("lr", ["nan", "-1"])
-def test_a_bad_learning_rate_stops_the_trainer_in_one_line_leaving_nothing(tmp_path, lr):
+def test_a_bad_learning_rate_stops_the_trainer_in_one_line_leaving_nothing(tmp_path):
+    """optim.lr=nan: a `ValueError: Invalid learning rate` traceback once the process group was up,
+    and an empty run directory left; with -1, `--dry-run` said ready."""
     data, run_dir = tmp_path / "data", tmp_path / "runs" / "gpt"
     packed_data(data, seq_len=32)
-    args = train_command(data, run_dir, "model.max_seq_len=32", "max_steps=1", f"optim.lr={lr}")
-    code, lines = run_cli(*args)
-    assert_one_error_line(code, lines, f"optim.lr: {float(lr)} must be a finite number")
+    args = train_command(data, run_dir, "model.max_seq_len=32", "max_steps=1")
+    code, lines = run_cli(*args, "optim.lr=nan")
+    assert_one_error_line(code, lines, "optim.lr: nan must be a finite number, 0 or more")
     assert not (tmp_path / "runs").exists()  # no empty run directory left
-    # and the dry run, which said "ready", names it
     dry = subprocess.run(
-        [sys.executable, *args, "--dry-run"], cwd=ROOT, env=ENV, capture_output=True, text=True
+        [sys.executable, *args, "optim.lr=-1", "--dry-run"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
     )
-    assert dry.returncode == 2 and f"optim.lr: {float(lr)} must be" in dry.stdout, dry.stdout
+    assert dry.returncode == 2 and "optim.lr: -1.0 must be" in dry.stdout, dry.stdout
     assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- item 8
+
+
+class Planted:
+    """Unpickled, it creates its marker file (`open(marker, "w")`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.fixture(scope="module")
+def broken_models(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
+    """Exports over the tiny dataset's tokenizer whose weights do not load: ours (a GPT and a
+    translation model) with model.safetensors cut in half, and a GPT-2 in Hugging Face's layout
+    whose only weights are a pytorch_model.bin holding a planted payload."""
+    from launch.export import save_hf_dir, save_model_dir
+
+    top = tmp_path_factory.mktemp("broken-models")
+    tokenizer = tiny_dataset / TOKENIZER_FILE
+    vocab = json.loads((tiny_dataset / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    shape = dict(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, max_seq_len=64)
+    made = {}
+    for arch in ("gpt", "seq2seq"):
+        cfg = ModelConfig(arch=arch, activation="gelu_tanh", **shape)
+        made[arch] = top / arch
+        save_model_dir(made[arch], build_model(cfg).state_dict(), cfg, tokenizer, {"task": arch})
+        weights = made[arch] / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    pytest.importorskip("transformers")
+    cfg = ModelConfig(arch="gpt", activation="gelu_tanh", **shape)
+    made["hf"] = top / "hf"
+    save_hf_dir(made["hf"], build_model(cfg).state_dict(), cfg, tokenizer, {"task": "causal_lm"})
+    (made["hf"] / "model.safetensors").unlink()
+    torch.save(
+        {"transformer.wte.weight": torch.zeros(2, 2), "planted": Planted(top / "payload-ran")},
+        made["hf"] / "pytorch_model.bin",
+    )
+    return made
+
+
+READERS = {
+    "init.model": ("gpt", ["-m", "launch.train", "{configs}/tiny_gpt.yaml", "init.model={model}"]),
+    "init.decoder": (
+        "gpt",
+        ["-m", "launch.train", "{configs}/tiny_translation.yaml", "init.decoder={model}"],
+    ),
+    "lm_eval": ("gpt", ["-m", "launch.lm_eval", "checkpoint={model}", "limit=2"]),
+    "translate": ("seq2seq", ["-m", "launch.translate", "checkpoint={model}", "input={input}"]),
+    "init.model, hf": (
+        "hf",
+        ["-m", "launch.train", "{configs}/tiny_gpt.yaml", "init.model={model}"],
+    ),
+    "lm_eval, hf": ("hf", ["-m", "launch.lm_eval", "checkpoint={model}", "limit=2"]),
+}
+
+
+@pytest.mark.parametrize("reader", READERS, ids=list(READERS))
+def test_weights_that_do_not_load_are_one_line(broken_models, tiny_dataset, tmp_path, reader):
+    """A truncated model.safetensors ended in a SafetensorError traceback; a planted pickle, refused
+    by the weights-only load, in a 48-line traceback suggesting weights_only=False."""
+    kind, args = READERS[reader]
+    source = tmp_path / "in.txt"
+    source.write_text("the red cat opens a door\n")
+    argv = [
+        arg.format(configs=ROOT / "configs", model=broken_models[kind], input=source)
+        for arg in args
+    ]
+    if argv[1] == "launch.train":
+        argv += [f"data.data_dir={tiny_dataset}", f"run_dir={tmp_path / 'run'}", "max_steps=1"]
+        argv += ["data.num_workers=0", "wandb.mode=disabled"]
+    elif argv[1] == "launch.lm_eval":
+        argv += [f"data_dir={tiny_dataset}", f"out={tmp_path / 'scores.json'}"]
+    code, lines = run_cli(*argv)
+    expected = (
+        "it holds io.open, which unpickling would call: refused"
+        if kind == "hf"
+        else f"{broken_models[kind] / 'model.safetensors'} cannot be read: SafetensorError: "
+    )
+    assert_one_error_line(code, lines, expected)
+    assert not (broken_models["hf"].parent / "payload-ran").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.txt"]  # nothing written
 
 
 # ----------------------------------------------------------------------------- item 9
