@@ -53,6 +53,7 @@ from common.configure import (
 )
 from common.hashing import file_sha256
 from common.lock import dir_lock
+from common.terminal import leave_terminal
 from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
@@ -418,6 +419,8 @@ def interrupt_on_signals() -> None:
     processes (`__main__`), not for a caller of `main`."""
 
     def interrupt(signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            leave_terminal()  # gone: a line written to it would fail before the clean-up
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):

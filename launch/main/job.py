@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.configure import parse_cli, save_config
+from common.terminal import leave_terminal
 from launch.config import MainConfig
 from launch.main.plan import (
     StageClock,
@@ -255,6 +256,8 @@ STAGE_STOP_S = 60
 
 
 def _on_signal(signum, frame) -> None:
+    if signum == signal.SIGHUP:
+        leave_terminal()  # gone: the stop's own lines must not end the job before its stage
     raise Stopped(signum)
 
 
@@ -313,12 +316,14 @@ def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
 
 
 def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
-    """Pass the main job's signal on to the stage and wait for it to end (torchrun passes SIGTERM
-    on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
+    """Pass the main job's signal on to the stage (SIGHUP as SIGTERM) and wait for it to end
+    (torchrun passes SIGTERM on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
     train on unseen); its process group is killed after STAGE_STOP_S, or at a second signal.
     Returns what became of it, in words."""
     started = time.time()
-    process.send_signal(signum)
+    # A hang-up is a stop request as SIGTERM is, which every stage takes for one (prepare cleans
+    # up, torchrun passes it on to ranks that checkpoint, export removes OUT.partial).
+    process.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
     try:
         code = process.wait(timeout=STAGE_STOP_S)
         how = f"ended with it (exit {code})"

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig) -> dict:
-    # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    # SIGTERM, SIGINT, SIGUSR1, SIGHUP, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
     stop.install(cfg.run_dir)
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.

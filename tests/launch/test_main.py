@@ -136,12 +136,15 @@ def test_bad_start_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
 def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, tmp_path, signum):
     """Issue #28, item 9. SIGTERM or SIGINT to `launch.main` while a training stage runs under
     torchrun (which has no parent-death handling of its own): the stage is stopped with it, its
     ranks checkpoint the step they reached, and no process of the stage is left a few seconds
-    later; the main job says so in one line and exits 128 + the signal's number."""
+    later; the main job says so in one line and exits 128 + the signal's number. Issue #45: SIGHUP
+    too (it was passed on to torchrun, whose ranks died of it unsaved)."""
     from test_reliability import alive, command_of, descendants, kill_all, wait_for
 
     out = tmp_path / "out"
