@@ -132,7 +132,8 @@ def _check_shard(path: Path, shard: dict, fields: tuple[str, ...], vocab_size: i
         return problems + [f"{shard['path']}: unreadable: {str(err).splitlines()[0]}"]
     if outside:
         problems.append(
-            f"{shard['path']}: {len(outside)} samples hold token ids outside the vocabulary of "
+            f"{shard['path']}: {len(outside)} sample{'s hold' if len(outside) > 1 else ' holds'} "
+            f"token ids outside the vocabulary of "
             f"{vocab_size}: {', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}"
         )
     if (samples, tokens) != (shard["samples"], shard["tokens"]):

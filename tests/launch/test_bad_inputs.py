@@ -219,7 +219,7 @@ def test_token_ids_outside_the_vocabulary_are_named_by_validate_and_refused_by_e
     )
     assert check.returncode == 1, check.stdout + check.stderr
     assert (
-        f"FAIL {entry['path']}: 1 samples hold token ids outside the vocabulary of {VOCAB_SIZE}: "
+        f"FAIL {entry['path']}: 1 sample holds token ids outside the vocabulary of {VOCAB_SIZE}: "
         f"sample {keys[1]} (src_ids: [{FIRST_ID + 7}, {VOCAB_SIZE + 7}])"
     ) in check.stdout, check.stdout
 
