@@ -215,7 +215,7 @@ def prepare_config(
 @contextlib.contextmanager
 def stage_timer(timings: dict):
     """Time Ray start/stop and each `run_tasks` stage of one prepare run by wrapping, not editing, the runner."""
-    from pipeline.prepare import ray_runner
+    from pipeline.prepare.job import ray_runner
 
     session, run_tasks = ray_runner.ray_session, ray_runner.run_tasks
 

@@ -3,9 +3,11 @@
 The dataclasses of each package are the schema (OmegaConf structured configs); a YAML file
 under `configs/` is an instance; command-line overrides come last. Precedence is
 command line > YAML > dataclass defaults. An unknown key, a wrong type, a missing
-required value (a field defaulting to OmegaConf's `MISSING`) or a value that is not valid YAML
-(a `!!python/...` tag, which the YAML loader refuses in a file and an override alike) fails
-with one line naming the key and where it came from.
+required value (a field defaulting to OmegaConf's `MISSING`), a value that is not valid YAML
+(a `!!python/...` tag, which the YAML loader refuses in a file and an override alike; a
+duplicate key, named with its line), a file holding a list rather than keys, a list where the
+schema has a section (or the reverse), or a list item set by its index on the command line
+fails with one line naming the key and where it came from.
 
 Every entry point has the same command-line grammar (`parse_cli`):
 
@@ -31,6 +33,7 @@ import inspect
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -38,7 +41,7 @@ import tokenize
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
@@ -65,6 +68,83 @@ def _first_line(err: Exception) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
+def _yaml_problem(err: Exception, where: bool = True) -> str:
+    """One line for a YAML error: its problem (a duplicate key names the key), and with `where` the
+    line and column of the file it is at, and the construct it interrupted; yaml's own message
+    spreads these over several lines, the first of which alone names neither."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if not problem:
+        return _first_line(err)
+    if not where or mark is None:
+        return problem
+    place = f"line {mark.line + 1}, column {mark.column + 1}"
+    context, at = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and at is not None:
+        place += f"; {context} at line {at.line + 1}"
+    return f"{problem} ({place})"
+
+
+def _mismatch(base: Any, other: Any, prefix: str = "") -> str:
+    """The first dotted key where `other` has a list and `base` a section (or the reverse), and
+    what belongs there: what OmegaConf's merge refuses as "incompatible container types" without
+    naming it."""
+    if not (isinstance(base, DictConfig) and isinstance(other, DictConfig)):
+        return ""
+    for key in other.keys():
+        if key not in base:
+            continue
+        mine, theirs = base._get_node(key), other._get_node(key)
+        if isinstance(mine, ListConfig) and isinstance(theirs, DictConfig):
+            return f"{prefix}{key}: a list ([...]) belongs here, not keys and values"
+        if isinstance(mine, DictConfig) and isinstance(theirs, ListConfig):
+            return f"{prefix}{key}: keys and values belong here (a section), not a list"
+        if found := _mismatch(mine, theirs, f"{prefix}{key}."):
+            return found
+    return ""
+
+
+def _merge_refusal(base: Any, other: Any, err: Exception, schema: type | None) -> str:
+    if found := _mismatch(base, other):
+        return found
+    if isinstance(err, OmegaConfBaseException):
+        return _describe(err, schema)
+    return _first_line(err)
+
+
+# `${oc.env:NAME}` anywhere in a value, nested ones included, and escaped ones (`\${...}`): a
+# literal is saved unescaped, to become an interpolation where the saved config is read.
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:")
+ENV_REFUSED = (
+    "${oc.env:...} is refused: configs are stored resolved (config.yaml, checkpoints, W&B, "
+    "exports' provenance.json), so the variable's value (a token, say) would leave the machine "
+    "inside a model; write the value (key=$VAR on the command line) and leave secrets to the "
+    "variables their libraries read (WANDB_API_KEY)"
+)
+
+
+def _env_interpolation(values: Any, key: str = "") -> str:
+    """The dotted key of the first value in `values` (plain containers) that reads the
+    environment through `${oc.env:...}`, or ""."""
+    if isinstance(values, dict):
+        items = [(f"{key}.{name}" if key else str(name), value) for name, value in values.items()]
+    elif isinstance(values, list):
+        items = [(f"{key}[{i}]", value) for i, value in enumerate(values)]
+    else:
+        return key if _ENV_INTERPOLATION.search(str(values)) else ""
+    return next((found for name, value in items if (found := _env_interpolation(value, name))), "")
+
+
+def _refuse_env(values: Any, where: str) -> None:
+    key = _env_interpolation(values)
+    if key:
+        raise UserError(f"{where}: {key}: {ENV_REFUSED}")
+
+
+def _list_index(key: str) -> str:
+    """The part of a dotted key up to its first list index (`sources[1].name` -> `sources`), or ""."""
+    return key.partition("[")[0] if "[" in key else ""
+
+
 def load_config(
     schema: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()
 ) -> T:
@@ -76,16 +156,30 @@ def load_config(
             raise UserError(f"config file not found: {path}")
         try:
             from_file = OmegaConf.load(path)
+        except OSError as err:  # a file that is a bare number or string: not a YAML mapping
+            raise UserError(
+                f"{path}: holds a single value ({_first_line(err).rpartition(' ')[2]}), not keys "
+                "and values (key: value lines)"
+            ) from err
         except Exception as err:  # yaml.YAMLError and friends
-            raise UserError(f"{path}: not valid YAML: {_first_line(err)}") from err
+            raise UserError(f"{path}: not valid YAML: {_yaml_problem(err)}") from err
+        if not isinstance(from_file, DictConfig):
+            raise UserError(f"{path}: holds a YAML list, not keys and values (key: value lines)")
+        _refuse_env(OmegaConf.to_container(from_file, resolve=False), str(path))
         try:
             base = OmegaConf.merge(base, from_file)
-        except OmegaConfBaseException as err:
-            raise UserError(f"{path}: {_describe(err, schema)}") from err
+        # a list in the file where the schema has a section, or the reverse, is either
+        except (OmegaConfBaseException, TypeError, ValueError) as err:
+            raise UserError(f"{path}: {_merge_refusal(base, from_file, err, schema)}") from err
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key.sub=value")
         key, _, value = item.partition("=")
+        if listed := _list_index(key):
+            raise UserError(
+                f"command line {item!r}: {key}: a list's items are not set one by one; give the "
+                f"whole list ({listed}=[...]) or set it in the YAML"
+            )
         try:
             parsed = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as err:
@@ -94,12 +188,15 @@ def load_config(
         except Exception as err:
             raise UserError(
                 f"command line {item!r}: {key}: value {value!r} is not valid YAML: "
-                f"{_first_line(err)}"
+                f"{_yaml_problem(err, where=False)}"
             ) from err
+        _refuse_env(OmegaConf.to_container(parsed, resolve=False), f"command line {item!r}")
         try:
             base = OmegaConf.merge(base, parsed)
-        except OmegaConfBaseException as err:
-            raise UserError(f"command line {item!r}: {_describe(err, schema)}") from err
+        except (OmegaConfBaseException, TypeError, ValueError) as err:
+            raise UserError(
+                f"command line {item!r}: {_merge_refusal(base, parsed, err, schema)}"
+            ) from err
     # Named here, all at once: OmegaConf would report only the first, in a sentence about the
     # dataclass rather than the command line.
     missing = sorted(OmegaConf.missing_keys(base))
@@ -114,6 +211,7 @@ def load_config(
 
 def config_from_dict(schema: type[T], values: dict, source: str = "config") -> T:
     """A `schema` instance from a plain dict (a saved config), validated like a YAML file."""
+    _refuse_env(values, source)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as err:

@@ -32,7 +32,15 @@ from common.configure import UserError, parse_cli, run_main
 from common.progress import meter
 from launch.checkpoint import checkpoint_root, checkpoint_tags, latest_tag
 from launch.config import AverageConfig
-from launch.export import provenance, read_json, read_run_checkpoint, save_model_dir
+from launch.export import (
+    check_tokenizer,
+    claiming,
+    interrupt_on_signals,
+    provenance,
+    read_json,
+    read_run_checkpoint,
+    save_model_dir,
+)
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR
 
@@ -85,7 +93,7 @@ def average_state_dicts(
     return mean
 
 
-def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
+def average(run_dir: str | Path, last: int, out: str | Path, overwrite: bool = False) -> dict:
     # DeepSpeed is imported by launch/deepspeed/ alone
     from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
@@ -93,8 +101,7 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
     check_writable_dir(Path(out).absolute().parent, "out")
     root, tags = last_tags(run_dir, last)
     run = read_run_checkpoint(root / tags[-1])
-    if not run.tokenizer.is_file():
-        raise UserError(f"{run.tokenizer} not found")
+    check_tokenizer(run)
     clients = [
         read_json(root / tag / "client_state.json")
         if (root / tag / "client_state.json").is_file()
@@ -106,27 +113,28 @@ def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
         raise UserError(
             f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers"
         )
-    states = []
-    with meter(len(tags), "average", "checkpoint") as shown:
-        for tag in tags:
-            states.append(consolidated_state_dict(root, tag))
-            shown.update()
-    mean = average_state_dicts(states, [str(root / tag) for tag in tags])
-    meta = {
-        "task": run.config.task,
-        "step": run.client.get("step"),
-        "tokens_seen": run.client.get("tokens_seen"),
-        "source": str((root / tags[-1]).resolve()),
-        "averaged": [str((root / tag).resolve()) for tag in tags],
-    }
-    save_model_dir(
-        out,
-        mean,
-        run.config.model,
-        run.tokenizer,
-        meta,
-        provenance(run) | {"averaged": meta["averaged"]},
-    )
+    with claiming(out, root.parent, overwrite, what="average"):
+        states = []
+        with meter(len(tags), "average", "checkpoint") as shown:
+            for tag in tags:
+                states.append(consolidated_state_dict(root, tag))
+                shown.update()
+        mean = average_state_dicts(states, [str(root / tag) for tag in tags])
+        meta = {
+            "task": run.config.task,
+            "step": run.client.get("step"),
+            "tokens_seen": run.client.get("tokens_seen"),
+            "source": str((root / tags[-1]).resolve()),
+            "averaged": [str((root / tag).resolve()) for tag in tags],
+        }
+        save_model_dir(
+            out,
+            mean,
+            run.config.model,
+            run.tokenizer,
+            meta,
+            provenance(run) | {"averaged": meta["averaged"]},
+        )
     return meta
 
 
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
     )
-    meta = average(cfg.checkpoint, cfg.last, cfg.out)
+    meta = average(cfg.checkpoint, cfg.last, cfg.out, cfg.overwrite)
     print(
         f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}"
     )
@@ -142,4 +150,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_signals()
     run_main(main)

@@ -7,6 +7,7 @@ The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, List
 
@@ -279,6 +280,31 @@ def _lm_eval_check(lm_eval: LmEvalTrainConfig) -> tuple[bool, str]:
         return False, f"lm_eval.{err}"
 
 
+def _optim_checks(optim: OptimConfig) -> list[tuple[bool, str]]:
+    """AdamW's ranges, which torch checks only as the optimizer is built (after the process group
+    is up, in a traceback); NaN fails every comparison, so each is refused here too."""
+    return [
+        (
+            math.isfinite(optim.lr) and optim.lr >= 0,
+            f"optim.lr: {optim.lr} must be a finite number, 0 or more",
+        ),
+        (
+            math.isfinite(optim.weight_decay) and optim.weight_decay >= 0,
+            f"optim.weight_decay: {optim.weight_decay} must be a finite number, 0 or more",
+        ),
+        (0 <= optim.beta1 < 1, f"optim.beta1: {optim.beta1} must be in [0, 1)"),
+        (0 <= optim.beta2 < 1, f"optim.beta2: {optim.beta2} must be in [0, 1)"),
+        (
+            math.isfinite(optim.eps) and optim.eps >= 0,
+            f"optim.eps: {optim.eps} must be a finite number, 0 or more",
+        ),
+        (
+            math.isfinite(optim.grad_clip) and optim.grad_clip >= 0,
+            f"optim.grad_clip: {optim.grad_clip} must be 0 (off) or a positive finite number",
+        ),
+    ]
+
+
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every cross-field problem the types cannot express, each message starting with its key;
     empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
@@ -318,6 +344,15 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         (
             cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
             "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's CPU Adam steps; leave it auto",
+        ),
+        *_optim_checks(cfg.optim),
+        (
+            cfg.schedule.warmup_steps >= 0,
+            f"schedule.warmup_steps: {cfg.schedule.warmup_steps} must be 0 or more",
+        ),
+        (
+            math.isfinite(cfg.schedule.min_lr_ratio) and cfg.schedule.min_lr_ratio >= 0,
+            f"schedule.min_lr_ratio: {cfg.schedule.min_lr_ratio} must be a finite number, 0 or more",
         ),
         (
             cfg.schedule.decay in DECAYS,
@@ -446,6 +481,9 @@ class ExportConfig:
     # encoder-decoder),
     # its fast tokenizer beside the weights
     format: str = "ours"
+    # replace an out that is not an export (a file, a directory holding anything else); an earlier
+    # export is replaced without it, the run directory being read never
+    overwrite: bool = False
 
 
 @dataclass
@@ -459,6 +497,7 @@ class AverageConfig:
     # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
     last: int = 5
     out: str = MISSING  # the model directory written, as launch.export writes it
+    overwrite: bool = False  # replace an out that is not an export, as launch.export's overwrite
 
 
 @dataclass

@@ -57,6 +57,7 @@ from launch.decoding import (
 from launch.preconditions import check_writable_dir
 from pipeline import remote
 from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
+from pipeline.load.shards import decode_sample
 from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.sub=value ...]
@@ -65,9 +66,15 @@ Corpus BLEU and chrF of a translation model on one split; also under torchrun or
 
 
 def read_pairs(
-    data_dir: str | Path, split: str, limit: int = 0, fetch: remote.FetchConfig | None = None
+    data_dir: str | Path,
+    split: str,
+    limit: int = 0,
+    fetch: remote.FetchConfig | None = None,
+    vocab_size: int | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(source ids, target ids) of a split's translation shards, in manifest order, then tar order."""
+    """(source ids, target ids) of a split's translation shards, in manifest order, then tar order.
+    With `vocab_size`, a sample whose ids fall outside it (which training skips and counts) is a
+    UserError naming the shard and the sample: the model's embedding would fail on it."""
     # a URL: read through the shard cache
     data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
     fields = FIELDS["translation"]
@@ -95,8 +102,18 @@ def read_pairs(
                     samples.setdefault(key, {})[suffix] = tar.extractfile(member).read()
         if len(samples) != int(entry["samples"]):
             raise UserError(f"{path}: {len(samples)} samples, the manifest says {entry['samples']}")
-        for members in samples.values():  # insertion order: the tar's
-            pairs.append(tuple(decode_array(members[f"{name}.npy"]) for name in fields))
+        for key, members in samples.items():  # insertion order: the tar's
+            if vocab_size is None:
+                pairs.append(tuple(decode_array(members[f"{name}.npy"]) for name in fields))
+                continue
+            raw = {name: members.get(f"{name}.npy") for name in fields}
+            try:
+                pairs.append(tuple(decode_sample(raw, fields, vocab_size)))
+            except ValueError as err:
+                raise UserError(
+                    f"{remote.join(data_dir, entry['path'])}: sample {key}: {err}; an evaluation "
+                    "needs every pair (pipeline.validate lists every such sample)"
+                ) from err
     if not pairs:
         raise UserError(f"{data_dir}: the {split} split has no translation pairs")
     return pairs[:limit] if limit else pairs
@@ -190,7 +207,7 @@ def _evaluate(
     zero3: bool,
     stdout: TextIO,
 ) -> dict | None:
-    pairs = read_pairs(data_dir, cfg.split, cfg.limit)
+    pairs = read_pairs(data_dir, cfg.split, cfg.limit, vocab_size=ckpt.model_cfg.vocab_size)
     sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
     model = load_model(ckpt)
     if zero3:

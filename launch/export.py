@@ -18,6 +18,11 @@ Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), with the tokenizer as a fas
 (`launch.hf_tokenizer`), tokenizer.model and provenance.json beside it. A model the class
 cannot compute is refused in one line naming the option, before the weights are read.
 
+`out` is replaced only when it is an earlier export or empty, or with `overwrite=true`, and never
+when it is the run directory being read or holds it (`check_out`); it is written under OUT.lock
+as OUT.partial, which a failure removes (`writing`). The run's tokenizer.model must be the one its
+checkpoint recorded.
+
 The checkpoint is verified against its integrity.json and read weights-only
 (`launch.deepspeed.safe_load.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
 a torch file holding anything but tensors and plain data (a planted pickle payload) is refused
@@ -29,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +52,10 @@ from common.configure import (
     run_main,
 )
 from common.hashing import file_sha256
+from common.lock import dir_lock
 from common.progress import meter
+from common.terminal import leave_terminal
+from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
@@ -77,15 +87,115 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, str]:
 
 @contextlib.contextmanager
 def writing(out: str | Path):
-    """A scratch directory beside `out` that becomes `out` only when the block completes."""
+    """A scratch directory beside `out` that becomes `out` only when the block completes, and is
+    removed if it fails (an error, an interrupt); the old `out` stays in place until then."""
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    _remove(partial)  # left by an export killed outright
     partial.mkdir(parents=True)
-    yield partial
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    try:
+        yield partial
+        _publish(partial, out)
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Swap the finished `partial` into place as `out`; what `out` held is removed only after."""
+    old = out.with_name(out.name + ".old")
+    _remove(old)
+    if out.exists() or out.is_symlink():
+        out.rename(old)
+    try:
+        partial.rename(out)
+    except BaseException:
+        if (old.exists() or old.is_symlink()) and not out.exists():
+            old.rename(out)
+        raise
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+# What an export writes (ours, or format=hf with its tokenizer and, for a large model, its weights
+# in shards): a directory holding only these, and saying it is an export, is replaced without
+# `overwrite`.
+EXPORT_NAMES = {
+    WEIGHTS,
+    CONFIG,
+    TOKENIZER,
+    PROVENANCE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors.index.json",
+}
+WEIGHT_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+LOCK_SUFFIX = ".lock"  # OUT.lock, beside `out`: held while an export writes it
+
+
+def is_export(directory: Path) -> bool:
+    """Whether `directory` is an export of ours (`launch.export`, `launch.average`): its
+    provenance.json or config.json says so, and it holds nothing an export does not write."""
+    names = [path.name for path in directory.iterdir()]
+    if not all(name in EXPORT_NAMES or WEIGHT_SHARD.fullmatch(name) for name in names):
+        return False
+    for name, key in ((PROVENANCE, "checkpoint"), (CONFIG, "model")):
+        try:
+            if key in json.loads((directory / name).read_text()):
+                return True
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
+
+
+def check_out(out: Path, run_dir: Path, overwrite: bool) -> None:
+    """UserError, one line, for an `out` an export must not replace: the run directory being read,
+    a directory inside it or above it, whatever `overwrite` says; without `overwrite`, a file, or
+    a directory holding anything but an export of ours (prepare's rule for its output)."""
+    target, run = out.resolve(), run_dir.resolve()
+    where = "is" if target == run else "is inside" if run in target.parents else "holds"
+    if target == run or run in target.parents or target in run.parents:
+        raise UserError(
+            f"out: {out} {where} the run directory {run_dir} being exported; choose a directory "
+            "outside it"
+        )
+    if overwrite or not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise UserError(
+            f"out: {out} is a file, not a model directory; pass overwrite=true to replace it"
+        )
+    if any(out.iterdir()) and not is_export(out):
+        raise UserError(
+            f"out: {out} exists and is not an export (it holds {_example(out)}); pass "
+            "overwrite=true to replace it"
+        )
+
+
+def _example(directory: Path) -> str:
+    names = sorted(path.name for path in directory.iterdir())
+    foreign = [name for name in names if name not in EXPORT_NAMES] or names
+    return ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+
+
+@contextlib.contextmanager
+def claiming(out: str | Path, run_dir: Path, overwrite: bool, what: str = "export"):
+    """Hold OUT.lock (`common.lock`) while `out` is written, so that a second export into it fails
+    at once naming the first; `out` is checked (`check_out`) once the lock is held."""
+    out = Path(out)
+    check_out(out, run_dir, overwrite)  # before anything is written, the lock file included
+    with dir_lock(out, what=what, lock_file=out.with_name(out.name + LOCK_SUFFIX)):
+        check_out(out, run_dir, overwrite)  # as it is now, no other export writing it
+        yield
 
 
 def model_with(state_dict: dict, model_cfg: ModelConfig) -> torch.nn.Module:
@@ -154,7 +264,11 @@ def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
         raise UserError(f"{directory} is not an exported model directory (run launch.export)")
     meta, model_cfg = read_model_config(directory)
     model = build_model(model_cfg)
-    load_model(model, str(directory / WEIGHTS), strict=True)
+    try:
+        load_model(model, str(directory / WEIGHTS), strict=True)
+    # safetensors' errors (a truncated file), torch's (a tensor missing or of another shape)
+    except Exception as err:
+        raise UserError(f"{directory / WEIGHTS} cannot be read: {load_failure(err)}") from err
     model.eval()
     meta["model_config"] = model_cfg
     return model, meta
@@ -228,7 +342,9 @@ def provenance(run: RunCheckpoint) -> dict:
     }
 
 
-def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dict:
+def export(
+    checkpoint: str | Path, out: str | Path, format: str = "ours", overwrite: bool = False
+) -> dict:
     from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
 
@@ -237,12 +353,15 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
     # Before the weights are consolidated: an export that cannot be written fails in one line.
     check_writable_dir(Path(out).absolute().parent, "out")
     run = read_run_checkpoint(checkpoint)
-    if not run.tokenizer.is_file():
-        raise UserError(f"{run.tokenizer} not found")
+    check_tokenizer(run)
     if format == "hf":
         check_hf_exportable(run.config.model)
     record = provenance(run)
-    with meter(2, f"export {run.tag}", "phase") as shown:  # verify and consolidate; write
+    with (
+        claiming(out, run.root.parent, overwrite),
+        # verify and consolidate; write
+        meter(2, f"export {run.tag}", "phase") as shown,
+    ):
         state = consolidated_state_dict(run.root, run.tag)
         shown.update()
         if format == "hf":
@@ -254,6 +373,21 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
             save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
         shown.update()
     return record
+
+
+def check_tokenizer(run: RunCheckpoint) -> None:
+    """UserError, one line, unless the run's tokenizer.model is there and is the one its
+    checkpoint recorded (client_state.json's sha256): a damaged or replaced file would travel
+    with the weights under its new hash."""
+    if not run.tokenizer.is_file():
+        raise UserError(f"{run.tokenizer} not found")
+    recorded = run.client.get("tokenizer_sha256")
+    if recorded and (actual := file_sha256(run.tokenizer)) != recorded:
+        raise UserError(
+            f"{run.tokenizer} (sha256 {actual[:12]}...) is not the tokenizer checkpoint "
+            f"{run.root / run.tag} was trained with ({recorded[:12]}...): damaged or replaced; "
+            "copy the dataset's tokenizer.model back"
+        )
 
 
 def check_hf_exportable(model_cfg: ModelConfig) -> None:
@@ -272,12 +406,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
     )
-    record = export(cfg.checkpoint, cfg.out, cfg.format)
+    record = export(cfg.checkpoint, cfg.out, cfg.format, cfg.overwrite)
     print(
         f"exported {record['task']} step {record['step']} from {record['checkpoint']} to {cfg.out} ({cfg.format})"
     )
     return 0
 
 
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, through the clean-up of OUT.partial and OUT.lock;
+    Python's default would end the process on the spot and leave them. For the commands' own
+    processes (`__main__`), not for a caller of `main`."""
+
+    def interrupt(signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            leave_terminal()  # gone: a line written to it would fail before the clean-up
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+
+
 if __name__ == "__main__":
+    interrupt_on_signals()
     run_main(main)

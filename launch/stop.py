@@ -1,5 +1,6 @@
-"""Stop requests to a training rank: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning), RUN_DIR/STOP (what
-the batch scripts touch on the warning) and the death of the rank's launcher.
+"""Stop requests to a training rank: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning), SIGHUP (the
+terminal or SSH session that started the job closed; torchrun passes it on to its ranks),
+RUN_DIR/STOP (what the batch scripts touch on the warning) and the death of the rank's launcher.
 
 A request is honoured at a step boundary (`launch.train.loop.fit`: the step reached checkpointed,
 RUN_DIR/preempted.json for the batch script, one line, exit 0). A rank waiting for data may not
@@ -20,11 +21,12 @@ import threading
 import time
 from pathlib import Path
 
+from common.terminal import leave_terminal
 from launch import launcher
 
 STOP_FILE = "STOP"  # touched by slurm/*.sbatch on SLURM's warning signal
 PREEMPTED_FILE = "preempted.json"  # left for the batch script: requeue me
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 WATCH_INTERVAL_S = 1.0
 
 
@@ -90,6 +92,8 @@ def _on_signal(signum, frame) -> None:
     name = signal.Signals(signum).name
     if signum == signal.SIGINT and "SIGINT" in _signals:
         raise KeyboardInterrupt
+    if signum == signal.SIGHUP:
+        leave_terminal()  # gone: a progress line written to it would end the rank unsaved
     _signals.append(name)
     if _waiting_since is not None:
         raise StopRequested(name)

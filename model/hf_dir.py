@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from common.weights import load_failure
 from model.bert import BERT
 from model.config import ModelConfig
 from model.hf import (
@@ -84,9 +85,13 @@ def load_hf_dir(directory: str, **overrides) -> torch.nn.Module:
             f"{directory} holds a {config.model_type} model: only {', '.join(HF_CLASSES)} convert"
         )
     hf_class = getattr(transformers, HF_CLASSES[config.model_type][0])
-    hf_model, info = hf_class.from_pretrained(
-        directory, dtype=torch.float32, output_loading_info=True
-    )
+    try:
+        hf_model, info = hf_class.from_pretrained(
+            directory, dtype=torch.float32, output_loading_info=True
+        )
+    # a truncated model.safetensors, a pytorch_model.bin the weights-only load refuses
+    except Exception as err:
+        raise ValueError(f"{directory}: its weights cannot be read: {load_failure(err)}") from err
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ValueError(

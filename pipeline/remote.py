@@ -133,8 +133,19 @@ def local_file(
     sha256: str | None = None,
 ) -> str:
     """A local path holding `path`'s bytes: `path` itself, or its copy in the cache (fetched if
-    needed; a one-line UserError if it cannot be)."""
+    needed; a one-line UserError if it cannot be). With `sha256`, a local file is checked against
+    it as a download is: a damaged or replaced file (a truncated tokenizer) is a UserError."""
     if not is_url(path):
+        if sha256 is not None:
+            from common.hashing import file_sha256
+
+            if not Path(path).is_file():
+                raise UserError(f"{path}: not found")
+            if (actual := file_sha256(path)) != sha256:
+                raise UserError(
+                    f"{path}: sha256 {actual[:12]}... differs from the manifest's {sha256[:12]}... "
+                    "(a damaged or replaced file)"
+                )
         return str(path)
     try:
         with cached(path, fetch or FetchConfig(), size=size, sha256=sha256) as local:

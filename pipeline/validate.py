@@ -2,8 +2,8 @@
 
 Every split must list each shard once with a positive sample count (`pipeline.format`'s rule,
 which the loader enforces); every shard must exist with the recorded size and sha256, read as
-a WebDataset with the recorded sample and token counts and the dataset's fields, and the
-tokenizer file must match its recorded hash. Each problem is printed on its own line; any
+a WebDataset with the recorded sample and token counts and the dataset's fields, every token
+id inside the tokenizer's vocabulary, and the tokenizer file must match its recorded hash. Each problem is printed on its own line; any
 problem exits 1.
 """
 
@@ -32,11 +32,15 @@ class ValidateConfig:
     data_dir: str = MISSING  # a dataset written by pipeline.prepare (its output_dir)
 
 
-def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
-    """(samples, tokens) of a shard read with WebDataset; raises on a malformed sample."""
+def _count_samples(
+    path: Path, fields: tuple[str, ...], vocab_size: int
+) -> tuple[int, int, list[str]]:
+    """(samples, tokens, why each sample with token ids outside `vocab_size` is one) of a shard
+    read with WebDataset; raises on a malformed sample."""
     import webdataset as wds
 
     samples = tokens = 0
+    outside = []
     expected = {f"{name}.npy" for name in fields}
     for sample in wds.WebDataset(str(path), shardshuffle=False, empty_check=False):
         present = {k for k in sample if not k.startswith("__")}
@@ -45,10 +49,12 @@ def _count_samples(path: Path, fields: tuple[str, ...]) -> tuple[int, int]:
                 f"sample {sample['__key__']} has {sorted(present)}, expected {sorted(expected)}"
             )
         samples += 1
-        tokens += sum(
-            int(decode_array(sample[f"{name}.npy"]).size) for name in fields if is_token_field(name)
-        )
-    return samples, tokens
+        for name in filter(is_token_field, fields):
+            ids = decode_array(sample[f"{name}.npy"])
+            tokens += int(ids.size)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                outside.append(f"sample {sample['__key__']} ({name}: [{ids.min()}, {ids.max()}])")
+    return samples, tokens, outside
 
 
 def validate(data_dir: str | Path) -> list[str]:
@@ -70,12 +76,20 @@ def validate(data_dir: str | Path) -> list[str]:
     with meter(listed, "validate", "shard") as shown:
         for name, dataset in manifest["datasets"].items():
             for split, entry in dataset["splits"].items():
-                problems += _check_split(data_dir, name, split, dataset, entry, shown)
+                problems += _check_split(
+                    data_dir,
+                    name,
+                    split,
+                    dataset,
+                    entry,
+                    int(manifest["tokenizer"]["vocab_size"]),
+                    shown,
+                )
     return problems
 
 
 def _check_split(
-    data_dir: Path, name: str, split: str, dataset: dict, entry: dict, shown
+    data_dir: Path, name: str, split: str, dataset: dict, entry: dict, vocab_size: int, shown
 ) -> list[str]:
     """The problems of one split's listing and shards; `shown` advances by each listed shard."""
     listing = shard_list_problems(entry["shards"], f"{name}/{split}")
@@ -92,13 +106,16 @@ def _check_split(
         ):
             checked.add(shard["path"])  # else reported above; a shard listed twice is checked once
             problems += _check_shard(
-                data_dir / shard["path"], shard, tuple(dataset.get("fields", FIELDS[name]))
+                data_dir / shard["path"],
+                shard,
+                tuple(dataset.get("fields", FIELDS[name])),
+                vocab_size,
             )
         shown.update()
     return problems
 
 
-def _check_shard(path: Path, shard: dict, fields: tuple[str, ...]) -> list[str]:
+def _check_shard(path: Path, shard: dict, fields: tuple[str, ...], vocab_size: int) -> list[str]:
     """The problems of one shard against its manifest entry."""
     if not path.is_file():
         return [f"{shard['path']}: missing"]
@@ -110,9 +127,15 @@ def _check_shard(path: Path, shard: dict, fields: tuple[str, ...]) -> list[str]:
     if file_sha256(path) != shard["sha256"]:
         problems.append(f"{shard['path']}: sha256 differs from the manifest")
     try:
-        samples, tokens = _count_samples(path, fields)
+        samples, tokens, outside = _count_samples(path, fields, vocab_size)
     except Exception as err:  # any decoding failure is a finding, not a crash
         return problems + [f"{shard['path']}: unreadable: {str(err).splitlines()[0]}"]
+    if outside:
+        problems.append(
+            f"{shard['path']}: {len(outside)} sample{'s hold' if len(outside) > 1 else ' holds'} "
+            f"token ids outside the vocabulary of "
+            f"{vocab_size}: {', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}"
+        )
     if (samples, tokens) != (shard["samples"], shard["tokens"]):
         problems.append(
             f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}"

@@ -47,10 +47,12 @@ COSTLIEST_FIRST = [
     "launch/test_main.py",  # 156
     "launch/test_compile.py",  # 150 at 4a46632 (the whole-model compile tests), 73 before
     "launch/test_reliability.py",  # 113
+    "launch/test_bad_inputs.py",  # ~100 at issue #45 (run alone, on a shared 2-core machine)
     "test_cli.py",  # 100
     "pipeline/test_remote.py",  # 94
     "launch/test_translation.py",  # 91
     "launch/test_offload.py",  # 71
+    "launch/test_export_out.py",  # ~55 at issue #45, as test_bad_inputs
     "launch/test_checkpoint_save.py",  # 69
     "launch/test_gpu_path.py",  # 67
     "test_web_example.py",  # ~55 on a loaded machine: a prepare and the documented chain's checks
@@ -375,6 +377,33 @@ def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
         "dropout-zero3-gpt",
         lambda run_dir: train("tiny_gpt.yaml", tiny_dataset, run_dir, *DROPOUT_ZERO3),
     )
+
+
+def _make_checkpoints(out: Path) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    made = subprocess.run(
+        [sys.executable, str(ROOT / "tests/launch/test_checkpoint_integrity.py"), "make", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-4000:]
+
+
+@pytest.fixture(scope="session")
+def made_checkpoints(tmp_path_factory) -> Path:
+    """OUT/stage0 and OUT/stage2: run directories of a tiny GPT with two checkpoints each, ZeRO-0
+    and ZeRO-2, as launch.train leaves them but without integrity.json (test_checkpoint_integrity's
+    `make`, a one-process DeepSpeed engine; ~10 s): read, never written, by the checkpoint
+    integrity and export tests, which copy what they change."""
+    return built_once(tmp_path_factory, "checkpoints", _make_checkpoints)
 
 
 # python tests/conftest.py OUT: the tiny dataset, prepared beforehand (TINY_DATASET)

@@ -7,6 +7,7 @@ real packed blocks. Translation pairs carry their id in the first source token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,7 +17,10 @@ from pipeline.format import EOS_ID, FORMAT_VERSION, MANIFEST, sample_key, shard_
 
 FIRST_ID = 100  # ids below it are never sample ids, so the reserved ids stay free
 VOCAB_SIZE = 4096
-TOKENIZER_SHA256 = "ab" * 32
+# tokenizer.model: a stand-in (nothing here encodes text), recorded with its own sha256, which
+# training checks the file against
+TOKENIZER_BYTES = b"a stand-in for the dataset's SentencePiece model"
+TOKENIZER_SHA256 = hashlib.sha256(TOKENIZER_BYTES).hexdigest()
 
 
 def _packed_sample(uid: int, seq_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -67,6 +71,8 @@ def make_dataset(
             records.append(record)
             uid += size
         datasets[dataset] = {"splits": {split: {"shards": records}}}
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "tokenizer.model").write_bytes(TOKENIZER_BYTES)
     manifest = {
         "format_version": FORMAT_VERSION,
         "tokenizer": {

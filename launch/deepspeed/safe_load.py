@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from common.configure import UserError
+from common.weights import load_failure
 from launch.checkpoint import is_universal, is_zero_partitioned, require_intact
 
 
@@ -39,9 +39,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
                 )["module"]
         # torch.load's and DeepSpeed's own errors, of a file that verified or was not verified
         except Exception as err:
-            raise UserError(
-                f"checkpoint {tag_dir} could not be read: {_load_failure(err)}"
-            ) from err
+            raise UserError(f"checkpoint {tag_dir} could not be read: {load_failure(err)}") from err
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
 
 
@@ -136,22 +134,6 @@ def _checkpoint_globals() -> list:
         (reconstruct, "numpy.core.multiarray._reconstruct"),  # its name in files numpy 1 wrote
         (reconstruct, "numpy._core.multiarray._reconstruct"),
     ]
-
-
-def _load_failure(err: Exception) -> str:
-    """One line for a failed load: what the weights-only unpickler refused, or the error's first line."""
-    message = str(err)
-    refused = re.search(r"GLOBAL (\S+) was not an allowed global", message)
-    if refused:
-        return f"it holds {refused.group(1)}, which unpickling would call: refused"
-    if "WeightsUnpickler error:" in message:
-        detail = [
-            line.strip()
-            for line in message.split("WeightsUnpickler error:", 1)[1].splitlines()
-            if line.strip()
-        ]
-        return f"a weights-only load refused it: {detail[0] if detail else 'unknown'}"
-    return f"{type(err).__name__}: {(message.strip().splitlines() or [''])[0]}"
 
 
 @contextlib.contextmanager

@@ -152,12 +152,18 @@ def load_lm(directory: Path, fmt: str, batch_size: int, device: str):
         return OurLM.from_export(directory, batch_size=batch_size, device=device)
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(
-        pretrained=str(directory),
-        backend="causal",
-        device=device,
-        dtype="float32",
-        batch_size=batch_size,
-        prefix_token_id=EOS_ID,
-        logits_cache=False,
-    )
+    from common.weights import load_failure
+
+    try:
+        return HFLM(
+            pretrained=str(directory),
+            backend="causal",
+            device=device,
+            dtype="float32",
+            batch_size=batch_size,
+            prefix_token_id=EOS_ID,
+            logits_cache=False,
+        )
+    # a truncated model.safetensors, a pytorch_model.bin the weights-only load refuses, ...
+    except Exception as err:
+        raise UserError(f"{directory}: the model cannot be loaded: {load_failure(err)}") from err

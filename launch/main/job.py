@@ -1,5 +1,6 @@
 """The main job's run: `main` -> `main_job` -> each stage as a subprocess of the project's own
-entry points, skipped when its output is complete; a signal to the job stops the stage it runs."""
+entry points, skipped when its output is complete; a signal to the job stops the stage it runs
+(SIGHUP as SIGTERM); OUT_DIR.lock keeps a second job off the same out_dir."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.configure import parse_cli, save_config
+from common.lock import dir_lock
 from common.progress import every_s, interval, is_progress_line
+from common.terminal import leave_terminal
 from launch.config import MainConfig
 from launch.main.plan import (
     StageClock,
@@ -32,6 +35,8 @@ from launch.main.plan import (
 )
 from launch.main.summary import write_report
 
+LOCK_SUFFIX = ".lock"  # OUT_DIR.lock, held for the job
+
 USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
 The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report.
@@ -47,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
     _check(cfg)  # the job's own keys first, each refused in its own words
+    out = Path(cfg.out_dir)
+    # One job per out_dir: a second would run the same stages into the same directories, and
+    # open their logs anew under the first. OUT_DIR.lock lies beside it, which it may not be yet.
+    with dir_lock(out, what="main", lock_file=out.with_name(out.name + LOCK_SUFFIX)):
+        return _main(cfg, argv)
+
+
+def _main(cfg: MainConfig, argv: list[str]) -> int:
     problems = _chain_problems(cfg, argv[0])
     if problems:  # a stage that would fail, found before hours of the stages before it
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -256,6 +269,8 @@ STAGE_STOP_S = 60
 
 
 def _on_signal(signum, frame) -> None:
+    if signum == signal.SIGHUP:
+        leave_terminal()  # gone: the stop's own lines must not end the job before its stage
     raise Stopped(signum)
 
 
@@ -315,12 +330,14 @@ def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
 
 
 def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
-    """Pass the main job's signal on to the stage and wait for it to end (torchrun passes SIGTERM
-    on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
+    """Pass the main job's signal on to the stage (SIGHUP as SIGTERM) and wait for it to end
+    (torchrun passes SIGTERM on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
     train on unseen); its process group is killed after STAGE_STOP_S, or at a second signal.
     Returns what became of it, in words."""
     started = time.time()
-    process.send_signal(signum)
+    # A hang-up is a stop request as SIGTERM is, which every stage takes for one (prepare cleans
+    # up, torchrun passes it on to ranks that checkpoint, export removes OUT.partial).
+    process.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
     try:
         code = process.wait(timeout=STAGE_STOP_S)
         how = f"ended with it (exit {code})"

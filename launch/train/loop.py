@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig) -> dict:
-    # SIGTERM, SIGINT, SIGUSR1, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    # SIGTERM, SIGINT, SIGUSR1, SIGHUP, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
     stop.install(cfg.run_dir)
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
@@ -81,9 +81,10 @@ def train(cfg: TrainConfig) -> dict:
             else contextlib.nullcontext()
         ):
             return _train(cfg)
-    except UserError:
-        # A bad input found before training (no dataset, a mismatched tokenizer) leaves no empty
-        # run directory behind that this job made: only empty ones, deepest first, are removed.
+    except BaseException:
+        # A job that fails or stops before it writes anything (a bad input, a failure while the
+        # engine is built) leaves no empty run directory behind that it made: only empty ones,
+        # deepest first, are removed.
         for directory in made:
             try:
                 directory.rmdir()

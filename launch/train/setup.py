@@ -141,6 +141,10 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         raise UserError(problem)
     tokenizer = manifest["tokenizer"]
     sha256 = tokenizer["sha256"]
+    if not remote.is_url(cfg.data.data_dir):
+        # The file training copies into run_dir, checked here, before anything is built or
+        # written (a URL's is checked as it is fetched).
+        remote.local_file(Path(cfg.data.data_dir) / TOKENIZER_FILE, sha256=sha256)
     train = ShardLoader.from_config(
         cfg.data,
         task.name,

@@ -526,10 +526,10 @@ def _close_workers_at_exit() -> None:
 
 def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
     """A DataLoader worker (its worker_init_fn) lives as long as its loader and its rank, no longer:
-    * it ignores SIGTERM, which reaches every process of a job (torchrun sends it to each rank's
-      process group, SLURM to every process of a step): dead of it mid-batch, a worker takes its
-      rank down ("DataLoader worker is killed by signal") before the rank, which takes SIGTERM for
-      a stop request, could checkpoint;
+    * it ignores SIGTERM and SIGHUP, which reach every process of a job (torchrun sends them to
+      each rank's process group, SLURM SIGTERM to every process of a step): dead of one mid-batch,
+      a worker takes its rank down ("DataLoader worker is killed by signal") before the rank,
+      which takes them for a stop request, could checkpoint;
     * a thread ends it WORKER_EXIT_S after its loader is closed, or at once when its rank is gone,
       if it has not ended by itself. Asked to stop, a worker ends between two batches, but one
       blocked in a remote fetch or a retry's back-off (minutes, at the default timeouts) would
@@ -537,6 +537,7 @@ def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
       killed download leaves, which the next fetch clears (`pipeline.remote`). Exit status 0:
       the DataLoader takes any other for a worker that failed."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     rank = os.getppid()
 
     def leave():

@@ -9,7 +9,7 @@ and each split's per-source counts (`splits[...].sources`).
 
 Everything is built in `OUTPUT_DIR.partial` and moved into place only when complete, so an
 interrupted run never leaves a directory that looks prepared, and an existing dataset is
-replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM)
+replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM, SIGHUP)
 removes its staging directory (`keep_partial=true` keeps it to debug) and stops the local
 Ray it started. `OUTPUT_DIR.lock` (`common.lock`) is held for the whole run, so a second
 prepare of the same output fails at once, naming the first. Before it takes the lock, prepare
@@ -38,6 +38,7 @@ from common.configure import (
     save_config,
 )
 from common.lock import dir_lock
+from common.terminal import leave_terminal
 from pipeline.format import (
     DATASET_FOR_TASK,
     FIELDS,
@@ -590,9 +591,11 @@ def summary(manifest: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(PrepareConfig, argv, usage=USAGE)
-    # SIGTERM (kill, scancel, a time limit) unwinds like Ctrl-C, through the cleanup in
-    # `prepare`; Python's default would die on the spot and leave the staging directory.
+    # SIGTERM (kill, scancel, a time limit) and SIGHUP (the terminal closed) unwind like Ctrl-C,
+    # through the cleanup in `prepare`; Python's default would die on the spot and leave the
+    # staging directory.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     # the same, and noted for the task loop (ray_runner.INTERRUPTED)
     signal.signal(signal.SIGINT, _interrupt)
     manifest = prepare(cfg)
@@ -606,4 +609,6 @@ def _interrupt(signum: int, frame) -> None:
     from pipeline.prepare.ray_runner import INTERRUPTED
 
     INTERRUPTED.set()
+    if signum == signal.SIGHUP:
+        leave_terminal()  # gone: a line written to it would fail before the cleanup
     raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -176,6 +176,14 @@ def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
             link,
             target,
         )
+    unread = sorted(path for path in files if path.endswith(UNREAD_COMPRESSION))
+    if unread:
+        raise UserError(
+            f"{where}.paths: {unread[0]} is compressed ({os.path.splitext(unread[0])[1]}), which "
+            f"prepare does not decompress: it would be read as raw bytes; decompress it, or "
+            f"recompress it as .zst or .gz"
+            + (f" (and {len(unread) - 1} more such files)" if len(unread) > 1 else "")
+        )
     kept, others = _one_name_each(files)
     if others:
         other, name = min(others)
@@ -291,6 +299,8 @@ def _unusable(path: str) -> str:
 
 
 COMPRESSED = (".gz", ".zst")
+# compressed files no reader here decompresses: refused, not read as raw bytes
+UNREAD_COMPRESSION = (".xz", ".bz2", ".lzma", ".lz4", ".zip", ".7z")
 
 
 def plan_units(
@@ -417,13 +427,60 @@ def _open_binary(path: str) -> IO[bytes]:
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
+        # Buffered, for readline and line iteration, which the raw reader lacks.
+        return io.BufferedReader(_ZstdFrames(path))
+    return open(path, "rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame to the end of the file. A file that
+    ends inside a frame (a cut download or copy) raises EOFError, as gzip does for a cut member:
+    zstandard's stream reader returns what it could decode of a cut frame and ends without a
+    word, so a truncated file read as a shorter one (issue #45)."""
+
+    def __init__(self, path: str):
         import zstandard
 
-        # Buffered, for readline and line iteration, which the decompression reader lacks.
-        return io.BufferedReader(
-            zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        )
-    return open(path, "rb")
+        self._zstd = zstandard
+        self._file = open(path, "rb")
+        self._frame = None  # the decompressor of the frame being read; None between frames
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            if not self._decompress_more():
+                return 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress_more(self) -> bool:
+        """Decompress the next block of the file; False at its end."""
+        data = self._file.read(self._zstd.DECOMPRESSION_RECOMMENDED_INPUT_SIZE)
+        if not data:
+            if self._frame is not None:
+                raise EOFError(
+                    "Compressed file ended before the end of its last zstd frame (a truncated file)"
+                )
+            return False
+        out = []
+        while data:
+            if self._frame is None:
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            out.append(self._frame.decompress(data))
+            data = b""
+            if self._frame.eof:  # what follows the frame starts the next one
+                data, self._frame = self._frame.unused_data, None
+        self._out, self._pos = b"".join(out), 0
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _read_full(fh: IO[bytes], size: int) -> bytes:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.configure import UserError, load_config
+from common.configure import UserError, config_from_dict, load_config
 from pipeline.prepare.config import PrepareConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +153,90 @@ def test_a_renamed_key_names_its_new_spelling(schema, override, hint):
             ["checkpoint=x", "out=y", override] if schema != "MainConfig" else [override],
         )
     assert hint in str(err.value)
+
+
+# Issue #45, item 6: what OmegaConf or yaml report as a traceback or a line naming nothing.
+BAD_SHAPES = {
+    "a YAML list": ("- seq_len: 64\n- shard: 3\n", [], "holds a YAML list, not keys and values"),
+    "a bare value": ("64\n", [], "holds a single value (int), not keys and values"),
+    "a duplicate key": (
+        "seq_len: 64\nshard:\n  buckets: 3\nseq_len: 32\n",
+        [],
+        "found duplicate key seq_len (line 4, column 1; while constructing a mapping at line 1)",
+    ),
+    "a list index": (
+        "",
+        ["sources[1].name=x"],
+        "sources[1].name: a list's items are not set one by one; give the whole list (sources=[...])",
+    ),
+    "keys where a list belongs": (
+        "source:\n  paths: {a: 1}\n",
+        [],
+        "source.paths: a list ([...]) belongs here, not keys and values",
+    ),
+    "a list where keys belong": ("", ["tokenizer=[1, 2]"], "tokenizer: keys and values belong"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SHAPES, ids=list(BAD_SHAPES))
+def test_a_config_of_the_wrong_shape_is_one_line_naming_where(tmp_path, case):
+    yaml_text, overrides, expected = BAD_SHAPES[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(UserError) as err:
+        load_config(PrepareConfig, path, overrides)
+    message = str(err.value)
+    assert expected in message and "\n" not in message, message
+    assert str(path) in message if not overrides else f"command line {overrides[0]!r}" in message
+
+
+@pytest.mark.parametrize("case", ["a YAML list", "a duplicate key", "a list index"])
+def test_the_entry_points_say_a_wrong_shape_in_one_line(tmp_path, case):
+    yaml_text, overrides, expected = BAD_SHAPES[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text or f"output_dir: {tmp_path / 'out'}\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.prepare", str(path), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
+
+
+# Issue #45, item 10: a config that reads the environment would store the value it read in
+# config.yaml, checkpoints, W&B and every export's provenance.json.
+ENV_READS = {
+    "in the file": (
+        "tokenizer:\n  model_path: ${oc.env:PRETRAIN_TEST_SECRET}\n",
+        [],
+        "tokenizer.model_path",
+    ),
+    "inside a path": ("output_dir: /data/${oc.env:PRETRAIN_TEST_SECRET}/x\n", [], "output_dir"),
+    "on the command line": (
+        "",
+        ["source.paths=[a, '${oc.env:PRETRAIN_TEST_SECRET}']"],
+        "source.paths[1]",
+    ),
+    "nested": ("", ["output_dir=${oc.decode:${oc.env:PRETRAIN_TEST_SECRET}}"], "output_dir"),
+    "escaped": ("", ["output_dir=\\${oc.env:PRETRAIN_TEST_SECRET}"], "output_dir"),
+}
+
+
+@pytest.mark.parametrize("case", ENV_READS, ids=list(ENV_READS))
+def test_a_config_reading_the_environment_is_refused(tmp_path, monkeypatch, case):
+    monkeypatch.setenv("PRETRAIN_TEST_SECRET", "hunter2-token")
+    yaml_text, overrides, key = ENV_READS[case]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(UserError) as err:
+        load_config(PrepareConfig, path, overrides)
+    message = str(err.value)
+    assert f": {key}: ${{oc.env:...}} is refused: configs are stored resolved" in message, message
+    assert "hunter2" not in message and "\n" not in message
+    # A saved config read back (a manifest's, a checkpoint's) is held to the same rule.
+    with pytest.raises(UserError, match=r"manifest: output_dir: \$\{oc.env:...\} is refused"):
+        config_from_dict(PrepareConfig, {"output_dir": "${oc.env:HOME}"}, "manifest")
+    # Interpolations between keys stay as they were.
+    assert load_config(PrepareConfig, None, ["output_dir=${seq_len}"]).output_dir == "128"

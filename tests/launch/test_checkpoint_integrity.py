@@ -151,25 +151,10 @@ def agree(run_dir: Path, out: Path) -> None:
 # ----------------------------------------------------------------------------- fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("checkpoints")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    made = subprocess.run(
-        [sys.executable, __file__, "make", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert made.returncode == 0, made.stderr[-4000:]
-    return out
+@pytest.fixture
+def made(made_checkpoints) -> Path:
+    """The run directories `make` writes (conftest's session fixture, shared with the export tests)."""
+    return made_checkpoints
 
 
 def run_copy(made: Path, stage: int, tmp_path: Path, *, integrity: bool = True) -> Path:

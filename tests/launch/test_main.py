@@ -136,12 +136,17 @@ def test_bad_start_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
 def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, tmp_path, signum):
     """Issue #28, item 9. SIGTERM or SIGINT to `launch.main` while a training stage runs under
     torchrun (which has no parent-death handling of its own): the stage is stopped with it, its
     ranks checkpoint the step they reached, and no process of the stage is left a few seconds
-    later; the main job says so in one line and exits 128 + the signal's number."""
+    later; the main job says so in one line and exits 128 + the signal's number. Issue #45: SIGHUP
+    too (it was passed on to torchrun, whose ranks died of it unsaved); and a second main job on
+    the same out_dir, started meanwhile, is refused in one line naming the first, leaving its
+    config and its stage's log as they were (it ran the same stage and wiped the log)."""
     from test_reliability import alive, command_of, descendants, kill_all, wait_for
 
     out = tmp_path / "out"
@@ -170,6 +175,21 @@ def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, 
         assert sum("launch.train" in command_of(pid) for pid in stage) >= 3, [
             command_of(pid) for pid in stage
         ]
+        log, saved = out / "logs" / "pretrain-gpt.log", (out / "config.yaml").read_bytes()
+        logged = log.read_bytes()
+        second = subprocess.run(
+            [sys.executable, "-m", "launch.main", str(config)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "WANDB_MODE": "disabled"},
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr.splitlines()[-1].startswith(
+            f"error: {out} is locked by main pid {job.pid} on host "
+        ), second.stderr[-3000:]
+        assert log.read_bytes().startswith(logged) and (out / "config.yaml").read_bytes() == saved
         job.send_signal(signum)
         signalled = time.monotonic()
         try:

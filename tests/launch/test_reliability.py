@@ -27,7 +27,7 @@ from launch.distributed import port_in_use
 from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
-from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
+from pipeline.format import FIELDS, MANIFEST, decode_array, read_manifest
 from pipeline.load.shards import Shard, read_shard
 
 PYTHON = sys.executable
@@ -327,6 +327,8 @@ def steps_of(run_dir: Path, rank: int) -> list[int]:
         ("torchrun", "launcher", signal.SIGKILL),
         ("deepspeed", "launcher", signal.SIGUSR1),
         ("deepspeed", "launcher", signal.SIGKILL),
+        ("torchrun", "launcher", signal.SIGHUP),
+        ("torchrun", "rank", signal.SIGHUP),
     ],
     ids=[
         "torchrun-ranks-USR1",
@@ -334,6 +336,8 @@ def steps_of(run_dir: Path, rank: int) -> list[int]:
         "torchrun-KILL",
         "deepspeed-runner-USR1",
         "deepspeed-runner-KILL",
+        "torchrun-HUP",
+        "torchrun-one-rank-HUP",
     ],
 )
 def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
@@ -344,7 +348,9 @@ def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
     `scancel --signal=USR1` or `--signal=USR1` without `B:` does) kills torchrun or the deepspeed
     runner outright, as a kill -9 does: the ranks, left without it, stop the same way instead of
     dying unsaved. Either way every rank ends within 10 s, the step it reached checkpointed, with
-    RUN_DIR/preempted.json and the one stop line."""
+    RUN_DIR/preempted.json and the one stop line. Issue #45, item 2: SIGHUP (the terminal or SSH
+    session closed), which torchrun passes on to its ranks and their DataLoader workers, or which
+    reaches one rank alone, is such a stop request too; it killed them unsaved."""
     run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
     job = start_job(launcher, tiny_dataset, run_dir, stderr)
     processes: list[int] = []
@@ -363,7 +369,7 @@ def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
         ranks = [pid for pid in processes if is_rank(pid) and not is_rank(parent_of(pid))]
         assert len(ranks) == 2, [command_of(pid) for pid in processes]
         reached = len(steps_of(run_dir, 0))
-        for pid in ranks if target == "ranks" else [job.pid]:
+        for pid in {"ranks": ranks, "rank": ranks[:1]}.get(target, [job.pid]):
             os.kill(pid, signum)
         signalled = time.monotonic()
         try:
@@ -381,7 +387,7 @@ def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
             f"\n{signum.name} to the {target} of {launcher}: every process gone "
             f"{time.monotonic() - signalled:.1f} s later"
         )
-        if target == "ranks":
+        if target in ("ranks", "rank"):
             assert job.wait(timeout=30) == 0, stderr.read_text()[-3000:]
     finally:
         kill_all([job.pid, *processes])
@@ -499,8 +505,6 @@ def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
     manifest = make_dataset(directory, packed=list(sizes), seq_len=seq_len)
     manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
     save_manifest(directory, manifest)
-    # the trainer copies it into run_dir, nothing more
-    (directory / TOKENIZER_FILE).write_bytes(b"")
     return manifest
 
 

@@ -72,7 +72,7 @@ def test_foreign_model_and_bad_type_are_refused():
 def test_prepare_encoder_equals_the_public_batch_call(trained):
     """prepare's in-thread per-text encoding gives the public batch call's ids exactly, and a
     processor without the one-text binding falls back to that call."""
-    from pipeline.prepare import work
+    from pipeline.prepare.job import work
 
     _, sp = trained
     rng = random.Random(0)
