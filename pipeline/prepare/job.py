@@ -45,7 +45,6 @@ from pipeline.format import (
     MANIFEST,
     SPLITS,
     TASKS,
-    TOKENIZER_FILE,
 )
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
@@ -59,8 +58,8 @@ from pipeline.prepare.sources import (
     source_where,
     stream_chunks,
 )
-from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
-from pipeline.tokenizer import processor_from_bytes, tokenizer_info
+from pipeline.prepare.train_tokenizer import BottomKSample, train
+from pipeline.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
@@ -79,13 +78,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         units.extend(
             plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
         )
-    given_model = None
-    if cfg.tokenizer.model_path:
-        path = Path(cfg.tokenizer.model_path)
-        if not path.is_file():
-            raise UserError(f"tokenizer.model_path: file not found: {path}")
-        given_model = path.read_bytes()
-        processor_from_bytes(given_model, source=str(path))
+    given = given_tokenizer(cfg)
     log = (
         (lambda msg: print(msg, file=sys.stderr, flush=True))
         if cfg.progress
@@ -118,7 +111,7 @@ def prepare(cfg: PrepareConfig) -> dict:
                 )
                 + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
             )
-            manifest = _build(cfg, files, units, given_model, staging, started, log)
+            manifest = _build(cfg, files, units, given, staging, started, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
             _discard(staging, cfg.keep_partial, err, log)
@@ -184,6 +177,37 @@ def check_config(cfg: PrepareConfig) -> None:
         raise UserError("shard.buckets and shard.max_samples: must be at least 1")
 
 
+def given_tokenizer(cfg: PrepareConfig) -> Tokenizer | None:
+    """`tokenizer.path`'s tokenizer, checked against what the tasks need; None: one is trained."""
+    if not cfg.tokenizer.path:
+        return None
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer.path, cfg.tokenizer.lang_tags)
+    except UserError as err:
+        raise UserError(f"tokenizer.path: {err}") from None
+    check_tokenizer(tokenizer, cfg, f"tokenizer.path {cfg.tokenizer.path}")
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: Tokenizer, cfg: PrepareConfig, where: str) -> None:
+    """Refuse, in one line, a tokenizer that lacks a special token the tasks need."""
+    specials = tokenizer.specials
+    if "mlm" in cfg.tasks and specials.mask is None:
+        raise UserError(
+            f"tasks: mlm replaces tokens by a mask token, and {where} has none "
+            "(drop mlm from tasks, or give a tokenizer with one)"
+        )
+    if "translation" in cfg.tasks and specials.eos is None:
+        raise UserError(
+            f"tasks: translation ends each sentence with an eos token, and {where} has none"
+        )
+    if any(task in cfg.tasks for task in ("causal_lm", "mlm")) and not specials.document[1]:
+        raise UserError(
+            f"tasks: packed documents need a token between them, and {where} has no eos token "
+            "and adds none after a text"
+        )
+
+
 def _staging_dir(output: Path, overwrite: bool) -> Path:
     if (output / MANIFEST).exists() and not overwrite:
         raise UserError(
@@ -214,7 +238,7 @@ def _build(
     cfg: PrepareConfig,
     files: list[list[str]],
     units: list[Unit],
-    given_model: bytes | None,
+    given: Tokenizer | None,
     staging: Path,
     started: float,
     log,
@@ -257,15 +281,17 @@ def _build(
                 ) from err
             by_source.append(stats)
         source_stats = _merge_stats([{"stats": stats} for stats in by_source])
-        if given_model is None:
+        if given is None:
             texts = tokenizer_sample(cfg, units, scanned)
             log(f"prepare: training the tokenizer on {len(texts)} texts")
-            model_bytes = train_tokenizer(texts, cfg.tokenizer)
+            tokenizer = tokenizer_from_files(
+                train(texts, cfg.tokenizer), lang_tags=cfg.tokenizer.lang_tags
+            )
+            check_tokenizer(tokenizer, cfg, "the trained tokenizer")
         else:
-            model_bytes = given_model
+            tokenizer = given
         del scanned
-        (staging / TOKENIZER_FILE).write_bytes(model_bytes)
-        processor = processor_from_bytes(model_bytes)
+        tokenizer.save(staging)
 
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         unit_sources = [unit.source for unit in units]
@@ -282,7 +308,7 @@ def _build(
             shared={
                 "work_dir": str(work_dir),
                 "out_dir": str(staging),
-                "tokenizer_model": model_bytes,
+                "tokenizer_files": tokenizer.files,
                 "cfg": cfg,
             },
         )
@@ -295,11 +321,7 @@ def _build(
 
     manifest = {
         "format_version": FORMAT_VERSION,
-        "tokenizer": {
-            "file": TOKENIZER_FILE,
-            **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
-            "trained": given_model is None,
-        },
+        "tokenizer": {**tokenizer.info(), "trained": given is None},
         "config": config_to_dict(cfg),
         "sources": {
             "files": sum(map(len, files)),

@@ -27,8 +27,9 @@ from launch.distributed import port_in_use
 from launch.launcher import launcher_kind
 from launch.preconditions import check_writable_dir, data_fits_model, input_positions, longest_input
 from model import ModelConfig
-from pipeline.format import FIELDS, MANIFEST, TOKENIZER_FILE, decode_array, read_manifest
+from pipeline.format import FIELDS, MANIFEST, decode_array, read_manifest
 from pipeline.load.shards import Shard, read_shard
+from pipeline.tokenizer import SENTENCEPIECE_FILE, sentencepiece_specials
 
 PYTHON = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -500,7 +501,7 @@ def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
     manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
     save_manifest(directory, manifest)
     # the trainer copies it into run_dir, nothing more
-    (directory / TOKENIZER_FILE).write_bytes(b"")
+    (directory / SENTENCEPIECE_FILE).write_bytes(b"")
     return manifest
 
 
@@ -535,7 +536,8 @@ def test_a_model_shorter_than_the_translation_pairs_is_found(tmp_path):
     # A side of n tokens takes n + 1 positions: </s> after a source; <s> before a target, whose own
     # </s>
     # is only predicted.
-    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}) == {
+    layout = sentencepiece_specials()
+    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}, layout) == {
         "src_ids": 13,
         "tgt_ids": 8,
     }
@@ -760,6 +762,7 @@ RANK_EXIT_SCRIPT = """
 import sys, threading, torch
 from launch.distributed import run_rank
 from common.configure import UserError, run_main
+from pipeline.tokenizer import SENTENCEPIECE_FILE, sentencepiece_specials
 
 a = torch.randn(400, 400)
 

@@ -359,7 +359,7 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
 
     alone, alone_manifest, _ = prepare("alone", pairs)
     both, manifest, summary = prepare(
-        "both", pairs + man, f"tokenizer.model_path={alone / 'tokenizer.model'}"
+        "both", pairs + man, f"tokenizer.path={alone / 'tokenizer.model'}"
     )
 
     by_source = manifest["sources"]["by_source"]["man"]
