@@ -57,7 +57,7 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
         )
     out = Path(cfg.out or directory / f"lm_eval-{cfg.split}.json")
     check_writable_dir(out.absolute().parent, "out")
-    texts = held_out_texts(data_dir, cfg.split, file_sha256(directory / "tokenizer.model"))
+    texts = held_out_texts(data_dir, cfg.split, export_tokenizer_sha256(directory, data_dir))
 
     import torch  # after the checks: --help and bad input answer without torch's import
 
@@ -107,6 +107,15 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     tracker.finish(metrics)
     print(f"scores in {out}", file=sys.stderr)
     return record
+
+
+def export_tokenizer_sha256(directory: Path, data_dir: str) -> str:
+    """The sha256 of the export's copy of the dataset's tokenizer file (its tokenizer.model or
+    tokenizer.json, whichever the dataset's manifest names), or "missing"."""
+    from pipeline.format import read_manifest, tokenizer_files
+
+    mine = directory / tokenizer_files(read_manifest(data_dir))[0]
+    return file_sha256(mine) if mine.is_file() else "missing"
 
 
 def export_format(directory: Path, fmt: str) -> tuple[str, dict]:

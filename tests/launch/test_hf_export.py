@@ -82,7 +82,7 @@ def made(kind: str, vocab_size: int, scale: float = 0.05) -> torch.nn.Module:
 
 
 def export(kind: str, tokenizer, out, scale: float = 0.05):
-    model = made(kind, load_tokenizer(tokenizer).get_piece_size(), scale)
+    model = made(kind, load_tokenizer(tokenizer).vocab_size, scale)
     save_hf_dir(out, model.state_dict(), model.cfg, tokenizer, {"step": 7, "task": kind})
     return model
 
@@ -264,7 +264,7 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
     from launch.export import save_model_dir
 
     out = tmp_path / fmt
-    ours = made("translation", load_tokenizer(tokenizer).get_piece_size())
+    ours = made("translation", load_tokenizer(tokenizer).vocab_size)
     if fmt == "hf":
         save_hf_dir(out, ours.state_dict(), ours.cfg, tokenizer, {})
     else:

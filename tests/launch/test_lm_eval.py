@@ -59,7 +59,7 @@ def export_both(kind: str, data, out, scale: float = 0.5):
     )
     torch.manual_seed(0)
     model = build_model(cfg)
-    sp = load_tokenizer(data / SENTENCEPIECE_FILE)
+    sp = load_tokenizer(data / SENTENCEPIECE_FILE).processor
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale)

@@ -133,7 +133,7 @@ def _export_random_model(out: Path, tokenizer: Path) -> None:
 def _vocab_size(tokenizer: Path) -> int:
     from pipeline.tokenizer import load_tokenizer
 
-    return load_tokenizer(tokenizer).get_piece_size()
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def test_tokenizer_mismatch_is_refused_before_any_compute(tiny_dataset, tmp_path):
