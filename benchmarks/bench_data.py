@@ -13,7 +13,7 @@
    ours >= 0.9x bare.
 2. Prepare: `pipeline.prepare.job.prepare(cfg)` with the dataset's own resolved config
    (`DIR/config.yaml`), `ray.num_workers=1` and `=2`, `progress=false`, output to a temporary
-   directory and `tokenizer.model_path=DIR/tokenizer.model`, so no tokenizer is trained and the
+   directory and `tokenizer.path=DIR/tokenizer.model`, so no tokenizer is trained and the
    shards must come out byte-identical to DIR's (checked). Stage times come from wrapping
    `pipeline.prepare.ray_runner.ray_session` / `run_tasks` for the run, not from editing the pipeline.
    One more run trains the tokenizer as shipped (2 workers) to show what training adds. The
@@ -206,7 +206,7 @@ def prepare_config(
         f"ray.num_workers={num_workers}",
     ]
     if fixed_tokenizer:
-        overrides.append(f"tokenizer.model_path={data_dir / 'tokenizer.model'}")
+        overrides.append(f"tokenizer.path={data_dir / 'tokenizer.model'}")
     if source_paths is not None:
         overrides.append("source.paths=[" + ",".join(f"'{p}'" for p in source_paths) + "]")
     return load_config(PrepareConfig, data_dir / "config.yaml", overrides)
@@ -215,7 +215,7 @@ def prepare_config(
 @contextlib.contextmanager
 def stage_timer(timings: dict):
     """Time Ray start/stop and each `run_tasks` stage of one prepare run by wrapping, not editing, the runner."""
-    from pipeline.prepare.job import ray_runner
+    from pipeline.prepare import ray_runner
 
     session, run_tasks = ray_runner.ray_session, ray_runner.run_tasks
 
@@ -317,7 +317,7 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
 def bench_encode(texts: list[str], model_path: Path, num_threads: int, repeats: int) -> dict:
     from pipeline.tokenizer import load_tokenizer
 
-    processor = load_tokenizer(model_path)
+    processor = load_tokenizer(model_path).processor  # the SentencePiece library itself
     processor.encode(texts[:1000], num_threads=num_threads)  # warm-up
     seconds = []
     tokens = 0
@@ -595,7 +595,7 @@ def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path
             "split.test=0.005",
         ]
         return load_config(
-            PrepareConfig, None, overrides + ([f"tokenizer.model_path={model}"] if model else [])
+            PrepareConfig, None, overrides + ([f"tokenizer.path={model}"] if model else [])
         )
 
     sample_cfg = config(tmp / "unused", 1)

@@ -425,16 +425,14 @@ def make_batches(cfg, count: int) -> list[dict]:
     import torch
 
     from launch.tasks import TASKS
-    from pipeline.format import SPECIAL_TOKENS
 
     generator = torch.Generator().manual_seed(cfg.seed)
     shape = (cfg.data.micro_batch_size, cfg.model.max_seq_len)
     out = []
     for _ in range(count):
         batch = {
-            "input_ids": torch.randint(
-                len(SPECIAL_TOKENS), cfg.model.vocab_size, shape, generator=generator
-            ),
+            # random ids: which are special does not matter to the speed measured
+            "input_ids": torch.randint(0, cfg.model.vocab_size, shape, generator=generator),
             "attention_mask": torch.ones(shape, dtype=torch.long),
         }
         if torch.cuda.is_available():

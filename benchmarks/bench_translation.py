@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -109,9 +110,12 @@ DIFFERENCES = (
 
 
 def resolve_config(args: argparse.Namespace):
-    """CONFIG with the bench's keys and the user's overrides; the vocabulary from the dataset."""
+    """CONFIG with the bench's keys and the user's overrides; the vocabulary and the special ids
+    from the dataset, as the trainer resolves them."""
     from common.configure import load_config
     from launch.config import TrainConfig, check_config
+    from launch.preconditions import with_data_tokenizer
+    from pipeline.tokenizer import Specials
 
     cfg = load_config(
         TrainConfig,
@@ -122,9 +126,21 @@ def resolve_config(args: argparse.Namespace):
     if cfg.task != "translation":
         raise SystemExit(f"error: {args.config}: task {cfg.task}, not translation")
     tokenizer = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]
-    return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer["vocab_size"])
+    model_cfg, problem = with_data_tokenizer(
+        dataclasses.replace(cfg.model, vocab_size=0),
+        tokenizer["vocab_size"],
+        Specials.from_manifest(tokenizer),
+        args.data,
     )
+    return dataclasses.replace(cfg, model=model_cfg)
+
+
+def dataset_specials(data):
+    """The special ids and frames of the dataset's tokenizer, as its manifest records them."""
+    from pipeline.format import dataset_specials as specials_of
+    from pipeline.format import read_manifest
+
+    return specials_of(read_manifest(data))
 
 
 # ---------------------------------------------------------------- theirs: one torchrun job (every
@@ -135,13 +151,7 @@ def marian_config(model_cfg, tokenizer: dict):
     """A MarianConfig of our model's shape (see the module docstring for what cannot match)."""
     from transformers import MarianConfig
 
-    special = tokenizer["special_tokens"]
     encoder, decoder = model_cfg.for_stack("encoder"), model_cfg.for_stack("decoder")
-    assert (special["<pad>"], special["<s>"], special["</s>"]) == (
-        model_cfg.pad_id,
-        model_cfg.bos_id,
-        model_cfg.eos_id,
-    )
     return MarianConfig(
         vocab_size=tokenizer["vocab_size"],
         decoder_vocab_size=tokenizer["vocab_size"],
@@ -198,12 +208,13 @@ class PairDataset:
     """The train pairs cut as ours (see the module docstring): {"input_ids": source + </s>, "target": target},
     id lists; `input_ids` is where the Trainer's LengthGroupedSampler reads a pair's length."""
 
-    def __init__(self, pairs, max_seq_len: int):
+    def __init__(self, pairs, max_seq_len: int, specials):
         from launch.decoding import source_ids
 
+        before, after = specials.source
         self.rows = [
             {
-                "input_ids": source_ids(src, max_seq_len - 1)[0],
+                "input_ids": source_ids(src, max_seq_len - len(before) - len(after), specials)[0],
                 "target": [int(t) for t in tgt[: max_seq_len - 1]],
             }
             for src, tgt in pairs
@@ -216,13 +227,15 @@ class PairDataset:
         return self.rows[index]
 
 
-def collate(rows) -> dict:
+def collate(rows, specials) -> dict:
     """Marian's inputs of a micro batch, padded to its longest row: input_ids / attention_mask
     (source + </s>), decoder_input_ids (<s> + target), labels (target + </s>, IGNORE_INDEX on padding)."""
     import torch
 
     from model.loss import IGNORE_INDEX
-    from pipeline.format import BOS_ID, EOS_ID, PAD_ID
+
+    (start,), (end,) = specials.target
+    pad_id = specials.pad_id
 
     def pad(seqs, value):
         out = torch.full((len(seqs), max(len(s) for s in seqs)), value, dtype=torch.long)
@@ -230,12 +243,12 @@ def collate(rows) -> dict:
             out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         return out
 
-    input_ids = pad([row["input_ids"] for row in rows], PAD_ID)
+    input_ids = pad([row["input_ids"] for row in rows], pad_id)
     return {
         "input_ids": input_ids,
-        "attention_mask": (input_ids != PAD_ID).long(),
-        "decoder_input_ids": pad([[BOS_ID, *row["target"]] for row in rows], PAD_ID),
-        "labels": pad([[*row["target"], EOS_ID] for row in rows], IGNORE_INDEX),
+        "attention_mask": pad([[1] * len(row["input_ids"]) for row in rows], 0),
+        "decoder_input_ids": pad([[start, *row["target"]] for row in rows], pad_id),
+        "labels": pad([[*row["target"], end] for row in rows], IGNORE_INDEX),
     }
 
 
@@ -258,7 +271,8 @@ def worker(args: argparse.Namespace) -> None:
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)  # ours' rule: cores / local ranks
     plan = batch_plan(cfg, denv.world_size)
-    dataset = PairDataset(read_pairs(args.data, "train"), cfg.model.max_seq_len)
+    specials = dataset_specials(args.data)
+    dataset = PairDataset(read_pairs(args.data, "train"), cfg.model.max_seq_len, specials)
     tokenizer = json.loads((Path(args.data) / "manifest.json").read_text())["tokenizer"]
     torch.manual_seed(cfg.seed)
     model = MarianMTModel(marian_config(cfg.model, tokenizer))
@@ -333,7 +347,7 @@ def worker(args: argparse.Namespace) -> None:
         model=model,
         args=training_args,
         train_dataset=dataset,
-        data_collator=collate,
+        data_collator=functools.partial(collate, specials=specials),
         callbacks=[clock],
     )
     trainer.train()
@@ -518,7 +532,6 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     from launch.config import EvaluateConfig
     from launch.decoding import check_decoding, detokenize, length_sorted_batches, source_ids
     from launch.evaluate import read_pairs, score
-    from pipeline.format import EOS_ID, PAD_ID
     from pipeline.tokenizer import load_tokenizer
 
     defaults = EvaluateConfig(checkpoint="")
@@ -530,19 +543,25 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
     hf_logging.disable_progress_bar()
     model = MarianMTModel.from_pretrained(out / "model").eval()
     pairs = read_pairs(args.data, args.split, args.limit)
-    sources = [source_ids(src, cfg.model.max_seq_len - 1)[0] for src, _ in pairs]
+    specials = dataset_specials(args.data)
+    before, after = specials.source
+    limit = cfg.model.max_seq_len - len(before) - len(after)
+    sources = [source_ids(src, limit, specials)[0] for src, _ in pairs]
+    pad_id, end = cfg.model.pad_id, cfg.model.eos_id
     hypotheses: dict[int, list[int]] = {}
     start = time.perf_counter()
     with torch.no_grad():
         for batch in length_sorted_batches([len(s) for s in sources], defaults.micro_batch_size):
             ids = torch.full(
-                (len(batch), max(len(sources[i]) for i in batch)), PAD_ID, dtype=torch.long
+                (len(batch), max(len(sources[i]) for i in batch)), pad_id, dtype=torch.long
             )
+            mask = torch.zeros_like(ids)
             for row, i in enumerate(batch):
                 ids[row, : len(sources[i])] = torch.tensor(sources[i])
+                mask[row, : len(sources[i])] = 1
             generated = model.generate(
                 input_ids=ids,
-                attention_mask=(ids != PAD_ID).long(),
+                attention_mask=mask,
                 num_beams=args.beam,
                 length_penalty=defaults.length_penalty,
                 max_new_tokens=max_len,
@@ -553,12 +572,12 @@ def evaluate_theirs(args: argparse.Namespace, out: Path) -> dict:
             for row, i in enumerate(batch):
                 tokens = generated[row, 1:].tolist()  # after the decoder start <s>
                 hypotheses[i] = (
-                    tokens[: tokens.index(EOS_ID)]
-                    if EOS_ID in tokens
-                    else [t for t in tokens if t != PAD_ID]
+                    tokens[: tokens.index(end)]
+                    if end in tokens
+                    else [t for t in tokens if t != pad_id]
                 )
     seconds = time.perf_counter() - start
-    tokenizer = load_tokenizer(Path(args.data) / "tokenizer.model")
+    tokenizer = load_tokenizer(args.data)
     hyp_text = [detokenize(tokenizer, hypotheses[i]) for i in range(len(pairs))]
     ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
     scores = score(hyp_text, ref_text)

@@ -66,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     model = EncoderDecoderModel.from_pretrained(args.export).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.export)
-    ours = load_tokenizer(args.data / "tokenizer.model")
+    ours = load_tokenizer(args.data)
+    specials = ours.specials
     # room for </s>, as the trainer cuts them
     max_source = model.config.encoder.max_position_embeddings - 1
     # the decoder's positions, its start token first
     max_len = model.config.decoder.max_position_embeddings - 1
     pairs = read_pairs(args.data, args.split, args.limit)
-    sources = [source_ids(src, max_source)[0] for src, _ in pairs]
+    sources = [source_ids(src, max_source, specials)[0] for src, _ in pairs]
 
     by_length: dict[int, list[int]] = {}
     for index, src in enumerate(sources):

@@ -19,7 +19,6 @@ import torch
 from launch.decoding import inspect_checkpoint, length_sorted_batches, load_model, pad, source_ids
 from launch.evaluate import read_pairs
 from model.loss import IGNORE_INDEX
-from pipeline.format import BOS_ID, EOS_ID
 
 
 def main() -> None:
@@ -46,16 +45,17 @@ def source_losses(path: str, pairs: list, batch_size: int) -> tuple[float, float
     model = load_model(ckpt)
     model.cfg.label_smoothing = 0.0  # the plain cross-entropy, whatever the model trained with
     cpu = torch.device("cpu")
-    sources = [source_ids(src, ckpt.max_source_tokens)[0] for src, _ in pairs]
+    sources = [source_ids(src, ckpt.max_source_tokens, ckpt.specials)[0] for src, _ in pairs]
+    (start,), (end,) = ckpt.specials.target
     # <s> + target as the decoder's input, target + </s> as its labels, within max_seq_len.
     targets = [[int(t) for t in tgt][: model.cfg.max_seq_len - 1] for _, tgt in pairs]
     sums, tokens = [0.0, 0.0], 0
     for batch in length_sorted_batches([len(s) for s in sources], batch_size):
-        src, src_mask = pad([sources[i] for i in batch], cpu)
-        dec_in, dec_mask = pad([[BOS_ID, *targets[i]] for i in batch], cpu)
+        src, src_mask = pad([sources[i] for i in batch], cpu, model.cfg.pad_id)
+        dec_in, dec_mask = pad([[start, *targets[i]] for i in batch], cpu, model.cfg.pad_id)
         labels = torch.full_like(dec_in, IGNORE_INDEX)
         for row, i in enumerate(batch):
-            labels[row, : len(targets[i]) + 1] = torch.tensor([*targets[i], EOS_ID])
+            labels[row, : len(targets[i]) + 1] = torch.tensor([*targets[i], end])
         n = int((labels != IGNORE_INDEX).sum())
         tokens += n
         for k, shift in enumerate((0, 1)):

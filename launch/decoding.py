@@ -3,10 +3,10 @@
 A checkpoint is an exported model directory (`launch.export`: safetensors and JSON, nothing
 unpickled) or a training run (its run directory, `checkpoints/` directory or one `step_*`
 checkpoint, verified and consolidated on the fly, weights-only: `launch.deepspeed.safe_load`). A
-source is encoded as in training (`pipeline.load.loader`: the source's ids, then </s>), cut to the
-model's `max_seq_len` first; sources are padded into batches and decoded with
-`Seq2Seq.generate` (beam search, greedy for beam 1); hypotheses go back to text with the
-SentencePiece tokenizer the model was trained with.
+source is encoded as in training (`pipeline.load.collate`: the source's ids framed as the
+tokenizer frames a source, ours `ids </s>`), cut to the model's `max_seq_len` first; sources are
+padded into batches and decoded with `Seq2Seq.generate` (beam search, greedy for beam 1);
+hypotheses go back to text with the tokenizer the model was trained with.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from common.hashing import file_sha256
 from launch.config import TrainConfig
 from launch.export import (
     CONFIG,
-    TOKENIZER,
     WEIGHTS,
     load_model_dir,
     read_model_config,
     read_run_checkpoint,
 )
 from model import ModelConfig, Seq2Seq, build_model
-from pipeline.format import EOS_ID, PAD_ID
+from pipeline.tokenizer import Specials, load_tokenizer, tokenizer_file_in
 
 
 @dataclass(frozen=True)
@@ -44,13 +43,15 @@ class Checkpoint:
     tokenizer_sha256: str
     data_dir: str  # the dataset it was trained on, when known ("" otherwise)
     exported: bool  # an exported directory (else a DeepSpeed checkpoint: root / tag)
+    specials: Specials  # its tokenizer's special ids and frames
     root: Path | None = None
     tag: str | None = None
 
     @property
     def max_source_tokens(self) -> int:
-        """Source tokens the encoder takes besides the </s> appended to every source."""
-        return self.model_cfg.max_seq_len - 1
+        """Source tokens the encoder takes besides the frame put around every source."""
+        before, after = self.specials.source
+        return self.model_cfg.max_seq_len - len(before) - len(after)
 
 
 def _run_data_dir(run_dir: Path) -> str:
@@ -70,7 +71,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
         meta, model_cfg = read_model_config(path)
-        tokenizer, recorded = path / TOKENIZER, meta.get("tokenizer_sha256")
+        tokenizer, recorded = tokenizer_file_in(path), meta.get("tokenizer_sha256")
         source = Path(meta.get("source") or "")
         data_dir = _run_data_dir(source.parent.parent) if meta.get("source") else ""
         root = tag = None
@@ -90,7 +91,8 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         raise UserError(
             f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})"
         )
-    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag)
+    specials = load_tokenizer(tokenizer).specials
+    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, specials, root, tag)
 
 
 def load_model(ckpt: Checkpoint) -> Seq2Seq:
@@ -111,11 +113,14 @@ def load_model(ckpt: Checkpoint) -> Seq2Seq:
     return model.eval()
 
 
-def source_ids(ids: Sequence[int], max_source_tokens: int) -> tuple[list[int], bool]:
-    """The encoder's input for one source: its ids cut to the model's limit, then </s>;
-    and whether it was cut."""
+def source_ids(
+    ids: Sequence[int], max_source_tokens: int, specials: Specials
+) -> tuple[list[int], bool]:
+    """The encoder's input for one source: its ids cut to the model's limit, framed as training
+    framed a source; and whether it was cut."""
     ids = [int(i) for i in ids]
-    return ids[:max_source_tokens] + [EOS_ID], len(ids) > max_source_tokens
+    before, after = specials.source
+    return [*before, *ids[:max_source_tokens], *after], len(ids) > max_source_tokens
 
 
 def length_sorted_batches(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
@@ -128,14 +133,17 @@ def length_sorted_batches(lengths: Sequence[int], micro_batch_size: int) -> list
 
 
 def pad(
-    sources: Sequence[Sequence[int]], device: torch.device
+    sources: Sequence[Sequence[int]], device: torch.device, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, S) ids padded with <pad> and their (B, S) mask, 1 on real tokens."""
+    """(B, S) ids padded with `pad_id` and their (B, S) mask, 1 on real tokens (by length: a pad
+    id may also be a real token, as GPT-2's <|endoftext|> is)."""
     width = max(len(s) for s in sources)
-    ids = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    ids = torch.full((len(sources), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sources), width), dtype=torch.long)
     for row, source in enumerate(sources):
         ids[row, : len(source)] = torch.tensor(source, dtype=torch.long)
-    return ids.to(device), (ids != PAD_ID).long().to(device)
+        mask[row, : len(source)] = 1
+    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -153,7 +161,7 @@ def translate_ids(
 ) -> list[list[int]]:
     """One batch of encoder inputs (`source_ids`) -> one hypothesis (ids, no </s>) per source.
     synced=True runs exactly max_len decoder steps (ZeRO-3: every rank in every forward)."""
-    src_ids, src_mask = pad(sources, device)
+    src_ids, src_mask = pad(sources, device, model.cfg.pad_id)
     out = model.generate(
         src_ids,
         src_mask,

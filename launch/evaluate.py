@@ -56,7 +56,7 @@ from launch.decoding import (
 )
 from launch.preconditions import check_writable_dir
 from pipeline import remote
-from pipeline.format import EOS_ID, FIELDS, SPLITS, decode_array, read_manifest, shard_entries
+from pipeline.format import FIELDS, SPLITS, decode_array, read_manifest, shard_entries
 from pipeline.load.shards import decode_sample
 from pipeline.tokenizer import load_tokenizer
 
@@ -208,7 +208,9 @@ def _evaluate(
     stdout: TextIO,
 ) -> dict | None:
     pairs = read_pairs(data_dir, cfg.split, cfg.limit, vocab_size=ckpt.model_cfg.vocab_size)
-    sources, truncated = zip(*(source_ids(src, ckpt.max_source_tokens) for src, _ in pairs))
+    sources, truncated = zip(
+        *(source_ids(src, ckpt.max_source_tokens, ckpt.specials) for src, _ in pairs)
+    )
     model = load_model(ckpt)
     if zero3:
         from launch.deepspeed.config import inference_config
@@ -239,7 +241,7 @@ def _evaluate(
         )
         if any(truncated):
             print(
-                f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + </s>) "
+                f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + the source frame) "
                 "were truncated",
                 file=sys.stderr,
             )
@@ -258,7 +260,7 @@ def _evaluate(
         for round_index in range(rounds if synced else len(mine)):
             indices = mine[round_index] if round_index < len(mine) else []
             # a dummy row keeps this rank in every forward
-            batch = [sources[i] for i in indices] or [[EOS_ID]]
+            batch = [sources[i] for i in indices] or [[ckpt.model_cfg.eos_id]]
             outputs = translate_ids(
                 model,
                 batch,

@@ -7,20 +7,23 @@ format (the default):
 
     model.safetensors   consolidated fp32 weights (tied tensors stored once)
     config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256", "source"}
-    tokenizer.model     the SentencePiece model the weights were trained with
+    tokenizer files     the tokenizer the weights were trained with, as the dataset held it:
+                        tokenizer.model, or a Hugging Face tokenizer.json (+ tokenizer_config.json)
     provenance.json     what made the weights (`provenance`)
 
 Fine-tuning (`init.*`), evaluation and the Hugging Face converters (`model.hf`) read this
 directory: safetensors and JSON, nothing unpickled. With `format=hf`, `out` is a directory in
 Hugging Face's `save_pretrained` layout instead (model.safetensors, config.json,
 generation_config.json where it applies), of the class `model.hf_dir.hf_config_for` picks (GPT-2,
-Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), with the tokenizer as a fast tokenizer
-(`launch.hf_tokenizer`), tokenizer.model and provenance.json beside it. A model the class
-cannot compute is refused in one line naming the option, before the weights are read.
+Llama, BERT, or a BERT + GPT-2 EncoderDecoderModel), with its tokenizer for `AutoTokenizer`: a
+Hugging Face tokenizer's own files as the dataset held them, or our SentencePiece model converted
+to a fast tokenizer (`launch.hf_tokenizer`) with tokenizer.model beside it; and provenance.json. A
+model the class cannot compute is refused in one line naming the option, before the weights are
+read.
 
 `out` is replaced only when it is an earlier export or empty, or with `overwrite=true`, and never
 when it is the run directory being read or holds it (`check_out`); it is written under OUT.lock
-as OUT.partial, which a failure removes (`writing`). The run's tokenizer.model must be the one its
+as OUT.partial, which a failure removes (`writing`). The run's tokenizer file must be the one its
 checkpoint recorded.
 
 The checkpoint is verified against its integrity.json and read weights-only
@@ -59,17 +62,13 @@ from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
+from pipeline.tokenizer import SENTENCEPIECE_FILE, read_files, tokenizer_file_in
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 
-A training checkpoint of any ZeRO stage to plain weights, config.json and tokenizer.model
+A training checkpoint of any ZeRO stage to plain weights, config.json and its tokenizer
 (format=hf: a Hugging Face model directory with its tokenizer)."""
-WEIGHTS, CONFIG, TOKENIZER, PROVENANCE = (
-    "model.safetensors",
-    "config.json",
-    "tokenizer.model",
-    "provenance.json",
-)
+WEIGHTS, CONFIG, PROVENANCE = ("model.safetensors", "config.json", "provenance.json")
 FORMATS = ("ours", "hf")
 
 
@@ -130,7 +129,7 @@ def _remove(path: Path) -> None:
 EXPORT_NAMES = {
     WEIGHTS,
     CONFIG,
-    TOKENIZER,
+    SENTENCEPIECE_FILE,
     PROVENANCE,
     "generation_config.json",
     "tokenizer.json",
@@ -225,7 +224,7 @@ def save_model_dir(
     with writing(out) as partial:
         # save_model stores each tied tensor once and records the alias.
         save_model(model, str(partial / WEIGHTS))
-        shutil.copyfile(tokenizer, partial / TOKENIZER)
+        copy_tokenizer(tokenizer, partial)
         config = {
             "model": dataclasses.asdict(model_cfg),
             "tokenizer_sha256": file_sha256(tokenizer),
@@ -243,16 +242,24 @@ def save_hf_dir(
     tokenizer: str | Path,
     provenance: dict,
 ) -> None:
-    """Write a Hugging Face model directory with its fast tokenizer, tokenizer.model and provenance."""
+    """Write a Hugging Face model directory with its tokenizer (a Hugging Face one as it is; ours
+    as a fast tokenizer, with tokenizer.model beside it) and provenance."""
     from launch.hf_tokenizer import save_hf_tokenizer
     from model.hf_dir import to_hf
 
     hf_model = to_hf(model_with(state_dict, model_cfg))
     with writing(out) as partial:
         hf_model.save_pretrained(str(partial))
-        save_hf_tokenizer(tokenizer, partial, model_cfg.max_seq_len)
-        shutil.copyfile(tokenizer, partial / TOKENIZER)
+        if Path(tokenizer).name == SENTENCEPIECE_FILE:
+            save_hf_tokenizer(tokenizer, partial, model_cfg.max_seq_len)
+        copy_tokenizer(tokenizer, partial)
         (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def copy_tokenizer(tokenizer: str | Path, directory: Path) -> None:
+    """The tokenizer file `tokenizer` and the files beside it that belong to it, into `directory`."""
+    for name, data in read_files(tokenizer).items():
+        (directory / name).write_bytes(data)
 
 
 def load_model_dir(directory: str | Path) -> tuple[torch.nn.Module, dict]:
@@ -313,7 +320,7 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
     client_file = root / tag / "client_state.json"
     client = read_json(client_file) if client_file.is_file() else {}
     return RunCheckpoint(
-        root, tag, load_config(TrainConfig, config_file), root.parent / TOKENIZER, client
+        root, tag, load_config(TrainConfig, config_file), tokenizer_file_in(root.parent), client
     )
 
 
@@ -376,7 +383,7 @@ def export(
 
 
 def check_tokenizer(run: RunCheckpoint) -> None:
-    """UserError, one line, unless the run's tokenizer.model is there and is the one its
+    """UserError, one line, unless the run's tokenizer file is there and is the one its
     checkpoint recorded (client_state.json's sha256): a damaged or replaced file would travel
     with the weights under its new hash."""
     if not run.tokenizer.is_file():
@@ -386,7 +393,7 @@ def check_tokenizer(run: RunCheckpoint) -> None:
         raise UserError(
             f"{run.tokenizer} (sha256 {actual[:12]}...) is not the tokenizer checkpoint "
             f"{run.root / run.tag} was trained with ({recorded[:12]}...): damaged or replaced; "
-            "copy the dataset's tokenizer.model back"
+            f"copy the dataset's {run.tokenizer.name} back"
         )
 
 

@@ -2,7 +2,7 @@
 
 `AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does (no
 <s> or </s> added: the pipeline adds </s> itself), decodes as `decode` does, and names our
-reserved ids (`pipeline.format.SPECIAL_TOKENS`) as its pad/unk/bos/eos/mask/sep tokens. Each step
+reserved ids (`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens. Each step
 SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
 whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
 fallback), which is what the generic conversions get wrong (transformers #25316, #28370): see
@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.format import SPECIAL_TOKENS
-from pipeline.tokenizer import processor_from_bytes
+from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, SentencePieceTokenizer
 
 # Score of the pieces text never produces: below any path of real pieces (each scores above -100
 # per character in a model of a few million pieces at most), above -inf so the lattice stays finite.
 NEVER = -1e9
 # SentencePiece's piece types (sentencepiece_model.proto, ModelProto.SentencePiece.Type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-# Hugging Face's names of our reserved pieces (pipeline.format.SPECIAL_TOKENS, ids 0-5).
+# Hugging Face's names of our reserved pieces (SENTENCEPIECE_SPECIALS, ids 0-5).
 SPECIAL_NAMES = dict(
     zip(
         ("pad_token", "unk_token", "bos_token", "eos_token", "mask_token", "sep_token"),
-        SPECIAL_TOKENS,
+        SENTENCEPIECE_SPECIALS,
     )
 )
 
@@ -39,7 +38,7 @@ def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
     from transformers import PreTrainedTokenizerFast
 
     model_bytes = Path(model_path).read_bytes()
-    processor_from_bytes(model_bytes, source=str(model_path))  # our reserved ids, or one line
+    SentencePieceTokenizer(model_bytes, source=str(model_path))  # our reserved ids, or one line
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_bytes)
     spec, trainer = proto.normalizer_spec, proto.trainer_spec
@@ -84,7 +83,7 @@ def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
     control = [
         piece.piece
         for piece in proto.pieces
-        if piece.type == CONTROL and piece.piece not in SPECIAL_TOKENS
+        if piece.type == CONTROL and piece.piece not in SENTENCEPIECE_SPECIALS
     ]
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

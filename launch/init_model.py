@@ -26,15 +26,15 @@ import torch
 from common.configure import UserError, show
 from common.hashing import file_sha256
 from launch.config import TrainConfig
-from launch.export import CONFIG, TOKENIZER, load_model_dir, read_json, read_model_config
+from launch.export import CONFIG, load_model_dir, read_json, read_model_config
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.config import TRAINING_ONLY_FIELDS
-from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
-# Our reserved ids (pipeline.format): what a model trained on our datasets uses, whatever a
-# Hugging Face config says (its tokenizer is checked to give our ids).
-OUR_IDS = dict(pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, mask_id=MASK_ID)
+# A Hugging Face config's special ids may not fit the model's vocabulary (GPT2Config's default
+# 50256 in a smaller one): they stand in these placeholders until the trainer sets the dataset's
+# (launch.train.setup.resolve_model_config), the directory's tokenizer checked to be the dataset's.
+UNRESOLVED_IDS = dict(pad_id=0, bos_id=0, eos_id=0, mask_id=-1)
 SAMPLE_SENTENCE_PIECES = 12  # pieces per sentence of the tokenizer check's sample
 
 
@@ -128,7 +128,7 @@ def model_config(directory: str) -> ModelConfig:
             "BERT and BERT + GPT-2 encoder-decoder directories start a run"
         )
     try:
-        return readers[hf_config.model_type](hf_config, **OUR_IDS)
+        return readers[hf_config.model_type](hf_config, **UNRESOLVED_IDS)
     except ValueError as err:
         raise UserError(f"init.model: {directory}: {err}") from None
 
@@ -142,7 +142,7 @@ def load(cfg: TrainConfig, dataset_tokenizer: str | Path) -> torch.nn.Module:
         from model.hf_dir import load_hf_dir
 
         try:
-            state = load_hf_dir(directory, **OUR_IDS).state_dict()
+            state = load_hf_dir(directory, **UNRESOLVED_IDS).state_dict()
         except ValueError as err:
             raise UserError(f"init.model: {err}") from None
     else:
@@ -163,11 +163,14 @@ def check_tokenizer(directory: str, dataset_tokenizer: str | Path) -> None:
                 f"tokenizer {dataset_tokenizer} is {dataset_sha256}"
             )
         return
-    if (Path(directory) / TOKENIZER).is_file():  # our HF export: the SentencePiece model itself
-        theirs = file_sha256(Path(directory) / TOKENIZER)
+    # The dataset's tokenizer file in the directory (a Hugging Face tokenizer.json it was prepared
+    # from, or the tokenizer.model beside our HF export): the same bytes, or another tokenizer.
+    same_name = Path(directory) / Path(dataset_tokenizer).name
+    if same_name.is_file():
+        theirs = file_sha256(same_name)
         if theirs != dataset_sha256:
             raise UserError(
-                f"init.model: {directory}/{TOKENIZER} has sha256 {theirs}, the dataset's tokenizer "
+                f"init.model: {same_name} has sha256 {theirs}, the dataset's tokenizer "
                 f"{dataset_tokenizer} {dataset_sha256}"
             )
         return
@@ -185,12 +188,13 @@ def first_difference(
 ) -> tuple[str | None, list, list]:
     """The first text of the sample on which the directory's tokenizer and the dataset's disagree
     (None if none), with both tokenizations; the sample: every piece of the dataset's vocabulary
-    as text, sentences of consecutive pieces, and runs of rare characters (for the byte pieces)."""
+    as text (`Tokenizer.vocabulary_texts`), sentences of consecutive ones, and runs of rare
+    characters (for the byte pieces)."""
     import transformers
 
     from pipeline.tokenizer import load_tokenizer
 
-    sp = load_tokenizer(dataset_tokenizer)
+    ours = load_tokenizer(dataset_tokenizer)
     try:
         hf = transformers.AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as err:
@@ -198,11 +202,7 @@ def first_difference(
             f"init.model: {directory} has no tokenizer to check against the dataset's: "
             f"{str(err).splitlines()[0]}"
         ) from None
-    words = [
-        sp.id_to_piece(i).replace("\u2581", " ")
-        for i in range(sp.get_piece_size())
-        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))
-    ]
+    words = ours.vocabulary_texts()
     sentences = [
         "".join(words[i : i + SAMPLE_SENTENCE_PIECES])
         for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)
@@ -214,8 +214,7 @@ def first_difference(
     ]
     sample = words + sentences + rare
     theirs = hf(sample, add_special_tokens=False)["input_ids"]
-    for text, there in zip(sample, theirs):
-        here = sp.encode(text)
+    for text, there, here in zip(sample, theirs, ours.encode_batch(sample)):
         if there != here:
             return text, there, here
     return None, [], []

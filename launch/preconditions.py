@@ -24,12 +24,12 @@ from common.configure import UserError
 from launch.tasks import TASKS
 from model import ModelConfig
 from pipeline import remote
-from pipeline.format import DATASET_FOR_TASK, FIELDS, SPECIAL_TOKENS, shard_entries
+from pipeline.format import DATASET_FOR_TASK, FIELDS, dataset_specials, shard_entries
 from pipeline.load.collate import pack, unpack
 from pipeline.load.shards import Shard, ShardError, read_shard, stored_fields
+from pipeline.tokenizer import Specials
 
 TRAINING_SPLITS = ("train", "valid")  # what the trainer reads; test stays for evaluation
-FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)  # a token id with no special meaning, to stand for any
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,18 @@ class LongestInput:
     source: str
 
 
-def with_data_vocabulary(
-    model_cfg: ModelConfig, data_vocab: int, data_dir: str | os.PathLike
+def with_data_tokenizer(
+    model_cfg: ModelConfig,
+    data_vocab: int,
+    specials: Specials | None,
+    data_dir: str | os.PathLike,
 ) -> tuple[ModelConfig, str | None]:
-    """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it), and
+    """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it) and
+    its tokenizer's special ids (`model_ids`; None: a dataset not yet prepared, ids unknown), and
     the problem, in words, when the config names another size: the one rule of the trainer and
     its dry run."""
+    if specials is not None:
+        model_cfg = replace(model_cfg, **model_ids(specials))
     if model_cfg.vocab_size == 0:
         return replace(model_cfg, vocab_size=int(data_vocab)), None
     if model_cfg.vocab_size != data_vocab:
@@ -56,6 +62,27 @@ def with_data_vocabulary(
             f"pieces (set model.vocab_size=0 to take it from the data)"
         )
     return model_cfg, None
+
+
+def model_ids(specials: Specials) -> dict[str, int]:
+    """The model config's special ids for a tokenizer: its padding id; the id a decoder starts
+    from (the target frame's first: <s>, or GPT-2's <|endoftext|>), its eos; its mask (-1: none)."""
+    before, _ = specials.target
+    start = before[0] if before else (specials.bos if specials.bos is not None else specials.pad_id)
+    return {
+        "pad_id": specials.pad_id,
+        "bos_id": start,
+        "eos_id": specials.eos if specials.eos is not None else specials.pad_id,
+        "mask_id": specials.mask if specials.mask is not None else -1,
+    }
+
+
+def local_tokenizer(
+    data_dir: str, fetch: remote.FetchConfig | None, sha256: str, name: str
+) -> Path:
+    """The dataset's tokenizer file `name` (the one that fixes its ids) as a local path, fetched
+    through the shard cache when data_dir is a URL, checked against the manifest's sha256."""
+    return Path(remote.local_file(remote.join(data_dir, name), fetch, sha256=sha256))
 
 
 def data_fits_model(
@@ -82,16 +109,19 @@ def longest_input(
     """The most positions an input of `task`'s training splits takes; None if there are no samples.
     A recorded bound that needs at most `bound_ok` positions is answer enough (no shard is read)."""
     dataset = DATASET_FOR_TASK[task]
+    specials = dataset_specials(manifest)
     record = manifest.get("datasets", {}).get(dataset, {})
     if dataset == "packed" and isinstance(record.get("seq_len"), int):
         seq_len = record["seq_len"]
         return LongestInput(
-            input_positions(task, {"input_ids": seq_len})["input_ids"],
+            input_positions(task, {"input_ids": seq_len}, specials)["input_ids"],
             f"packed blocks of seq_len {seq_len}",
         )
     max_tokens = ((manifest.get("config") or {}).get("translation") or {}).get("max_tokens")
     if dataset == "translation" and isinstance(max_tokens, int):
-        bound = max(input_positions(task, {name: max_tokens for name in FIELDS[dataset]}).values())
+        bound = max(
+            input_positions(task, {name: max_tokens for name in FIELDS[dataset]}, specials).values()
+        )
         if bound <= bound_ok:
             return LongestInput(
                 bound, f"pairs of at most translation.max_tokens={max_tokens} tokens a side"
@@ -99,7 +129,9 @@ def longest_input(
     stored = _longest_stored(data_dir, manifest, task)
     if not stored:
         return None
-    positions = input_positions(task, {name: length for name, (length, _) in stored.items()})
+    positions = input_positions(
+        task, {name: length for name, (length, _) in stored.items()}, specials
+    )
     name = max(positions, key=positions.get)
     length, split = stored[name]
     return LongestInput(
@@ -112,17 +144,20 @@ _MODEL_INPUT = {"input_ids": "input_ids", "src_ids": "src_ids", "tgt_ids": "deco
 _SIDE = {"input_ids": "block", "src_ids": "source", "tgt_ids": "target"}
 
 
-def input_positions(task: str, lengths: dict[str, int]) -> dict[str, int]:
+def input_positions(task: str, lengths: dict[str, int], specials: Specials) -> dict[str, int]:
     """The positions of the model input each stored field of a sample becomes, for arrays of these
-    lengths. Asked of the code that builds the inputs, the collation (`pipeline.load.collate`: </s>
-    after a source, <s> + target + </s>) and the task (`launch.tasks`: the decoder reads the target
-    without its last token), so that what they add or drop is counted in one place: theirs."""
+    lengths. Asked of the code that builds the inputs, the collation (`pipeline.load.collate`: the
+    tokenizer's frames around a source and a target) and the task (`launch.tasks`: the decoder
+    reads the target without its last token), so that what they add or drop is counted in one
+    place: theirs."""
     dataset = DATASET_FOR_TASK[task]
     collated_as = "causal_lm" if dataset == "packed" else task  # MLM's masking changes no length
     # not doc_starts: no input of its own
     token_fields = [name for name in FIELDS[dataset] if name in _MODEL_INPUT]
-    sample = [np.full(lengths[name], FIRST_ORDINARY_ID, dtype=np.int64) for name in token_fields]
-    inputs = TASKS[collated_as].model_inputs(unpack(collated_as, pack(collated_as, [sample])))
+    # any id stands for a token here: only the lengths count
+    sample = [np.full(lengths[name], specials.pad_id, dtype=np.int64) for name in token_fields]
+    packed = pack(collated_as, [sample], specials)
+    inputs = TASKS[collated_as].model_inputs(unpack(collated_as, packed))
     return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in token_fields}
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from model import ModelConfig, ModelOutput, training_flops
 from model.loss import IGNORE_INDEX
-from pipeline.format import DATASET_FOR_TASK, PAD_ID
+from pipeline.format import DATASET_FOR_TASK
 
 Batch = dict[str, torch.Tensor]
 # Inputs whose length follows the batch's content, not its shape (BERT's count of masked
@@ -74,7 +74,8 @@ def _translation_inputs(batch: Batch) -> Batch:
     return {
         "src_ids": batch["src_ids"],
         "src_mask": batch["src_mask"],
-        "decoder_input_ids": tgt[:, :-1].masked_fill(decoder_mask == 0, PAD_ID),  # drops the </s>
+        # drops the </s>; what stands in its place is never read (masked, not scored)
+        "decoder_input_ids": tgt[:, :-1].masked_fill(decoder_mask == 0, 0),
         "decoder_mask": decoder_mask,
         "labels": tgt[:, 1:].masked_fill(decoder_mask == 0, IGNORE_INDEX),
     }

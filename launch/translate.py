@@ -57,13 +57,13 @@ def translate_lines(
             sources = []
             for offset, ids in enumerate(encoded):
                 if ids:
-                    src, cut = source_ids(ids, ckpt.max_source_tokens)
+                    src, cut = source_ids(ids, ckpt.max_source_tokens, ckpt.specials)
                     sources.append(src)
                     if cut:
                         counts["truncated"] += 1
                         print(
                             f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
-                            f"limit of {ckpt.max_source_tokens} (+ </s>)",
+                            f"limit of {ckpt.max_source_tokens} (+ the source frame)",
                             file=err,
                             flush=True,
                         )

@@ -103,11 +103,13 @@ class ModelConfig:
     # embedding matrix (Press & Wolf 2017); false: a matrix of its own (Llama 2's untied head).
     tie_embeddings: bool = True
     init_std: float = 0.02  # std of the normal initialisation of the weights
-    # Reserved ids of pipeline/format.py's tokenizers.
+    # The special ids of the dataset's tokenizer, set from it by the trainer (the defaults are
+    # those of the project's SentencePiece layout): padding (masked out wherever it is read), a
+    # decoder's first token, the end of a text, and MLM's mask (-1: the tokenizer has none).
     pad_id: int = 0
-    bos_id: int = 2  # `<s>`
-    eos_id: int = 3  # `</s>`
-    mask_id: int = 4  # `<mask>`
+    bos_id: int = 2
+    eos_id: int = 3
+    mask_id: int = 4
     encoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
     decoder: StackConfig = field(default_factory=StackConfig)  # seq2seq only
 
@@ -164,7 +166,7 @@ class ModelConfig:
         for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
             value = getattr(self, name)
             _check(
-                0 <= value < self.vocab_size,
+                0 <= value < self.vocab_size or (name == "mask_id" and value == -1),
                 f"{name}={value}: outside the vocabulary [0, {self.vocab_size})",
             )
         _check(

@@ -17,10 +17,10 @@ import numpy as np
 
 from common.configure import UserError
 from pipeline import remote
+from pipeline.tokenizer import KINDS, SENTENCEPIECE_FILE, Specials, Tokenizer, tokenizer_from_files
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 SPLITS = ("train", "valid", "test")
 
 # Task -> the shard set that serves it: causal_lm and mlm read the same packed
@@ -43,9 +43,34 @@ BATCH_FIELDS = {
     "translation": ("src_ids", "src_mask", "tgt_ids", "tgt_mask"),
 }
 
-# Reserved ids, the same in every tokenizer this project trains.
-SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>", "<sep>")
-PAD_ID, UNK_ID, BOS_ID, EOS_ID, MASK_ID, SEP_ID = range(len(SPECIAL_TOKENS))
+
+def tokenizer_files(manifest: dict) -> list[str]:
+    """The dataset's tokenizer files, relative to it, the one that fixes its ids (and whose sha256
+    the manifest records) first: `tokenizer.model`, or a Hugging Face tokenizer's `tokenizer.json`
+    and the files that name its special tokens."""
+    tokenizer = manifest["tokenizer"]
+    main = tokenizer.get("file", SENTENCEPIECE_FILE)
+    return [main, *(name for name in tokenizer.get("files", ()) if name != main)]
+
+
+def dataset_tokenizer(data_dir: str | os.PathLike, manifest: dict, fetch=None) -> Tokenizer:
+    """The dataset's tokenizer (at a URL too), its file checked against the manifest's sha256."""
+    names = tokenizer_files(manifest)
+    files = {name: remote.read_bytes(remote.join(data_dir, name), fetch) for name in names}
+    actual = hashlib.sha256(files[names[0]]).hexdigest()
+    if actual != manifest["tokenizer"]["sha256"]:
+        raise UserError(
+            f"{remote.join(data_dir, names[0])}: sha256 {actual[:12]}... differs from the "
+            f"manifest's {manifest['tokenizer']['sha256'][:12]}...: not the tokenizer the shards "
+            "were made with"
+        )
+    tags = list(manifest["tokenizer"].get("lang_tags") or ())
+    return tokenizer_from_files(files, str(remote.join(data_dir, names[0])), tags)
+
+
+def dataset_specials(manifest: dict) -> Specials:
+    """The special ids and frames of the dataset's tokenizer, as prepare recorded them."""
+    return Specials.from_manifest(manifest["tokenizer"])
 
 
 def sample_key(bucket: int, index: int) -> str:
@@ -119,6 +144,8 @@ def _manifest_problem(manifest) -> str | None:
     for key in ("sha256", "vocab_size"):
         if key not in tokenizer:
             return f"the tokenizer record has no {key}"
+    if tokenizer.get("kind", KINDS[0]) not in KINDS:
+        return f"the tokenizer's kind {tokenizer['kind']!r} is not one of {', '.join(KINDS)}"
     sha256 = tokenizer["sha256"]
     if not (
         isinstance(sha256, str)

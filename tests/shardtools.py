@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.format import EOS_ID, FORMAT_VERSION, MANIFEST, sample_key, shard_name, write_shard
+from pipeline.format import FORMAT_VERSION, MANIFEST, sample_key, shard_name, write_shard
+from pipeline.tokenizer import sentencepiece_specials
+
+SP = sentencepiece_specials()  # the project's SentencePiece layout
 
 FIRST_ID = 100  # ids below it are never sample ids, so the reserved ids stay free
 VOCAB_SIZE = 4096
@@ -25,7 +28,7 @@ TOKENIZER_SHA256 = hashlib.sha256(TOKENIZER_BYTES).hexdigest()
 
 def _packed_sample(uid: int, seq_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     ids = rng.integers(FIRST_ID, VOCAB_SIZE, size=seq_len)
-    ids[rng.random(seq_len) < 0.1] = EOS_ID
+    ids[rng.random(seq_len) < 0.1] = SP.eos
     ids[0] = FIRST_ID + uid
     return {"input_ids": ids.astype(np.uint16)}
 

@@ -57,7 +57,7 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
         )
     out = Path(cfg.out or directory / f"lm_eval-{cfg.split}.json")
     check_writable_dir(out.absolute().parent, "out")
-    texts = held_out_texts(data_dir, cfg.split, file_sha256(directory / "tokenizer.model"))
+    texts = held_out_texts(data_dir, cfg.split, export_tokenizer_sha256(directory, data_dir))
 
     import torch  # after the checks: --help and bad input answer without torch's import
 
@@ -109,15 +109,25 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     return record
 
 
+def export_tokenizer_sha256(directory: Path, data_dir: str) -> str:
+    """The sha256 of the export's copy of the dataset's tokenizer file (its tokenizer.model or
+    tokenizer.json, whichever the dataset's manifest names), or "missing"."""
+    from pipeline.format import read_manifest, tokenizer_files
+
+    mine = directory / tokenizer_files(read_manifest(data_dir))[0]
+    return file_sha256(mine) if mine.is_file() else "missing"
+
+
 def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
     """(ours | hf, the export's provenance) for an exported GPT directory; UserError, one line,
     for anything else: no export, a BERT or translation model, a format that is not the directory's."""
     if fmt not in FORMATS:
         raise UserError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
-    from launch.export import CONFIG, PROVENANCE, TOKENIZER, read_json
+    from launch.export import CONFIG, PROVENANCE, read_json
+    from pipeline.tokenizer import tokenizer_file_in
 
     config_file = directory / CONFIG
-    if not config_file.is_file() or not (directory / TOKENIZER).is_file():
+    if not config_file.is_file() or not tokenizer_file_in(directory).is_file():
         raise UserError(
             f"{directory} is not an exported model directory with its tokenizer (run launch.export)"
         )
@@ -139,12 +149,13 @@ def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
 
 def load_lm(directory: Path, fmt: str, batch_size: int, device: str):
     """Our `OurLM` over our export, lm-eval's `HFLM` over a Hugging Face one, both on `device` in
-    float32 and conditioning an empty context on </s>, as our GPT was trained. HFLM's logits cache
+    float32 and conditioning an empty context on the token a document follows in training
+    (`Specials.document_prefix`: ours </s>). HFLM's logits cache
     is off: it shares one forward among requests whose context + continuation[:-1] are the same
     tokens, and lm-eval 0.4.13 then reads a shorter continuation's scores at the longer one's
     positions (lm-eval#2984 fixed the greedy flag only). Our cloze and choice requests of one
     document are such pairs: the cache gave the cloze target wrong log-likelihoods."""
-    from pipeline.format import EOS_ID
+    from pipeline.tokenizer import load_tokenizer
 
     if fmt == "ours":
         from launch.lm_eval.ours import OurLM
@@ -161,7 +172,7 @@ def load_lm(directory: Path, fmt: str, batch_size: int, device: str):
             device=device,
             dtype="float32",
             batch_size=batch_size,
-            prefix_token_id=EOS_ID,
+            prefix_token_id=load_tokenizer(directory).specials.document_prefix,
             logits_cache=False,
         )
     # a truncated model.safetensors, a pytorch_model.bin the weights-only load refuses, ...

@@ -4,8 +4,10 @@ A `TemplateLM`, so lm-eval itself splits each (context, continuation) into token
 for its `HFLM` (the whole text encoded, the context's tokens cut off the front); the same
 requests through `HFLM` over our Hugging Face export give the same log-likelihoods
 (tests/launch/test_lm_eval.py). An empty context, and each rolling window's first token, is
-conditioned on </s>: in training every document follows the previous one's </s>, never <s>
-(`pipeline.prepare.work._Packer`), so </s> is also the `prefix_token_id` HFLM is given for our exports.
+conditioned on the token every document follows in training (`pipeline.prepare.work._Packer`):
+the last of its tokenizer's document prefix (Llama's <s>), else the end of the previous
+document (ours </s>, GPT-2's <|endoftext|>); it is also the `prefix_token_id` HFLM is given for
+our exports.
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ from lm_eval.models.utils import (
 )
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from pipeline.format import EOS_ID, PAD_ID
-from pipeline.tokenizer import load_tokenizer
+from pipeline.tokenizer import Tokenizer, load_tokenizer
 
 
 @register_model("pretrain-pipeline")
 class OurLM(TemplateLM):
-    """A GPT in memory with the SentencePiece model file it was trained with (`from_export`:
-    an exported directory of ours, `launch.export`)."""
+    """A GPT in memory with the tokenizer it was trained with (a tokenizer file or a directory
+    holding one; `from_export`: an exported directory of ours, `launch.export`)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: str | Path,
+        tokenizer: Tokenizer | str | Path,
         batch_size: int | str = 16,
         device: str | torch.device | None = None,
         max_gen_toks: int = 64,
@@ -44,7 +45,9 @@ class OurLM(TemplateLM):
         if model.cfg.arch != "gpt":
             raise ValueError(f"OurLM scores causal language models; this one is {model.cfg.arch}")
         self.model = model
-        self.sp = load_tokenizer(tokenizer)
+        self.tokenizer = (
+            tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        )
         self.batch_size_per_rank = int(batch_size)
         self.max_gen_toks = max_gen_toks
         self._device = torch.device(device) if device else next(model.parameters()).device
@@ -54,10 +57,10 @@ class OurLM(TemplateLM):
     @classmethod
     def from_export(cls, directory: str | Path, **kwargs) -> "OurLM":
         """The GPT of an exported directory with the tokenizer beside it."""
-        from launch.export import TOKENIZER, load_model_dir
+        from launch.export import load_model_dir
 
         model, _ = load_model_dir(directory)
-        return cls(model, Path(directory) / TOKENIZER, **kwargs)
+        return cls(model, directory, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "OurLM":
@@ -81,11 +84,11 @@ class OurLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return EOS_ID
+        return self.tokenizer.specials.document_end
 
     @property
     def prefix_token_id(self) -> int:
-        return EOS_ID
+        return self.tokenizer.specials.document_prefix
 
     @property
     def max_length(self) -> int:
@@ -98,10 +101,11 @@ class OurLM(TemplateLM):
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs
     ) -> list[int]:
-        return self.sp.encode(string)  # no <s> or </s>: as the pipeline encodes documents
+        # nothing added: the pipeline frames documents itself
+        return self.tokenizer.encode(string)
 
     def tok_decode(self, tokens: list[int]) -> str:
-        return self.sp.decode(tokens)
+        return self.tokenizer.decode(tokens)
 
     @torch.no_grad()
     def _loglikelihood_tokens(
@@ -127,7 +131,7 @@ class OurLM(TemplateLM):
                     (requests[i][1] + requests[i][2])[-(self.max_length + 1) :][:-1] for i in batch
                 ]
                 width = max(map(len, inputs))
-                ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+                ids = torch.full((len(batch), width), self.model.cfg.pad_id, dtype=torch.long)
                 mask = torch.zeros((len(batch), width), dtype=torch.long)
                 for row, tokens in enumerate(inputs):
                     ids[row, : len(tokens)] = torch.tensor(tokens)
@@ -185,11 +189,12 @@ class OurLM(TemplateLM):
             new = self.model.generate(
                 torch.tensor([ids], device=self.device),
                 max_new_tokens=max_gen_toks,
-                eos_id=EOS_ID,
+                eos_id=self.eot_token_id,
                 do_sample=do_sample,
                 **(sampling if do_sample else {}),
             )
             tokens = new[0, len(ids) :].tolist()
-            tokens = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
+            end = self.eot_token_id
+            tokens = tokens[: tokens.index(end)] if end in tokens else tokens
             outputs.append(postprocess_generated_text(self.tok_decode(tokens), until, None))
         return outputs

@@ -27,8 +27,13 @@ from typing import Callable
 from common.configure import UserError
 from common.hashing import file_sha256
 from pipeline import remote
-from pipeline.format import EOS_ID, decode_array, read_manifest, shard_entries
-from pipeline.tokenizer import load_tokenizer
+from pipeline.format import (
+    dataset_specials,
+    dataset_tokenizer,
+    decode_array,
+    read_manifest,
+    shard_entries,
+)
 
 TASKS = ("cloze", "choice")
 DISTRACTORS = 3
@@ -79,15 +84,14 @@ def held_out_texts(
                     streams[stream].append(
                         (key, decode_array(tar.extractfile(member).read()).tolist())
                     )
-    tokenizer = load_tokenizer(
-        Path(remote.local_file(remote.join(data_dir, manifest["tokenizer"]["file"])))
-    )
+    tokenizer = dataset_tokenizer(data_dir, manifest)
+    end = dataset_specials(manifest).document_end
     texts = []
     for blocks in streams.values():
         ids = [token for _, block in sorted(blocks) for token in block]
         document: list[int] = []
-        for token in ids:  # what follows the last </s> is a cut document: left out
-            if token == EOS_ID:
+        for token in ids:  # what follows the last document's end is a cut document: left out
+            if token == end:
                 text = tokenizer.decode(document).strip()
                 if text:
                     texts.append(text)

@@ -27,7 +27,7 @@ from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
 from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
-from launch.preconditions import data_fits_model, with_data_vocabulary
+from launch.preconditions import data_fits_model, with_data_tokenizer
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
 from launch.preflight.report import DataInfo, PlannedData, Report, World, render
@@ -181,7 +181,9 @@ def resolve_model_config(
         )
         return None
     if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
-        model_cfg, problem = with_data_vocabulary(model_cfg, data_vocab, cfg.data.data_dir)
+        model_cfg, problem = with_data_tokenizer(
+            model_cfg, data_vocab, data.specials, cfg.data.data_dir
+        )
         if problem:
             report.problem("model.vocab_size", problem.removeprefix("model.vocab_size="))
     try:

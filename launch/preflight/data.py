@@ -12,7 +12,13 @@ from launch.config import TrainConfig
 from launch.preflight.report import SHOWN_SHARDS, DataInfo, PlannedData, Report
 from launch.tasks import Task
 from pipeline import remote
-from pipeline.format import TOKENIZER_FILE, ManifestError, read_manifest, shard_entries
+from pipeline.format import (
+    ManifestError,
+    dataset_specials,
+    read_manifest,
+    shard_entries,
+    tokenizer_files,
+)
 from pipeline.load.epoch import DEFAULT_SOURCE
 
 
@@ -34,9 +40,12 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         return None
     tokenizer = manifest.get("tokenizer") or {}
     info = DataInfo(
-        vocab_size=tokenizer.get("vocab_size"), tokenizer_sha256=tokenizer.get("sha256")
+        vocab_size=tokenizer.get("vocab_size"),
+        tokenizer_sha256=tokenizer.get("sha256"),
+        specials=dataset_specials(manifest),
     )
-    tokenizer_file = remote.join(data_dir, TOKENIZER_FILE)
+    name = tokenizer_files(manifest)[0]
+    tokenizer_file = remote.join(data_dir, name)
     tokenizer_state = "missing"
     if url:
         try:
@@ -63,7 +72,7 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
     else:
         tokenizer_state = "sha256 matches the manifest"
     report.facts["dataset"] = (
-        f"{data_dir}: manifest readable; {TOKENIZER_FILE} {tokenizer_state}, vocabulary {info.vocab_size}"
+        f"{data_dir}: manifest readable; {name} {tokenizer_state}, vocabulary {info.vocab_size}"
     )
     if task is None:
         return info

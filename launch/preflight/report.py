@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model import ModelConfig
+from pipeline.tokenizer import Specials
 
 SHOWN_SHARDS = 3  # shard names quoted per problem line; the count says how many in all
 
@@ -64,6 +65,7 @@ class DataInfo:
 
     vocab_size: int | None = None
     tokenizer_sha256: str | None = None
+    specials: Specials | None = None  # its tokenizer's special ids (None: not known yet)
     # split -> samples of the task's shard set
     samples: dict[str, int] = field(default_factory=dict)
     # split -> tokens stored (translation: source + target)

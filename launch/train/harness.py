@@ -14,8 +14,8 @@ import functools
 import torch
 
 from launch.train.state import Run
-from pipeline import remote
-from pipeline.format import TOKENIZER_FILE
+from pipeline.format import dataset_tokenizer, read_manifest
+from pipeline.tokenizer import Tokenizer
 
 
 def due(run: Run) -> bool:
@@ -29,9 +29,7 @@ def lm_eval_metrics(run: Run) -> dict[str, float]:
     from launch.lm_eval.score import flat_metrics, score
 
     cfg = run.cfg
-    tokenizer = remote.local_file(
-        remote.join(cfg.data.data_dir, TOKENIZER_FILE), sha256=run.data.tokenizer_sha256
-    )
+    tokenizer = _tokenizer(cfg.data.data_dir, run.data.tokenizer_sha256)
     # where the engine put it
     lm = OurLM(run.engine.module, tokenizer, batch_size=cfg.data.micro_batch_size)
     results = score(
@@ -42,6 +40,12 @@ def lm_eval_metrics(run: Run) -> dict[str, float]:
         seed=cfg.seed,
     )
     return flat_metrics(results)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(data_dir: str, tokenizer_sha256: str) -> Tokenizer:
+    """The dataset's tokenizer (its sha256 in the key: the one the run checked at start)."""
+    return dataset_tokenizer(data_dir, read_manifest(data_dir))
 
 
 @functools.lru_cache(maxsize=2)

@@ -22,7 +22,7 @@ from launch.deepspeed.config import deepspeed_config
 from launch.deepspeed.engine import Engine
 from launch.metrics import peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
-from launch.preconditions import data_fits_model, with_data_vocabulary
+from launch.preconditions import data_fits_model, local_tokenizer, with_data_tokenizer
 from launch.stop import StopRequested, stoppable
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id
@@ -32,7 +32,13 @@ from launch.train.state import Data, Run
 from model import ModelConfig, Pretrained, build_model
 from model.warm_start import warm_start
 from pipeline import remote
-from pipeline.format import MANIFEST, TOKENIZER_FILE, ManifestError, read_manifest
+from pipeline.format import (
+    MANIFEST,
+    ManifestError,
+    dataset_specials,
+    read_manifest,
+    tokenizer_files,
+)
 from pipeline.load.epoch import describe_mixture
 from pipeline.load.loader import ShardLoader
 
@@ -49,7 +55,7 @@ def setup(cfg: TrainConfig) -> Run:
     cfg = replace(cfg, grad_accum=plan.grad_accum)
     with stoppable():  # every rank reads the manifest, before there is a process group to leave
         data = open_data(cfg, task, denv)
-    cfg = replace(cfg, model=resolve_model_config(cfg.model, data.vocab_size, cfg.data.data_dir))
+    cfg = replace(cfg, model=resolve_model_config(cfg.model, data, cfg.data.data_dir))
     dist.init_process_group(denv, cfg.dist_timeout_s)
     tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
@@ -67,7 +73,7 @@ def setup(cfg: TrainConfig) -> Run:
         cfg,
         task,
         plan,
-        data.tokenizer_sha256,
+        data,
         denv,
         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from),
     )
@@ -141,10 +147,11 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         raise UserError(problem)
     tokenizer = manifest["tokenizer"]
     sha256 = tokenizer["sha256"]
+    specials = dataset_specials(manifest)
     if not remote.is_url(cfg.data.data_dir):
         # The file training copies into run_dir, checked here, before anything is built or
         # written (a URL's is checked as it is fetched).
-        remote.local_file(Path(cfg.data.data_dir) / TOKENIZER_FILE, sha256=sha256)
+        remote.local_file(Path(cfg.data.data_dir) / tokenizer_files(manifest)[0], sha256=sha256)
     train = ShardLoader.from_config(
         cfg.data,
         task.name,
@@ -179,12 +186,15 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         int(tokenizer["vocab_size"]),
         sha256,
         hashlib.sha256(manifest_bytes).hexdigest(),
+        specials,
+        tuple(tokenizer_files(manifest)),
     )
 
 
-def resolve_model_config(model_cfg: ModelConfig, vocab_size: int, data_dir: str) -> ModelConfig:
-    """The model config with the data's vocabulary size (`vocab_size: 0` asks for it)."""
-    model_cfg, problem = with_data_vocabulary(model_cfg, vocab_size, data_dir)
+def resolve_model_config(model_cfg: ModelConfig, data: Data, data_dir: str) -> ModelConfig:
+    """The model config with the data's vocabulary size (`vocab_size: 0` asks for it) and the
+    special ids of its tokenizer."""
+    model_cfg, problem = with_data_tokenizer(model_cfg, data.vocab_size, data.specials, data_dir)
     if problem:
         raise UserError(problem)
     return model_cfg
@@ -194,7 +204,7 @@ def build_engine(
     cfg: TrainConfig,
     task: Task,
     plan: BatchPlan,
-    tokenizer_sha256: str,
+    data: Data,
     denv: dist.DistEnv,
     *,
     load_universal: bool = False,
@@ -204,13 +214,13 @@ def build_engine(
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     try:
         if _warm_starts(cfg, task):
-            model = _warm_start(cfg, tokenizer_sha256, denv.is_main)
+            model = _warm_start(cfg, data.tokenizer_sha256, denv.is_main)
         elif cfg.init.model:
             from launch import init_model
 
             fetch = remote.FetchConfig.from_loader_config(cfg.data)
-            dataset_tokenizer = remote.local_file(
-                remote.join(cfg.data.data_dir, TOKENIZER_FILE), fetch, sha256=tokenizer_sha256
+            dataset_tokenizer = local_tokenizer(
+                cfg.data.data_dir, fetch, data.tokenizer_sha256, data.tokenizer_files[0]
             )
             model = init_model.load(cfg, dataset_tokenizer)
         else:
@@ -340,17 +350,17 @@ def open_run_dir(
             )
         save_config(cfg, run_dir / "config.yaml")
         fetch = remote.FetchConfig.from_loader_config(cfg.data)
-        # The dataset's tokenizer (through the shard cache when data_dir is a URL), checked
-        # against the manifest's sha256.
+        # The dataset's tokenizer files (through the shard cache when data_dir is a URL), the
+        # one that fixes its ids checked against the manifest's sha256.
         with stoppable():
+            main, *others = data.tokenizer_files
             shutil.copyfile(
-                remote.local_file(
-                    remote.join(cfg.data.data_dir, TOKENIZER_FILE),
-                    fetch,
-                    sha256=data.tokenizer_sha256,
-                ),
-                run_dir / TOKENIZER_FILE,
+                local_tokenizer(cfg.data.data_dir, fetch, data.tokenizer_sha256, main),
+                run_dir / main,
             )
+            for name in others:
+                local = remote.local_file(remote.join(cfg.data.data_dir, name), fetch)
+                shutil.copyfile(local, run_dir / name)
 
     _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")

@@ -12,6 +12,7 @@ from launch.tasks import Task
 from launch.tracking import Tracker
 from launch.train.guard import Guard
 from pipeline.load.loader import ShardLoader
+from pipeline.tokenizer import Specials
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Data:
     tokenizer_sha256: str
     # sha256 of manifest.json: the dataset's fingerprint (W&B's summary, exports' provenance)
     manifest_sha256: str = ""
+    specials: Specials = field(default_factory=Specials)  # the tokenizer's special ids and frames
+    tokenizer_files: tuple[str, ...] = ()  # its files in the dataset, copied into the run directory
 
 
 @dataclass

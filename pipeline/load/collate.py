@@ -22,31 +22,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.format import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+from pipeline.tokenizer import Specials
 
 
 def pack(
     task: str,
     samples: list[list[np.ndarray]],
+    specials: Specials,
     mlm_masking: MLMMasking | None = None,
     generators: list[torch.Generator] | None = None,
     document_mask: bool = False,
 ) -> dict[str, np.ndarray]:
     """A micro batch of decoded samples (one list of field arrays each: input_ids, and
-    doc_starts with `document_mask`) as numpy arrays; MLM draws each sample's mask from its own
-    generator, so a mask depends on that seed alone."""
+    doc_starts with `document_mask`) as numpy arrays, padded with the dataset's pad id (a pair
+    framed as its tokenizer frames a source and a target); MLM draws each sample's mask from its
+    own generator, so a mask depends on that seed alone."""
     if task == "translation":
-        return _pack_translation([(src, tgt) for src, tgt in samples])
+        return _pack_translation([(src, tgt) for src, tgt in samples], specials)
+    pad = specials.pad_id
     if document_mask:
         blocks, doc_starts = zip(*samples)
-        ids, lengths = _stack(list(blocks))
+        ids, lengths = _stack(list(blocks), pad)
         packed = {
             "ids": ids,
             "lengths": lengths,
             "document_ids": _document_ids(doc_starts, ids.shape[1]),
         }
     else:
-        ids, lengths = _stack([ids for (ids,) in samples])
+        ids, lengths = _stack([ids for (ids,) in samples], pad)
         packed = {"ids": ids, "lengths": lengths}
     if task == "causal_lm":
         return packed
@@ -76,18 +79,20 @@ def unpack(task: str, packed: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 class MLMMasking:
     """BERT's masking (Devlin et al. 2019, section 3.1): select `probability` of the real,
-    non-special tokens; of those, `mask_fraction` become <mask>, `random_fraction` a random
-    non-special token, the rest stay as they are."""
+    non-special tokens; of those, `mask_fraction` become the mask token (`mask_id`),
+    `random_fraction` a random non-special token, the rest stay as they are."""
 
     def __init__(
         self,
         vocab_size: int,
         special_ids: list[int],
+        mask_id: int,
         probability: float,
         mask_fraction: float,
         random_fraction: float,
     ):
         self.special_ids = torch.tensor(sorted(special_ids), dtype=torch.long)
+        self.mask_id = mask_id
         keep = np.ones(vocab_size, dtype=bool)
         keep[[i for i in special_ids if i < vocab_size]] = False
         self.replacement_ids = torch.from_numpy(np.flatnonzero(keep))
@@ -120,28 +125,33 @@ class MLMMasking:
             & (action >= self.mask_fraction)
             & (action < self.mask_fraction + self.random_fraction)
         )
-        masked = torch.where(to_mask, torch.full_like(original, MASK_ID), original)
+        masked = torch.where(to_mask, torch.full_like(original, self.mask_id), original)
         masked = torch.where(to_random, random_ids, masked)
         return {"ids": masked.numpy(), "original_ids": ids, "masked_positions": selected.numpy()}
 
 
-def _pack_translation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+def _pack_translation(
+    pairs: list[tuple[np.ndarray, np.ndarray]], specials: Specials
+) -> dict[str, np.ndarray]:
+    (src_before, src_after), (tgt_before, tgt_after) = specials.source, specials.target
     src, src_lengths = _stack(
-        [np.concatenate([src, [EOS_ID]]).astype(src.dtype) for src, _ in pairs]
+        [np.concatenate([src_before, src, src_after]).astype(src.dtype) for src, _ in pairs],
+        specials.pad_id,
     )
     tgt, tgt_lengths = _stack(
-        [np.concatenate([[BOS_ID], tgt, [EOS_ID]]).astype(tgt.dtype) for _, tgt in pairs]
+        [np.concatenate([tgt_before, tgt, tgt_after]).astype(tgt.dtype) for _, tgt in pairs],
+        specials.pad_id,
     )
     return {"src_ids": src, "src_lengths": src_lengths, "tgt_ids": tgt, "tgt_lengths": tgt_lengths}
 
 
-def _stack(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(B, T) ids padded with <pad> to the longest, and the (B,) lengths."""
+def _stack(sequences: list[np.ndarray], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B, T) ids padded with `pad` to the longest, and the (B,) lengths."""
     lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
     longest = int(lengths.max())
     if (lengths == longest).all():  # packed blocks: all of one length
         return np.stack(sequences), lengths
-    ids = np.full((len(sequences), longest), PAD_ID, dtype=np.result_type(*sequences))
+    ids = np.full((len(sequences), longest), pad, dtype=np.result_type(*sequences))
     # row by row, each row's start
     ids[np.arange(longest) < lengths[:, None]] = np.concatenate(sequences)
     return ids, lengths

@@ -22,6 +22,7 @@ from pipeline.format import is_token_field
 from pipeline.load.collate import MLMMasking, pack
 from pipeline.load.config import global_batch_size
 from pipeline.load.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
+from pipeline.tokenizer import Specials
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
@@ -76,6 +77,7 @@ class _EpochBatches(IterableDataset):
         num_batches: int,
         first_batch: int,
         vocab_size: int,
+        specials: Specials,
         mlm_masking: MLMMasking | None,
         stored_fields: tuple[str, ...],
         fields: tuple[str, ...],
@@ -90,7 +92,7 @@ class _EpochBatches(IterableDataset):
         self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.num_batches, self.first_batch = num_batches, first_batch
-        self.vocab_size = vocab_size
+        self.vocab_size, self.specials = vocab_size, specials
         self.mlm_masking = mlm_masking
         self._passes: dict[tuple[int, int], tuple[list[Shard], np.ndarray]] = {}
         self._layout: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
@@ -223,7 +225,12 @@ class _EpochBatches(IterableDataset):
             else None
         )
         return pack(
-            self.task, samples, self.mlm_masking, generators, document_mask=self.document_mask
+            self.task,
+            samples,
+            self.specials,
+            self.mlm_masking,
+            generators,
+            document_mask=self.document_mask,
         )
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.format import MANIFEST, SPECIAL_TOKENS, read_manifest, shard_entries
+from pipeline.format import MANIFEST, dataset_specials, read_manifest, shard_entries
 from pipeline.load.collate import MLMMasking, unpack
 from pipeline.load.config import LoaderConfig, global_batch_size
 from pipeline.load.epoch import (
@@ -134,14 +134,12 @@ class ShardLoader:
         # set by `close` for the workers: see `_worker_lifetime`
         self._closing: torch.Tensor | None = None
         self.vocab_size = int(tokenizer["vocab_size"])
-        # The reserved ids are special in every tokenizer of this project, whatever the list says.
-        special_ids = sorted(
-            set(range(len(SPECIAL_TOKENS))) | set(tokenizer.get("special_ids", []))
-        )
+        self.specials = dataset_specials(manifest)
         self.mlm_masking = (
             MLMMasking(
                 self.vocab_size,
-                special_ids,
+                sorted(set(self.specials.ids) | set(tokenizer.get("special_ids", []))),
+                self.specials.require("mask", "MLM (task mlm)"),
                 mlm_probability,
                 mlm_mask_fraction,
                 mlm_random_fraction,
@@ -280,6 +278,7 @@ class ShardLoader:
             grad_accum=self.grad_accum,
             num_batches=self._num_batches,
             vocab_size=self.vocab_size,
+            specials=self.specials,
             mlm_masking=self.mlm_masking,
             stored_fields=self.stored_fields,
             fields=self.fields,

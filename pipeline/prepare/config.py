@@ -71,9 +71,14 @@ class SplitConfig:
 
 @dataclass
 class TokenizerConfig:
-    # Reuse an existing SentencePiece model instead of training one (fine-tuning data must
-    # be made with the pretraining tokenizer).
-    model_path: str = ""
+    # A given tokenizer instead of a trained one: a SentencePiece .model of the project's layout
+    # (a pretraining dataset's, so that fine-tuning data shares its ids), or a Hugging Face
+    # tokenizer.json or tokenizer/model directory (GPT-2, Llama, BERT, a group's own); its kind is
+    # read from it. "" = train one with `kind`'s library.
+    path: str = ""
+    # The library that trains the tokenizer when no path is given: sentencepiece (model_type
+    # unigram | bpe) | hf (the tokenizers library: model_type bpe, a byte-level BPE as GPT-2's).
+    kind: str = "sentencepiece"
     model_type: str = "unigram"  # unigram | bpe
     vocab_size: int = 8000  # requested size; a small corpus may give fewer pieces
     # SentencePiece: fraction of characters the vocabulary covers

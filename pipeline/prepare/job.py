@@ -46,7 +46,6 @@ from pipeline.format import (
     MANIFEST,
     SPLITS,
     TASKS,
-    TOKENIZER_FILE,
 )
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.memory import available_bytes, estimate_worker_memory
@@ -61,8 +60,8 @@ from pipeline.prepare.sources import (
     source_where,
     stream_chunks,
 )
-from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
-from pipeline.tokenizer import processor_from_bytes, tokenizer_info
+from pipeline.prepare.train_tokenizer import BottomKSample, train
+from pipeline.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
@@ -81,13 +80,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         units.extend(
             plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
         )
-    given_model = None
-    if cfg.tokenizer.model_path:
-        path = Path(cfg.tokenizer.model_path)
-        if not path.is_file():
-            raise UserError(f"tokenizer.model_path: file not found: {path}")
-        given_model = path.read_bytes()
-        processor_from_bytes(given_model, source=str(path))
+    given = given_tokenizer(cfg)
     log = (
         (lambda msg: print(msg, file=sys.stderr, flush=True))
         if cfg.progress
@@ -121,7 +114,7 @@ def prepare(cfg: PrepareConfig) -> dict:
                 )
                 + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
             )
-            manifest = _build(cfg, files, units, given_model, staging, started, log)
+            manifest = _build(cfg, files, units, given, staging, started, log)
             _say_peak_memory(manifest, memory, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
@@ -218,6 +211,37 @@ def check_config(cfg: PrepareConfig) -> None:
         raise UserError("shard.buckets and shard.max_samples: must be at least 1")
 
 
+def given_tokenizer(cfg: PrepareConfig) -> Tokenizer | None:
+    """`tokenizer.path`'s tokenizer, checked against what the tasks need; None: one is trained."""
+    if not cfg.tokenizer.path:
+        return None
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer.path, cfg.tokenizer.lang_tags)
+    except UserError as err:
+        raise UserError(f"tokenizer.path: {err}") from None
+    check_tokenizer(tokenizer, cfg, f"tokenizer.path {cfg.tokenizer.path}")
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: Tokenizer, cfg: PrepareConfig, where: str) -> None:
+    """Refuse, in one line, a tokenizer that lacks a special token the tasks need."""
+    specials = tokenizer.specials
+    if "mlm" in cfg.tasks and specials.mask is None:
+        raise UserError(
+            f"tasks: mlm replaces tokens by a mask token, and {where} has none "
+            "(drop mlm from tasks, or give a tokenizer with one)"
+        )
+    if "translation" in cfg.tasks and specials.eos is None:
+        raise UserError(
+            f"tasks: translation ends each sentence with an eos token, and {where} has none"
+        )
+    if any(task in cfg.tasks for task in ("causal_lm", "mlm")) and not specials.document[1]:
+        raise UserError(
+            f"tasks: packed documents need a token between them, and {where} has no eos token "
+            "and adds none after a text"
+        )
+
+
 def _staging_dir(output: Path, overwrite: bool) -> Path:
     if (output / MANIFEST).exists() and not overwrite:
         raise UserError(
@@ -248,7 +272,7 @@ def _build(
     cfg: PrepareConfig,
     files: list[list[str]],
     units: list[Unit],
-    given_model: bytes | None,
+    given: Tokenizer | None,
     staging: Path,
     started: float,
     log,
@@ -293,7 +317,7 @@ def _build(
             by_source.append(stats)
         source_stats = _merge_stats([{"stats": stats} for stats in by_source])
         sample = None
-        if given_model is None:
+        if given is None:
             texts, cut = tokenizer_sample(cfg, units, scanned)
             sample = sample_facts(texts, cut)
             share = sample["bytes_of_long_texts"] / max(sample["bytes"], 1)
@@ -303,13 +327,15 @@ def _build(
                 f"texts over tokenizer.max_sentence_length={cfg.tokenizer.max_sentence_length} "
                 f"bytes, {share:.1%} of the bytes)"
             )
-            model_bytes = train_tokenizer(texts, cfg.tokenizer)
+            tokenizer = tokenizer_from_files(
+                train(texts, cfg.tokenizer), lang_tags=cfg.tokenizer.lang_tags
+            )
+            check_tokenizer(tokenizer, cfg, "the trained tokenizer")
             del texts, cut
         else:
-            model_bytes = given_model
+            tokenizer = given
         del scanned
-        (staging / TOKENIZER_FILE).write_bytes(model_bytes)
-        processor = processor_from_bytes(model_bytes)
+        tokenizer.save(staging)
 
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         unit_sources = [unit.source for unit in units]
@@ -326,7 +352,7 @@ def _build(
             shared={
                 "work_dir": str(work_dir),
                 "out_dir": str(staging),
-                "tokenizer_model": model_bytes,
+                "tokenizer_files": tokenizer.files,
                 "cfg": cfg,
             },
         )
@@ -340,9 +366,8 @@ def _build(
     manifest = {
         "format_version": FORMAT_VERSION,
         "tokenizer": {
-            "file": TOKENIZER_FILE,
-            **tokenizer_info(processor, model_bytes, list(cfg.tokenizer.lang_tags)),
-            "trained": given_model is None,
+            **tokenizer.info(),
+            "trained": given is None,
             **({"sample": sample} if sample else {}),
         },
         "config": config_to_dict(cfg),

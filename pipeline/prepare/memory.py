@@ -159,7 +159,7 @@ def estimate_worker_memory(
     )
     held = cfg.unit_bytes if any(unit.stream for unit in units) else 0
     task_texts = task_input / max(text_bytes, 1.0)
-    sampling = not cfg.tokenizer.model_path and cfg.tokenizer.sample_texts > 0
+    sampling = not cfg.tokenizer.path and cfg.tokenizer.sample_texts > 0
     sample = (
         min(cfg.tokenizer.sample_texts, task_texts) * (SAMPLE_OVERHEAD + text_bytes)
         if sampling

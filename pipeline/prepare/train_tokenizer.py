@@ -1,22 +1,25 @@
-"""Training the dataset's SentencePiece tokenizer (Kudo and Richardson 2018) during prepare.
+"""Training the dataset's tokenizer during prepare: SentencePiece (Kudo and Richardson 2018) in the
+project's layout, or with `tokenizer.kind=hf` a byte-level BPE (Radford et al. 2019, GPT-2's) by
+the `tokenizers` library.
 
 The model is trained on a sample capped at `sample_texts` texts: the ones with the smallest
 salted hashes ("bottom-k" sampling), which is reproducible, independent of input order and of how
 the corpus is split over workers, and needs memory for the sample only. Its reserved ids are
-`pipeline.format.SPECIAL_TOKENS`, in that order, then the language tags.
+`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`, in that order, then the language tags.
 """
 
 from __future__ import annotations
 
 import heapq
 import io
+import json
 from typing import Iterable
 
 import sentencepiece as spm
 
 from common.configure import UserError
-from pipeline.format import SPECIAL_TOKENS
 from pipeline.prepare.config import TokenizerConfig
+from pipeline.tokenizer import HF_FILE, SENTENCEPIECE_FILE, SENTENCEPIECE_SPECIALS
 
 
 class BottomKSample:
@@ -81,6 +84,57 @@ def sample_pieces(text: str, max_bytes: int) -> list[str]:
     return [piece for piece in (p.decode("utf-8").strip() for p in pieces) if piece]
 
 
+# The special tokens of a byte-level BPE trained here (RoBERTa's spelling; byte-level needs no unk).
+HF_TRAINED_SPECIALS = {
+    "pad_token": "<pad>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "mask_token": "<mask>",
+}
+
+
+def train(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> dict[str, bytes]:
+    """A tokenizer of `cfg.kind` trained on `texts`, as the files that make it."""
+    if cfg.kind == "hf":
+        return train_byte_level_bpe(texts, cfg)
+    if cfg.kind != "sentencepiece":
+        raise UserError(f"tokenizer.kind: {cfg.kind!r} is not 'sentencepiece' or 'hf'")
+    return {SENTENCEPIECE_FILE: train_tokenizer(texts, cfg, seed)}
+
+
+def train_byte_level_bpe(texts: list[str], cfg: TokenizerConfig) -> dict[str, bytes]:
+    """GPT-2's tokenizer design (bytes as the alphabet, no unknown token) trained on `texts`, with
+    the special tokens of HF_TRAINED_SPECIALS and the language tags after the byte alphabet's ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if cfg.model_type != "bpe":
+        raise UserError(
+            f"tokenizer.model_type: {cfg.model_type!r}: tokenizer.kind=hf trains a byte-level bpe"
+        )
+    if not texts:
+        raise UserError("no training text for the tokenizer: the train split is empty")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        special_tokens=[*HF_TRAINED_SPECIALS.values(), *cfg.lang_tags],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **HF_TRAINED_SPECIALS,
+        "additional_special_tokens": list(cfg.lang_tags),
+        "clean_up_tokenization_spaces": False,
+    }
+    return {
+        HF_FILE: tokenizer.to_str().encode("utf-8"),
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+    }
+
+
 def train_tokenizer(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> bytes:
     """Train a SentencePiece model on `texts`; returns the serialized model."""
     if cfg.model_type not in ("unigram", "bpe"):
@@ -101,7 +155,7 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> by
             unk_id=1,
             bos_id=2,
             eos_id=3,
-            control_symbols=list(SPECIAL_TOKENS[4:]) + list(cfg.lang_tags),
+            control_symbols=list(SENTENCEPIECE_SPECIALS[4:]) + list(cfg.lang_tags),
             # A small corpus may not support the requested size; the real size is read back.
             hard_vocab_limit=False,
             max_sentence_length=cfg.max_sentence_length,

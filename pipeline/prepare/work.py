@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline.format import EOS_ID, SPLITS, ShardWriter, sample_key, shard_name, token_dtype
+from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, token_dtype
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import Unit, source_list, text_hash
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces
-from pipeline.tokenizer import processor_from_bytes
+from pipeline.tokenizer import Tokenizer, tokenizer_from_files
 
 MONO, PAIRS = "mono", "pairs"
 ENCODE_CHUNK = 2048  # texts per SentencePiece batch call
@@ -66,9 +66,8 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     """Stage 1 for one unit: returns its statistics and its tokenizer-sample candidates."""
     stats: Counter = Counter()
     sample = BottomKSample(cfg.tokenizer.sample_texts)
-    # A given tokenizer (tokenizer.model_path) needs no training sample: no hashing, no memory for
-    # it.
-    sampling = not cfg.tokenizer.model_path and cfg.tokenizer.sample_texts > 0
+    # A given tokenizer (tokenizer.path) needs no training sample: no hashing, no memory for it.
+    sampling = not cfg.tokenizer.path and cfg.tokenizer.sample_texts > 0
     source_cfg = source_list(cfg)[unit.source]
     want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
     want_pairs = "translation" in cfg.tasks
@@ -258,54 +257,16 @@ class _ShardSequence:
             self.writer.abort()
 
 
-_PROCESSORS: dict[str, object] = {}
+_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _processor(model_bytes: bytes):
+def _tokenizer(files: dict[str, bytes], lang_tags: tuple[str, ...]) -> Tokenizer:
     """The tokenizer, loaded once per worker process rather than once per task (tens of ms each)."""
-    key = hashlib.sha256(model_bytes).hexdigest()
-    if key not in _PROCESSORS:
-        _PROCESSORS.clear()
-        _PROCESSORS[key] = processor_from_bytes(model_bytes)
-    return _PROCESSORS[key]
-
-
-# the one-text binding's options: no sampling, no bos/eos, not reversed
-_PLAIN = (False, 0, 0.0, False, False, False)
-_IN_THREAD: list = [None, None]  # (processor, its binding or None): the last processor asked about
-
-
-def _in_thread_binding(processor) -> Callable[..., list[int]] | None:
-    """SentencePiece's one-text C++ call, or None where this version lacks it.
-
-    Its batch call starts a thread per call even with `num_threads=1` and waits for it; with
-    every CPU busy (one Ray worker per core) each hand-over waits for the scheduler, which cost
-    the 2-worker encode stage about a tenth over one worker. The one-text call runs in the
-    calling thread; called directly it also skips `encode`'s per-call Python argument handling
-    (a third slower than the batch call when used per text). It is checked against the public
-    call once per processor, so a version whose binding differs falls back to that.
-    """
-    if _IN_THREAD[0] is not processor:
-        binding = getattr(getattr(processor, "_processor", None), "_EncodeAsIds", None)
-        if binding is not None:
-            probe = ["Hallo, Welt! \u00e4\u00f6\u00fc", "", "  two  spaces\tand a tab"]
-            try:
-                if [binding(text, *_PLAIN) for text in probe] != processor.encode(
-                    probe, num_threads=1
-                ):
-                    binding = None
-            except (TypeError, ValueError, RuntimeError):
-                binding = None
-        _IN_THREAD[:] = [processor, binding]
-    return _IN_THREAD[1]
-
-
-def _encode(processor, texts: list[str]) -> list[list[int]]:
-    binding = _in_thread_binding(processor)
-    if binding is not None:
-        return [binding(text, *_PLAIN) for text in texts]
-    # One thread: a Ray worker is one CPU; SentencePiece's default would use every core.
-    return processor.encode(texts, num_threads=1)
+    key = hashlib.sha256(b"".join(files[name] for name in sorted(files))).hexdigest()
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = tokenizer_from_files(files, lang_tags=lang_tags)
+    return _TOKENIZERS[key]
 
 
 def encode_bucket(
@@ -315,13 +276,13 @@ def encode_bucket(
     unit_sources: list[int],
     work_dir: str,
     out_dir: str,
-    tokenizer_model: bytes,
+    tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
 ) -> dict:
     """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per source."""
     started = time.perf_counter()
-    processor = _processor(tokenizer_model)
-    dtype = token_dtype(processor.get_piece_size())
+    tokenizer = _tokenizer(tokenizer_files, tuple(cfg.tokenizer.lang_tags))
+    dtype = token_dtype(tokenizer.vocab_size)
     names = [source.name for source in source_list(cfg)]
     several = len(names) > 1
     stats = [Counter() for _ in names]
@@ -335,17 +296,20 @@ def encode_bucket(
     records = unique_records(work_dir, unit_sources, family, split, bucket, stats)
     try:
         if dataset == "packed":
-            packers = [_Packer(cfg.seq_len, dtype, sequence.write) for sequence in sequences]
+            packers = [
+                _Packer(cfg.seq_len, dtype, sequence.write, tokenizer.specials.document)
+                for sequence in sequences
+            ]
             for source, lines in _chunks(records, ENCODE_CHUNK):
                 texts = [line.decode("utf-8") for line in lines]
                 stats[source]["documents"] += len(texts)
-                packers[source].add(_encode(processor, texts), stats[source])
+                packers[source].add(tokenizer.encode_batch(texts), stats[source])
             for packer, source_stats in zip(packers, stats):
                 packer.finish(source_stats)
         else:
             for source, lines in _chunks(records, ENCODE_CHUNK):
                 pairs = [line.decode("utf-8").split("\t", 1) for line in lines]
-                for sample in _filter_pairs(pairs, processor, cfg, dtype, stats[source]):
+                for sample in _filter_pairs(pairs, tokenizer, cfg, dtype, stats[source]):
                     sequences[source].write(sample)
         shards = []
         for name, sequence in zip(names, sequences):
@@ -376,7 +340,7 @@ def encode_splits(
     unit_sources: list[int],
     work_dir: str,
     out_dir: str,
-    tokenizer_model: bytes,
+    tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
 ) -> list[dict]:
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
@@ -386,7 +350,7 @@ def encode_splits(
     return _cpu_noted(
         [
             encode_bucket(
-                dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_model, cfg
+                dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_files, cfg
             )
             for split in SPLITS
         ],
@@ -395,19 +359,33 @@ def encode_splits(
 
 
 class _Packer:
-    """Documents joined with </s> and cut into blocks of exactly `seq_len` tokens, streamed:
-    `add` takes documents in order and emits the blocks they complete; `finish` drops (and
-    counts) the short tail. The blocks are the same however the documents are chunked."""
+    """Documents framed as the tokenizer frames one (`Specials.document`: ours `text </s>`, GPT-2's
+    `text <|endoftext|>`, Llama's `<s> text </s>`, BERT's `[CLS] text [SEP]`), joined and cut into
+    blocks of exactly `seq_len` tokens, streamed: `add` takes documents in order and emits the
+    blocks they complete, each with the positions where a document (or the rest of one) starts;
+    `finish` drops (and counts) the short tail. The blocks are the same however the documents
+    are chunked."""
 
-    def __init__(self, seq_len: int, dtype: np.dtype, emit: Callable[[dict], None]):
+    def __init__(
+        self,
+        seq_len: int,
+        dtype: np.dtype,
+        emit: Callable[[dict], None],
+        frame: tuple[tuple[int, ...], tuple[int, ...]],
+    ):
         self.seq_len, self.dtype, self.emit = seq_len, dtype, emit
+        self.before, self.after = list(frame[0]), list(frame[1])
         self.carry = np.empty(0, dtype=np.int64)
+        self.carry_starts: list[int] = []  # where documents start in `carry`
 
     def add(self, documents: list[list[int]], stats: Counter) -> None:
         flat: list[int] = []
+        starts = list(self.carry_starts)
         for doc in documents:
+            starts.append(len(self.carry) + len(flat))
+            flat.extend(self.before)
             flat.extend(doc)
-            flat.append(EOS_ID)
+            flat.extend(self.after)
         stats["tokens"] += len(flat)
         stream = np.concatenate((self.carry, np.array(flat, dtype=np.int64)))
         n_blocks = len(stream) // self.seq_len
@@ -415,26 +393,29 @@ class _Packer:
             stream[: n_blocks * self.seq_len].reshape(n_blocks, self.seq_len).astype(self.dtype)
         )
         self.carry = stream[n_blocks * self.seq_len :]
-        for block in blocks:
-            self.emit({"input_ids": block, "doc_starts": doc_starts(block)})
+        cut = n_blocks * self.seq_len
+        self.carry_starts = [start - cut for start in starts if start >= cut]
+        for index, block in enumerate(blocks):
+            first = index * self.seq_len
+            inside = [start - first for start in starts if first < start < first + self.seq_len]
+            self.emit({"input_ids": block, "doc_starts": np.array([0, *inside], dtype=self.dtype)})
 
     def finish(self, stats: Counter) -> None:
         stats["tail_tokens_dropped"] += len(self.carry)
         self.carry = self.carry[:0]
-
-
-def doc_starts(block: np.ndarray) -> np.ndarray:
-    """The in-block positions where a document (or the rest of one) starts: 0, then each position after an </s>."""
-    after_eos = np.flatnonzero(block[:-1] == EOS_ID) + 1
-    return np.concatenate(([0], after_eos)).astype(block.dtype)
+        self.carry_starts = []
 
 
 def _filter_pairs(
-    pairs: list[list[str]], processor, cfg: PrepareConfig, dtype: np.dtype, stats: Counter
+    pairs: list[list[str]],
+    tokenizer: Tokenizer,
+    cfg: PrepareConfig,
+    dtype: np.dtype,
+    stats: Counter,
 ) -> Iterator[dict]:
     limits = cfg.translation
-    sources = _encode(processor, [p[0] for p in pairs])
-    targets = _encode(processor, [p[1] for p in pairs])
+    sources = tokenizer.encode_batch([p[0] for p in pairs])
+    targets = tokenizer.encode_batch([p[1] for p in pairs])
     if limits.reverse:
         sources, targets = targets, sources
     for src, tgt in zip(sources, targets):

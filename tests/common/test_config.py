@@ -205,13 +205,13 @@ def test_the_entry_points_say_a_wrong_shape_in_one_line(tmp_path, case):
     assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
 
 
-# Issue #45, item 10: a config that reads the environment would store the value it read in
+# A config that reads the environment would store the value it read in
 # config.yaml, checkpoints, W&B and every export's provenance.json.
 ENV_READS = {
     "in the file": (
-        "tokenizer:\n  model_path: ${oc.env:PRETRAIN_TEST_SECRET}\n",
+        "tokenizer:\n  path: ${oc.env:PRETRAIN_TEST_SECRET}\n",
         [],
-        "tokenizer.model_path",
+        "tokenizer.path",
     ),
     "inside a path": ("output_dir: /data/${oc.env:PRETRAIN_TEST_SECRET}/x\n", [], "output_dir"),
     "on the command line": (

@@ -21,7 +21,8 @@ from test_reliability import ENV, assert_one_error_line, packed_data, run_cli, t
 from common.hashing import file_sha256
 from launch.config import TrainConfig, config_problems
 from model import ModelConfig, build_model
-from pipeline.format import TOKENIZER_FILE, sample_key, write_shard
+from pipeline.format import sample_key, write_shard
+from pipeline.tokenizer import SENTENCEPIECE_FILE
 
 # ----------------------------------------------------------------------------- item 4, training
 
@@ -31,7 +32,7 @@ def test_a_damaged_dataset_tokenizer_stops_the_trainer_at_start_in_one_line(tmp_
     the run directory, whence every export took it. (The export's half: test_export_out.)"""
     data, run_dir = tmp_path / "data", tmp_path / "run"
     packed_data(data, seq_len=32)
-    tokenizer = data / TOKENIZER_FILE
+    tokenizer = data / SENTENCEPIECE_FILE
     tokenizer.write_bytes(tokenizer.read_bytes()[:10])
     code, lines = run_cli(*train_command(data, run_dir, "model.max_seq_len=32", "max_steps=1"))
     assert_one_error_line(
@@ -106,7 +107,7 @@ def broken_models(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
     from launch.export import save_hf_dir, save_model_dir
 
     top = tmp_path_factory.mktemp("broken-models")
-    tokenizer = tiny_dataset / TOKENIZER_FILE
+    tokenizer = tiny_dataset / SENTENCEPIECE_FILE
     vocab = json.loads((tiny_dataset / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     shape = dict(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, max_seq_len=64)
     made = {}
@@ -192,7 +193,7 @@ def test_token_ids_outside_the_vocabulary_are_named_by_validate_and_refused_by_e
     range in self` inside the embedding, and pipeline.validate passed the dataset."""
     data = tmp_path / "data"
     manifest = make_dataset(data, translation=[6, 6], split="valid")
-    tokenizer = data / TOKENIZER_FILE
+    tokenizer = data / SENTENCEPIECE_FILE
     tokenizer.write_bytes(b"a stand-in for a SentencePiece model")
     manifest["tokenizer"]["sha256"] = file_sha256(tokenizer)
     # One source id past the vocabulary, in the second sample of the second shard.

@@ -19,12 +19,12 @@ from conftest import ROOT, synthetic_pairs  # noqa: E402
 from common.configure import save_config  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
-from launch.export import PROVENANCE, TOKENIZER, save_hf_dir  # noqa: E402
+from launch.export import PROVENANCE, save_hf_dir  # noqa: E402
 from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
 from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.tokenizer import SENTENCEPIECE_FILE, load_tokenizer  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
@@ -64,7 +64,7 @@ HF_CLASS = {
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A SentencePiece model of ours (reserved ids 0-5, byte fallback), trained on the tiny corpus's texts."""
-    path = tmp_path_factory.mktemp("tokenizer") / TOKENIZER
+    path = tmp_path_factory.mktemp("tokenizer") / SENTENCEPIECE_FILE
     texts = [text for pair in synthetic_pairs(400) for text in pair]
     path.write_bytes(train_tokenizer(texts, TokenizerConfig(vocab_size=400)))
     return path
@@ -82,7 +82,7 @@ def made(kind: str, vocab_size: int, scale: float = 0.05) -> torch.nn.Module:
 
 
 def export(kind: str, tokenizer, out, scale: float = 0.05):
-    model = made(kind, load_tokenizer(tokenizer).get_piece_size(), scale)
+    model = made(kind, load_tokenizer(tokenizer).vocab_size, scale)
     save_hf_dir(out, model.state_dict(), model.cfg, tokenizer, {"step": 7, "task": kind})
     return model
 
@@ -104,7 +104,7 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
-        TOKENIZER,
+        SENTENCEPIECE_FILE,
         PROVENANCE,
     } <= names
     assert ("generation_config.json" in names) == (kind != "bert")
@@ -237,8 +237,8 @@ def test_export_command_refuses_an_unrepresentable_model_in_one_line(tokenizer, 
     (run_dir / "checkpoints" / "step_00000001").mkdir(parents=True)
     (run_dir / "checkpoints" / "latest").write_text("step_00000001\n")
     save_config(cfg, run_dir / "config.yaml")
-    (run_dir / TOKENIZER).write_bytes(tokenizer.read_bytes())
-    assert file_sha256(run_dir / TOKENIZER) == file_sha256(tokenizer)
+    (run_dir / SENTENCEPIECE_FILE).write_bytes(tokenizer.read_bytes())
+    assert file_sha256(run_dir / SENTENCEPIECE_FILE) == file_sha256(tokenizer)
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}", "format=hf"],
@@ -264,7 +264,7 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
     from launch.export import save_model_dir
 
     out = tmp_path / fmt
-    ours = made("translation", load_tokenizer(tokenizer).get_piece_size())
+    ours = made("translation", load_tokenizer(tokenizer).vocab_size)
     if fmt == "hf":
         save_hf_dir(out, ours.state_dict(), ours.cfg, tokenizer, {})
     else:

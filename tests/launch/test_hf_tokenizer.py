@@ -14,11 +14,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from launch.hf_tokenizer import save_hf_tokenizer  # noqa: E402
-from pipeline.format import SPECIAL_TOKENS  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
 from pipeline.prepare.readers import read_mo  # noqa: E402
 from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, load_tokenizer  # noqa: E402
 
 # The default corpus's languages, and scripts its vocabulary mostly lacks.
 CORPUS_LANGS = ("de",)
@@ -134,7 +133,7 @@ def test_special_ids_are_ours(tokenizers):
             hf.mask_token_id,
             hf.sep_token_id,
         )
-        == tuple(sp.piece_to_id(piece) for piece in SPECIAL_TOKENS)
+        == tuple(sp.piece_to_id(piece) for piece in SENTENCEPIECE_SPECIALS)
         == (0, 1, 2, 3, 4, 5)
     )
     assert len(hf) == sp.get_piece_size()

@@ -22,13 +22,16 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from common.configure import UserError  # noqa: E402
-from launch.export import TOKENIZER, save_hf_dir, save_model_dir  # noqa: E402
+from launch.export import save_hf_dir, save_model_dir  # noqa: E402
 from launch.lm_eval.command import load_lm  # noqa: E402
 from launch.lm_eval.ours import OurLM  # noqa: E402
 from launch.lm_eval.tasks import build_docs, held_out_texts  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.format import read_manifest  # noqa: E402
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.tokenizer import (
+    SENTENCEPIECE_FILE,  # noqa: E402
+    load_tokenizer,  # noqa: E402
+)
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
@@ -56,7 +59,7 @@ def export_both(kind: str, data, out, scale: float = 0.5):
     )
     torch.manual_seed(0)
     model = build_model(cfg)
-    sp = load_tokenizer(data / TOKENIZER)
+    sp = load_tokenizer(data / SENTENCEPIECE_FILE).processor
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale)
@@ -68,11 +71,11 @@ def export_both(kind: str, data, out, scale: float = 0.5):
         out / "ours",
         model.state_dict(),
         cfg,
-        data / TOKENIZER,
+        data / SENTENCEPIECE_FILE,
         {"task": "causal_lm", "step": 7},
         provenance,
     )
-    save_hf_dir(out / "hf", model.state_dict(), cfg, data / TOKENIZER, provenance)
+    save_hf_dir(out / "hf", model.state_dict(), cfg, data / SENTENCEPIECE_FILE, provenance)
     return out / "ours", out / "hf"
 
 

@@ -25,7 +25,7 @@ from launch.deepspeed.estimate import estimate_model_state_memory
 from launch.export import save_model_dir
 from launch.preflight.checks import main_dry_run
 from model import build_model
-from pipeline.format import TOKENIZER_FILE
+from pipeline.tokenizer import SENTENCEPIECE_FILE
 
 TRAIN, VALID = (30, 30), (20,)  # samples per shard
 SEQ_LEN, MAX_TOKENS = 8, 8
@@ -65,8 +65,8 @@ def make_data(directory: Path, train=TRAIN, valid=VALID) -> Path:
         dataset["splits"]["valid"] = valid_manifest["datasets"][name]["splits"]["valid"]
     manifest["datasets"]["packed"]["seq_len"] = SEQ_LEN
     manifest["config"] = {"translation": {"max_tokens": MAX_TOKENS}}
-    (directory / TOKENIZER_FILE).write_bytes(b"the dataset's tokenizer")
-    manifest["tokenizer"]["sha256"] = file_sha256(directory / TOKENIZER_FILE)
+    (directory / SENTENCEPIECE_FILE).write_bytes(b"the dataset's tokenizer")
+    manifest["tokenizer"]["sha256"] = file_sha256(directory / SENTENCEPIECE_FILE)
     save_manifest(directory, manifest)
     return directory
 
@@ -242,11 +242,11 @@ def _grow_shard(data: Path) -> None:
 
 
 def _drop_tokenizer(data: Path) -> None:
-    (data / TOKENIZER_FILE).unlink()
+    (data / SENTENCEPIECE_FILE).unlink()
 
 
 def _other_tokenizer(data: Path) -> None:
-    (data / TOKENIZER_FILE).write_bytes(b"another tokenizer")
+    (data / SENTENCEPIECE_FILE).write_bytes(b"another tokenizer")
 
 
 def _drop_manifest(data: Path) -> None:
@@ -426,7 +426,7 @@ def test_a_valid_split_below_a_global_batch_disables_evaluation(tmp_path, capsys
 
 def test_warm_start_sources_are_checked(data, tmp_path, capsys):
     cfg = translation_config(data, tmp_path)
-    tokenizer = data / TOKENIZER_FILE
+    tokenizer = data / SENTENCEPIECE_FILE
     other = tmp_path / "other.model"
     other.write_bytes(b"another tokenizer")
     bert = export(
@@ -499,7 +499,7 @@ def test_llama_shaped_warm_start_sources_are_checked(data, tmp_path, capsys):
         "model.encoder.activation=geglu",
     ]
     cfg = translation_config(data, tmp_path, *llama)
-    tokenizer = data / TOKENIZER_FILE
+    tokenizer = data / SENTENCEPIECE_FILE
     bert = export(
         tmp_path / "bert",
         replace(cfg.model.for_stack("encoder"), arch="bert", tie_embeddings=True),

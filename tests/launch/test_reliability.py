@@ -29,6 +29,7 @@ from launch.preconditions import check_writable_dir, data_fits_model, input_posi
 from model import ModelConfig
 from pipeline.format import FIELDS, MANIFEST, decode_array, read_manifest
 from pipeline.load.shards import Shard, read_shard
+from pipeline.tokenizer import sentencepiece_specials
 
 PYTHON = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -539,7 +540,8 @@ def test_a_model_shorter_than_the_translation_pairs_is_found(tmp_path):
     # A side of n tokens takes n + 1 positions: </s> after a source; <s> before a target, whose own
     # </s>
     # is only predicted.
-    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}) == {
+    layout = sentencepiece_specials()
+    assert input_positions("translation", {"src_ids": 12, "tgt_ids": 7}, layout) == {
         "src_ids": 13,
         "tgt_ids": 8,
     }
@@ -764,6 +766,7 @@ RANK_EXIT_SCRIPT = """
 import sys, threading, torch
 from launch.distributed import run_rank
 from common.configure import UserError, run_main
+from pipeline.tokenizer import SENTENCEPIECE_FILE, sentencepiece_specials
 
 a = torch.randn(400, 400)
 

@@ -9,13 +9,16 @@ import torch.nn.functional as F
 from launch.tasks import TASKS
 from model import ModelConfig, ModelOutput, build_model, training_flops
 from model.loss import IGNORE_INDEX
-from pipeline.format import BATCH_FIELDS, BOS_ID, DATASET_FOR_TASK, EOS_ID, PAD_ID
+from pipeline.format import BATCH_FIELDS, DATASET_FOR_TASK
+from pipeline.tokenizer import sentencepiece_specials
+
+SP = sentencepiece_specials()  # the project's SentencePiece layout
 
 V = 40
 
 
 def test_causal_lm_labels_are_the_next_tokens_and_ignore_the_last_position_and_padding():
-    ids = torch.tensor([[7, 8, 9, 10], [11, 12, PAD_ID, PAD_ID]])
+    ids = torch.tensor([[7, 8, 9, 10], [11, 12, SP.pad, SP.pad]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     inputs = TASKS["causal_lm"].model_inputs({"input_ids": ids, "attention_mask": mask})
     assert inputs["labels"].tolist() == [
@@ -36,7 +39,7 @@ def test_causal_lm_loss_through_the_task_is_the_next_token_loss():
     ids = torch.randint(6, V, (2, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    ids = ids.masked_fill(mask == 0, PAD_ID)
+    ids = ids.masked_fill(mask == 0, SP.pad)
     loss = model(**TASKS["causal_lm"].model_inputs({"input_ids": ids, "attention_mask": mask})).loss
     logits = model(ids, mask).logits
     hf_labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
@@ -62,22 +65,22 @@ def test_mlm_labels_are_the_original_tokens_at_the_masked_positions_only():
 
 def test_translation_inputs_are_teacher_forced():
     batch = {
-        "src_ids": torch.tensor([[10, 11, 12, EOS_ID], [13, EOS_ID, PAD_ID, PAD_ID]]),
+        "src_ids": torch.tensor([[10, 11, 12, SP.eos], [13, SP.eos, SP.pad, SP.pad]]),
         "src_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
         "tgt_ids": torch.tensor(
-            [[BOS_ID, 20, EOS_ID, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23, EOS_ID]]
+            [[SP.bos, 20, SP.eos, SP.pad, SP.pad], [SP.bos, 21, 22, 23, SP.eos]]
         ),
         "tgt_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]),
     }
     inputs = TASKS["translation"].model_inputs(batch)
     assert inputs["decoder_input_ids"].tolist() == [
-        [BOS_ID, 20, PAD_ID, PAD_ID],
-        [BOS_ID, 21, 22, 23],
+        [SP.bos, 20, SP.pad, SP.pad],
+        [SP.bos, 21, 22, 23],
     ]
     assert inputs["decoder_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert inputs["labels"].tolist() == [
-        [20, EOS_ID, IGNORE_INDEX, IGNORE_INDEX],
-        [21, 22, 23, EOS_ID],
+        [20, SP.eos, IGNORE_INDEX, IGNORE_INDEX],
+        [21, 22, 23, SP.eos],
     ]
     assert torch.equal(inputs["src_ids"], batch["src_ids"]) and torch.equal(
         inputs["src_mask"], batch["src_mask"]

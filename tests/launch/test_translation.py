@@ -19,7 +19,10 @@ from conftest import ROOT, synthetic_pairs
 from common.hashing import file_sha256
 from launch.decoding import length_sorted_batches, source_ids
 from launch.evaluate import rank_batches, read_pairs, score
-from pipeline.format import EOS_ID, read_manifest
+from pipeline.format import read_manifest
+from pipeline.tokenizer import sentencepiece_specials
+
+SP = sentencepiece_specials()  # the project's SentencePiece layout
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 # A 2+2-layer d_model 64 model: 300 steps of 16 pairs (about 10 epochs of the 500 train pairs)
@@ -80,7 +83,7 @@ def test_pairs_in_manifest_order_and_batches_independent_of_world_size(tiny_data
         for a, b in zip(read_pairs(tiny_dataset, "valid", limit=5), pairs)
     )
 
-    lengths = [len(source_ids(src, 63)[0]) for src, _ in pairs]
+    lengths = [len(source_ids(src, 63, SP)[0]) for src, _ in pairs]
     batches = length_sorted_batches(lengths, 8)
     assert sorted(i for batch in batches for i in batch) == list(range(len(pairs)))
     # longest first
@@ -91,8 +94,8 @@ def test_pairs_in_manifest_order_and_batches_independent_of_world_size(tiny_data
         assert sorted(map(tuple, sum(dealt, []))) == sorted(map(tuple, batches))
         assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
 
-    assert source_ids(range(10, 20), 4) == ([10, 11, 12, 13, EOS_ID], True)
-    assert source_ids([7], 4) == ([7, EOS_ID], False)
+    assert source_ids(range(10, 20), 4, SP) == ([10, 11, 12, 13, SP.eos], True)
+    assert source_ids([7], 4, SP) == ([7, SP.eos], False)
 
 
 def test_scores_and_signatures():
@@ -130,7 +133,7 @@ def _export_random_model(out: Path, tokenizer: Path) -> None:
 def _vocab_size(tokenizer: Path) -> int:
     from pipeline.tokenizer import load_tokenizer
 
-    return load_tokenizer(tokenizer).get_piece_size()
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def test_tokenizer_mismatch_is_refused_before_any_compute(tiny_dataset, tmp_path):

@@ -265,12 +265,15 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
 
 def test_collate_numbers_documents_from_doc_starts():
     from pipeline.load.collate import pack, unpack
+    from pipeline.tokenizer import sentencepiece_specials
 
     samples = [
         [np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
         [np.array([9, 3, 9], np.uint16), np.array([0, 2], np.uint16)],
     ]
-    batch = unpack("causal_lm", pack("causal_lm", samples, document_mask=True))
+    batch = unpack(
+        "causal_lm", pack("causal_lm", samples, sentencepiece_specials(), document_mask=True)
+    )
     # padding: the last document
     assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]]
     assert batch["document_ids"].dtype == torch.long
@@ -308,7 +311,12 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 
     from pipeline.format import decode_array, write_shard
     from pipeline.load.shards import Shard, read_shard
-    from pipeline.prepare.work import doc_starts
+    from pipeline.tokenizer import sentencepiece_specials
+
+    eos = sentencepiece_specials().eos
+
+    def doc_starts(block):  # 0, then each position after an </s> (what prepare records)
+        return np.concatenate(([0], np.flatnonzero(block[:-1] == eos) + 1)).astype(block.dtype)
 
     manifest = json.loads((old_dir / "manifest.json").read_text())
     for record in manifest["datasets"]["packed"]["splits"]["train"]["shards"]:

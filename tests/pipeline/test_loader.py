@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from common.configure import UserError
-from pipeline.format import BATCH_FIELDS, BOS_ID, EOS_ID, MASK_ID, PAD_ID, write_shard
+from pipeline.format import BATCH_FIELDS, write_shard
 from pipeline.load import epoch as epoch_module  # where a batch reads its shards
 from pipeline.load.config import LoaderConfig
 from pipeline.load.loader import ShardLoader
+from pipeline.tokenizer import sentencepiece_specials
 from tests.shardtools import (
     FIRST_ID,
     TOKENIZER_SHA256,
@@ -30,6 +31,7 @@ from tests.shardtools import (
     shard_ids,
 )
 
+SP = sentencepiece_specials()  # the project's SentencePiece layout
 ROOT = Path(__file__).resolve().parents[2]
 
 UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
@@ -280,7 +282,7 @@ def test_mlm_masks_15_percent_80_10_10_and_never_special_tokens(tmp_path):
     assert torch.equal(inputs[special], original[special])
     rate = selected.sum().item() / (~special).sum().item()
     assert abs(rate - 0.15) < 0.02
-    masked = (inputs == MASK_ID) & selected
+    masked = (inputs == SP.mask) & selected
     kept = (inputs == original) & selected
     randomized = selected & ~masked & ~kept
     n = selected.sum().item()
@@ -300,7 +302,7 @@ def test_causal_lm_collation_pads(tmp_path):
     save_manifest(tmp_path, manifest)
     (batch,) = epoch_batches(tmp_path, micro_batch_size=2)
     rows = sorted(range(2), key=lambda r: -int(batch["attention_mask"][r].sum()))
-    assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, PAD_ID, PAD_ID]]
+    assert batch["input_ids"][rows].tolist() == [[7, 8, 9], [10, SP.pad, SP.pad]]
     assert batch["attention_mask"][rows].tolist() == [[1, 1, 1], [1, 0, 0]]
     # labels are the task's (tests/launch/test_tasks.py)
     assert set(batch) == set(BATCH_FIELDS["causal_lm"])
@@ -320,9 +322,9 @@ def test_translation_collation(tmp_path):
     (batch,) = epoch_batches(tmp_path, task="translation", micro_batch_size=2)
     rows = [0, 1] if batch["src_ids"][0, 0] == 10 else [1, 0]
     b = {key: value[rows].tolist() for key, value in batch.items()}
-    assert b["src_ids"] == [[10, 11, 12, EOS_ID], [13, EOS_ID, PAD_ID, PAD_ID]]
+    assert b["src_ids"] == [[10, 11, 12, SP.eos], [13, SP.eos, SP.pad, SP.pad]]
     assert b["src_mask"] == [[1, 1, 1, 1], [1, 1, 0, 0]]
-    assert b["tgt_ids"] == [[BOS_ID, 20, EOS_ID, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23, EOS_ID]]
+    assert b["tgt_ids"] == [[SP.bos, 20, SP.eos, SP.pad, SP.pad], [SP.bos, 21, 22, 23, SP.eos]]
     assert b["tgt_mask"] == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert set(batch) == set(BATCH_FIELDS["translation"])
     assert all(value.dtype == torch.long for value in batch.values())

@@ -359,7 +359,7 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
 
     alone, alone_manifest, _ = prepare("alone", pairs)
     both, manifest, summary = prepare(
-        "both", pairs + man, f"tokenizer.model_path={alone / 'tokenizer.model'}"
+        "both", pairs + man, f"tokenizer.path={alone / 'tokenizer.model'}"
     )
 
     by_source = manifest["sources"]["by_source"]["man"]
@@ -376,7 +376,9 @@ def test_prepare_with_a_manpage_source_adds_packed_text_only(tmp_path):
     packed = manifest["datasets"]["packed"]
     man_stats = packed["stats_by_source"]["man"]
     assert man_stats["documents"] == len(set(expected))
-    assert man_stats["tokens"] == sum(len(ids) + 1 for ids in sp.encode(sorted(set(expected))))
+    assert man_stats["tokens"] == sum(
+        len(ids) + 1 for ids in sp.encode_batch(sorted(set(expected)))
+    )
     in_shards = sum(entry["sources"]["man"]["tokens"] for entry in packed["splits"].values())
     assert (
         in_shards == man_stats["tokens"] - man_stats["tail_tokens_dropped"]

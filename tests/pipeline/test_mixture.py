@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from common.configure import UserError
-from pipeline.format import EOS_ID, FIELDS, sample_key, shard_name, write_shard
+from pipeline.format import FIELDS, sample_key, shard_name, write_shard
 from pipeline.load.epoch import mixture_shares
 from pipeline.load.loader import ShardLoader
+from pipeline.tokenizer import sentencepiece_specials
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
+
+SP = sentencepiece_specials()  # the project's SentencePiece layout
 
 SEQ_LEN = 8
 
@@ -32,7 +35,7 @@ def make_sources(data_dir: Path, sources: dict[str, list[int]], seed: int = 0) -
             samples = []
             for _ in range(sizes[i]):
                 ids = rng.integers(FIRST_ID + 1000, VOCAB_SIZE, size=SEQ_LEN)
-                ids[rng.random(SEQ_LEN) < 0.1] = EOS_ID
+                ids[rng.random(SEQ_LEN) < 0.1] = SP.eos
                 ids[0] = FIRST_ID + uid + len(samples)
                 sample = {"input_ids": ids.astype(np.uint16)}
                 if "doc_starts" in FIELDS["packed"]:

@@ -602,8 +602,8 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     """The streamed encode stage (dedup, encode, pack and write ENCODE_CHUNK texts at a time)
     gives the same shards whatever the chunk size: here 7 texts against 100,000 (all at once)."""
     from common.configure import load_config
+    from pipeline.prepare import work
     from pipeline.prepare.config import PrepareConfig
-    from pipeline.prepare.job import work
     from pipeline.prepare.sources import expand_paths, plan_units
     from pipeline.prepare.train_tokenizer import train_tokenizer
 

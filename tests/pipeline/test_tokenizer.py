@@ -1,4 +1,4 @@
-"""The shared SentencePiece tokenizer: reserved ids, round trip, reproducible sample."""
+"""The project's SentencePiece tokenizer: reserved ids, round trip, reproducible sample."""
 
 import random
 
@@ -6,10 +6,9 @@ import pytest
 from conftest import synthetic_pairs
 
 from common.configure import UserError
-from pipeline.format import SPECIAL_TOKENS
 from pipeline.prepare.config import TokenizerConfig
 from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
-from pipeline.tokenizer import processor_from_bytes, tokenizer_info
+from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, SentencePieceTokenizer, _in_thread_binding
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +16,25 @@ def trained():
     texts = [t for pair in synthetic_pairs(400) for t in pair]
     cfg = TokenizerConfig(vocab_size=400, lang_tags=["<2de>", "<2en>"], num_threads=1)
     model = train_tokenizer(texts, cfg)
-    return model, processor_from_bytes(model)
+    return model, SentencePieceTokenizer(model, lang_tags=["<2de>", "<2en>"])
 
 
 def test_reserved_ids_and_language_tags(trained):
     model, sp = trained
-    assert [sp.id_to_piece(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
-    info = tokenizer_info(sp, model, ["<2de>", "<2en>"])
+    assert [sp.token(i) for i in range(len(SENTENCEPIECE_SPECIALS))] == list(SENTENCEPIECE_SPECIALS)
+    info = sp.info()
     assert info["lang_tags"] == {"<2de>": 6, "<2en>": 7}
     assert info["special_ids"] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert (info["kind"], info["file"], info["files"]) == (
+        "sentencepiece",
+        "tokenizer.model",
+        ["tokenizer.model"],
+    )
+    assert info["specials"]["frames"] == {
+        "document": [[], [3]],
+        "source": [[], [3]],
+        "target": [[2], [3]],
+    }
     # Control symbols never come out of encoding ordinary text, even if it spells them.
     assert 4 not in sp.encode("the <mask> cat")
 
@@ -64,7 +73,7 @@ def test_bottom_k_sample_is_order_independent_and_capped():
 
 def test_foreign_model_and_bad_type_are_refused():
     with pytest.raises(UserError, match="not a SentencePiece model"):
-        processor_from_bytes(b"garbage")
+        SentencePieceTokenizer(b"garbage")
     with pytest.raises(UserError, match="model_type"):
         train_tokenizer(["a"], TokenizerConfig(model_type="wordpiece"))
 
@@ -72,9 +81,8 @@ def test_foreign_model_and_bad_type_are_refused():
 def test_prepare_encoder_equals_the_public_batch_call(trained):
     """prepare's in-thread per-text encoding gives the public batch call's ids exactly, and a
     processor without the one-text binding falls back to that call."""
-    from pipeline.prepare.job import work
-
-    _, sp = trained
+    _, tokenizer = trained
+    sp = tokenizer.processor
     rng = random.Random(0)
     texts = [t for pair in synthetic_pairs(300) for t in pair]
     texts += [
@@ -91,13 +99,14 @@ def test_prepare_encoder_equals_the_public_batch_call(trained):
     ]
     expected = sp.encode(texts, num_threads=1)
     # this sentencepiece has it: the fast path is the one tested
-    assert work._in_thread_binding(sp) is not None
-    assert work._encode(sp, texts) == expected
+    assert _in_thread_binding(sp) is not None
+    assert tokenizer.encode_batch(texts) == expected
 
     class Wrapped:  # the public API only, as a sentencepiece without the binding would offer
         def encode(self, batch, num_threads):
             return sp.encode(batch, num_threads=num_threads)
 
     wrapped = Wrapped()
-    assert work._in_thread_binding(wrapped) is None
-    assert work._encode(wrapped, texts) == expected
+    assert _in_thread_binding(wrapped) is None
+    tokenizer._encode_one = _in_thread_binding(wrapped)
+    assert tokenizer.encode_batch(texts) == expected

@@ -1,0 +1,186 @@
+"""Continued pretraining of the models users already have, with their own tokenizers: a Hugging Face
+GPT-2, Llama and BERT directory (tokenizer and tiny model, `conftest.hf_layouts`) gives a dataset
+(`tokenizer.path=DIR`) and the starting weights (`init.model=DIR`). The first step's loss is the
+loss `transformers` computes for that model on the same batch; the export back to Hugging Face
+carries the same tokenizer files (AutoTokenizer gives the same ids) and the trained model's logits;
+lm-eval's own command scores the causal ones; a model of another tokenizer is refused in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs, write_tsv  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TASK = {"gpt2": "causal_lm", "llama": "causal_lm", "bert": "mlm"}
+CONFIG = {"causal_lm": "tiny_gpt.yaml", "mlm": "tiny_bert.yaml"}
+RUN = [
+    "data.micro_batch_size=4",
+    "data.num_workers=0",
+    "schedule.warmup_steps=2",
+    "eval_every=0",
+    "eval_batches=0",
+    "wandb.mode=disabled",
+    "threads_per_rank=1",
+    "checkpoint.every_steps=0",
+    "log_every=1",
+    "model.dropout=0.0",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def command(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def layout_data(hf_layouts, tmp_path_factory) -> dict[str, Path]:
+    """{layout: a dataset of the synthetic corpus prepared with the layout's tokenizer}."""
+    top = tmp_path_factory.mktemp("layout-data")
+    corpus = write_tsv(top / "pairs.tsv", synthetic_pairs(600))
+    out = {}
+    for layout, directory in hf_layouts.items():
+        out[layout] = top / layout
+        args = prepare_args(corpus, out[layout], **{"ray.num_workers": 1})
+        run = run_prepare([*args, f"tokenizer.path={directory}", f"tasks=[{TASK[layout]}]"])
+        assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def continued(hf_layouts, layout_data, tmp_path_factory) -> dict[str, Path]:
+    """{layout: the run dir of 3 steps of continued pretraining from the layout's model}."""
+    top = tmp_path_factory.mktemp("continued")
+    runs = {}
+    for layout, directory in hf_layouts.items():
+        runs[layout] = top / layout
+        run = command(
+            "launch.train",
+            str(ROOT / "configs" / CONFIG[TASK[layout]]),
+            f"data.data_dir={layout_data[layout]}",
+            f"run_dir={runs[layout]}",
+            f"init.model={directory}",
+            "max_steps=3",
+            *RUN,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+    return runs
+
+
+def first_batch(run_dir: Path, task: str) -> dict:
+    from common.configure import load_config
+    from launch.config import TrainConfig
+    from launch.tasks import TASKS
+    from pipeline.load.loader import ShardLoader
+
+    cfg = load_config(TrainConfig, run_dir / "config.yaml")
+    loader = ShardLoader.from_config(cfg.data, task, "train", rank=0, world_size=1)
+    return TASKS[task].model_inputs(next(iter(loader)))
+
+
+def first_loss(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(row["train/loss"] for row in rows if row.get("step") == 1)
+
+
+@pytest.mark.parametrize("layout", list(TASK))
+def test_step0_loss_is_transformers_loss_of_that_model(layout, hf_layouts, continued):
+    task = TASK[layout]
+    inputs = first_batch(continued[layout], task)
+    if task == "causal_lm":
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_layouts[layout]).eval()
+        labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    else:
+        model = transformers.AutoModelForMaskedLM.from_pretrained(hf_layouts[layout]).eval()
+        labels = inputs["labels"]
+    with torch.no_grad():
+        expected = model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels
+        ).loss.item()
+    assert first_loss(continued[layout]) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("layout", list(TASK))
+def test_the_export_carries_the_tokenizer_and_the_trained_model(
+    layout, hf_layouts, continued, tmp_path
+):
+    """format=hf: the same tokenizer files (AutoTokenizer's ids as before training), and the
+    trained model's logits through AutoModel."""
+    out = tmp_path / "export"
+    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={out}", "format=hf")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (hf_layouts[layout] / name).read_bytes()
+    texts = ["the red cat opens a new door 12", "die grüne Katze schließt 7", "漢字 ☃ tab\there"]
+    before = transformers.AutoTokenizer.from_pretrained(hf_layouts[layout])
+    after = transformers.AutoTokenizer.from_pretrained(out)
+    assert after(texts)["input_ids"] == before(texts)["input_ids"]
+
+    from launch.export import load_model_dir
+
+    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={tmp_path / 'ours'}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours, _ = load_model_dir(tmp_path / "ours")
+    auto = (
+        transformers.AutoModelForCausalLM
+        if TASK[layout] == "causal_lm"
+        else transformers.AutoModelForMaskedLM
+    )
+    theirs = auto.from_pretrained(out).eval()
+    for text in texts[:2]:  # one at a time: GPT-2's and Llama's tokenizers have no pad token
+        ids = after(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected = ours(ids, torch.ones_like(ids)).logits
+            got = theirs(input_ids=ids).logits
+        assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "llama"])
+def test_lm_eval_scores_the_continued_model(layout, continued, layout_data, tmp_path):
+    pytest.importorskip("lm_eval")
+    export = tmp_path / "export"
+    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={export}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    scores = tmp_path / "scores.json"
+    run = command(
+        "launch.lm_eval",
+        f"checkpoint={export}",
+        f"data_dir={layout_data[layout]}",
+        "limit=20",
+        f"out={scores}",
+        "wandb.mode=disabled",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads(scores.read_text())["metrics"]
+    assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
+
+
+def test_a_model_of_another_tokenizer_is_refused_in_one_line(hf_layouts, layout_data, tmp_path):
+    run = command(
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={layout_data['gpt2']}",
+        f"run_dir={tmp_path / 'run'}",
+        f"init.model={hf_layouts['llama']}",
+        "max_steps=1",
+        *RUN,
+    )
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "gives other ids than the dataset's tokenizer" in errors[0]
+    assert not (tmp_path / "run").exists()
