@@ -3,14 +3,16 @@
     python benchmarks/hf_translation_bleu.py EXPORT_DIR DATA_DIR [--split test] [--beam 4]
                                              [--limit N] [--compare EVAL_DIR_OR_JSON]
 
-The round trip of `launch.export format=hf` for the translation model: `EncoderDecoderModel` and
-`AutoTokenizer` loaded from EXPORT_DIR, the split's pairs read as `launch.evaluate` reads them
-(`read_pairs`, sources cut to the encoder's positions with `</s>` appended), each source
-decoded by `model.generate` with `--beam` beams, length penalty 1.0 and the per-source length
-limit `launch.evaluate` uses by default (min(max_len, floor(1.5 x source tokens + 10))), the
-hypotheses decoded with the exported tokenizer, and scored by `launch.evaluate.score` (the
-same sacrebleu call) against the references as `launch.evaluate` detokenizes them. Sources of
-one length share a limit, so they are decoded in batches without padding.
+The round trip of `launch.export format=hf` for the translation model through `transformers`
+alone, as a user would run it: `EncoderDecoderModel` and `AutoTokenizer` loaded from EXPORT_DIR;
+each source of the split as text (as `launch.evaluate` detokenizes it) encoded by the exported
+tokenizer the standard way (`tokenizer(texts)`, truncated at the encoder's positions), decoded
+by `model.generate` with `--beam` beams, length penalty 1.0 and the per-source length limit
+`launch.evaluate` uses by default (min(max_len, floor(1.5 x source tokens + 10))), the
+hypotheses decoded with the exported tokenizer, and scored by `launch.evaluate.score` (the same
+sacrebleu call) against the references as `launch.evaluate` detokenizes them. Sources of one
+length share a limit, so they are decoded in batches without padding. It also counts the
+sources whose encoding differs from the ids training gave the model (`launch.decoding.source_ids`).
 
 `--compare` takes `launch.evaluate`'s output (its directory or scores JSON) and prints the
 difference; the interop issue asks for BLEU within 0.3 of it.
@@ -73,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     # the decoder's positions, its start token first
     max_len = model.config.decoder.max_position_embeddings - 1
     pairs = read_pairs(args.data, args.split, args.limit)
-    sources = [source_ids(src, max_source, specials)[0] for src, _ in pairs]
+    texts = [detokenize(ours, src) for src, _ in pairs]
+    # the exported tokenizer's own encoding, frame included, cut at the encoder's positions
+    sources = tokenizer(
+        texts, truncation=True, max_length=model.config.encoder.max_position_embeddings
+    )["input_ids"]
+    trained = [source_ids(src, max_source, specials)[0] for src, _ in pairs]
+    differ = sum(a != b for a, b in zip(sources, trained))
 
     by_length: dict[int, list[int]] = {}
     for index, src in enumerate(sources):
@@ -107,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{seconds:.0f} s"
     )
     print(f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f}  ({result['signature_bleu']})")
+    print(
+        f"sources encoded by the exported tokenizer as in training: {len(pairs) - differ} of "
+        f"{len(pairs)}"
+    )
     if args.compare:
         ours_hyp = (
             args.compare / "hypotheses.txt"

@@ -62,7 +62,7 @@ from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
-from pipeline.tokenizer import SENTENCEPIECE_FILE, read_files, tokenizer_file_in
+from pipeline.tokenizer import SENTENCEPIECE_FILE, load_tokenizer, read_files, tokenizer_file_in
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
 
@@ -251,9 +251,19 @@ def save_hf_dir(
     with writing(out) as partial:
         hf_model.save_pretrained(str(partial))
         if Path(tokenizer).name == SENTENCEPIECE_FILE:
-            save_hf_tokenizer(tokenizer, partial, model_cfg.max_seq_len)
+            save_hf_tokenizer(
+                tokenizer, partial, model_cfg.max_seq_len, input_frame(tokenizer, model_cfg)
+            )
         copy_tokenizer(tokenizer, partial)
         (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def input_frame(tokenizer: str | Path, model_cfg: ModelConfig):
+    """What training put around the model's inputs, for the exported tokenizer to add by default:
+    a translation source's frame (ours `text </s>`); a BERT document's; nothing before a GPT's
+    prompt (a document's first token follows the previous one's end, which lm-eval is told)."""
+    specials = load_tokenizer(tokenizer).specials
+    return {"seq2seq": specials.source, "bert": specials.document}.get(model_cfg.arch, ((), ()))
 
 
 def copy_tokenizer(tokenizer: str | Path, directory: Path) -> None:

@@ -1,7 +1,8 @@
 """Our SentencePiece model as a Hugging Face fast tokenizer that gives exactly its ids.
 
-`AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does (no
-<s> or </s> added: the pipeline adds </s> itself), decodes as `decode` does, and names our
+`AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does, plus
+the frame training put around the model's inputs when asked (`frame`: a translation source's
+`text </s>`, as `tokenizer(text)` adds it by default), decodes as `decode` does, and names our
 reserved ids (`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens. Each step
 SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
 whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
@@ -30,11 +31,24 @@ SPECIAL_NAMES = dict(
 )
 
 
-def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
+def hf_tokenizer(
+    model_path: str | Path,
+    model_max_length: int | None = None,
+    frame: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+):
     """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`; it truncates
-    (when asked to) at `model_max_length`, the positions of the model it is saved with."""
+    (when asked to) at `model_max_length`, the positions of the model it is saved with, and its
+    post-processor puts the ids of `frame` (special ids of our layout) around a text."""
     from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     model_bytes = Path(model_path).read_bytes()
@@ -80,6 +94,17 @@ def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else [])
     )
+    before, after = ([SENTENCEPIECE_SPECIALS[i] for i in ids] for ids in frame)
+    if before or after:
+        single = " ".join([*before, "$A", *after])
+        pair = " ".join([*before, "$A", *after, *(f"{t}:1" for t in ("$B", *after))])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single,
+            pair=pair,
+            special_tokens=[
+                (piece, SENTENCEPIECE_SPECIALS.index(piece)) for piece in {*before, *after}
+            ],
+        )
     control = [
         piece.piece
         for piece in proto.pieces
@@ -96,14 +121,17 @@ def hf_tokenizer(model_path: str | Path, model_max_length: int | None = None):
 
 
 def save_hf_tokenizer(
-    model_path: str | Path, out: str | Path, model_max_length: int | None = None
+    model_path: str | Path,
+    out: str | Path,
+    model_max_length: int | None = None,
+    frame: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ) -> None:
     """The fast tokenizer of `model_path` in `out` (tokenizer.json, tokenizer_config.json, ...).
 
     Its class is recorded as `PreTrainedTokenizerFast`, which transformers 5 loads as it loads
     its own name for it (`TokenizersBackend`) and transformers 4 knows; an empty list of extra
     special tokens is left out, where transformers 4 expects a mapping."""
-    hf_tokenizer(model_path, model_max_length).save_pretrained(str(out))
+    hf_tokenizer(model_path, model_max_length, frame).save_pretrained(str(out))
     path = Path(out) / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"

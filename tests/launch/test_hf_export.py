@@ -24,7 +24,11 @@ from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
 from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
-from pipeline.tokenizer import SENTENCEPIECE_FILE, load_tokenizer  # noqa: E402
+from pipeline.tokenizer import (  # noqa: E402
+    SENTENCEPIECE_FILE,
+    load_tokenizer,
+    sentencepiece_specials,
+)
 
 ATOL = 1e-5
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
@@ -122,6 +126,11 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     assert [
         row[: len(ids)] for row, ids in zip(batch["input_ids"].tolist(), expected_ids)
     ] == expected_ids
+    # By default the exported tokenizer frames a text as training framed the model's inputs:
+    # a translation source and a BERT document end with </s>; a GPT prompt gets nothing.
+    layout = sentencepiece_specials()
+    before, after = {"translation": layout.source, "bert": layout.document}.get(kind, ((), ()))
+    assert hf_tokenizer(texts)["input_ids"] == [[*before, *ids, *after] for ids in expected_ids]
     ids, mask = batch["input_ids"], batch["attention_mask"]  # right-padded: our positions are HF's
     decoder_ids = torch.tensor(
         [([2] + sp.encode(t) + [0] * 8)[:8] for t in ("die rote Katze", "das Haus 12")]
@@ -282,6 +291,14 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
         init=InitConfig(model=str(out)),
     )
     cfg = init_model.resolve(job, ["model.label_smoothing=0.2", "model.encoder.norm_position=post"])
+    # the special ids are the dataset's tokenizer's, as the trainer sets them at start
+    from launch.preconditions import with_data_tokenizer
+
+    data_tokenizer = load_tokenizer(tokenizer)
+    model_cfg, _ = with_data_tokenizer(
+        cfg.model, data_tokenizer.vocab_size, data_tokenizer.specials, ""
+    )
+    cfg = dataclasses.replace(cfg, model=model_cfg)
     assert cfg.model.d_model == 32 and cfg.model.label_smoothing == 0.2
     for stack in ("encoder", "decoder"):
         assert cfg.model.for_stack(stack) == dataclasses.replace(

@@ -89,7 +89,8 @@ def tokenizers(request, corpus, tmp_path_factory):
         train_tokenizer(corpus[0], TokenizerConfig(vocab_size=2000, byte_fallback=request.param))
     )
     save_hf_tokenizer(model, out / "hf")
-    return load_tokenizer(model), transformers.AutoTokenizer.from_pretrained(out / "hf")
+    processor = load_tokenizer(model).processor  # the SentencePiece library itself
+    return processor, transformers.AutoTokenizer.from_pretrained(out / "hf")
 
 
 def test_ids_equal_on_real_texts_and_edge_cases(corpus, tokenizers):
