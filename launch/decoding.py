@@ -12,6 +12,7 @@ hypotheses go back to text with the tokenizer the model was trained with.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,13 @@ class Checkpoint:
     tokenizer_sha256: str
     data_dir: str  # the dataset it was trained on, when known ("" otherwise)
     exported: bool  # an exported directory (else a DeepSpeed checkpoint: root / tag)
-    specials: Specials  # its tokenizer's special ids and frames
     root: Path | None = None
     tag: str | None = None
+
+    @functools.cached_property
+    def specials(self) -> Specials:
+        """Its tokenizer's special ids and frames (the tokenizer read when first asked)."""
+        return load_tokenizer(self.tokenizer_path).specials
 
     @property
     def max_source_tokens(self) -> int:
@@ -91,8 +96,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         raise UserError(
             f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})"
         )
-    specials = load_tokenizer(tokenizer).specials
-    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, specials, root, tag)
+    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag)
 
 
 def load_model(ckpt: Checkpoint) -> Seq2Seq:

@@ -47,6 +47,7 @@ def with_data_tokenizer(
     data_vocab: int,
     specials: Specials | None,
     data_dir: str | os.PathLike,
+    init_model: str = "",
 ) -> tuple[ModelConfig, str | None]:
     """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it) and
     its tokenizer's special ids (`model_ids`; None: a dataset not yet prepared, ids unknown), and
@@ -56,6 +57,12 @@ def with_data_tokenizer(
         model_cfg = replace(model_cfg, **model_ids(specials))
     if model_cfg.vocab_size == 0:
         return replace(model_cfg, vocab_size=int(data_vocab)), None
+    if model_cfg.vocab_size != data_vocab and init_model:  # the size is the directory's
+        return model_cfg, (
+            f"init.model: {init_model} has a vocabulary of {model_cfg.vocab_size}, the tokenizer of "
+            f"{data_dir} {data_vocab} pieces: the dataset was prepared with another tokenizer than "
+            f"the model's (prepare it with tokenizer.path={init_model})"
+        )
     if model_cfg.vocab_size != data_vocab:
         return model_cfg, (
             f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has {data_vocab} "

@@ -182,10 +182,11 @@ def resolve_model_config(
         return None
     if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
         model_cfg, problem = with_data_tokenizer(
-            model_cfg, data_vocab, data.specials, cfg.data.data_dir
+            model_cfg, data_vocab, data.specials, cfg.data.data_dir, cfg.init.model
         )
         if problem:
-            report.problem("model.vocab_size", problem.removeprefix("model.vocab_size="))
+            key = "init.model" if problem.startswith("init.model: ") else "model.vocab_size"
+            report.problem(key, problem.removeprefix(f"{key}: ").removeprefix(f"{key}="))
     try:
         model_cfg.validate()
     except ValueError as err:

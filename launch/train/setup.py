@@ -55,7 +55,9 @@ def setup(cfg: TrainConfig) -> Run:
     cfg = replace(cfg, grad_accum=plan.grad_accum)
     with stoppable():  # every rank reads the manifest, before there is a process group to leave
         data = open_data(cfg, task, denv)
-    cfg = replace(cfg, model=resolve_model_config(cfg.model, data, cfg.data.data_dir))
+    cfg = replace(
+        cfg, model=resolve_model_config(cfg.model, data, cfg.data.data_dir, cfg.init.model)
+    )
     dist.init_process_group(denv, cfg.dist_timeout_s)
     tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
@@ -191,10 +193,14 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     )
 
 
-def resolve_model_config(model_cfg: ModelConfig, data: Data, data_dir: str) -> ModelConfig:
+def resolve_model_config(
+    model_cfg: ModelConfig, data: Data, data_dir: str, init_model: str = ""
+) -> ModelConfig:
     """The model config with the data's vocabulary size (`vocab_size: 0` asks for it) and the
     special ids of its tokenizer."""
-    model_cfg, problem = with_data_tokenizer(model_cfg, data.vocab_size, data.specials, data_dir)
+    model_cfg, problem = with_data_tokenizer(
+        model_cfg, data.vocab_size, data.specials, data_dir, init_model
+    )
     if problem:
         raise UserError(problem)
     return model_cfg

@@ -692,6 +692,7 @@ def test_every_training_config_passes_a_dry_run(composed_data, tmp_path, capsys,
             f"data.data_dir={composed_data}",
             f"run_dir={tmp_path / 'run'}",
             "wandb.mode=disabled",
+            "model.vocab_size=0",  # the test data's (gpt2_124m.yaml fixes GPT-2's 50,257)
         ],
         capsys,
     )

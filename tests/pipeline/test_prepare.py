@@ -610,9 +610,11 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     cfg = load_config(PrepareConfig, None, prepare_args(tiny_corpus, tmp_path / "unused"))
     units = plan_units(expand_paths(cfg.source), cfg.source, 1 << 20)
     results = [work.scan_unit(i, unit, cfg, str(tmp_path / "work")) for i, unit in enumerate(units)]
-    model = train_tokenizer(
-        [text for result in results for _, text in result["sample"]], cfg.tokenizer
-    )
+    model = {
+        "tokenizer.model": train_tokenizer(
+            [text for result in results for _, text in result["sample"]], cfg.tokenizer
+        )
+    }
     outputs = {}
     for chunk in (7, 100_000):
         monkeypatch.setattr(work, "ENCODE_CHUNK", chunk)
