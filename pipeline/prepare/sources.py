@@ -436,7 +436,7 @@ class _ZstdFrames(io.RawIOBase):
     """A .zst file's decompressed bytes, frame after frame to the end of the file. A file that
     ends inside a frame (a cut download or copy) raises EOFError, as gzip does for a cut member:
     zstandard's stream reader returns what it could decode of a cut frame and ends without a
-    word, so a truncated file read as a shorter one (issue #45)."""
+    word, so a truncated file read as a shorter one."""
 
     def __init__(self, path: str):
         import zstandard
