@@ -70,17 +70,21 @@ test: setup slurm-cluster
 #   and a run that asks for wandb.mode=offline fails; drop it from the list to bundle it).
 #   Sdist-only packages are built into wheels here (deepspeed with DS_BUILD_OPS=0: no ops
 #   prebuilt, they JIT on first use).
-# gpu-data: a dataset for configs/gpt2_small.yaml (seq_len 1024, causal_lm, 8,000 pieces) prepared
-#   with Ray here from this Python's standard library sources (GPU_DATA_CHARS characters of them),
-#   and tiny_dataset, the test suite's (tests/conftest.py), for the gpu tests that train (TINY_DATASET).
+# gpu-data: datasets prepared with Ray here from this Python's standard library sources (up to
+#   GPU_DATA_CHARS characters of them; all of CPython 3.11's, 11.4 M, give a byte-level BPE of
+#   GPT-2's 50,257 pieces, trained by the tokenizers library): data/ for configs/gpt2_small.yaml
+#   (seq_len 1024, causal_lm), data2048/ for configs/llama_gpu_1b.yaml (seq_len 2048, the same
+#   tokenizer, GPU_DATA2048_CHARS of the text), and tiny_dataset, the test suite's
+#   (tests/conftest.py), for the gpu tests that train (TINY_DATASET).
 GPU_BUNDLE ?= build/gpu-bundle
 NODE_PYTHON_VERSION ?= 3.12
 NODE_GLIBC ?= 2.28
-GPU_WHEELHOUSE_SKIP ?= numpy matplotlib sacrebleu wandb
-GPU_DATA_CHARS ?= 6000000
+GPU_WHEELHOUSE_SKIP ?= numpy matplotlib sacrebleu wandb zstandard
+GPU_DATA_CHARS ?= 12000000
+GPU_DATA2048_CHARS ?= 5000000
 
 gpu-bundle: gpu-wheelhouse gpu-data
-	@du -sh $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/data $(GPU_BUNDLE)/tiny_dataset; du -sh $(GPU_BUNDLE)
+	@du -sh $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/data $(GPU_BUNDLE)/data2048 $(GPU_BUNDLE)/tiny_dataset; du -sh $(GPU_BUNDLE)
 
 gpu-wheelhouse: setup
 	rm -rf $(GPU_BUNDLE)/wheels.partial
@@ -92,11 +96,16 @@ gpu-data: setup
 	$(PY) benchmarks/gpu_bundle.py corpus $(GPU_DATA_CHARS) build/gpu-corpus/stdlib.txt
 	$(PY) -m pipeline.prepare configs/prepare_gettext_en_de.yaml output_dir=$(GPU_BUNDLE)/data overwrite=true \
 		"tasks=[causal_lm]" seq_len=1024 source.format=text "source.paths=[$(CURDIR)/build/gpu-corpus/stdlib.txt]" \
-		source.text_split=paragraph tokenizer.vocab_size=8000 split.valid=0.01 split.test=0.01 \
-		shard.max_samples=512 shard.buckets=4 ray.num_workers=2 progress=false
+		source.text_split=paragraph tokenizer.kind=hf tokenizer.model_type=bpe tokenizer.vocab_size=50257 \
+		split.valid=0.01 split.test=0.01 shard.max_samples=512 shard.buckets=4 ray.num_workers=2 progress=false
+	$(PY) benchmarks/gpu_bundle.py corpus $(GPU_DATA2048_CHARS) build/gpu-corpus/stdlib2048.txt
+	$(PY) -m pipeline.prepare configs/prepare_gettext_en_de.yaml output_dir=$(GPU_BUNDLE)/data2048 overwrite=true \
+		"tasks=[causal_lm]" seq_len=2048 source.format=text "source.paths=[$(CURDIR)/build/gpu-corpus/stdlib2048.txt]" \
+		source.text_split=paragraph tokenizer.path=$(CURDIR)/$(GPU_BUNDLE)/data \
+		split.valid=0.01 split.test=0.01 shard.max_samples=256 shard.buckets=4 ray.num_workers=2 progress=false
 	rm -rf $(GPU_BUNDLE)/tiny_dataset
 	$(PY) tests/conftest.py $(GPU_BUNDLE)/tiny_dataset
-	@du -sh $(GPU_BUNDLE)/data $(GPU_BUNDLE)/tiny_dataset
+	@du -sh $(GPU_BUNDLE)/data $(GPU_BUNDLE)/data2048 $(GPU_BUNDLE)/tiny_dataset
 
 clean-venv:
 	rm -rf $(VENV)

@@ -60,8 +60,18 @@ SHAPES = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256),
     "small": dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024),
     "base": dict(d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "1b": dict(d_model=2048, n_layers=16, n_heads=32, d_ff=8192),
 }
-CONFIGS = {"gpt": "configs/tiny_gpt.yaml", "bert": "configs/tiny_bert.yaml"}
+CONFIGS = {
+    "gpt": "configs/tiny_gpt.yaml",
+    "bert": "configs/tiny_bert.yaml",
+    "llama": "configs/tiny_gpt.yaml",
+}
+# The Llama arch: our GPT with Llama's blocks (configs/llama_gpu_1b.yaml's choices), against
+# transformers' LlamaForCausalLM; key/value heads a quarter of the query heads.
+LLAMA = dict(
+    norm="rmsnorm", activation="swiglu", positions="rope", bias="false", tie_embeddings="true"
+)
 COMPILED = "+compile"  # the key suffix of a compiled model's figures
 
 
@@ -105,20 +115,25 @@ def worker(args: argparse.Namespace) -> None:
     from launch.config import BatchPlan, resolved_compile_scope
     from launch.deepspeed.config import deepspeed_config
     from launch.deepspeed.engine import Engine
-    from launch.metrics import measure_gemm_flops
+    from launch.metrics import measure_gemm_flops, peak_flops
     from launch.optim import build_optimizer, build_scheduler
     from launch.train.setup import compile_model
     from model import build_model, hf
     from model.loss import IGNORE_INDEX
 
-    overrides = [f"model.{key}={value}" for key, value in SHAPES[args.shape].items()]
+    shape = dict(SHAPES[args.shape])
+    if args.arch == "llama":
+        shape.update(LLAMA, n_kv_heads=shape["n_heads"] // 4, rope_theta=500000.0)
+    overrides = [f"model.{key}={value}" for key, value in shape.items()]
+    if args.micro_batch:
+        overrides.append(f"data.micro_batch_size={args.micro_batch}")
     cfg, denv, task, batches = open_rank(
         ROOT / CONFIGS[args.arch],
         [
             *overrides,
             f"data.data_dir={args.data}",
             f"deepspeed.precision={args.precision}",
-            "deepspeed.zero_stage=2",
+            f"deepspeed.zero_stage={args.zero_stage}",
             f"max_steps={(args.rounds + 1) * args.steps * 2}",
             "data.num_workers=0",
             f"optim.implementation={args.adamw}",
@@ -127,12 +142,17 @@ def worker(args: argparse.Namespace) -> None:
         args.steps,
     )
 
-    # Peaks first, every rank at once: the same contention as training.
+    cuda = torch.cuda.is_available()
+    # Peaks first, every rank at once: the same contention as training. On a GPU the trainer's
+    # figure (the vendor's dense peak of a known GPU), summed over the ranks.
     dist.barrier()
-    peaks = {
-        p: measure_gemm_flops(dtype, 1024, seconds=1.0)
-        for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-    }
+    if cuda:
+        peaks = {p: peak_flops(p)[0] for p in ("fp32", "bf16")}
+    else:
+        peaks = {
+            p: measure_gemm_flops(dtype, 1024, seconds=1.0)
+            for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        }
     peaks = dict(zip(peaks, dist.all_reduce_sum(list(peaks.values()))))
 
     torch.manual_seed(0)
@@ -142,7 +162,8 @@ def worker(args: argparse.Namespace) -> None:
     for compiled in args.compile.split(","):
         suffix = COMPILED if compiled == "on" else ""
         ours = copy.deepcopy(initial)
-        theirs = hf.gpt_to_hf(ours) if args.arch == "gpt" else hf.bert_to_hf(ours)
+        convert = {"gpt": hf.gpt_to_hf, "bert": hf.bert_to_hf, "llama": hf.gpt_to_llama}
+        theirs = convert[args.arch](ours)
         if args.arch == "bert":
             # BERT's token-type table (one type, zeros after conversion) is a bias ours does not
             # have:
@@ -150,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
             theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
         if suffix:
             # as launch.train does
-            compile_model(ours, resolved_compile_scope(cfg, torch.cuda.is_available()))
+            compile_model(ours, resolved_compile_scope(cfg, cuda))
             theirs.compile()  # what their users would do: the whole model, in place
         models["ours" + suffix], models["hf" + suffix] = ours, theirs
     plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
@@ -167,11 +188,12 @@ def worker(args: argparse.Namespace) -> None:
     inputs = [task.model_inputs(batch) for batch in batches]
     tokens = dist.all_reduce_sum([float(sum(task.tokens(x) for x in inputs))])[0]
     flops = dist.all_reduce_sum([float(sum(task.flops(cfg.model, x) for x in inputs))])[0]
-    # Our labels are aligned with the predicting positions; GPT2LMHeadModel shifts its own, so it
-    # is given the unshifted ids (the same targets). BERT's are the same for both.
+    # Our labels are aligned with the predicting positions; GPT2LMHeadModel and LlamaForCausalLM
+    # shift their own, so they are given the unshifted ids (the same targets). BERT's are the
+    # same for both.
     theirs_inputs = [
         {**x, "labels": x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)}
-        if args.arch == "gpt"
+        if args.arch != "bert"
         else x
         for x in inputs
     ]
@@ -184,18 +206,25 @@ def worker(args: argparse.Namespace) -> None:
     }
     on_device.update({name + COMPILED: batches_of for name, batches_of in list(on_device.items())})
 
-    def run_round(name: str, engine: Engine) -> tuple[float, float]:
+    def sync() -> None:
+        if cuda:  # a barrier does not wait for the GPU's queued work
+            torch.cuda.synchronize()
         dist.barrier()
+
+    def run_round(name: str, engine: Engine) -> tuple[float, float]:
+        sync()
         start = time.perf_counter()
         for batch in on_device[name]:
             loss = engine(**batch).loss  # ours a NamedTuple, theirs a transformers ModelOutput
             engine.backward(loss)
             engine.step()
-        dist.barrier()
+        sync()
         return time.perf_counter() - start, float(loss)
 
     seconds = {name: [] for name in engines}
     losses = {}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
             elapsed, losses[name] = run_round(name, engine)
@@ -220,7 +249,11 @@ def worker(args: argparse.Namespace) -> None:
             "peaks": peaks,
             "hf_class": type(theirs).__name__,
             "hf_attention": getattr(theirs.config, "_attn_implementation", None),
-            "compile_scope": resolved_compile_scope(cfg, torch.cuda.is_available()),
+            "compile_scope": resolved_compile_scope(cfg, cuda),
+            "zero_stage": cfg.deepspeed.zero_stage,
+            "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "peak_source": peak_flops(cfg.deepspeed.precision)[1] if cuda else "measured GEMM",
+            "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "torch": torch.__version__,
         }
         Path(args.result).write_text(json.dumps(result))
@@ -258,6 +291,10 @@ def run_job(args: argparse.Namespace, arch: str, shape: str, precision: str, res
         args.adamw,
         "--compile-scope",
         args.compile_scope,
+        "--zero-stage",
+        str(args.zero_stage),
+        "--micro-batch",
+        str(args.micro_batch or 0),
         "--result",
         str(result),
     ]
@@ -325,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "--data", type=Path, default=DEFAULT_DATA, help="a prepared dataset (default: %(default)s)"
     )
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--archs", default="gpt,bert")
+    parser.add_argument("--archs", default="gpt,bert", help="of gpt, bert, llama")
     parser.add_argument(
         "--shapes", default="tiny,small", help=f"of {', '.join(SHAPES)} (default: %(default)s)"
     )
@@ -355,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: tiny fp32 only, 4 steps, 1 round"
     )
+    parser.add_argument(
+        "--zero-stage", type=int, default=2, choices=(0, 1, 2, 3), help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, default=0, help="micro batch size (default: the config's)"
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     # Internal: one rank of one torchrun job.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -381,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
             4,
             1,
         )
+    for arch in args.archs.split(","):
+        if arch not in CONFIGS:
+            parser.error(f"--archs: unknown arch {arch!r} (have {', '.join(CONFIGS)})")
     shapes = args.shapes.split(",")
     for shape in shapes:
         if shape not in SHAPES:
@@ -390,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}; {args.nproc} ranks x 1 thread, DeepSpeed ZeRO-2, "
+        f"transformers {transformers.__version__}; "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; "
+        f"{args.nproc} ranks x 1 thread, DeepSpeed ZeRO-{args.zero_stage}, "
         f"{args.rounds} timed rounds of {args.steps} steps per model, alternating; compile {args.compile}; "
         f"ours compile_scope {args.compile_scope}; AdamW {args.adamw}",
         flush=True,
@@ -424,9 +472,19 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(r)
     print()
     print(table(results))
+    peak_note = (
+        f"{results[0]['peak_source']}, summed over the ranks"
+        if torch.cuda.is_available() and results
+        else "(1024 x 1024) @ (1024 x 1024) for 1 s on every rank at once in each job, summed "
+        "over the ranks"
+    )
+    if torch.cuda.is_available():
+        for r in results:
+            print(
+                f"{r['arch']} {r['shape']}: peak GPU memory of the job {r['max_memory_gib']:.2f} GiB"
+            )
     print(
-        f"\nGEMM peaks: (1024 x 1024) @ (1024 x 1024) for 1 s on every rank at once in each job, summed over "
-        f"the {args.nproc} ranks. MFU = model FLOPs of the timed steps (model.flops, as the trainer logs it) / "
+        f"\nPeaks: {peak_note} ({args.nproc} ranks). MFU = model FLOPs of the timed steps (model.flops, as the trainer logs it) / "
         f"time / peak. Tokens/s: every input token of every rank."
     )
     if args.json:

@@ -53,6 +53,11 @@ def wheelhouse(argv: list[str]) -> None:
     project = [Requirement(r) for r in metadata.requires("pretrain-pipeline")]
     roots = [r for r in project if wanted(r) and not skipped(r.name)]
     roots += [r for r in project if canonicalize_name(r.name) == "pytest" and wanted(r, ("dev",))]
+    # transformers (and the tokenizers library it brings) for a dataset of a Hugging Face
+    # tokenizer and for ours-against-HF on the GPU; lm-eval, the rest of the hf extra, stays out.
+    roots += [
+        r for r in project if canonicalize_name(r.name) == "transformers" and wanted(r, ("hf",))
+    ]
     pins, extras_seen, todo, unpinned = {}, {}, [(r, set(r.extras)) for r in roots], {}
     while todo:
         req, extras = todo.pop()

@@ -147,8 +147,9 @@ def stage_install(bundle):
         "webdataset",
         "omegaconf",
         "polib",
-        "zstandard",
         "sentencepiece",
+        "tokenizers",  # the data's byte-level BPE
+        "transformers",  # ours against Hugging Face (hf-bench)
         "pytest",
         "launch.train",
     ):
@@ -168,6 +169,7 @@ def stage_install(bundle):
     for optional, why in (
         ("wandb", "launch.train runs with wandb.mode=disabled"),
         ("ray", "only pipeline.prepare needs it, and the bundle's data is prepared"),
+        ("zstandard", "only pipeline.prepare reads .zst sources"),
     ):
         try:
             print(f"{optional}: {metadata.version(optional)} installed (optional)")
@@ -425,8 +427,9 @@ def busy_clocks(csv_path: Path) -> tuple[float, float, float, float] | None:
     return statistics.median(clocks), min(clocks), max(clocks), statistics.median(power)
 
 
-def stage_compare(metrics_path, bench_path, vocab, zero_stage):
-    """The run's steady-state throughput against bench_gpu.py's row of the same vocabulary and stage."""
+def steady_state(metrics_path):
+    """(windows logged with throughput, the steady ones' medians of tokens/s and both MFUs): the
+    first windows, which hold compilation and the warm-up, are left out."""
     rows = []
     for line in Path(metrics_path).read_text().splitlines() if Path(metrics_path).is_file() else []:
         try:
@@ -434,14 +437,52 @@ def stage_compare(metrics_path, bench_path, vocab, zero_stage):
         except ValueError:
             continue
     perf = [r for r in rows if "perf/tokens_per_s" in r]
+    steady = perf[2:] if len(perf) >= 5 else perf[1:] or perf
+    med = {
+        k: statistics.median(r.get(k, float("nan")) for r in steady) if steady else float("nan")
+        for k in ("perf/tokens_per_s", "perf/mfu", "perf/mfu_llmc")
+    }
+    return perf, steady, med
+
+
+def stage_train_1b(metrics_path, dry_run_json):
+    """The Llama-shaped 1 B run: its steady-state throughput and MFU, and its peak GPU memory
+    against what its dry run expected (model states by DeepSpeed's estimator plus our count of
+    the activations)."""
+    perf, steady, med = steady_state(metrics_path)
+    if not perf:
+        print(f"train-1b: no throughput logged in {metrics_path}")
+        return 1
+    last = perf[-1]
+    peak = last.get("memory/gpu_max_allocated_mb", float("nan")) * 2**20
+    print(
+        f"train-1b: {len(perf)} windows to step {last['step']}, loss {perf[0].get('train/loss', float('nan')):.3f}"
+        f" -> {last.get('train/loss', float('nan')):.3f}; steady state (median of {len(steady)} windows): "
+        f"{med['perf/tokens_per_s']:,.0f} tokens/s, MFU {100 * med['perf/mfu']:.1f}% (ours), "
+        f"{100 * med['perf/mfu_llmc']:.1f}% (llm.c)"
+    )
+    try:
+        dry = json.loads(Path(dry_run_json).read_text())
+        figures = dry.get("figures", dry)
+        expected = figures["memory_bytes_per_gpu"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"train-1b: no dry-run estimate in {dry_run_json} ({type(err).__name__}: {err})")
+        return 1
+    print(
+        f"train-1b: GPU peak {peak / 2**30:.2f} GiB (torch.cuda.max_memory_allocated) against the dry run's "
+        f"{expected / 2**30:.2f} GiB (model states {figures.get('model_state_bytes_per_gpu', float('nan')) / 2**30:.2f}"
+        f" + activations {figures.get('activation_bytes_per_gpu', float('nan')) / 2**30:.2f}): "
+        f"measured / estimated {peak / expected:.2f}"
+    )
+    return 0
+
+
+def stage_compare(metrics_path, bench_path, vocab, zero_stage):
+    """The run's steady-state throughput against bench_gpu.py's row of the same vocabulary and stage."""
+    perf, steady, med = steady_state(metrics_path)
     if not perf:
         print(f"train: no throughput logged in {metrics_path}")
         return 1
-    steady = perf[2:] if len(perf) >= 5 else perf[1:] or perf  # the first windows hold the warm-up
-    med = {
-        k: statistics.median(r.get(k, float("nan")) for r in steady)
-        for k in ("perf/tokens_per_s", "perf/mfu", "perf/mfu_llmc")
-    }
     last = perf[-1]
     print(
         f"train: {len(perf)} windows of {perf[1]['step'] - perf[0]['step'] if len(perf) > 1 else '?'} steps to step "

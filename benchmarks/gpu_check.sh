@@ -20,11 +20,19 @@
 #              steps 301-303 profiled (profile_start: where the step's time goes, in check.log)
 #   train-vs-bench   the run's steady-state tokens/s and MFU against the bench row of the same
 #              vocabulary and ZeRO stage (fails outside 10%)
+#   train-1b   launch.train configs/llama_gpu_1b.yaml (Llama-shaped, 1.08 B parameters at 50,257
+#              pieces) on BUNDLE_DIR/data2048 for TRAIN_1B_S seconds, as the train stage; its
+#              dry run's memory estimate (llama_1b_dry_run.json) against the measured peak
+#   hf-bench   benchmarks/bench_train.py on the GPU, one process: ours against transformers'
+#              GPT2LMHeadModel (GPT-2 124M shape, data/) and LlamaForCausalLM (the 1 B shape,
+#              data2048/), same weights and batches, both compiled, bf16, ZeRO-1, alternating
+#              (HF_BENCH=0 skips it)
 #   pytest     REQUIRE_GPU=1 pytest -m gpu with the time left (skipped under 60 s)
 # Environment: OUT (default ./gpu_check_out: check.log, summary.txt, bench_gpu.json,
-# train_metrics.jsonl, nvidia_smi.csv, pip_freeze.txt), WORK (default $TMPDIR or /tmp, then
-# gpu_check_work: the run directory, with its checkpoint), BUDGET (seconds, default 600), TRAIN_S
-# (default 120), TRAIN_ARGS (more key=value overrides for the train stage, e.g. compile=true),
+# train_metrics.jsonl, train_1b_metrics.jsonl, llama_1b_dry_run.json, bench_train.txt,
+# nvidia_smi.csv, pip_freeze.txt), WORK (default $TMPDIR or /tmp, then gpu_check_work: the run
+# directories, with their checkpoints), BUDGET (seconds, default 600), TRAIN_S (default 120),
+# TRAIN_1B_S (default 90), TRAIN_ARGS (more key=value overrides for the train stage),
 # PYTHON (default python3: the environment that is checked and installed into).
 # Exit status: 0 all stages passed (some may be skipped for time), 1 a stage failed, 2 no usable
 # torch or bundle, 3 CUDA unusable, 130 interrupted.
@@ -42,17 +50,19 @@ OUT=$(realpath -m -- "${OUT:-$ROOT/gpu_check_out}")
 WORK=$(realpath -m -- "${WORK:-${TMPDIR:-/tmp}/gpu_check_work}")
 BUDGET=${BUDGET:-600}
 TRAIN_S=${TRAIN_S:-120}
+TRAIN_1B_S=${TRAIN_1B_S:-90}
+HF_BENCH=${HF_BENCH:-1}
 PY=$(command -v "${PYTHON:-python3}") || { echo "gpu_check: no Python '${PYTHON:-python3}' (set PYTHON)" >&2; exit 2; }
 [[ $PY == /* ]] || PY=$PWD/$PY   # a venv's python by its own path (not resolved: that would leave the venv)
 cd "$ROOT" || exit 2
-for v in BUDGET TRAIN_S; do
+for v in BUDGET TRAIN_S TRAIN_1B_S HF_BENCH; do
   [[ ${!v} =~ ^[0-9]+$ ]] || { echo "gpu_check: $v=${!v}: not a number of seconds" >&2; exit 2; }
 done
 mkdir -p "$OUT" "$WORK" || exit 2
 # Only this script's own files are replaced: OUT may hold other things.
-rm -f "$OUT"/{check.log,summary.txt,bench_gpu.json,train_metrics.jsonl,nvidia_smi.csv,pip_freeze.txt}
-rm -rf "$WORK/run" "$WORK/cuda_stop.txt"
-RUN=$WORK/run
+rm -f "$OUT"/{check.log,summary.txt,bench_gpu.json,train_metrics.jsonl,train_1b_metrics.jsonl,llama_1b_dry_run.json,bench_train.txt,nvidia_smi.csv,pip_freeze.txt}
+rm -rf "$WORK/run" "$WORK/run_1b" "$WORK/cuda_stop.txt"
+RUN=$WORK/run RUN_1B=$WORK/run_1b
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # `python -m launch.train` without installing the project
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -160,7 +170,9 @@ main() {
   if [[ -z $vocab || $vocab == 0 ]]; then
     vocab=8000 data_ok=0; echo "data: no usable dataset in $BUNDLE/data (make gpu-data): the train stage will be skipped"
   fi
-  SIG=INT stage bench "$(limit 180 200)" "$PY" benchmarks/bench_gpu.py --vocabs "50257,$vocab" --stages 1 \
+  local vocabs=50257
+  [[ $vocab == 50257 ]] || vocabs+=",$vocab"
+  SIG=INT stage bench "$(limit 180 200)" "$PY" benchmarks/bench_gpu.py --vocabs "$vocabs" --stages 1 \
     --steps 5 --warmup 2 --min-seconds 15 --json "$OUT/bench_gpu.json"
 
   local wandb=disabled train_s lim
@@ -184,6 +196,44 @@ main() {
       || echo "train: WARNING: no $RUN/preempted.json: it did not stop through its STOP file"
     cp "$RUN/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
     stage train-vs-bench "$(limit 60 25)" "$PY" "$HELPER" compare "$RUN/metrics.jsonl" "$OUT/bench_gpu.json" "$vocab" 1
+  fi
+
+  # The Llama-shaped 1 B model: its dry run's memory estimate, then TRAIN_1B_S seconds of training
+  local data_1b=$BUNDLE/data2048
+  lim=$(limit $(( TRAIN_1B_S + 100 )) 60)
+  train_s=$(( lim - 70 < TRAIN_1B_S ? lim - 70 : TRAIN_1B_S ))
+  if [[ ! -f $data_1b/manifest.json ]]; then
+    record train-1b - 0 "skipped: no $data_1b (make gpu-data)"; SKIPPED+=(train-1b)
+  elif (( train_s < 40 )); then
+    record train-1b - 0 "skipped: ${lim}s left for it"; SKIPPED+=(train-1b)
+  else
+    local args_1b=("data.data_dir=$data_1b" "run_dir=$RUN_1B" log_every=5 eval_every=0
+      checkpoint.every_steps=0 max_steps=100000 "wandb.mode=$wandb")
+    "$PY" -m launch.train configs/llama_gpu_1b.yaml "${args_1b[@]}" --dry-run --json \
+      > "$OUT/llama_1b_dry_run.json" 2>/dev/null || echo "train-1b: the dry run failed (rc=$?)"
+    mkdir -p "$RUN_1B"
+    ( trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM; sleep "$train_s" & sleeper=$!; wait "$sleeper" && touch "$RUN_1B/STOP" ) &
+    TIMER=$!
+    NOTE="STOP after ${train_s}s" stage train-1b "$lim" "$PY" -m launch.train configs/llama_gpu_1b.yaml "${args_1b[@]}"
+    kill "$TIMER" 2>/dev/null; wait "$TIMER" 2>/dev/null; TIMER=''
+    cp "$RUN_1B/metrics.jsonl" "$OUT/train_1b_metrics.jsonl" 2>/dev/null
+    stage train-1b-figures "$(limit 30 25)" "$PY" "$HELPER" train-1b "$RUN_1B/metrics.jsonl" "$OUT/llama_1b_dry_run.json"
+    rm -rf "$RUN_1B"   # a 1 B model's checkpoint: 13 GB the check does not need
+  fi
+
+  # Ours against Hugging Face on this GPU, both compiled
+  if (( ! HF_BENCH )); then
+    record hf-bench - 0 "skipped: HF_BENCH=0"; SKIPPED+=(hf-bench)
+  elif (( ! data_ok )) || [[ ! -f $data_1b/manifest.json ]]; then
+    record hf-bench - 0 "skipped: no usable $BUNDLE/data or $data_1b"; SKIPPED+=(hf-bench)
+  else
+    local bt=("$PY" benchmarks/bench_train.py --nproc 1 --precisions bf16 --compile on --zero-stage 1
+      --steps 6 --rounds 2)
+    export GPU_CHECK_D1=$BUNDLE/data GPU_CHECK_D2=$data_1b
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    SIG=INT stage hf-bench "$(limit 240 25)" bash -c '{ "$@" --archs gpt --shapes base --micro-batch 16 \
+      --data "$GPU_CHECK_D1" && "$@" --archs llama --shapes 1b --micro-batch 4 --data "$GPU_CHECK_D2"; } 2>&1 \
+      | tee "$GPU_CHECK_OUT/bench_train.txt"; exit "${PIPESTATUS[0]}"' hf-bench "${bt[@]}"
   fi
 
   lim=$(limit 100000 25)   # pytest gets SIGINT at the limit, then 15 s to print what it ran
