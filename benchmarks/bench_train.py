@@ -1,9 +1,10 @@
 """Training throughput of our GPT and BERT against Hugging Face's, and MFU; prints figures, asserts nothing.
 
-    python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--shapes tiny,small]
+    python benchmarks/bench_train.py [--data DIR] [--nproc 2] [--archs gpt,bert] [--shapes tiny,small]
                                      [--precisions fp32,bf16] [--compile off,on] [--steps 20]
                                      [--rounds 3] [--adamw auto|fused|foreach|for_loop]
                                      [--compile-scope auto|model|blocks] [--quick]
+                                     [--micro-batch N] [--zero-stage 2]
 
 1. Throughput: for each model shape and precision, one `torchrun` job of `--nproc` ranks builds
    our model (`model.GPT` / `model.BERT`) and `transformers`' `GPT2LMHeadModel` /
@@ -27,10 +28,17 @@
    (`model.flops.training_flops`, as the trainer logs it) x steps/s / the sum of the ranks'
    peaks of the training precision; MFU against the other precision's peak is printed too.
 
-Shapes (vocabulary from the dataset's tokenizer, sequence length 128, dropout as in the config, 0):
+Shapes (vocabulary and sequence length from the dataset, dropout as in the config, 0):
     tiny   d_model 64, 2 layers, 4 heads, d_ff 256   (configs/tiny_*.yaml: the main job's models)
     small  d_model 256, 4 layers, 4 heads, d_ff 1024
     base   d_model 768, 12 layers, 12 heads, d_ff 3072 (GPT-2 small / BERT-base blocks; slow on CPU)
+    1b     d_model 2048, 16 layers, 32 heads, d_ff 8192 (configs/llama_gpu_1b.yaml's; a GPU's)
+Archs: gpt (against GPT2LMHeadModel), bert (BertForMaskedLM), llama (our GPT with Llama's blocks,
+key/value heads a quarter of the heads, against LlamaForCausalLM).
+
+On a GPU (benchmarks/gpu_check.sh's hf-bench stage): `--nproc 1`, NCCL, the rounds timed between
+device synchronisations, MFU against the GPU's table peak (`launch.metrics.peak_flops`) and the
+job's peak GPU memory printed; `--micro-batch` and `--zero-stage` set what the configs would.
 
 Data: DIR defaults to data/gettext-en-de (made by `make main` or `python -m pipeline.prepare
 configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
@@ -97,14 +105,17 @@ def open_rank(config: Path, overrides: list[str], n_batches: int):
     loader = ShardLoader.from_config(
         cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size
     )
-    cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size)
-    )
     batches = []
     for batch in loader:
         batches.append(batch)
         if len(batches) == n_batches:
             break
+    # The model takes the data's vocabulary and at least its blocks' length.
+    seq_len = max(cfg.model.max_seq_len, int(batches[0]["input_ids"].shape[1]))
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size, max_seq_len=seq_len),
+    )
     return cfg, denv, task, batches
 
 
