@@ -161,7 +161,7 @@ class TrainConfig:
     dist_timeout_s: int = 600
     # torch.compile (inductor) the model for training, in place (the state dict keeps its keys);
     # evaluation runs eagerly. In bf16 on a CPU, attention over up to 128 keys then recomputes its
-    # probabilities in backward (`model.blocks.attention`). Needs a C++ compiler on CPU (g++, or
+    # probabilities in backward (`model.attention.attention`). Needs a C++ compiler on CPU (g++, or
     # $CXX), Triton on a GPU.
     compile: bool = False
     # What `compile` compiles: model = the whole forward with the loss in the graph (fuses the

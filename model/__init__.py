@@ -25,7 +25,7 @@ _HOMES = {
     "BERT": "model.bert",
     "GPT": "model.gpt",
     "Seq2Seq": "model.seq2seq",
-    "KVCache": "model.blocks",
+    "KVCache": "model.cache",
     "ModelOutput": "model.blocks",
     "attention_kernels": "model.blocks",
     "ModelConfig": "model.config",

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.blocks import KVCache
+from model.cache import KVCache
 
 if TYPE_CHECKING:
     from model.gpt import GPT

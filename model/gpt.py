@@ -14,7 +14,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from model.blocks import KVCache, ModelOutput, Transformer, init_weights
+from model.blocks import ModelOutput, Transformer, init_weights
+from model.cache import KVCache
 from model.config import ModelConfig
 from model.generation import generate_causal
 from model.loss import LMHead

@@ -169,7 +169,7 @@ def activation_bytes(
     parallelism), in the training precision: in the attention sublayer the norm's input, the
     q/k/v projections' input, q, k and v, SDPA's output and the output projection's reshaped
     copy of it (5 d + 2 d_kv, d_kv = n_kv_heads x d / n_heads: grouped-query attention's k and v
-    are smaller, and SDPA takes them so where it can, `model.blocks.attention`; on CUDA with a
+    are smaller, and SDPA takes them so where it can, `model.attention.attention`; on CUDA with a
     mask, or in float32, they are repeated to d each, which this leaves out); in the MLP sublayer the norm's
     input, the first projection's input and the hidden layer before and after its activation
     (2 d + 2 d_ff; a gated MLP keeps gate and value before, the activated gate and the product

@@ -156,7 +156,7 @@ def fit(run: Run) -> dict:
         # a stop request cut some rank's wait for its batches short: no step taken
         if result is None:
             return stop_for_requeue(run, last_saved, last_eval)
-        if not told_kernel:  # which kernel the document mask ran on (model.blocks), once
+        if not told_kernel:  # which kernel the document mask ran on (model.attention), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
             told_kernel = True
         window_time += time.perf_counter() - step_start

@@ -277,7 +277,7 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
     of their own, counted against the same recompile limit. With dropout, inductor draws other
     random masks than eager mode does. In bf16 on a CPU the compiled blocks' attention recomputes
     its probabilities in backward rather than run SDPA's slow CPU flash backward
-    (`model.blocks.attention`)."""
+    (`model.attention.attention`)."""
     if torch.cuda.is_available():
         if importlib.util.find_spec("triton") is None:
             raise UserError(

@@ -1,4 +1,4 @@
-"""`model.blocks.attention`: SDPA everywhere, except compiled bf16 training on a CPU at up to
+"""`model.attention.attention`: SDPA everywhere, except compiled bf16 training on a CPU at up to
 RECOMPUTE_MAX_KEYS keys, where `_RecomputedAttention` keeps the CPU flash forward and recomputes the
 probabilities in backward. Its output and gradients against float32 SDPA on the same (upcast)
 inputs, next to bf16 SDPA's own error, for every mask the models pass; and, compiled, which
@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.attention as attention_module
 import model.blocks as blocks
-from model.blocks import (
+from model.attention import (
     _RecomputedAttention,
     document_attention_mask,
     padding_mask,
@@ -138,7 +139,9 @@ def test_compiled_bf16_blocks_recompute_attention_up_to_the_key_limit_and_match_
     # 16 keys: recomputed
     assert flash_backward not in _profiled_step(compiled, x.to(torch.bfloat16))
     assert flash_backward in _profiled_step(eager, x.to(torch.bfloat16))  # eager: SDPA's backward
-    monkeypatch.setattr(blocks, "RECOMPUTE_MAX_KEYS", 8)  # 16 keys are now too many: SDPA again
+    monkeypatch.setattr(
+        attention_module, "RECOMPUTE_MAX_KEYS", 8
+    )  # 16 keys are now too many: SDPA again
     torch._dynamo.reset()
     compiled.forward = torch.compile(blocks.Block.forward.__get__(compiled), backend="inductor")
     assert flash_backward in _profiled_step(compiled, x.to(torch.bfloat16))

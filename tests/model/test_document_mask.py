@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from model import BERT, GPT, ModelConfig
-from model.blocks import document_attention_mask, positions_in_documents
+from model.attention import document_attention_mask
+from model.positions import positions_in_documents
 
 V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
 EOS = 3
@@ -188,7 +189,7 @@ def test_auto_kernel_is_sdpa_on_cpu_and_with_attention_dropout():
     model.train()
     assert model._document_kernel(torch.device("cuda")) == "sdpa"  # FlexAttention has no dropout
     model.eval()
-    from model.blocks import FLEX_MIN_HEAD_DIM, flex_attention_available
+    from model.attention import FLEX_MIN_HEAD_DIM, flex_attention_available
 
     assert tiny("gpt").d_model // tiny("gpt").n_heads < FLEX_MIN_HEAD_DIM
     # heads too narrow for FlexAttention's kernel

@@ -1,4 +1,4 @@
-"""Rotary positions and grouped-query attention (`model.blocks.Rotary`, `rotate`, `attention`).
+"""Rotary positions and grouped-query attention (`model.positions.Rotary`, `rotate`, `model.attention.attention`).
 
 Rotary: a query-key score depends on the two positions' difference only (all positions shifted
 by k: the same scores), a rotation keeps a vector's length, the table stays float32 when the
@@ -11,16 +11,10 @@ rotary positions: tests/model/test_document_mask.py; against Hugging Face: tests
 import pytest
 import torch
 
-import model.blocks as blocks
+import model.attention as attention_module
 from model import KVCache, ModelConfig, build_model
-from model.blocks import (
-    Rotary,
-    attention,
-    document_attention_mask,
-    expand_kv,
-    rotate,
-    self_attention_mask,
-)
+from model.attention import attention, document_attention_mask, expand_kv, self_attention_mask
+from model.positions import Rotary, rotate
 
 D, MAX_LEN = 16, 64
 
@@ -139,7 +133,7 @@ def test_grouped_heads_equal_repeated_heads(mask_name, sdpa_takes_gqa, monkeypat
     """Both routes `attention` may take (SDPA's grouped heads; heads repeated first, as on CUDA
     with a mask or on a torch without enable_gqa) against plain attention over repeated heads,
     outputs and gradients."""
-    monkeypatch.setattr(blocks, "SDPA_TAKES_GQA", sdpa_takes_gqa)
+    monkeypatch.setattr(attention_module, "SDPA_TAKES_GQA", sdpa_takes_gqa)
     B, H, Hkv, T = 2, 4, 2, 10
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
