@@ -1,11 +1,10 @@
 """`Engine`, the facade the training loop talks to (forward, backward, step, save, load) over
-DeepSpeed's engine; CPU Adam for ZeRO-Offload, its JIT cache keyed by CPU type; ZeRO-3 leaf modules."""
+DeepSpeed's engine; CPU Adam for ZeRO-Offload; ZeRO-3 leaf modules. DeepSpeed's start-up patches:
+`launch.deepspeed.patches`."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,8 +12,8 @@ from typing import Any, Iterator
 import torch
 
 from common.configure import UserError
-from common.machine import cpu_key, read_cpuinfo
 from launch.checkpoint import is_universal
+from launch.deepspeed.patches import patch_deepspeed
 from launch.deepspeed.safe_load import _checkpoint_globals
 
 
@@ -32,12 +31,10 @@ class Engine:
         scheduler,
         config: dict,
     ):
-        use_cpu_keyed_jit_cache()  # before DeepSpeed builds any op
+        patch_deepspeed()  # before DeepSpeed builds any op or starts its communication
         import deepspeed
 
-        leave_shm_comm_op_unbuilt()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-        load_muon_compiling_on_first_call()
         self.config = config
         self._engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
@@ -259,58 +256,6 @@ class Engine:
         }
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
-SHM_COMM_OP = "deepspeed_shm_comm"
-
-
-def leave_shm_comm_op_unbuilt() -> None:
-    """Tell DeepSpeed its shared-memory all-reduce op is unavailable, before it initialises its
-    communication. On a CPU accelerator DeepSpeed builds and loads that C++ op at every
-    `init_distributed`, for `inference_all_reduce` (tensor-parallel inference) alone; training's
-    collectives go through torch.distributed either way. Its JIT build costs the first job of
-    every fresh install (and of each new venv path) tens of seconds of a core, for a code path
-    this project never takes. DeepSpeed then keeps `shm_comm_op` None and its inference all-reduce
-    falls back to torch.distributed's."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
-
-
-def load_muon_compiling_on_first_call() -> None:
-    """Import DeepSpeed's Muon module with its `torch.compile` wrappers made at each function's
-    first call rather than at import. DeepSpeed imports the module in every ZeRO engine (its
-    optimizer check, and ZeRO-1/2's gradient reduce, to test `isinstance(optimizer, Muon)`), and
-    those wrappers import inductor's compiler, a share of every rank's start
-    (docs/design.md#a-ranks-start), for an optimizer this project never passes. A Muon user sees no difference: torch.compile
-    compiles at the first call anyway. No-op where the module is loaded already."""
-    if MUON_MODULE in sys.modules:
-        return
-    import importlib
-
-    from deepspeed.runtime import compiler
-
-    def compile_on_first_call():
-        def wrap(fn):
-            compiled = None
-
-            @functools.wraps(fn)
-            def call(*args, **kwargs):
-                nonlocal compiled
-                if compiled is None:
-                    compiled = torch.compile(fn)
-                return compiled(*args, **kwargs)
-
-            return call
-
-        return wrap
-
-    deepspeeds, compiler.compile = compiler.compile, compile_on_first_call
-    try:
-        importlib.import_module(MUON_MODULE)
-    finally:
-        compiler.compile = deepspeeds
-
-
 def cpu_adam(
     param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float
 ) -> torch.optim.Optimizer:
@@ -319,14 +264,12 @@ def cpu_adam(
     torch's AdamW), over the caller's parameter groups, each with its own weight decay.
 
     Its C++ op is built by DeepSpeed with the host's compiler at first use and cached in a
-    folder of this CPU type (`use_cpu_keyed_jit_cache`). If it cannot be built, torch's AdamW
+    folder of this CPU type (`launch.deepspeed.patches.use_cpu_keyed_jit_cache`). If it cannot be built, torch's AdamW
     (the same update, slower) takes its place, with a one-line warning. Under a process group
     the ranks agree first: if the op fails on any rank, every rank falls back, so that all
     partitions are stepped by the same optimizer."""
     failure = None
-    use_cpu_keyed_jit_cache()
-    ask_cpuinfo_once()
-    build_cpu_adam_without_debug_info()
+    patch_deepspeed(cpu_adam=True)
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -352,57 +295,6 @@ def cpu_adam(
             file=sys.stderr,
         )
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
-
-
-def build_cpu_adam_without_debug_info() -> None:
-    """Have DeepSpeed compile its CPU Adam op without `-g`. Its flags ask for debug information
-    beside -O3; gcc's code is the same either way, but the objects (which include torch's
-    headers) are many times larger and slower to compile, and the first offloading job of a
-    fresh install waits for that build (docs/design.md#jit-built-ops-per-cpu-type). Idempotent."""
-    from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
-
-    builder = deepspeed_cpu_adam.CPUAdamBuilder
-    if hasattr(builder.cxx_args, "deepspeeds"):
-        return
-    deepspeeds = builder.cxx_args
-
-    def cxx_args(self):
-        return [arg for arg in deepspeeds(self) if arg != "-g"]
-
-    cxx_args.deepspeeds = deepspeeds
-    builder.cxx_args = cxx_args
-
-
-def ask_cpuinfo_once() -> None:
-    """Keep py-cpuinfo's answer for the rest of the process. Its `get_cpu_info` starts a Python
-    subprocess at every call, and DeepSpeed asks it four times to build and construct CPU Adam
-    (the AMD check, `-march`, the SIMD width, again for the load), each a Python start of an
-    offloading rank's. The CPU does not change while a process runs. Idempotent."""
-    import cpuinfo
-
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-
-
-def use_cpu_keyed_jit_cache(environ: dict | None = None, cpuinfo: str | None = None) -> str:
-    """Point TORCH_EXTENSIONS_DIR, where DeepSpeed's JIT-built ops (CPU Adam) are cached, at a
-    folder of this CPU type: they are compiled with `-march=native`, and a home directory shared
-    by a cluster's node types would otherwise hand an op built on one to another, which dies of
-    an illegal instruction. The folder is `{py}_{accelerator}_{cpu_key}` under the user's
-    TORCH_EXTENSIONS_DIR or torch's default root (whose own `{py}_{accelerator}` folder a set
-    TORCH_EXTENSIONS_DIR replaces). Idempotent; returns the folder. Why not a portable build:
-    docs/design.md#jit-built-ops-per-cpu-type."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    environ = os.environ if environ is None else environ
-    if cpuinfo is None:
-        cpuinfo = read_cpuinfo()
-    accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    leaf = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_{cpu_key(cpuinfo)}"
-    current = environ.get("TORCH_EXTENSIONS_DIR", "")
-    if os.path.basename(os.path.normpath(current)) != leaf:
-        environ["TORCH_EXTENSIONS_DIR"] = os.path.join(current or get_default_build_root(), leaf)
-    return environ["TORCH_EXTENSIONS_DIR"]
 
 
 @contextlib.contextmanager

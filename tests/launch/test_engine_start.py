@@ -10,7 +10,7 @@ from conftest import ROOT, free_port
 
 PROBE = """
 import sys, torch
-from launch.deepspeed.engine import MUON_MODULE, load_muon_compiling_on_first_call
+from launch.deepspeed.patches import MUON_MODULE, load_muon_compiling_on_first_call
 load_muon_compiling_on_first_call()
 muon = sys.modules[MUON_MODULE]
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # what DeepSpeed's checks import

@@ -86,7 +86,7 @@ def test_cpu_adam_takes_torch_adamws_steps_group_by_group():
 def test_cpu_adam_is_compiled_with_deepspeeds_flags_less_debug_info():
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
 
-    from launch.deepspeed.engine import build_cpu_adam_without_debug_info
+    from launch.deepspeed.patches import build_cpu_adam_without_debug_info
 
     build_cpu_adam_without_debug_info()
     build_cpu_adam_without_debug_info()  # idempotent: not wrapped twice
@@ -185,7 +185,7 @@ model name\t: something else entirely
 def test_the_jit_cache_is_keyed_by_the_cpu_type():
     """DeepSpeed builds CPU Adam with -march=native: the cache folder differs for CPUs that differ
     in what that compiles for, even under one model name, and is the same for the same CPU."""
-    from launch.deepspeed.engine import cpu_key, use_cpu_keyed_jit_cache
+    from launch.deepspeed.patches import cpu_key, use_cpu_keyed_jit_cache
 
     key = cpu_key(CPUINFO)
     assert key.startswith("intel-r-xeon-r-platinum-8480-") and key == cpu_key(
@@ -217,7 +217,8 @@ def test_cpu_adam_builds_into_this_cpus_folder(monkeypatch, tmp_path):
     from deepspeed.ops.adam import cpu_adam as deepspeed_cpu_adam
     from torch.utils.cpp_extension import _get_build_directory
 
-    from launch.deepspeed.engine import cpu_adam, cpu_key
+    from common.machine import cpu_key
+    from launch.deepspeed.engine import cpu_adam
 
     seen = []
 
