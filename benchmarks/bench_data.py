@@ -2,6 +2,7 @@
 
     python benchmarks/bench_data.py [--data DIR] [--repeats N] [--prepare-repeats N] [--quick]
                                     [--scale 1,10,20] [--skip-loader]
+                                    [--tokenizer-kinds sentencepiece,hf]
     python benchmarks/bench_data.py --big-file 100 [--unit-mb 16] [--prepare-repeats N]
 
 1. Loader: `pipeline.load.loader.ShardLoader` (causal_lm, train split, micro batch 32) against a bare
@@ -23,6 +24,14 @@
    workers)) and its ratio to that baseline (target >= 0.4, and >= 1.0 M tokens/s), and the
    2-worker / 1-worker speed-up of the whole encode stage (target >= 1.8x); Ray's start and stop
    are timed apart from the stages.
+   `--tokenizer-kinds sentencepiece,hf` (the default) does the same with the `hf` kind: a
+   byte-level BPE of the dataset's vocabulary size trained once by the tokenizers library on
+   the same text through prepare itself (`tokenizer.kind=hf`), then given; its baseline is the
+   tokenizers library's own `encode_batch` of the same texts on one thread
+   (TOKENIZERS_PARALLELISM=false, as the Ray workers run it) and on its thread pool; target:
+   tokens/s per worker >= 0.8 of the one-thread figure. The 1- and 2-worker shards must be the
+   same bytes. The library baselines are measured before and after the prepare runs; the
+   faster of the two is used.
 3. Scale (`--scale 1,10,20`): a synthetic parallel corpus (jsonl with a text and a target field)
    drawn from the default corpus's pairs by a seeded sampler, each record two random pairs
    joined, so it is not de-duplicated away; 1x is 28,000 records (about as many tokens as the
@@ -193,8 +202,9 @@ def prepare_config(
     data_dir: Path,
     output_dir: Path,
     num_workers: int,
-    fixed_tokenizer: bool,
+    fixed_tokenizer: bool | Path,
     source_paths: list[str] | None,
+    extra: tuple[str, ...] = (),
 ):
     from common.configure import load_config
     from pipeline.prepare.config import PrepareConfig
@@ -206,7 +216,9 @@ def prepare_config(
         f"ray.num_workers={num_workers}",
     ]
     if fixed_tokenizer:
-        overrides.append(f"tokenizer.path={data_dir / 'tokenizer.model'}")
+        given = data_dir / "tokenizer.model" if fixed_tokenizer is True else fixed_tokenizer
+        overrides.append(f"tokenizer.path={given}")
+    overrides.extend(extra)
     if source_paths is not None:
         overrides.append("source.paths=[" + ",".join(f"'{p}'" for p in source_paths) + "]")
     return load_config(PrepareConfig, data_dir / "config.yaml", overrides)
@@ -315,18 +327,60 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
 
 
 def bench_encode(texts: list[str], model_path: Path, num_threads: int, repeats: int) -> dict:
-    from pipeline.tokenizer import load_tokenizer
+    """The tokenizer's own library on `texts` in one process: SentencePiece's `encode` of the list
+    (`num_threads` threads, -1 its default), or for a Hugging Face tokenizer.json the tokenizers
+    library's `encode_batch` (on one thread with num_threads=1: TOKENIZERS_PARALLELISM=false, as
+    prepare's Ray workers run it; on its default thread pool otherwise)."""
+    if model_path.suffix == ".json":
+        from tokenizers import Tokenizer
 
-    processor = load_tokenizer(model_path).processor  # the SentencePiece library itself
-    processor.encode(texts[:1000], num_threads=num_threads)  # warm-up
+        backend = Tokenizer.from_file(str(model_path))
+        os.environ["TOKENIZERS_PARALLELISM"] = "false" if num_threads == 1 else "true"
+
+        def encode(batch):
+            return [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+    else:
+        from pipeline.tokenizer import load_tokenizer
+
+        processor = load_tokenizer(model_path).processor  # the SentencePiece library itself
+
+        def encode(batch):
+            return processor.encode(batch, num_threads=num_threads)
+
+    encode(texts[:1000])  # warm-up
     seconds = []
     tokens = 0
     for _ in range(repeats):
         started = time.perf_counter()
-        ids = processor.encode(texts, num_threads=num_threads)
+        ids = encode(texts)
         seconds.append(time.perf_counter() - started)
         tokens = sum(len(piece_ids) for piece_ids in ids)
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)
     return {"seconds": statistics.median(seconds), "tokens": tokens, "texts": len(texts)}
+
+
+def hf_tokenizer(data_dir: Path, source_paths: list[str] | None, tmp: Path) -> Path:
+    """The hf kind's tokenizer for the same text: a byte-level BPE of the dataset's vocabulary
+    size trained by the tokenizers library through prepare itself (`tokenizer.kind=hf`)."""
+    from pipeline.format import read_manifest
+
+    vocab = read_manifest(data_dir)["tokenizer"]["vocab_size"]
+    out = tmp / "hf-tokenizer"
+    cfg = prepare_config(
+        data_dir,
+        out,
+        2,
+        False,
+        source_paths,
+        ("tokenizer.kind=hf", "tokenizer.model_type=bpe", f"tokenizer.vocab_size={vocab}"),
+    )
+    from pipeline.prepare.job import prepare
+
+    prepare(cfg)
+    kept = tmp / "hf-tokenizer.json"
+    shutil.copy(out / "tokenizer.json", kept)
+    shutil.rmtree(out, ignore_errors=True)
+    return kept
 
 
 def bench_prepare(
@@ -336,33 +390,48 @@ def bench_prepare(
     train_run: bool,
     source_paths: list[str] | None,
     tmp: Path,
+    kind: str = "sentencepiece",
 ) -> dict:
+    """Prepare with a fixed tokenizer of `kind` (sentencepiece: the dataset's; hf: a byte-level
+    BPE trained once on the same text) at each worker count, against the tokenizer's own
+    library on the texts of the encode stage, measured before and after the runs."""
     from pipeline.format import read_manifest
 
     reference_manifest = read_manifest(data_dir)
     reference = shard_digests(reference_manifest)
-    base_cfg = prepare_config(data_dir, tmp / "texts", 1, True, source_paths)
+    tokenizer = data_dir / "tokenizer.model" if kind == "sentencepiece" else None
+    if tokenizer is None:
+        tokenizer = hf_tokenizer(data_dir, source_paths, tmp)
+        reference = None  # the runs are compared with each other
+    base_cfg = prepare_config(data_dir, tmp / "texts", 1, tokenizer, source_paths)
     texts = encode_work_texts(base_cfg, tmp / "scan")
     shutil.rmtree(tmp / "scan", ignore_errors=True)
-    baseline = bench_encode(texts, data_dir / "tokenizer.model", 1, max(repeats, 3))
-    baseline_all = bench_encode(texts, data_dir / "tokenizer.model", -1, max(repeats, 3))
-    print(
-        f"sp.encode of the encode stage's {len(texts):,} texts ({baseline['tokens']:,} tokens): "
-        f"1 thread {baseline['seconds']:.2f} s, library default threads {baseline_all['seconds']:.2f} s",
-        flush=True,
-    )
+    library = "sp.encode" if kind == "sentencepiece" else "tokenizers encode_batch"
+
+    def baselines() -> tuple[dict, dict]:
+        one = bench_encode(texts, tokenizer, 1, max(repeats, 3))
+        every = bench_encode(texts, tokenizer, -1, max(repeats, 3))
+        print(
+            f"{library} of the encode stage's {len(texts):,} texts ({one['tokens']:,} tokens): "
+            f"1 thread {one['seconds']:.2f} s, library default threads {every['seconds']:.2f} s",
+            flush=True,
+        )
+        return one, every
+
+    before = baselines()
 
     runs: dict[str, list[dict]] = {}
     for repeat in range(repeats):
         for num_workers in workers:  # alternate worker counts, like the loader runs
             cfg = prepare_config(
-                data_dir, tmp / f"out-{num_workers}", num_workers, True, source_paths
+                data_dir, tmp / f"out-{num_workers}", num_workers, tokenizer, source_paths
             )
             result = run_prepare(cfg)
             # A --quick subset cannot match the full dataset: None means not checked.
-            result["identical"] = (
-                None if source_paths is not None else shard_digests(result["manifest"]) == reference
-            )
+            digests = shard_digests(result["manifest"])
+            if reference is None and source_paths is None:
+                reference = digests  # the hf kind: the first run is the others' reference
+            result["identical"] = None if source_paths is not None else digests == reference
             result["digests"] = shard_digests(result["manifest"])
             runs.setdefault(f"{num_workers}", []).append(result)
             timings = result["timings"]
@@ -374,11 +443,14 @@ def bench_prepare(
                     for k, v in timings.items()
                     if k != "wall" and not k.startswith("_")
                 )
-                + ("; SHARDS DIFFER from the dataset's" if result["identical"] is False else ""),
+                + ("; SHARDS DIFFER from the reference's" if result["identical"] is False else ""),
                 flush=True,
             )
+    after = baselines()
+    baseline = min(before[0], after[0], key=lambda b: b["seconds"])
+    baseline_all = min(before[1], after[1], key=lambda b: b["seconds"])
     trained = None
-    if train_run:
+    if train_run and kind == "sentencepiece":
         cfg = prepare_config(data_dir, tmp / "out-trained", workers[-1], False, source_paths)
         trained = run_prepare(cfg)
         trained["identical"] = shard_digests(trained["manifest"]) == reference
@@ -387,6 +459,8 @@ def bench_prepare(
             flush=True,
         )
     return {
+        "kind": kind,
+        "library": library,
         "texts": len(texts),
         "baseline": baseline,
         "baseline_all_threads": baseline_all,
@@ -701,8 +775,10 @@ def loader_table(rows: list[dict], repeats: int) -> str:
 
 def prepare_table(result: dict, repeats: int) -> str:
     tokens = result["baseline"]["tokens"]
+    lib = result["library"]
     lines = [
-        f"Prepare: {result['texts']:,} texts, {tokens:,} tokens through SentencePiece; wall = whole prepare() "
+        f"Prepare, {result['kind']} tokenizer: {result['texts']:,} texts, {tokens:,} tokens through "
+        f"{lib}; wall = whole prepare() "
         f"(Ray start and stop included), median of {repeats}; encode stage = Ray tasks that read the buckets, "
         "tokenize, pack and write the shards",
         "",
@@ -723,8 +799,8 @@ def prepare_table(result: dict, repeats: int) -> str:
             f"{wall:.1f} | {encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |"
         )
     for label, baseline in (
-        ("sp.encode, 1 process, 1 thread", result["baseline"]),
-        ("sp.encode, 1 process, library default threads", result["baseline_all_threads"]),
+        (f"{lib}, 1 process, 1 thread", result["baseline"]),
+        (f"{lib}, 1 process, library default threads", result["baseline_all_threads"]),
     ):
         lines.append(
             f"| {label} | | {baseline['seconds']:.2f} | | {_rate(tokens / baseline['seconds'])} |"
@@ -732,7 +808,7 @@ def prepare_table(result: dict, repeats: int) -> str:
     sp_rate = tokens / result["baseline"]["seconds"]
     lines += [
         "",
-        "| Ray workers | encode stage s | tokens/s per worker | / sp.encode 1 thread | "
+        f"| Ray workers | encode stage s | tokens/s per worker | / {lib} 1 thread | "
         "speed-up over 1 worker | Ray start s | Ray stop s | peak RSS per worker, scan / encode (MB) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -748,12 +824,15 @@ def prepare_table(result: dict, repeats: int) -> str:
         )
     lines.append(
         "(targets: >= 1.0 M tokens/s per worker, >= 0.40 of sp.encode on 1 thread, 2 workers >= 1.8x one)"
+        if result["kind"] == "sentencepiece"
+        else "(target: >= 0.80 of tokenizers' encode_batch on 1 thread per worker)"
     )
     return "\n".join(lines)
 
 
 def stage_breakdown(result: dict) -> str:
     parts = []
+    reference = "dataset's" if result["kind"] == "sentencepiece" else "first run's"
     for workers, runs in result["runs"].items():
         keys = _stage_keys(runs[0]["timings"])
         other = statistics.median(
@@ -768,7 +847,7 @@ def stage_breakdown(result: dict) -> str:
         )
         parts.append(
             f"  {workers} worker(s): {detail}, other (plan, manifest, publish) {other:.1f} s; "
-            f"shards identical to the dataset's: {identical}"
+            f"shards identical to the {reference}: {identical}"
         )
     if result["trained"] is not None:
         timings = result["trained"]["timings"]
@@ -825,6 +904,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", default="", help="synthetic corpus sizes, e.g. 1,10,20 (x the default corpus)"
     )
     parser.add_argument("--skip-loader", action="store_true", help="prepare figures only")
+    parser.add_argument(
+        "--tokenizer-kinds",
+        default="sentencepiece,hf",
+        help="prepare with each: the dataset's SentencePiece model, and a byte-level BPE of the "
+        "tokenizers library trained on the same text (default: %(default)s)",
+    )
     parser.add_argument(
         "--big-file",
         type=float,
@@ -890,9 +975,12 @@ def main(argv: list[str] | None = None) -> int:
 
         source_paths = expand_paths(prepare_config(data_dir, data_dir, 1, True, None).source)[:8]
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
-        prepare_result = bench_prepare(
-            data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp)
-        )
+        prepare_results = [
+            bench_prepare(
+                data_dir, [1, 2], prepare_repeats, not args.quick, source_paths, Path(tmp), kind
+            )
+            for kind in args.tokenizer_kinds.split(",")
+        ]
         scale_rows = (
             bench_scale(data_dir, scales, 2_000 if args.quick else SCALE_RECORDS, 2, Path(tmp))
             if scales
@@ -906,10 +994,11 @@ def main(argv: list[str] | None = None) -> int:
     if loader_rows:
         print(loader_table(loader_rows, repeats))
         print()
-    print(prepare_table(prepare_result, prepare_repeats))
-    print()
-    print(stage_breakdown(prepare_result))
-    print()
+    for prepare_result in prepare_results:
+        print(prepare_table(prepare_result, prepare_repeats))
+        print()
+        print(stage_breakdown(prepare_result))
+        print()
     if scale_rows:
         print(scale_table(scale_rows, 2))
         print()

@@ -82,6 +82,10 @@ def _init(ray: Any, cfg: RayConfig) -> None:
             p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p
         ),
         "OMP_NUM_THREADS": "1",
+        # One core per worker, as OMP_NUM_THREADS: the tokenizers library's batch encode would
+        # otherwise start a thread per core in every worker, and the workers fight for the cores.
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAYON_NUM_THREADS": "1",
     }
     kwargs: dict[str, Any] = dict(
         runtime_env={"env_vars": env},
