@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,26 +64,6 @@ class Guard:
         self.fp16_overflows = int(state.get("fp16_overflows", 0))
         self.history = [float(x) for x in state.get("history", [])][-self.spike_window :]
 
-
-def _injected_loss(spec: str) -> dict[tuple[int, int], float]:
-    """Fault injection for testing the guard: PRETRAIN_INJECT_NAN="RANK:STEP[-LAST][*FACTOR],..."
-    multiplies that rank's loss at those steps (1-based) by FACTOR, NaN by default: NaN or inf as
-    a bad batch or an overflow would make it, a large factor as a loss spike."""
-    out = {}
-    for item in filter(None, spec.replace(" ", "").split(",")):
-        item, _, factor = item.partition("*")
-        rank, _, steps = item.partition(":")
-        first, _, last = steps.partition("-")
-        out.update(
-            {
-                (int(rank), step): float(factor or "nan")
-                for step in range(int(first), int(last or first) + 1)
-            }
-        )
-    return out
-
-
-_INJECTED_LOSS = _injected_loss(os.environ.get("PRETRAIN_INJECT_NAN", ""))
 
 FP16_OVERFLOW = "fp16 overflow"
 

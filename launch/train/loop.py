@@ -30,7 +30,6 @@ from launch.stop import StopRequested, stoppable
 from launch.tasks import host_value
 from launch.train import harness
 from launch.train.guard import (
-    _INJECTED_LOSS,
     FP16_OVERFLOW,
     NON_FINITE_KINDS,
     guard_step,
@@ -342,8 +341,6 @@ def train_step(run: Run, batches) -> dict | None:
     share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
     for index, inputs in enumerate(micro):
         output = run.engine(**run.task.to_device(inputs, run.engine.device))
-        if (run.denv.rank, run.step + 1) in _INJECTED_LOSS:
-            output = output._replace(loss=output.loss * _INJECTED_LOSS[run.denv.rank, run.step + 1])
         loss = output.loss.detach().float()
         finite = torch.isfinite(loss)
         non_finite_here = (

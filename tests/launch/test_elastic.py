@@ -46,8 +46,13 @@ def run_train(
     nproc: int = 2,
     env: dict | None = None,
     check: bool = True,
+    inject: str = "",
 ) -> subprocess.CompletedProcess:
+    """A tiny GPT trained by `launch.train` on `nproc` ranks; `inject`: loss faults installed
+    from outside the trainer (tests/launch/inject_loss.py, INJECT_LOSS's format)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    if inject:
+        env["INJECT_LOSS"] = inject
     launcher = (
         [
             sys.executable,
@@ -60,10 +65,12 @@ def run_train(
         if nproc > 1
         else [sys.executable]
     )
+    trainer = (
+        [str(ROOT / "tests" / "launch" / "inject_loss.py")] if inject else ["-m", "launch.train"]
+    )
     command = [
         *launcher,
-        "-m",
-        "launch.train",
+        *trainer,
         str(ROOT / "configs" / "tiny_gpt.yaml"),
         f"data.data_dir={data}",
         f"run_dir={run_dir}",
@@ -256,7 +263,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tiny_dataset, tmp_path):
         "eval_every=0",
         "checkpoint.every_steps=1",
         "checkpoint.keep_last=10",
-        env={"PRETRAIN_INJECT_NAN": "1:3"},
+        inject="1:3",
     )
     assert (
         "step 3: skipped on every rank (non-finite loss: nan on rank 1); 1 skipped so far"
@@ -307,7 +314,7 @@ def test_a_skipped_step_records_the_losses_that_caused_it(tiny_dataset, tmp_path
         "guard.spike_window=4",
         "wandb.mode=disabled",
         nproc=1,
-        env={"PRETRAIN_INJECT_NAN": "0:3*inf,0:6*100"},
+        inject="0:3*inf,0:6*100",
     )
     non_finite, spike = [
         json.loads(line) for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()
@@ -340,9 +347,7 @@ def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dat
         "guard.max_consecutive_skips=2",
         "deepspeed.zero_stage=0",
     ]
-    failed = run_train(
-        tiny_dataset, run_dir, *common, env={"PRETRAIN_INJECT_NAN": "0:3-7"}, check=False
-    )
+    failed = run_train(tiny_dataset, run_dir, *common, inject="0:3-7", check=False)
     assert failed.returncode != 0  # each rank exits 2; torchrun reports a failed child as 1
     # the same on both ranks
     (line,) = {line for line in failed.stderr.splitlines() if line.startswith("error:")}
