@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from common.configure import UserError
 from launch import distributed as dist
+from launch.train.step_result import StepResult
 
 if TYPE_CHECKING:
     from launch.train.state import Run
@@ -71,35 +72,33 @@ FP16_OVERFLOW = "fp16 overflow"
 NON_FINITE_KINDS = ("nan", "inf", "-inf")
 
 
-def step_sample_keys(run: Run, result: dict) -> list[str]:
+def step_sample_keys(run: Run, result: StepResult) -> list[str]:
     """This rank's samples of one step ("SHARD_PATH#MEMBER"), named from its batches' handles."""
-    return [key for served in result["served"] for key in run.data.train.sample_keys(served)]
+    return [key for served in result.served for key in run.data.train.sample_keys(served)]
 
 
-def guard_step(run: Run, result: dict) -> tuple[dict, str | None]:
+def guard_step(run: Run, result: StepResult) -> tuple[dict, str | None]:
     """Count and log a skipped step (RUN_DIR/skipped_batches.jsonl, with the global batch's
     sample keys, and W&B); end the job when fillers stand in for more than
     `data.max_bad_fraction` of an epoch's batches. Returns the metrics to log for the step, and
     the verdict: None, or after more than `guard.max_consecutive_skips` skips in a row why the
     job ends, which the loop does with a checkpoint of the last good state."""
     metrics, verdict = {}, None
-    overflow = result["skipped"] == FP16_OVERFLOW
+    overflow = result.skipped == FP16_OVERFLOW
     if overflow:
         run.guard.fp16_overflows += 1
         metrics["train/fp16_overflow_steps"] = run.guard.fp16_overflows
     else:
-        run.guard.record(result["train/loss"], bool(result["skipped"]))
-    if result["skipped"] and not overflow:
+        run.guard.record(result.loss, bool(result.skipped))
+    if result.skipped and not overflow:
         # One gather, on a skipped step only: each rank's sample keys and its non-finite losses.
-        gathered = dist.all_gather_object(
-            (step_sample_keys(run, result), result["non_finite_here"])
-        )
+        gathered = dist.all_gather_object((step_sample_keys(run, result), result.non_finite_here))
         keys = [key for rank_keys, _ in gathered for key in rank_keys]
         if run.denv.is_main:
             cause, said = skip_cause(result, [non_finite for _, non_finite in gathered])
             row = {
                 "step": run.step,
-                "reason": result["skipped"],
+                "reason": result.skipped,
                 **cause,
                 "consecutive": run.guard.consecutive,
                 "sample_keys": keys,
@@ -110,30 +109,30 @@ def guard_step(run: Run, result: dict) -> tuple[dict, str | None]:
                 f"step {run.step}: skipped on every rank ({said}); {run.guard.skipped} skipped so far",
                 file=sys.stderr,
             )
-        metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result["skipped"]}
+        metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result.skipped}
         if run.guard.consecutive > run.guard.max_consecutive_skips:
             verdict = (
-                f"{run.guard.consecutive} steps in a row skipped ({result['skipped']}) at step {run.step}, "
+                f"{run.guard.consecutive} steps in a row skipped ({result.skipped}) at step {run.step}, "
                 f"more than guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
                 f"weights are checkpointed (see {Path(run.cfg.run_dir) / 'skipped_batches.jsonl'})"
             )
             return metrics, verdict
-    if result["filler_fraction"] > run.cfg.data.max_bad_fraction:
+    if result.filler_fraction > run.cfg.data.max_bad_fraction:
         raise UserError(
-            f"{result['filler_fraction']:.1%} of this epoch's batches are fillers for unreadable data, "
+            f"{result.filler_fraction:.1%} of this epoch's batches are fillers for unreadable data, "
             f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
             f"in the log (data.data_dir={run.cfg.data.data_dir})"
         )
     return metrics, verdict
 
 
-def skip_cause(result: dict, non_finite_by_rank: list[dict]) -> tuple[dict, str]:
+def skip_cause(result: StepResult, non_finite_by_rank: list[dict]) -> tuple[dict, str]:
     """What made a step skipped, as fields of its skipped_batches.jsonl row and in words. A
     non-finite loss: each rank's micro batches whose loss was nan, inf or -inf, and apart from
     them `finite_loss`, the loss per scored token of the micro batches that were finite, all ranks
     (null if none was): the step itself has no finite loss. A spike: the loss and the limit it
     passed (`Guard.spike_limit`). Otherwise (DeepSpeed found a non-finite gradient norm): the loss."""
-    reason, loss = result["skipped"], result["train/loss"]
+    reason, loss = result.skipped, result.loss
     if reason == "non-finite loss":
         found = [
             {"rank": rank, "loss": kind, "micro_batches": count}
@@ -152,8 +151,8 @@ def skip_cause(result: dict, non_finite_by_rank: list[dict]) -> tuple[dict, str]
         }, f"{reason}: {said}"
     if reason == "loss spike":
         return (
-            {"loss": loss, "limit": result["spike_limit"]},
-            f"{reason}: loss {loss:.4g} above the limit {result['spike_limit']:.4g}",
+            {"loss": loss, "limit": result.spike_limit},
+            f"{reason}: loss {loss:.4g} above the limit {result.spike_limit:.4g}",
         )
     return {"loss": loss}, f"{reason}, loss {loss:.4g}"
 

@@ -38,6 +38,8 @@ from launch.train.guard import (
 from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
+from launch.train.step_result import StepResult
+from launch.train.window import ThroughputWindow
 from model import attention_kernels, llmc_flops_per_token
 from pipeline.load.loader import ShardLoader
 
@@ -134,10 +136,9 @@ def _stopped_in_setup(cfg: TrainConfig) -> dict:
 def fit(run: Run) -> dict:
     cfg = run.cfg
     batches = _batches(run.data.train)
-    # The throughput window times training steps only: evaluation and checkpoints between
-    # two logged steps would otherwise count as slow training.
-    window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
-    window_clipped = window_steps = 0
+    window = ThroughputWindow(
+        cfg.optim.grad_clip, run.denv.world_size, run.peak[0], run.denv.is_main
+    )
     last_eval: dict = {}
     last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
@@ -158,20 +159,11 @@ def fit(run: Run) -> dict:
         if not told_kernel:  # which kernel the document mask ran on (model.attention), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
             told_kernel = True
-        window_time += time.perf_counter() - step_start
         run.step += 1
-        run.tokens_seen += int(result["tokens"])
-        window_tokens += result["tokens"]
-        window_flops += result["flops"]
-        window_flops_llmc += result["flops_llmc"]
-        window_samples += result["samples"]
+        run.tokens_seen += int(result.tokens)
         # Kept on the device and read at the next log line: a read here would wait for the update.
         grad_norm = run.engine.grad_norm()
-        window_steps += 1
-        if cfg.optim.grad_clip:
-            window_clipped = window_clipped + (
-                grad_norm.isfinite() & (grad_norm > cfg.optim.grad_clip)
-            )
+        window.add(result, time.perf_counter() - step_start, grad_norm)
         metrics, verdict = guard_step(run, result)
         if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
             save_checkpoint(run)
@@ -182,31 +174,26 @@ def fit(run: Run) -> dict:
                     json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n"
                 )
         if run.step % cfg.log_every == 0 or run.step == stop_at:
-            elapsed = max(window_time, 1e-9)
-            achieved = window_flops / elapsed / run.denv.world_size  # per rank, like the peak
-            achieved_llmc = window_flops_llmc / elapsed / run.denv.world_size
+            perf = window.figures()
             metrics.update(
                 {
-                    "train/loss": result["train/loss"],
+                    "train/loss": result.loss,
                     "train/lr": run.engine.lr,
                     "train/grad_norm": float(grad_norm),
-                    "train/clipped_fraction": float(window_clipped) / window_steps,
+                    "train/clipped_fraction": perf.pop("train/clipped_fraction"),
                     "train/tokens_seen": run.tokens_seen,
                     "train/epoch": run.data.train.epoch,
-                    "perf/tokens_per_s": window_tokens / elapsed,
-                    "perf/samples_per_s": window_samples / elapsed,
-                    "perf/mfu": achieved / run.peak[0] if run.denv.is_main else float("nan"),
+                    **{
+                        k: perf.pop(k)
+                        for k in ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
+                    },
                     **data_counters(run),
                     **memory_mb(),
+                    **perf,  # perf/mfu_llmc, where it has a value
                 }
             )
-            # llm.c's count has no Seq2Seq form
-            if run.denv.is_main and math.isfinite(achieved_llmc):
-                metrics["perf/mfu_llmc"] = achieved_llmc / run.peak[0]
             if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
                 metrics.update({"train/loss_scale": run.engine.loss_scale})
-            window_tokens = window_flops = window_flops_llmc = window_samples = window_time = 0.0
-            window_clipped = window_steps = 0
         stopped = False
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
             # None: a stop request cut some rank's wait for validation data short
@@ -220,7 +207,7 @@ def fit(run: Run) -> dict:
         if metrics:
             _log(run, metrics)
         # on the last step a normal end is as good
-        if stopped or (result["stop"] and run.step < stop_at):
+        if stopped or (result.stop and run.step < stop_at):
             if profiled is not None:
                 _end_profile(run, profiled, last=run.step)
             return stop_for_requeue(run, last_saved, last_eval)
@@ -287,7 +274,7 @@ def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
     return {"step": run.step, "tokens_seen": run.tokens_seen, "preempted": True, **last_eval}
 
 
-def train_step(run: Run, batches) -> dict | None:
+def train_step(run: Run, batches) -> StepResult | None:
     """One optimizer step: grad_accum micro batches, forward and backward through the engine;
     None, with no step taken, when a stop request cut some rank's wait for its batches short.
 
@@ -398,19 +385,19 @@ def train_step(run: Run, batches) -> dict | None:
         # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
         # finds its scale (several in a row at the start are normal): counted, not guarded.
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
-    return {
-        "train/loss": loss,
-        "tokens": tokens,
-        "flops": flops,
-        "flops_llmc": flops_llmc,
-        "samples": samples,
-        "stop": stop > 0,
-        "skipped": reason,
-        "spike_limit": spike_limit,
-        "non_finite_here": dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
-        "served": served,
-        "filler_fraction": fillers / (len(run.data.train) * run.denv.world_size),
-    }
+    return StepResult(
+        loss=loss,
+        tokens=tokens,
+        flops=flops,
+        flops_llmc=flops_llmc,
+        samples=samples,
+        stop=stop > 0,
+        skipped=reason,
+        spike_limit=spike_limit,
+        non_finite_here=dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
+        served=served,
+        filler_fraction=fillers / (len(run.data.train) * run.denv.world_size),
+    )
 
 
 class HostCopy:

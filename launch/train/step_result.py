@@ -1,0 +1,21 @@
+"""What one optimizer step produced (`launch.train.loop.train_step`), summed over the ranks where
+it is a count: what the guard judges and records, and the throughput window adds up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepResult:
+    loss: float  # per scored token, over the step's finite micro batches; NaN when none was
+    tokens: float
+    flops: float  # model FLOPs (ours), all ranks
+    flops_llmc: float  # llm.c's count; NaN for a Seq2Seq pair
+    samples: float
+    stop: bool  # a stop request reached some rank during the step
+    skipped: str  # why DeepSpeed dropped the update ("" when it did not)
+    spike_limit: float  # the loss above which the guard skips, at this step
+    non_finite_here: dict = field(default_factory=dict)  # this rank's NaN / +inf / -inf counts
+    served: list = field(default_factory=list)  # handles on this rank's batches (their keys)
+    filler_fraction: float = 0.0  # this epoch's batches that stood in for unreadable data

@@ -1,0 +1,52 @@
+"""The throughput window between two log lines: tokens, samples and FLOPs of the training steps
+alone (evaluation and checkpoints between them would otherwise count as slow training), the
+share of clipped steps, and the figures they give (tokens/s, samples/s, MFU by both counts)."""
+
+from __future__ import annotations
+
+import math
+
+from launch.train.step_result import StepResult
+
+
+class ThroughputWindow:
+    def __init__(self, grad_clip: float, world_size: int, peak: float, is_main: bool):
+        self.grad_clip, self.world_size, self.peak, self.is_main = (
+            grad_clip,
+            world_size,
+            peak,
+            is_main,
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = self.flops = self.flops_llmc = self.samples = self.seconds = 0.0
+        self.clipped = self.steps = 0
+
+    def add(self, result: StepResult, seconds: float, grad_norm) -> None:
+        """One step: its figures, its wall time, and its gradient norm, kept on the device (a
+        read here would wait for the update; the window reads it at the log line)."""
+        self.seconds += seconds
+        self.tokens += result.tokens
+        self.flops += result.flops
+        self.flops_llmc += result.flops_llmc
+        self.samples += result.samples
+        self.steps += 1
+        if self.grad_clip:
+            self.clipped = self.clipped + (grad_norm.isfinite() & (grad_norm > self.grad_clip))
+
+    def figures(self) -> dict:
+        """The window's metrics, then a fresh window."""
+        elapsed = max(self.seconds, 1e-9)
+        achieved = self.flops / elapsed / self.world_size  # per rank, like the peak
+        achieved_llmc = self.flops_llmc / elapsed / self.world_size
+        out = {
+            "train/clipped_fraction": float(self.clipped) / self.steps,
+            "perf/tokens_per_s": self.tokens / elapsed,
+            "perf/samples_per_s": self.samples / elapsed,
+            "perf/mfu": achieved / self.peak if self.is_main else float("nan"),
+        }
+        if self.is_main and math.isfinite(achieved_llmc):  # llm.c's count has no Seq2Seq form
+            out["perf/mfu_llmc"] = achieved_llmc / self.peak
+        self.reset()
+        return out
