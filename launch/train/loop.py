@@ -35,6 +35,7 @@ from launch.train.guard import (
     guard_step,
     step_sample_keys,
 )
+from launch.train.profiler import StepProfiler
 from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
@@ -143,16 +144,12 @@ def fit(run: Run) -> dict:
     last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
     told_kernel = not (cfg.data.document_mask and run.denv.is_main)
-    profiled = None
+    profiler = StepProfiler(run)
     while run.step < stop_at:
-        if cfg.profile_start and run.step == cfg.profile_start:
-            profiled = _start_profile(run)
+        profiler.before_step()
         step_start = time.perf_counter()
         result = train_step(run, batches)
-        if profiled is not None and (
-            result is None or run.step + 1 == cfg.profile_start + cfg.profile_steps
-        ):
-            profiled = _end_profile(run, profiled, last=run.step if result is None else None)
+        profiler.after_step(trained=result is not None)
         # a stop request cut some rank's wait for its batches short: no step taken
         if result is None:
             return stop_for_requeue(run, last_saved, last_eval)
@@ -208,8 +205,7 @@ def fit(run: Run) -> dict:
             _log(run, metrics)
         # on the last step a normal end is as good
         if stopped or (result.stop and run.step < stop_at):
-            if profiled is not None:
-                _end_profile(run, profiled, last=run.step)
+            profiler.close()
             return stop_for_requeue(run, last_saved, last_eval)
         if (
             cfg.checkpoint.every_steps
@@ -218,8 +214,7 @@ def fit(run: Run) -> dict:
         ):
             save_checkpoint(run)
             last_saved = run.step
-    if profiled is not None:  # the run ended inside the profiled steps: what was profiled
-        _end_profile(run, profiled, last=run.step)
+    profiler.close()  # the run ended inside the profiled steps: what was profiled
     if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
         save_checkpoint(run)
     return {
@@ -229,31 +224,6 @@ def fit(run: Run) -> dict:
         **data_counters(run),
         **last_eval,
     }
-
-
-def _start_profile(run: Run):
-    from launch.profiling import Profiled
-
-    profiled = Profiled(run.engine.device.type == "cuda")
-    profiled.__enter__()
-    return profiled
-
-
-def _end_profile(run: Run, profiled, last: int | None = None) -> None:
-    """Stop the profiler (`profile_start`), write this rank's trace, print rank 0's table;
-    `last`: the last step profiled (default: the one being trained, run.step + 1)."""
-    profiled.__exit__(None, None, None)
-    first, last = run.cfg.profile_start + 1, run.step + 1 if last is None else last
-    steps = f"{first}-{last}" if last > first else str(first)
-    trace = Path(run.cfg.run_dir) / "profile" / f"trace_rank{run.denv.rank}_steps{steps}.json"
-    profiled.export(trace)
-    if run.denv.is_main:
-        print(profiled.summary(f"optimizer steps {steps} (rank 0)", host_ops=15), file=sys.stderr)
-        print(
-            f"profile: Chrome traces in {trace.parent} (chrome://tracing, ui.perfetto.dev)",
-            file=sys.stderr,
-        )
-    return None
 
 
 def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
