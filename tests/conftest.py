@@ -570,3 +570,48 @@ def hf_layouts(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("transformers")
     top = built_once(tmp_path_factory, "hf-layouts", build_hf_layouts)
     return {layout: top / layout for layout in HF_LAYOUTS}
+
+
+# Each layout's tokenizer (`tokenizer.path=DIR`) prepared on the synthetic corpus, for the tasks
+# its model serves (BERT's masks, GPT-2's and Llama's causal blocks; the translation pairs with
+# two of them): read, never written, by test_tokenizer_kinds (the ids in the shards) and
+# test_hf_layouts (continued pretraining from the layout's model).
+HF_LAYOUT_TASKS = {
+    "gpt2": "[causal_lm,translation]",
+    "llama": "[causal_lm]",
+    "bert": "[mlm,translation]",
+}
+
+
+def build_hf_layout_data(layouts: dict[str, Path], directory: Path) -> None:
+    """DIR/pairs.tsv, the corpus, and DIR/LAYOUT/, it prepared with each layout's tokenizer: three
+    prepares joining one Ray cluster (RayHead) instead of starting a Ray each."""
+    corpus = write_tsv(directory / "pairs.tsv", synthetic_pairs(600))
+    ray = RayHead(num_cpus=2)
+    try:
+        for layout, tokenizer in layouts.items():
+            args = prepare_args(corpus, directory / layout, **{"ray.num_workers": 2})
+            args += [f"tokenizer.path={tokenizer}", f"tasks={HF_LAYOUT_TASKS[layout]}"]
+            run = run_prepare(args, ray)
+            assert run.returncode == 0, run.stderr[-3000:]
+    finally:
+        ray.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_layout_top(hf_layouts, tmp_path_factory) -> Path:
+    return built_once(
+        tmp_path_factory, "hf-layout-data", lambda top: build_hf_layout_data(hf_layouts, top)
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_layout_corpus(hf_layout_top) -> Path:
+    """The synthetic corpus (600 pairs) the layouts' datasets are prepared from."""
+    return hf_layout_top / "pairs.tsv"
+
+
+@pytest.fixture(scope="session")
+def hf_layout_data(hf_layout_top) -> dict[str, Path]:
+    """{layout: its dataset of hf_layout_corpus, HF_LAYOUT_TASKS[layout], 2 Ray workers}."""
+    return {layout: hf_layout_top / layout for layout in HF_LAYOUTS}
