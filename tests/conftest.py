@@ -41,23 +41,24 @@ if HAS_CUDA:
 # listed runs after these in its usual order; the list only orders, it selects nothing.
 COSTLIEST_FIRST = [
     "slurm/test_slurm.py",  # 223 s, mostly waiting on SLURM: the other workers have the cores
+    "launch/test_main.py",  # 256 alone at ed7c15c (a third signal, SIGHUP, since the 156 of bbd1fb5)
     "launch/test_elastic.py",  # 212
     "pipeline/test_prepare.py",  # 197
     "launch/test_train.py",  # 171
-    "launch/test_main.py",  # 156
+    "launch/test_reliability.py",  # 147 alone at ed7c15c (two SIGHUP jobs since the 113)
     "launch/test_compile.py",  # 150 at 4a46632 (the whole-model compile tests), 73 before
-    "launch/test_reliability.py",  # 113
-    "launch/test_bad_inputs.py",  # ~100 at issue #45 (run alone, on a shared 2-core machine)
     "test_cli.py",  # 100
     "pipeline/test_remote.py",  # 94
     "launch/test_translation.py",  # 91
+    "launch/test_hf_layouts.py",  # 69 alone at 94cdb4e, with hf_layout_data's 24
+    "pipeline/test_tokenizer_kinds.py",  # 67 alone at 94cdb4e, with hf_layout_data's 24
     "launch/test_offload.py",  # 71
-    "launch/test_export_out.py",  # ~55 at issue #45, as test_bad_inputs
     "launch/test_checkpoint_save.py",  # 69
     "launch/test_gpu_path.py",  # 67
-    "test_web_example.py",  # ~55 on a loaded machine: a prepare and the documented chain's checks
+    "launch/test_bad_inputs.py",  # 49 alone at ed7c15c, and the tiny dataset's 24
     "pipeline/test_progress.py",  # 51
     "launch/test_hf_init.py",  # 49
+    "test_web_example.py",  # 31 alone at ed7c15c: a prepare and the documented chain's checks
 ]
 
 
