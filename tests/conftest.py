@@ -33,32 +33,38 @@ if HAS_CUDA:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-# The costliest test files (seconds of one worker, 2-core EPYC, `make test` at bbd1fb5), run
-# first: `make test` deals whole files to the xdist workers in collection order
-# (--no-loadscope-reorder; xdist's own order puts the files with the most tests first, which left
-# the SLURM, main-job and training files, few tests each, for the end, where one worker ran them
-# alone). Longest first keeps the last files short, so the workers end together. A file not
-# listed runs after these in its usual order; the list only orders, it selects nothing.
+# The costliest test files, run first: `make test` deals whole files to the xdist workers in
+# collection order (--no-loadscope-reorder; xdist's own order puts the files with the most tests
+# first, which left the SLURM, main-job and training files, few tests each, for the end, where one
+# worker ran them alone). Longest first keeps the last files short, so the workers end together.
+# A file not listed runs after these in its usual order; the list only orders, it selects nothing.
+# Seconds of one worker (setup + call + teardown) in `make test` less the SLURM file at aef99cf
+# on the 2-core EPYC, while another suite and benchmarks shared the cores (load ~6): about 3x
+# what CI's own run takes; the order is what counts. A shared fixture's build (tiny_dataset,
+# hf_layout_data) is counted in the file that asked first.
 COSTLIEST_FIRST = [
-    "slurm/test_slurm.py",  # 223 s, mostly waiting on SLURM: the other workers have the cores
-    "launch/test_main.py",  # 256 alone at ed7c15c (a third signal, SIGHUP, since the 156 of bbd1fb5)
-    "launch/test_elastic.py",  # 212
-    "pipeline/test_prepare.py",  # 197
-    "launch/test_train.py",  # 171
-    "launch/test_reliability.py",  # 147 alone at ed7c15c (two SIGHUP jobs since the 113)
-    "launch/test_compile.py",  # 150 at 4a46632 (the whole-model compile tests), 73 before
-    "test_cli.py",  # 100
-    "pipeline/test_remote.py",  # 94
-    "launch/test_translation.py",  # 91
-    "launch/test_hf_layouts.py",  # 69 alone at 94cdb4e, with hf_layout_data's 24
-    "pipeline/test_tokenizer_kinds.py",  # 67 alone at 94cdb4e, with hf_layout_data's 24
-    "launch/test_offload.py",  # 71
-    "launch/test_checkpoint_save.py",  # 69
-    "launch/test_gpu_path.py",  # 67
-    "launch/test_bad_inputs.py",  # 49 alone at ed7c15c, and the tiny dataset's 24
-    "pipeline/test_progress.py",  # 51
-    "launch/test_hf_init.py",  # 49
-    "test_web_example.py",  # 31 alone at ed7c15c: a prepare and the documented chain's checks
+    "slurm/test_slurm.py",  # 223 at bbd1fb5, mostly waiting on SLURM: the others have the cores
+    "launch/test_main.py",  # 776
+    "pipeline/test_prepare.py",  # 654
+    "launch/test_elastic.py",  # 652
+    "launch/test_reliability.py",  # 469
+    "launch/test_train.py",  # 365
+    "launch/test_gpu_path.py",  # 315
+    "launch/test_bad_inputs.py",  # 305
+    "launch/test_compile.py",  # 279
+    "pipeline/test_progress.py",  # 259
+    "test_cli.py",  # 238
+    "launch/test_checkpoint_save.py",  # 226
+    "launch/test_translation.py",  # 213
+    "pipeline/test_remote.py",  # 211
+    "launch/test_hf_layouts.py",  # 199
+    "launch/test_hf_init.py",  # 195
+    "benchmarks/test_gpu.py",  # 187 (its CPU tests)
+    "launch/test_offload.py",  # 186
+    "launch/test_llama_train.py",  # 136
+    "launch/test_preflight.py",  # 123
+    "pipeline/test_tokenizer_kinds.py",  # 99
+    "test_web_example.py",  # 89
 ]
 
 
