@@ -33,31 +33,38 @@ if HAS_CUDA:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-# The costliest test files (seconds of one worker, 2-core EPYC, `make test` at bbd1fb5), run
-# first: `make test` deals whole files to the xdist workers in collection order
-# (--no-loadscope-reorder; xdist's own order puts the files with the most tests first, which left
-# the SLURM, main-job and training files, few tests each, for the end, where one worker ran them
-# alone). Longest first keeps the last files short, so the workers end together. A file not
-# listed runs after these in its usual order; the list only orders, it selects nothing.
+# The costliest test files, run first: `make test` deals whole files to the xdist workers in
+# collection order (--no-loadscope-reorder; xdist's own order puts the files with the most tests
+# first, which left the SLURM, main-job and training files, few tests each, for the end, where one
+# worker ran them alone). Longest first keeps the last files short, so the workers end together.
+# A file not listed runs after these in its usual order; the list only orders, it selects nothing.
+# Seconds of one worker (setup + call + teardown) in `make test` less the SLURM file at aef99cf
+# on the 2-core EPYC, while another suite and benchmarks shared the cores (load ~6): about 3x
+# what CI's own run takes; the order is what counts. A shared fixture's build (tiny_dataset,
+# hf_layout_data) is counted in the file that asked first.
 COSTLIEST_FIRST = [
-    "slurm/test_slurm.py",  # 223 s, mostly waiting on SLURM: the other workers have the cores
-    "launch/test_elastic.py",  # 212
-    "pipeline/test_prepare.py",  # 197
-    "launch/test_train.py",  # 171
-    "launch/test_main.py",  # 156
-    "launch/test_compile.py",  # 150 at 4a46632 (the whole-model compile tests), 73 before
-    "launch/test_reliability.py",  # 113
-    "launch/test_bad_inputs.py",  # ~100 at issue #45 (run alone, on a shared 2-core machine)
-    "test_cli.py",  # 100
-    "pipeline/test_remote.py",  # 94
-    "launch/test_translation.py",  # 91
-    "launch/test_offload.py",  # 71
-    "launch/test_export_out.py",  # ~55 at issue #45, as test_bad_inputs
-    "launch/test_checkpoint_save.py",  # 69
-    "launch/test_gpu_path.py",  # 67
-    "test_web_example.py",  # ~55 on a loaded machine: a prepare and the documented chain's checks
-    "pipeline/test_progress.py",  # 51
-    "launch/test_hf_init.py",  # 49
+    "slurm/test_slurm.py",  # 223 at bbd1fb5, mostly waiting on SLURM: the others have the cores
+    "launch/test_main.py",  # 776
+    "pipeline/test_prepare.py",  # 654
+    "launch/test_elastic.py",  # 652
+    "launch/test_reliability.py",  # 469
+    "launch/test_train.py",  # 365
+    "launch/test_gpu_path.py",  # 315
+    "launch/test_bad_inputs.py",  # 305
+    "launch/test_compile.py",  # 279
+    "pipeline/test_progress.py",  # 259
+    "test_cli.py",  # 238
+    "launch/test_checkpoint_save.py",  # 226
+    "launch/test_translation.py",  # 213
+    "pipeline/test_remote.py",  # 211
+    "launch/test_hf_layouts.py",  # 199
+    "launch/test_hf_init.py",  # 195
+    "benchmarks/test_gpu.py",  # 187 (its CPU tests)
+    "launch/test_offload.py",  # 186
+    "launch/test_llama_train.py",  # 136
+    "launch/test_preflight.py",  # 123
+    "pipeline/test_tokenizer_kinds.py",  # 99
+    "test_web_example.py",  # 89
 ]
 
 
@@ -570,3 +577,48 @@ def hf_layouts(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("transformers")
     top = built_once(tmp_path_factory, "hf-layouts", build_hf_layouts)
     return {layout: top / layout for layout in HF_LAYOUTS}
+
+
+# Each layout's tokenizer (`tokenizer.path=DIR`) prepared on the synthetic corpus, for the tasks
+# its model serves (BERT's masks, GPT-2's and Llama's causal blocks; the translation pairs with
+# two of them): read, never written, by test_tokenizer_kinds (the ids in the shards) and
+# test_hf_layouts (continued pretraining from the layout's model).
+HF_LAYOUT_TASKS = {
+    "gpt2": "[causal_lm,translation]",
+    "llama": "[causal_lm]",
+    "bert": "[mlm,translation]",
+}
+
+
+def build_hf_layout_data(layouts: dict[str, Path], directory: Path) -> None:
+    """DIR/pairs.tsv, the corpus, and DIR/LAYOUT/, it prepared with each layout's tokenizer: three
+    prepares joining one Ray cluster (RayHead) instead of starting a Ray each."""
+    corpus = write_tsv(directory / "pairs.tsv", synthetic_pairs(600))
+    ray = RayHead(num_cpus=2)
+    try:
+        for layout, tokenizer in layouts.items():
+            args = prepare_args(corpus, directory / layout, **{"ray.num_workers": 2})
+            args += [f"tokenizer.path={tokenizer}", f"tasks={HF_LAYOUT_TASKS[layout]}"]
+            run = run_prepare(args, ray)
+            assert run.returncode == 0, run.stderr[-3000:]
+    finally:
+        ray.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_layout_top(hf_layouts, tmp_path_factory) -> Path:
+    return built_once(
+        tmp_path_factory, "hf-layout-data", lambda top: build_hf_layout_data(hf_layouts, top)
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_layout_corpus(hf_layout_top) -> Path:
+    """The synthetic corpus (600 pairs) the layouts' datasets are prepared from."""
+    return hf_layout_top / "pairs.tsv"
+
+
+@pytest.fixture(scope="session")
+def hf_layout_data(hf_layout_top) -> dict[str, Path]:
+    """{layout: its dataset of hf_layout_corpus, HF_LAYOUT_TASKS[layout], 2 Ray workers}."""
+    return {layout: hf_layout_top / layout for layout in HF_LAYOUTS}

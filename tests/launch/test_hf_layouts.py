@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, prepare_args, run_prepare, synthetic_pairs, write_tsv  # noqa: E402
+from conftest import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,22 +49,10 @@ def command(module: str, *args: str, timeout: int = 600) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def layout_data(hf_layouts, tmp_path_factory) -> dict[str, Path]:
-    """{layout: a dataset of the synthetic corpus prepared with the layout's tokenizer}."""
-    top = tmp_path_factory.mktemp("layout-data")
-    corpus = write_tsv(top / "pairs.tsv", synthetic_pairs(600))
-    out = {}
-    for layout, directory in hf_layouts.items():
-        out[layout] = top / layout
-        args = prepare_args(corpus, out[layout], **{"ray.num_workers": 1})
-        run = run_prepare([*args, f"tokenizer.path={directory}", f"tasks=[{TASK[layout]}]"])
-        assert run.returncode == 0, run.stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def continued(hf_layouts, layout_data, tmp_path_factory) -> dict[str, Path]:
-    """{layout: the run dir of 3 steps of continued pretraining from the layout's model}."""
+def continued(hf_layouts, hf_layout_data, tmp_path_factory) -> dict[str, Path]:
+    """{layout: the run dir of 3 steps of continued pretraining from the layout's model}, on the
+    dataset of its tokenizer (conftest's hf_layout_data, whose shards test_tokenizer_kinds checks
+    against the library's own ids; GPT-2's and BERT's hold translation pairs too, unread here)."""
     top = tmp_path_factory.mktemp("continued")
     runs = {}
     for layout, directory in hf_layouts.items():
@@ -72,7 +60,7 @@ def continued(hf_layouts, layout_data, tmp_path_factory) -> dict[str, Path]:
         run = command(
             "launch.train",
             str(ROOT / "configs" / CONFIG[TASK[layout]]),
-            f"data.data_dir={layout_data[layout]}",
+            f"data.data_dir={hf_layout_data[layout]}",
             f"run_dir={runs[layout]}",
             f"init.model={directory}",
             "max_steps=3",
@@ -80,6 +68,41 @@ def continued(hf_layouts, layout_data, tmp_path_factory) -> dict[str, Path]:
         )
         assert run.returncode == 0, run.stderr[-4000:]
     return runs
+
+
+def export_here(*argv: str) -> tuple[int, str]:
+    """`python -m launch.export ARGV` run in this process, as its `__main__` runs it (`run_main`):
+    the exit status and stderr, without a Python, torch and transformers start per export (6.5 s
+    of the 6.7 s an export took in its own process on the 2-core EPYC). The `-m` wiring itself is
+    test_cli's."""
+    import contextlib
+    import io
+
+    from common.configure import run_main
+    from launch.export import main
+
+    stderr = io.StringIO()
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(stderr),
+        pytest.raises(SystemExit) as exited,
+    ):
+        run_main(lambda: main(list(argv)))
+    return exited.value.code, stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exported(continued, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """{layout: {format: the continued run exported in it}}, `ours` and `hf`: made once for the
+    tests that read them (the export's own checks and lm_eval's)."""
+    top = tmp_path_factory.mktemp("exported")
+    out = {}
+    for layout, run_dir in continued.items():
+        out[layout] = {fmt: top / layout / fmt for fmt in ("ours", "hf")}
+        for fmt, directory in out[layout].items():
+            code, stderr = export_here(f"checkpoint={run_dir}", f"out={directory}", f"format={fmt}")
+            assert code == 0, stderr[-3000:]
+    return out
 
 
 def first_batch(run_dir: Path, task: str) -> dict:
@@ -116,14 +139,10 @@ def test_step0_loss_is_transformers_loss_of_that_model(layout, hf_layouts, conti
 
 
 @pytest.mark.parametrize("layout", list(TASK))
-def test_the_export_carries_the_tokenizer_and_the_trained_model(
-    layout, hf_layouts, continued, tmp_path
-):
+def test_the_export_carries_the_tokenizer_and_the_trained_model(layout, hf_layouts, exported):
     """format=hf: the same tokenizer files (AutoTokenizer's ids as before training), and the
-    trained model's logits through AutoModel."""
-    out = tmp_path / "export"
-    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={out}", "format=hf")
-    assert run.returncode == 0, run.stderr[-3000:]
+    trained model's logits through AutoModel (those of our own format's export of the run)."""
+    out = exported[layout]["hf"]
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (hf_layouts[layout] / name).read_bytes()
     texts = ["the red cat opens a new door 12", "die grüne Katze schließt 7", "漢字 ☃ tab\there"]
@@ -133,9 +152,7 @@ def test_the_export_carries_the_tokenizer_and_the_trained_model(
 
     from launch.export import load_model_dir
 
-    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={tmp_path / 'ours'}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    ours, _ = load_model_dir(tmp_path / "ours")
+    ours, _ = load_model_dir(exported[layout]["ours"])
     auto = (
         transformers.AutoModelForCausalLM
         if TASK[layout] == "causal_lm"
@@ -151,16 +168,14 @@ def test_the_export_carries_the_tokenizer_and_the_trained_model(
 
 
 @pytest.mark.parametrize("layout", ["gpt2", "llama"])
-def test_lm_eval_scores_the_continued_model(layout, continued, layout_data, tmp_path):
+def test_lm_eval_scores_the_continued_model(layout, exported, hf_layout_data, tmp_path):
     pytest.importorskip("lm_eval")
-    export = tmp_path / "export"
-    run = command("launch.export", f"checkpoint={continued[layout]}", f"out={export}")
-    assert run.returncode == 0, run.stderr[-3000:]
+    export = exported[layout]["ours"]
     scores = tmp_path / "scores.json"
     run = command(
         "launch.lm_eval",
         f"checkpoint={export}",
-        f"data_dir={layout_data[layout]}",
+        f"data_dir={hf_layout_data[layout]}",
         "limit=20",
         f"out={scores}",
         "wandb.mode=disabled",
@@ -170,11 +185,11 @@ def test_lm_eval_scores_the_continued_model(layout, continued, layout_data, tmp_
     assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
 
 
-def test_a_model_of_another_tokenizer_is_refused_in_one_line(hf_layouts, layout_data, tmp_path):
+def test_a_model_of_another_tokenizer_is_refused_in_one_line(hf_layouts, hf_layout_data, tmp_path):
     run = command(
         "launch.train",
         str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={layout_data['gpt2']}",
+        f"data.data_dir={hf_layout_data['gpt2']}",
         f"run_dir={tmp_path / 'run'}",
         f"init.model={hf_layouts['llama']}",
         "max_steps=1",

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, RayHead, prepare_args, synthetic_pairs, write_tsv
+from conftest import HF_LAYOUT_TASKS, ROOT, RayHead, prepare_args, synthetic_pairs
 
 from pipeline.format import dataset_specials, decode_array, read_manifest
 from pipeline.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-TASKS = {"gpt2": "[causal_lm,translation]", "llama": "[causal_lm]", "bert": "[mlm,translation]"}
+TASKS = HF_LAYOUT_TASKS  # what conftest's hf_layout_data prepared each layout's tokenizer for
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def ray_head():
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tsv(tmp_path_factory.mktemp("kinds") / "pairs.tsv", synthetic_pairs(600))
+def corpus(hf_layout_corpus) -> Path:
+    return hf_layout_corpus
 
 
 def prepare(corpus: Path, out: Path, ray: RayHead | None, *overrides: str):
@@ -92,17 +92,13 @@ def test_special_tokens_and_frames_of_each_layout(hf_layouts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(TASKS))
-def test_prepare_writes_the_librarys_own_ids_framed_as_recorded(
-    layout, hf_layouts, corpus, ray_head, tmp_path
-):
+def test_prepare_writes_the_librarys_own_ids_framed_as_recorded(layout, hf_layouts, hf_layout_data):
     """Every whole document of the packed blocks is `AutoTokenizer`'s encoding of a corpus text in
     the tokenizer's own frame (its post-processor's, with eos after where that adds none); every
-    pair is the two sides' plain encodings; the manifest records the kind, the files and the ids."""
-    out = tmp_path / "data"
-    run = prepare(
-        corpus, out, ray_head, f"tokenizer.path={hf_layouts[layout]}", f"tasks={TASKS[layout]}"
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    pair is the two sides' plain encodings; the manifest records the kind, the files and the ids.
+    The dataset is conftest's hf_layout_data: the corpus prepared with `tokenizer.path` set to the
+    layout's directory and `tasks` to TASKS[layout], with test_hf_layouts' training reading it."""
+    out = hf_layout_data[layout]
     manifest = read_manifest(out)
     tokenizer = manifest["tokenizer"]
     assert tokenizer["kind"] == "hf" and tokenizer["file"] == "tokenizer.json"
@@ -140,19 +136,21 @@ def test_prepare_writes_the_librarys_own_ids_framed_as_recorded(
 
 
 @pytest.mark.slow
-def test_hf_kind_is_the_same_bytes_for_one_and_two_workers(hf_layouts, corpus, ray_head, tmp_path):
-    outs = {}
-    for workers in (1, 2):
-        outs[workers] = tmp_path / f"w{workers}"
-        run = prepare(
-            corpus,
-            outs[workers],
-            ray_head,
-            f"tokenizer.path={hf_layouts['gpt2']}",
-            f"tasks={TASKS['gpt2']}",
-            f"ray.num_workers={workers}",
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+def test_hf_kind_is_the_same_bytes_for_one_and_two_workers(
+    hf_layouts, hf_layout_data, corpus, ray_head, tmp_path
+):
+    """Two workers: hf_layout_data's GPT-2 dataset (prepare_args' 2 workers, the same corpus
+    file and overrides); one worker prepared here."""
+    outs = {1: tmp_path / "w1", 2: hf_layout_data["gpt2"]}
+    run = prepare(
+        corpus,
+        outs[1],
+        ray_head,
+        f"tokenizer.path={hf_layouts['gpt2']}",
+        f"tasks={TASKS['gpt2']}",
+        "ray.num_workers=1",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
     tars = sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*.tar"))
     assert tars == sorted(p.relative_to(outs[2]) for p in outs[2].rglob("*.tar"))
     assert all((outs[1] / p).read_bytes() == (outs[2] / p).read_bytes() for p in tars)
