@@ -4,7 +4,8 @@
                                              [--limit N] [--compare EVAL_DIR_OR_JSON]
 
 The round trip of `launch.export format=hf` for the translation model through `transformers`
-alone, as a user would run it: `EncoderDecoderModel` and `AutoTokenizer` loaded from EXPORT_DIR;
+alone, as a user would run it: `EncoderDecoderModel` and `AutoTokenizer` loaded from EXPORT_DIR
+(and from EXPORT_DIR/target, the target side's own tokenizer, when the model has one);
 each source of the split as text (as `launch.evaluate` detokenizes it) encoded by the exported
 tokenizer the standard way (`tokenizer(texts)`, truncated at the encoder's positions), decoded
 by `model.generate` with `--beam` beams, length penalty 1.0 and the per-source length limit
@@ -63,15 +64,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.decoding import detokenize, source_ids
     from launch.evaluate import read_pairs, score
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.format import dataset_tokenizer, read_manifest
 
     torch.set_grad_enabled(False)
     model = EncoderDecoderModel.from_pretrained(args.export).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.export)
-    ours = load_tokenizer(args.data)
+    # a target side's own tokenizer (BERT2GPT2) decodes what generate returns
+    has_target = (args.export / "target").is_dir()
+    target_tokenizer = (
+        AutoTokenizer.from_pretrained(args.export / "target") if has_target else tokenizer
+    )
+    manifest = read_manifest(args.data)
+    ours = dataset_tokenizer(args.data, manifest)
+    ours_target = dataset_tokenizer(args.data, manifest, side="target")
     specials = ours.specials
-    # room for </s>, as the trainer cuts them
-    max_source = model.config.encoder.max_position_embeddings - 1
+    # room for the source frame (ours </s>, BERT's [CLS] and [SEP]), as the trainer cuts them
+    before, after = specials.source
+    max_source = model.config.encoder.max_position_embeddings - len(before) - len(after)
     # the decoder's positions, its start token first
     max_len = model.config.decoder.max_position_embeddings - 1
     pairs = read_pairs(args.data, args.split, args.limit)
@@ -105,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
 
     hyp_text = [
-        " ".join(tokenizer.decode(hypotheses[i], skip_special_tokens=True).splitlines())
+        " ".join(target_tokenizer.decode(hypotheses[i], skip_special_tokens=True).splitlines())
         for i in range(len(pairs))
     ]
-    ref_text = [detokenize(ours, tgt) for _, tgt in pairs]
+    ref_text = [detokenize(ours_target, tgt) for _, tgt in pairs]
     result = score(hyp_text, ref_text)
     print(
         f"{args.export} on {args.data} {args.split}: {len(pairs)} pairs, transformers generate, beam {args.beam}, "

@@ -134,6 +134,7 @@ def average(run_dir: str | Path, last: int, out: str | Path, overwrite: bool = F
             run.tokenizer,
             meta,
             provenance(run) | {"averaged": meta["averaged"]},
+            run.target_tokenizer,
         )
     return meta
 

@@ -29,6 +29,7 @@ from launch.export import (
     load_model_dir,
     read_model_config,
     read_run_checkpoint,
+    target_tokenizer_in,
 )
 from model import ModelConfig, Seq2Seq, build_model
 from pipeline.tokenizer import Specials, load_tokenizer, tokenizer_file_in
@@ -46,11 +47,18 @@ class Checkpoint:
     exported: bool  # an exported directory (else a DeepSpeed checkpoint: root / tag)
     root: Path | None = None
     tag: str | None = None
+    # the target side's own tokenizer (DIR/target/), None when both sides share tokenizer_path
+    target_tokenizer_path: Path | None = None
 
     @functools.cached_property
     def specials(self) -> Specials:
-        """Its tokenizer's special ids and frames (the tokenizer read when first asked)."""
+        """Its (source side's) tokenizer's special ids and frames, read when first asked."""
         return load_tokenizer(self.tokenizer_path).specials
+
+    @property
+    def target_path(self) -> Path:
+        """The tokenizer of the target side: what hypotheses and references decode with."""
+        return self.target_tokenizer_path or self.tokenizer_path
 
     @property
     def max_source_tokens(self) -> int:
@@ -77,6 +85,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
     if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
         meta, model_cfg = read_model_config(path)
         tokenizer, recorded = tokenizer_file_in(path), meta.get("tokenizer_sha256")
+        target, target_recorded = target_tokenizer_in(path), meta.get("target_tokenizer_sha256")
         source = Path(meta.get("source") or "")
         data_dir = _run_data_dir(source.parent.parent) if meta.get("source") else ""
         root = tag = None
@@ -87,16 +96,28 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         root, tag = run.root, run.tag
         model_cfg, data_dir = run.config.model, run.config.data.data_dir
         tokenizer, recorded = run.tokenizer, run.client.get("tokenizer_sha256")
+        target, target_recorded = run.target_tokenizer, run.client.get("target_tokenizer_sha256")
     if model_cfg.arch != "seq2seq":
         raise UserError(f"{path} holds a {model_cfg.arch} model, not a translation (seq2seq) model")
-    if not tokenizer.is_file():
-        raise UserError(f"{tokenizer} not found")
-    sha = file_sha256(tokenizer)
-    if recorded and recorded != sha:
+    if target_recorded and target is None:
         raise UserError(
-            f"{tokenizer} (sha256 {sha[:12]}) is not the tokenizer the model was trained with ({recorded[:12]})"
+            f"{path} was trained with a target tokenizer of its own, and its target/ directory "
+            "is missing"
         )
-    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag)
+    sha = ""
+    for file, expected in ((tokenizer, recorded), (target, target_recorded)):
+        if file is None:
+            continue
+        if not file.is_file():
+            raise UserError(f"{file} not found")
+        actual = file_sha256(file)
+        if expected and expected != actual:
+            raise UserError(
+                f"{file} (sha256 {actual[:12]}) is not the tokenizer the model was trained with "
+                f"({expected[:12]})"
+            )
+        sha = sha or actual
+    return Checkpoint(path, model_cfg, tokenizer, sha, data_dir, root is None, root, tag, target)
 
 
 def load_model(ckpt: Checkpoint) -> Seq2Seq:
@@ -165,7 +186,7 @@ def translate_ids(
 ) -> list[list[int]]:
     """One batch of encoder inputs (`source_ids`) -> one hypothesis (ids, no </s>) per source.
     synced=True runs exactly max_len decoder steps (ZeRO-3: every rank in every forward)."""
-    src_ids, src_mask = pad(sources, device, model.cfg.pad_id)
+    src_ids, src_mask = pad(sources, device, model.encoder.cfg.pad_id)
     out = model.generate(
         src_ids,
         src_mask,
@@ -200,9 +221,10 @@ def check_decoding(model_cfg: ModelConfig, beam: int, max_len: int, micro_batch_
     max_len = max_len or limit
     if not 1 <= max_len <= limit:
         raise UserError(f"max_len={max_len}: must be in [1, the model's max_seq_len={limit}]")
-    if beam < 1 or 2 * beam > model_cfg.vocab_size:
+    if beam < 1 or 2 * beam > model_cfg.for_stack("decoder").vocab_size:
         raise UserError(
-            f"beam={beam}: must be at least 1 and at most vocab_size / 2 ({model_cfg.vocab_size // 2})"
+            f"beam={beam}: must be at least 1 and at most the target vocabulary / 2 "
+            f"({model_cfg.for_stack('decoder').vocab_size // 2})"
         )
     if micro_batch_size < 1:
         raise UserError(f"micro_batch_size={micro_batch_size}: must be at least 1")

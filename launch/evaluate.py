@@ -32,7 +32,7 @@ import tarfile
 import time
 import warnings
 from pathlib import Path
-from typing import TextIO
+from typing import Mapping, TextIO
 
 import numpy as np
 import torch
@@ -56,7 +56,15 @@ from launch.decoding import (
 )
 from launch.preconditions import check_writable_dir
 from pipeline import remote
-from pipeline.format import FIELDS, SPLITS, decode_array, read_manifest, shard_entries
+from pipeline.format import (
+    FIELDS,
+    SPLITS,
+    decode_array,
+    has_target_tokenizer,
+    read_manifest,
+    shard_entries,
+    tokenizer_record,
+)
 from pipeline.load.shards import decode_sample
 from pipeline.tokenizer import load_tokenizer
 
@@ -70,11 +78,12 @@ def read_pairs(
     split: str,
     limit: int = 0,
     fetch: remote.FetchConfig | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int | Mapping[str, int] | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(source ids, target ids) of a split's translation shards, in manifest order, then tar order.
-    With `vocab_size`, a sample whose ids fall outside it (which training skips and counts) is a
-    UserError naming the shard and the sample: the model's embedding would fail on it."""
+    With `vocab_size` (one, or each field's), a sample whose ids fall outside it (which training
+    skips and counts) is a UserError naming the shard and the sample: the model's embedding would
+    fail on it."""
     # a URL: read through the shard cache
     data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
     fields = FIELDS["translation"]
@@ -127,6 +136,16 @@ def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
         raise UserError(
             f"tokenizer mismatch: {ckpt.path} was trained with tokenizer {ckpt.tokenizer_sha256[:12]}, "
             f"{data_dir} was prepared with {str(data_sha)[:12]}; evaluate on data prepared with the model's tokenizer"
+        )
+    theirs = (
+        tokenizer_record(manifest, "target")["sha256"] if has_target_tokenizer(manifest) else None
+    )
+    ours = file_sha256(ckpt.target_tokenizer_path) if ckpt.target_tokenizer_path else None
+    if theirs != ours:
+        raise UserError(
+            f"tokenizer mismatch: {ckpt.path}'s target side was trained with "
+            f"{(ours or 'the source side')[:12]}, {data_dir}'s targets were encoded with "
+            f"{(theirs or 'the source side')[:12]}; evaluate on data prepared with the model's tokenizers"
         )
     return manifest
 
@@ -207,7 +226,11 @@ def _evaluate(
     zero3: bool,
     stdout: TextIO,
 ) -> dict | None:
-    pairs = read_pairs(data_dir, cfg.split, cfg.limit, vocab_size=ckpt.model_cfg.vocab_size)
+    vocab = {
+        name: ckpt.model_cfg.for_stack(stack).vocab_size
+        for name, stack in (("src_ids", "encoder"), ("tgt_ids", "decoder"))
+    }
+    pairs = read_pairs(data_dir, cfg.split, cfg.limit, vocab_size=vocab)
     sources, truncated = zip(
         *(source_ids(src, ckpt.max_source_tokens, ckpt.specials) for src, _ in pairs)
     )
@@ -282,9 +305,9 @@ def _evaluate(
     merged = {index: ids for part in gathered for index, ids in part.items()}
     if sorted(merged) != list(range(len(pairs))):
         raise RuntimeError(f"{len(merged)} hypotheses gathered for {len(pairs)} pairs")
-    tokenizer = load_tokenizer(ckpt.tokenizer_path)
-    hyp_text = [detokenize(tokenizer, merged[i]) for i in range(len(pairs))]
-    ref_text = [detokenize(tokenizer, tgt) for _, tgt in pairs]
+    tokenizer, target = load_tokenizer(ckpt.tokenizer_path), load_tokenizer(ckpt.target_path)
+    hyp_text = [detokenize(target, merged[i]) for i in range(len(pairs))]
+    ref_text = [detokenize(target, tgt) for _, tgt in pairs]
     src_text = [detokenize(tokenizer, src) for src, _ in pairs]
     result = {
         **score(hyp_text, ref_text),

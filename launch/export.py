@@ -62,6 +62,7 @@ from common.weights import load_failure
 from launch.checkpoint import checkpoint_root, latest_tag
 from launch.config import ExportConfig, TrainConfig
 from model import ModelConfig, build_model
+from pipeline.format import TARGET_DIR
 from pipeline.tokenizer import SENTENCEPIECE_FILE, load_tokenizer, read_files, tokenizer_file_in
 
 USAGE = """usage: python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=ours|hf]
@@ -136,6 +137,7 @@ EXPORT_NAMES = {
     "tokenizer_config.json",
     "special_tokens_map.json",
     "model.safetensors.index.json",
+    TARGET_DIR,  # a translation target's own tokenizer
 }
 WEIGHT_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 LOCK_SUFFIX = ".lock"  # OUT.lock, beside `out`: held while an export writes it
@@ -216,8 +218,10 @@ def save_model_dir(
     tokenizer: str | Path,
     meta: dict,
     provenance: dict | None = None,
+    target_tokenizer: str | Path | None = None,
 ) -> None:
-    """Write weights, config, tokenizer (and provenance); the directory appears complete only at the end."""
+    """Write weights, config, tokenizer (a translation target's own under target/) and
+    provenance; the directory appears complete only at the end."""
     from safetensors.torch import save_model
 
     model = model_with(state_dict, model_cfg)
@@ -225,9 +229,15 @@ def save_model_dir(
         # save_model stores each tied tensor once and records the alias.
         save_model(model, str(partial / WEIGHTS))
         copy_tokenizer(tokenizer, partial)
+        target = {}
+        if target_tokenizer is not None:
+            (partial / TARGET_DIR).mkdir()
+            copy_tokenizer(target_tokenizer, partial / TARGET_DIR)
+            target = {"target_tokenizer_sha256": file_sha256(target_tokenizer)}
         config = {
             "model": dataclasses.asdict(model_cfg),
             "tokenizer_sha256": file_sha256(tokenizer),
+            **target,
             **meta,
         }
         (partial / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
@@ -241,9 +251,12 @@ def save_hf_dir(
     model_cfg: ModelConfig,
     tokenizer: str | Path,
     provenance: dict,
+    target_tokenizer: str | Path | None = None,
 ) -> None:
     """Write a Hugging Face model directory with its tokenizer (a Hugging Face one as it is; ours
-    as a fast tokenizer, with tokenizer.model beside it) and provenance."""
+    as a fast tokenizer, with tokenizer.model beside it) and provenance. A translation target's
+    own tokenizer goes to target/, for `AutoTokenizer.from_pretrained(OUT/target)` to decode
+    what `generate` returns (the encoder's is OUT's own, as transformers' BERT2GPT2 pairs them)."""
     from launch.hf_tokenizer import save_hf_tokenizer
     from model.hf_dir import to_hf
 
@@ -255,6 +268,13 @@ def save_hf_dir(
                 tokenizer, partial, model_cfg.max_seq_len, input_frame(tokenizer, model_cfg)
             )
         copy_tokenizer(tokenizer, partial)
+        if target_tokenizer is not None:
+            (partial / TARGET_DIR).mkdir()
+            if Path(target_tokenizer).name == SENTENCEPIECE_FILE:
+                save_hf_tokenizer(
+                    target_tokenizer, partial / TARGET_DIR, model_cfg.max_seq_len, ((), ())
+                )
+            copy_tokenizer(target_tokenizer, partial / TARGET_DIR)
         (partial / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
 
 
@@ -319,6 +339,8 @@ class RunCheckpoint:
     config: TrainConfig
     tokenizer: Path
     client: dict  # client_state.json: step, tokens_seen, tokenizer_sha256, ...
+    # a translation target's own tokenizer (RUN_DIR/target/), None when both sides share one
+    target_tokenizer: Path | None = None
 
 
 def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
@@ -330,8 +352,20 @@ def read_run_checkpoint(path: str | Path) -> RunCheckpoint:
     client_file = root / tag / "client_state.json"
     client = read_json(client_file) if client_file.is_file() else {}
     return RunCheckpoint(
-        root, tag, load_config(TrainConfig, config_file), tokenizer_file_in(root.parent), client
+        root,
+        tag,
+        load_config(TrainConfig, config_file),
+        tokenizer_file_in(root.parent),
+        client,
+        target_tokenizer_in(root.parent),
     )
+
+
+def target_tokenizer_in(directory: Path) -> Path | None:
+    """The file of a translation target's own tokenizer in a run or export directory, if it has
+    one (DIR/target/)."""
+    target = directory / TARGET_DIR
+    return tokenizer_file_in(target) if target.is_dir() else None
 
 
 def provenance(run: RunCheckpoint) -> dict:
@@ -345,6 +379,11 @@ def provenance(run: RunCheckpoint) -> dict:
         "tokens_seen": run.client.get("tokens_seen"),
         "tokens_by_source": run.client.get("tokens_by_source"),
         "tokenizer_sha256": file_sha256(run.tokenizer),
+        **(
+            {"target_tokenizer_sha256": file_sha256(run.target_tokenizer)}
+            if run.target_tokenizer
+            else {}
+        ),
         "dataset": {
             "data_dir": run.config.data.data_dir,
             "manifest_sha256": dataset.get("manifest_sha256"),
@@ -382,12 +421,14 @@ def export(
         state = consolidated_state_dict(run.root, run.tag)
         shown.update()
         if format == "hf":
-            save_hf_dir(out, state, run.config.model, run.tokenizer, record)
+            save_hf_dir(out, state, run.config.model, run.tokenizer, record, run.target_tokenizer)
         else:
             meta = {key: record[key] for key in ("task", "step", "tokens_seen")} | {
                 "source": record["checkpoint"]
             }
-            save_model_dir(out, state, run.config.model, run.tokenizer, meta, record)
+            save_model_dir(
+                out, state, run.config.model, run.tokenizer, meta, record, run.target_tokenizer
+            )
         shown.update()
     return record
 
@@ -396,15 +437,26 @@ def check_tokenizer(run: RunCheckpoint) -> None:
     """UserError, one line, unless the run's tokenizer file is there and is the one its
     checkpoint recorded (client_state.json's sha256): a damaged or replaced file would travel
     with the weights under its new hash."""
-    if not run.tokenizer.is_file():
-        raise UserError(f"{run.tokenizer} not found")
-    recorded = run.client.get("tokenizer_sha256")
-    if recorded and (actual := file_sha256(run.tokenizer)) != recorded:
+    recorded_target = run.client.get("target_tokenizer_sha256")
+    if recorded_target and run.target_tokenizer is None:
         raise UserError(
-            f"{run.tokenizer} (sha256 {actual[:12]}...) is not the tokenizer checkpoint "
-            f"{run.root / run.tag} was trained with ({recorded[:12]}...): damaged or replaced; "
-            f"copy the dataset's {run.tokenizer.name} back"
+            f"{run.root.parent / TARGET_DIR} not found: checkpoint {run.root / run.tag} was "
+            "trained with a target tokenizer of its own; copy the dataset's target/ back"
         )
+    for tokenizer, recorded in (
+        (run.tokenizer, run.client.get("tokenizer_sha256")),
+        (run.target_tokenizer, recorded_target),
+    ):
+        if tokenizer is None:
+            continue
+        if not tokenizer.is_file():
+            raise UserError(f"{tokenizer} not found")
+        if recorded and (actual := file_sha256(tokenizer)) != recorded:
+            raise UserError(
+                f"{tokenizer} (sha256 {actual[:12]}...) is not the tokenizer checkpoint "
+                f"{run.root / run.tag} was trained with ({recorded[:12]}...): damaged or replaced; "
+                f"copy the dataset's {tokenizer.name} back"
+            )
 
 
 def check_hf_exportable(model_cfg: ModelConfig) -> None:

@@ -152,15 +152,20 @@ def load(cfg: TrainConfig, dataset_tokenizer: str | Path) -> torch.nn.Module:
     return model
 
 
-def check_tokenizer(directory: str, dataset_tokenizer: str | Path) -> None:
-    """UserError, one line naming both, unless the directory's tokenizer is the dataset's."""
+def check_tokenizer(
+    directory: str, dataset_tokenizer: str | Path, key: str = "init.model", side: str = ""
+) -> None:
+    """UserError, one line naming both, unless the directory's tokenizer is the dataset's (`side`:
+    which side's of a translation dataset, "source" or "target", for the message; `key`: the
+    config key that named the directory)."""
     dataset_sha256 = file_sha256(dataset_tokenizer)
+    whose = f"the dataset's {side} tokenizer" if side else "the dataset's tokenizer"
     if not is_hf_dir(directory):
         theirs = read_json(Path(directory) / CONFIG).get("tokenizer_sha256")
         if theirs != dataset_sha256:
             raise UserError(
-                f"init.model: {directory} was trained with tokenizer sha256 {theirs}, the dataset's "
-                f"tokenizer {dataset_tokenizer} is {dataset_sha256}"
+                f"{key}: {directory} was trained with tokenizer sha256 {theirs}, {whose} "
+                f"{dataset_tokenizer} is {dataset_sha256}"
             )
         return
     # The dataset's tokenizer file in the directory (a Hugging Face tokenizer.json it was prepared
@@ -170,21 +175,21 @@ def check_tokenizer(directory: str, dataset_tokenizer: str | Path) -> None:
         theirs = file_sha256(same_name)
         if theirs != dataset_sha256:
             raise UserError(
-                f"init.model: {same_name} has sha256 {theirs}, the dataset's tokenizer "
-                f"{dataset_tokenizer} {dataset_sha256}"
+                f"{key}: {same_name} has sha256 {theirs}, {whose} {dataset_tokenizer} "
+                f"{dataset_sha256}"
             )
         return
-    text, theirs, ours = first_difference(directory, dataset_tokenizer)
+    text, theirs, ours = first_difference(directory, dataset_tokenizer, key)
     if text is not None:
         raise UserError(
-            f"init.model: the tokenizer of {directory} gives other ids than the dataset's tokenizer "
+            f"{key}: the tokenizer of {directory} gives other ids than {whose} "
             f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> {theirs[:8]} there, "
             f"{ours[:8]} here"
         )
 
 
 def first_difference(
-    directory: str, dataset_tokenizer: str | Path
+    directory: str, dataset_tokenizer: str | Path, key: str = "init.model"
 ) -> tuple[str | None, list, list]:
     """The first text of the sample on which the directory's tokenizer and the dataset's disagree
     (None if none), with both tokenizations; the sample: every piece of the dataset's vocabulary
@@ -199,7 +204,7 @@ def first_difference(
         hf = transformers.AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as err:
         raise UserError(
-            f"init.model: {directory} has no tokenizer to check against the dataset's: "
+            f"{key}: {directory} has no tokenizer to check against the dataset's: "
             f"{str(err).splitlines()[0]}"
         ) from None
     words = ours.vocabulary_texts()

@@ -24,7 +24,15 @@ from common.configure import UserError
 from launch.tasks import TASKS
 from model import ModelConfig
 from pipeline import remote
-from pipeline.format import DATASET_FOR_TASK, FIELDS, dataset_specials, shard_entries
+from pipeline.format import (
+    DATASET_FOR_TASK,
+    FIELDS,
+    dataset_specials,
+    has_target_tokenizer,
+    shard_entries,
+    tokenizer_files,
+    tokenizer_record,
+)
 from pipeline.load.collate import pack, unpack
 from pipeline.load.shards import Shard, ShardError, read_shard, stored_fields
 from pipeline.tokenizer import Specials
@@ -42,19 +50,49 @@ class LongestInput:
     source: str
 
 
+@dataclass(frozen=True)
+class TargetSide:
+    """A translation target's own tokenizer (`pipeline.format.SIDES`): the decoder's vocabulary
+    size and special ids."""
+
+    vocab_size: int
+    specials: Specials
+    sha256: str = ""
+    files: tuple[str, ...] = ()  # in the dataset (under target/), the one that fixes its ids first
+
+
+def target_side(manifest: dict) -> TargetSide | None:
+    """The dataset's target tokenizer, when its translation targets have one of their own."""
+    if not has_target_tokenizer(manifest):
+        return None
+    record = tokenizer_record(manifest, "target")
+    return TargetSide(
+        int(record["vocab_size"]),
+        dataset_specials(manifest, "target"),
+        record["sha256"],
+        tuple(tokenizer_files(manifest, "target")),
+    )
+
+
 def with_data_tokenizer(
     model_cfg: ModelConfig,
     data_vocab: int,
     specials: Specials | None,
     data_dir: str | os.PathLike,
     init_model: str = "",
+    target: TargetSide | None = None,
 ) -> tuple[ModelConfig, str | None]:
     """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it) and
     its tokenizer's special ids (`model_ids`; None: a dataset not yet prepared, ids unknown), and
     the problem, in words, when the config names another size: the one rule of the trainer and
-    its dry run."""
+    its dry run. A Seq2Seq's decoder takes `target`'s, when the targets have a tokenizer of
+    their own; the shared fields (and the encoder) stay the source side's."""
     if specials is not None:
         model_cfg = replace(model_cfg, **model_ids(specials))
+    if model_cfg.arch == "seq2seq":
+        model_cfg, problem = _stack_vocabularies(model_cfg, data_vocab, specials, data_dir, target)
+        if problem:
+            return model_cfg, problem
     if model_cfg.vocab_size == 0:
         return replace(model_cfg, vocab_size=int(data_vocab)), None
     if model_cfg.vocab_size != data_vocab and init_model:  # the size is the directory's
@@ -69,6 +107,38 @@ def with_data_tokenizer(
             f"pieces (set model.vocab_size=0 to take it from the data)"
         )
     return model_cfg, None
+
+
+def _stack_vocabularies(
+    model_cfg: ModelConfig,
+    data_vocab: int,
+    specials: Specials | None,
+    data_dir: str | os.PathLike,
+    target: TargetSide | None,
+) -> tuple[ModelConfig, str | None]:
+    """A Seq2Seq's stacks with their sides' vocabularies: with a target tokenizer of its own, the
+    encoder takes the source side's size and ids and the decoder the target side's; with one
+    tokenizer, both stacks share the model's (a stack's own size must then be the data's)."""
+    sizes = {
+        "encoder": int(data_vocab),
+        "decoder": target.vocab_size if target else int(data_vocab),
+    }
+    for stack, size in sizes.items():
+        own = getattr(model_cfg, stack).vocab_size
+        if own is not None and own != size:
+            side = "source" if stack == "encoder" else "target"
+            whose = f"{side} tokenizer" if target is not None else "tokenizer (both sides')"
+            return model_cfg, (
+                f"model.{stack}.vocab_size={own} but the {whose} of {data_dir} has {size} pieces: "
+                f"the {stack} was made for another tokenizer"
+            )
+    if target is None:
+        return model_cfg, None
+    stacks = {}
+    for stack, side in (("encoder", specials), ("decoder", target.specials)):
+        ids = model_ids(side) if side is not None else {}
+        stacks[stack] = replace(getattr(model_cfg, stack), vocab_size=sizes[stack], **ids)
+    return replace(model_cfg, **stacks), None
 
 
 def model_ids(specials: Specials) -> dict[str, int]:
@@ -116,7 +186,7 @@ def longest_input(
     """The most positions an input of `task`'s training splits takes; None if there are no samples.
     A recorded bound that needs at most `bound_ok` positions is answer enough (no shard is read)."""
     dataset = DATASET_FOR_TASK[task]
-    specials = dataset_specials(manifest)
+    specials, target = dataset_specials(manifest), dataset_specials(manifest, "target")
     record = manifest.get("datasets", {}).get(dataset, {})
     if dataset == "packed" and isinstance(record.get("seq_len"), int):
         seq_len = record["seq_len"]
@@ -127,7 +197,9 @@ def longest_input(
     max_tokens = ((manifest.get("config") or {}).get("translation") or {}).get("max_tokens")
     if dataset == "translation" and isinstance(max_tokens, int):
         bound = max(
-            input_positions(task, {name: max_tokens for name in FIELDS[dataset]}, specials).values()
+            input_positions(
+                task, {name: max_tokens for name in FIELDS[dataset]}, specials, target
+            ).values()
         )
         if bound <= bound_ok:
             return LongestInput(
@@ -137,7 +209,7 @@ def longest_input(
     if not stored:
         return None
     positions = input_positions(
-        task, {name: length for name, (length, _) in stored.items()}, specials
+        task, {name: length for name, (length, _) in stored.items()}, specials, target
     )
     name = max(positions, key=positions.get)
     length, split = stored[name]
@@ -151,7 +223,12 @@ _MODEL_INPUT = {"input_ids": "input_ids", "src_ids": "src_ids", "tgt_ids": "deco
 _SIDE = {"input_ids": "block", "src_ids": "source", "tgt_ids": "target"}
 
 
-def input_positions(task: str, lengths: dict[str, int], specials: Specials) -> dict[str, int]:
+def input_positions(
+    task: str,
+    lengths: dict[str, int],
+    specials: Specials,
+    target_specials: Specials | None = None,
+) -> dict[str, int]:
     """The positions of the model input each stored field of a sample becomes, for arrays of these
     lengths. Asked of the code that builds the inputs, the collation (`pipeline.load.collate`: the
     tokenizer's frames around a source and a target) and the task (`launch.tasks`: the decoder
@@ -163,7 +240,7 @@ def input_positions(task: str, lengths: dict[str, int], specials: Specials) -> d
     token_fields = [name for name in FIELDS[dataset] if name in _MODEL_INPUT]
     # any id stands for a token here: only the lengths count
     sample = [np.full(lengths[name], specials.pad_id, dtype=np.int64) for name in token_fields]
-    packed = pack(collated_as, [sample], specials)
+    packed = pack(collated_as, [sample], specials, target_specials=target_specials)
     inputs = TASKS[collated_as].model_inputs(unpack(collated_as, packed))
     return {name: int(inputs[_MODEL_INPUT[name]].shape[1]) for name in token_fields}
 

@@ -6,7 +6,8 @@ translation per line to standard output, in input order, flushed after every bat
 `micro_batch_size` lines (a pipe sees output before its input ends). A line that encodes to no
 tokens (an empty or blank line) gives an empty line. A line longer than the model's limit is
 cut to it, with a warning on standard error naming the line. DIR is an exported model
-directory (`launch.export`) or a training run; the tokenizer is the one beside its weights.
+directory (`launch.export`) or a training run; the tokenizer is the one beside its weights (a
+target side's own, under target/, decodes the translations).
 Encoding, batching and decoding are `launch.decoding`'s, the same as `launch.evaluate`'s.
 """
 
@@ -46,7 +47,7 @@ def translate_lines(
 
     ckpt = inspect_checkpoint(cfg.checkpoint)
     max_len = check_decoding(ckpt.model_cfg, cfg.beam, cfg.max_len, cfg.micro_batch_size)
-    tokenizer = load_tokenizer(ckpt.tokenizer_path)
+    tokenizer, target = load_tokenizer(ckpt.tokenizer_path), load_tokenizer(ckpt.target_path)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(ckpt).to(device)
     counts = {"lines": 0, "empty": 0, "truncated": 0}
@@ -83,7 +84,7 @@ def translate_lines(
             )
             out.write(
                 "".join(
-                    (detokenize(tokenizer, next(outputs)) if ids else "") + "\n" for ids in encoded
+                    (detokenize(target, next(outputs)) if ids else "") + "\n" for ids in encoded
                 )
             )
             out.flush()

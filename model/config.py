@@ -50,6 +50,14 @@ class StackConfig:
     n_kv_heads: Optional[int] = None  # None: the shared n_kv_heads
     norm: Optional[str] = None  # None: the shared norm
     rope_theta: Optional[float] = None  # None: the shared rope_theta
+    # A stack's own vocabulary and special ids, for a translation whose sides have tokenizers of
+    # their own (a BERT encoder's WordPiece, a GPT-2 decoder's BPE); set from the dataset's
+    # tokenizers by the trainer. None: the shared ones.
+    vocab_size: Optional[int] = None
+    pad_id: Optional[int] = None
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    mask_id: Optional[int] = None
 
 
 # The fields that change how a network trains, not the network its weights define. Every other
@@ -163,12 +171,7 @@ class ModelConfig:
             f"label_smoothing={self.label_smoothing}: must be in [0, 1)",
         )
         _check(self.init_std > 0, f"init_std={self.init_std}: must be positive")
-        for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
-            value = getattr(self, name)
-            _check(
-                0 <= value < self.vocab_size or (name == "mask_id" and value == -1),
-                f"{name}={value}: outside the vocabulary [0, {self.vocab_size})",
-            )
+        _check_ids(self, "")
         _check(
             self.tie_embeddings or not self.share_embeddings,
             "share_embeddings=True makes the output layer the shared embedding: it needs tie_embeddings=True",
@@ -176,6 +179,12 @@ class ModelConfig:
         if self.arch == "seq2seq":
             for stack in STACKS:
                 _check_stack(self.for_stack(stack), self, stack)
+                _check_ids(self.for_stack(stack), stack)
+            vocabs = {self.for_stack(stack).vocab_size for stack in STACKS}
+            _check(
+                not self.share_embeddings or len(vocabs) == 1,
+                f"share_embeddings=True needs one vocabulary; encoder and decoder have {sorted(vocabs)}",
+            )
         else:
             _check(
                 not self.share_embeddings,
@@ -238,6 +247,18 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
             "dimensions; rotary positions turn pairs of them, so the number must be even",
         )
         _check(cfg.rope_theta > 0, f"{named('rope_theta')}: must be positive")
+
+
+def _check_ids(cfg: ModelConfig, stack: str) -> None:
+    """The vocabulary size and special ids of the model, or of one Seq2Seq stack (`stack`)."""
+    prefix = f"{stack}." if stack else ""
+    _check(cfg.vocab_size > 0, f"{prefix}vocab_size={cfg.vocab_size}: must be positive")
+    for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
+        value = getattr(cfg, name)
+        _check(
+            0 <= value < cfg.vocab_size or (name == "mask_id" and value == -1),
+            f"{prefix}{name}={value}: outside the vocabulary [0, {cfg.vocab_size})",
+        )
 
 
 def _check(ok: bool, message: str) -> None:

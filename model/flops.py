@@ -55,7 +55,7 @@ def training_flops(
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
     encoder = 6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * d
     # cross: q, out
-    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * cfg.vocab_size
+    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * dec.vocab_size
     memory_kv = dec.n_layers * 2 * d * _kv_dim(dec) * S  # cross: k, v of the memory
     attention = 12 * dec.n_layers * (T + S) * T * d
     return encoder + 6 * per_target_token * T + 6 * memory_kv + attention

@@ -65,8 +65,10 @@ def hf_encoder_decoder_config(cfg: ModelConfig):
         raise ValueError(f"decoder: {err}") from None
     decoder_config.is_decoder = decoder_config.add_cross_attention = True
     config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder_config, decoder_config)
-    config.decoder_start_token_id, config.bos_token_id = cfg.bos_id, cfg.bos_id
-    config.eos_token_id, config.pad_token_id = cfg.eos_id, cfg.pad_id
+    # generation's ids are the decoder's (its tokenizer's, when the sides have two)
+    ids = cfg.for_stack("decoder")
+    config.decoder_start_token_id, config.bos_token_id = ids.bos_id, ids.bos_id
+    config.eos_token_id, config.pad_token_id = ids.eos_id, ids.pad_id
     # the encoder's and the decoder's embeddings are two matrices
     config.tie_word_embeddings = False
     return config
@@ -179,7 +181,9 @@ def config_from_hf_encoder_decoder(hf_config, **overrides) -> ModelConfig:
         )
         if getattr(hf_config, theirs, None) is not None
     }
-    encoder = config_from_hf_bert(hf_config.encoder, **ids)
+    # Two vocabularies (BERT2GPT2): the generation ids are the decoder's; the encoder keeps its own.
+    two = hf_config.encoder.vocab_size != hf_config.decoder.vocab_size
+    encoder = config_from_hf_bert(hf_config.encoder, **({} if two else ids))
     decoder = config_from_hf_gpt2(decoder_config, **ids)
     return seq2seq_config(encoder, decoder, **overrides)
 
@@ -190,10 +194,11 @@ def seq2seq_to_hf(model: Seq2Seq):
 
     hf_model = EncoderDecoderModel(config=hf_encoder_decoder_config(model.cfg))
     hf_model.load_state_dict(seq2seq_state_dict_to_hf(model.state_dict(), model.cfg))
-    hf_model.generation_config.decoder_start_token_id = model.cfg.bos_id
-    hf_model.generation_config.bos_token_id = model.cfg.bos_id
-    hf_model.generation_config.eos_token_id = model.cfg.eos_id
-    hf_model.generation_config.pad_token_id = model.cfg.pad_id
+    ids = model.cfg.for_stack("decoder")
+    hf_model.generation_config.decoder_start_token_id = ids.bos_id
+    hf_model.generation_config.bos_token_id = ids.bos_id
+    hf_model.generation_config.eos_token_id = ids.eos_id
+    hf_model.generation_config.pad_token_id = ids.pad_id
     return hf_model
 
 

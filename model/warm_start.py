@@ -25,6 +25,8 @@ ARCHITECTURE_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm", "norm_position",
     "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id", "eos_id", "mask_id",
 )  # fmt: skip
+# A stack's vocabulary: its size and special ids, the stack's own when the sides' tokenizers differ.
+VOCABULARY_FIELDS = ("vocab_size", "pad_id", "bos_id", "eos_id", "mask_id")
 # ... and the decoder source also whether its output layer is its token embedding: the decoder has
 # an LM head, the encoder none (a source's head is dropped there).
 DECODER_FIELDS = ("tie_embeddings",)
@@ -94,7 +96,12 @@ def seq2seq_config(
     """
     encoder, decoder = encoder_config, decoder_config
     sources = [c for c in (encoder, decoder) if c is not None]
-    for name in ("vocab_size", "d_model", "bias", "pad_id", "bos_id", "eos_id", "mask_id"):
+    # Sources with two vocabularies (BERT2GPT2) give each stack its own, unless one is shared.
+    own_vocab = len({tuple(getattr(c, n) for n in VOCABULARY_FIELDS) for c in sources}) > 1
+    checked = ("d_model", "bias") + (
+        VOCABULARY_FIELDS if overrides.get("share_embeddings") or not own_vocab else ()
+    )
+    for name in checked:
         values = {getattr(c, name) for c in sources}
         if len(values) > 1:
             why = (
@@ -110,7 +117,9 @@ def seq2seq_config(
     def stack(c: Optional[ModelConfig]) -> StackConfig:
         if c is None:
             return StackConfig()
+        vocabulary = {name: getattr(c, name) for name in VOCABULARY_FIELDS} if own_vocab else {}
         return StackConfig(
+            **vocabulary,
             n_heads=c.n_heads,
             n_kv_heads=c.n_kv_heads,
             d_ff=c.d_ff,
@@ -137,11 +146,15 @@ def seq2seq_config(
 
 def warm_start(
     cfg: ModelConfig,
-    tokenizer_sha256: str,
+    tokenizer_sha256: str | Mapping[str, str],
     encoder: Optional[Pretrained] = None,
     decoder: Optional[Pretrained] = None,
 ) -> tuple[Seq2Seq, WarmStartReport]:
-    """A new Seq2Seq for `cfg`, its stacks filled from `encoder` and `decoder` sources."""
+    """A new Seq2Seq for `cfg`, its stacks filled from `encoder` and `decoder` sources; each
+    source must have been trained with its side's tokenizer (`tokenizer_sha256`: one for both
+    sides, or {"encoder": the source side's, "decoder": the target side's})."""
+    if isinstance(tokenizer_sha256, str):
+        tokenizer_sha256 = {side: tokenizer_sha256 for side in STACKS}
     if cfg.arch != "seq2seq":
         raise WarmStartError(f"warm_start builds a seq2seq model, got arch={cfg.arch!r}")
     cfg.validate()  # the one check of this path's config (build_model's, for a random start)
@@ -160,7 +173,7 @@ def warm_start(
     with torch.no_grad():
         for side, source in zip(STACKS, (encoder, decoder)):
             if source is not None:
-                _check_config(side, source, cfg.for_stack(side), tokenizer_sha256)
+                _check_config(side, source, cfg.for_stack(side), tokenizer_sha256[side])
                 skip = {TOKEN_EMBEDDING} if shared_side not in (None, side) else set()
                 _load_side(side, source, target, target_aliases, origins, report, skip)
     if shared_side:
@@ -199,9 +212,11 @@ def _shared_origin(cfg: ModelConfig, side: str, source: Pretrained) -> str:
 
 def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_sha256: str) -> None:
     if source.tokenizer_sha256 != tokenizer_sha256:
+        text_side = "source" if side == "encoder" else "target"
         raise WarmStartError(
             f"{side} source tokenizer sha256 {source.tokenizer_sha256[:12]}... differs from the "
-            f"Seq2Seq's {tokenizer_sha256[:12]}...: embeddings would not mean the same tokens"
+            f"Seq2Seq's {text_side} side's {tokenizer_sha256[:12]}...: embeddings would not mean "
+            "the same tokens"
         )
     src = source.config
     if src.arch not in SOURCE_CLASSES:

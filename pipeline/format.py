@@ -44,33 +44,75 @@ BATCH_FIELDS = {
 }
 
 
-def tokenizer_files(manifest: dict) -> list[str]:
-    """The dataset's tokenizer files, relative to it, the one that fixes its ids (and whose sha256
-    the manifest records) first: `tokenizer.model`, or a Hugging Face tokenizer's `tokenizer.json`
-    and the files that name its special tokens."""
-    tokenizer = manifest["tokenizer"]
+# A translation dataset may have two tokenizers, one per side (Rothe et al.'s BERT2GPT2: the
+# encoder's WordPiece, the decoder's BPE). The source side's is the dataset's `tokenizer` (the only
+# one of a monolingual dataset); a target tokenizer of its own is `target_tokenizer`, its files
+# under TARGET_DIR. Without one, the target side uses the source side's.
+SIDES = ("source", "target")
+TARGET_DIR = "target"
+# The token fields of each side: what a side's tokenizer encoded, checked against its vocabulary.
+SIDE_OF_FIELD = {"input_ids": "source", "src_ids": "source", "tgt_ids": "target"}
+
+
+def has_target_tokenizer(manifest: dict) -> bool:
+    return isinstance(manifest.get("target_tokenizer"), dict)
+
+
+def tokenizer_record(manifest: dict, side: str = "source") -> dict:
+    """The manifest's record of one side's tokenizer (the source's when the target has none)."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    if side == "target" and has_target_tokenizer(manifest):
+        return manifest["target_tokenizer"]
+    return manifest["tokenizer"]
+
+
+def tokenizer_files(manifest: dict, side: str = "source") -> list[str]:
+    """One side's tokenizer files, relative to the dataset, the one that fixes its ids (and whose
+    sha256 the manifest records) first: `tokenizer.model`, or a Hugging Face tokenizer's
+    `tokenizer.json` and the files that name its special tokens; a target tokenizer's under
+    `target/`."""
+    tokenizer = tokenizer_record(manifest, side)
     main = tokenizer.get("file", SENTENCEPIECE_FILE)
-    return [main, *(name for name in tokenizer.get("files", ()) if name != main)]
+    names = [main, *(name for name in tokenizer.get("files", ()) if name != main)]
+    if side == "target" and has_target_tokenizer(manifest):
+        return [f"{TARGET_DIR}/{name}" for name in names]
+    return names
 
 
-def dataset_tokenizer(data_dir: str | os.PathLike, manifest: dict, fetch=None) -> Tokenizer:
-    """The dataset's tokenizer (at a URL too), its file checked against the manifest's sha256."""
-    names = tokenizer_files(manifest)
-    files = {name: remote.read_bytes(remote.join(data_dir, name), fetch) for name in names}
-    actual = hashlib.sha256(files[names[0]]).hexdigest()
-    if actual != manifest["tokenizer"]["sha256"]:
+def dataset_tokenizer(
+    data_dir: str | os.PathLike, manifest: dict, fetch=None, side: str = "source"
+) -> Tokenizer:
+    """One side's tokenizer of the dataset (at a URL too), its file checked against the
+    manifest's sha256."""
+    names = tokenizer_files(manifest, side)
+    record = tokenizer_record(manifest, side)
+    files = {
+        posixpath.basename(name): remote.read_bytes(remote.join(data_dir, name), fetch)
+        for name in names
+    }
+    main = posixpath.basename(names[0])
+    actual = hashlib.sha256(files[main]).hexdigest()
+    if actual != record["sha256"]:
         raise UserError(
             f"{remote.join(data_dir, names[0])}: sha256 {actual[:12]}... differs from the "
-            f"manifest's {manifest['tokenizer']['sha256'][:12]}...: not the tokenizer the shards "
-            "were made with"
+            f"manifest's {record['sha256'][:12]}...: not the tokenizer the shards were made with"
         )
-    tags = list(manifest["tokenizer"].get("lang_tags") or ())
+    tags = list(record.get("lang_tags") or ())
     return tokenizer_from_files(files, str(remote.join(data_dir, names[0])), tags)
 
 
-def dataset_specials(manifest: dict) -> Specials:
-    """The special ids and frames of the dataset's tokenizer, as prepare recorded them."""
-    return Specials.from_manifest(manifest["tokenizer"])
+def dataset_specials(manifest: dict, side: str = "source") -> Specials:
+    """The special ids and frames of one side's tokenizer, as prepare recorded them."""
+    return Specials.from_manifest(tokenizer_record(manifest, side))
+
+
+def field_vocab(manifest: dict) -> dict[str, int]:
+    """The vocabulary each token field's ids must fall in: its side's tokenizer's."""
+    return {
+        name: int(tokenizer_record(manifest, side)["vocab_size"])
+        for name, side in SIDE_OF_FIELD.items()
+    }
 
 
 def sample_key(bucket: int, index: int) -> str:
@@ -141,25 +183,37 @@ def _manifest_problem(manifest) -> str | None:
             if tokenizer is None
             else f"the tokenizer record is a JSON {_json_kind(tokenizer)}, expected an object"
         )
+    if "target_tokenizer" in manifest:
+        target = manifest["target_tokenizer"]
+        if not isinstance(target, dict):
+            return f"the target_tokenizer record is a JSON {_json_kind(target)}, expected an object"
+        if problem := _tokenizer_problem(target, "target tokenizer"):
+            return problem
+    if problem := _tokenizer_problem(tokenizer, "tokenizer"):
+        return problem
+    if "datasets" not in manifest:
+        return "no datasets record"
+    if not isinstance(manifest["datasets"], dict):
+        return f"datasets is a JSON {_json_kind(manifest['datasets'])}, expected an object"
+    return None
+
+
+def _tokenizer_problem(tokenizer: dict, what: str) -> str | None:
     for key in ("sha256", "vocab_size"):
         if key not in tokenizer:
-            return f"the tokenizer record has no {key}"
+            return f"the {what} record has no {key}"
     if tokenizer.get("kind", KINDS[0]) not in KINDS:
-        return f"the tokenizer's kind {tokenizer['kind']!r} is not one of {', '.join(KINDS)}"
+        return f"the {what}'s kind {tokenizer['kind']!r} is not one of {', '.join(KINDS)}"
     sha256 = tokenizer["sha256"]
     if not (
         isinstance(sha256, str)
         and len(sha256) == 64
         and all(c in "0123456789abcdef" for c in sha256)
     ):
-        return f"the tokenizer's sha256 {sha256!r} is not 64 hex digits"
+        return f"the {what}'s sha256 {sha256!r} is not 64 hex digits"
     vocab_size = tokenizer["vocab_size"]
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        return f"the tokenizer's vocab_size {vocab_size!r} is not a positive integer"
-    if "datasets" not in manifest:
-        return "no datasets record"
-    if not isinstance(manifest["datasets"], dict):
-        return f"datasets is a JSON {_json_kind(manifest['datasets'])}, expected an object"
+        return f"the {what}'s vocab_size {vocab_size!r} is not a positive integer"
     return None
 
 

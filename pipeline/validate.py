@@ -3,8 +3,8 @@
 Every split must list each shard once with a positive sample count (`pipeline.format`'s rule,
 which the loader enforces); every shard must exist with the recorded size and sha256, read as
 a WebDataset with the recorded sample and token counts and the dataset's fields, every token
-id inside the tokenizer's vocabulary, and the tokenizer file must match its recorded hash. Each problem is printed on its own line; any
-problem exits 1.
+id inside its side's tokenizer's vocabulary, and each tokenizer file must match its recorded hash.
+Each problem is printed on its own line; any problem exits 1.
 """
 
 from __future__ import annotations
@@ -12,13 +12,25 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from omegaconf import MISSING
 
 from common.configure import UserError, parse_cli, run_main
 from common.hashing import file_sha256
 from common.progress import meter
-from pipeline.format import FIELDS, decode_array, is_token_field, read_manifest, shard_list_problems
+from pipeline.format import (
+    FIELDS,
+    SIDES,
+    decode_array,
+    field_vocab,
+    has_target_tokenizer,
+    is_token_field,
+    read_manifest,
+    shard_list_problems,
+    tokenizer_files,
+    tokenizer_record,
+)
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
 
@@ -33,10 +45,11 @@ class ValidateConfig:
 
 
 def _count_samples(
-    path: Path, fields: tuple[str, ...], vocab_size: int
+    path: Path, fields: tuple[str, ...], vocab: Mapping[str, int]
 ) -> tuple[int, int, list[str]]:
-    """(samples, tokens, why each sample with token ids outside `vocab_size` is one) of a shard
-    read with WebDataset; raises on a malformed sample."""
+    """(samples, tokens, why each sample with token ids outside its field's vocabulary (`vocab`,
+    `pipeline.format.field_vocab`) is one) of a shard read with WebDataset; raises on a malformed
+    sample."""
     import webdataset as wds
 
     samples = tokens = 0
@@ -52,7 +65,7 @@ def _count_samples(
         for name in filter(is_token_field, fields):
             ids = decode_array(sample[f"{name}.npy"])
             tokens += int(ids.size)
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab[name]):
                 outside.append(f"sample {sample['__key__']} ({name}: [{ids.min()}, {ids.max()}])")
     return samples, tokens, outside
 
@@ -62,11 +75,12 @@ def validate(data_dir: str | Path) -> list[str]:
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     problems = []
-    tokenizer = data_dir / manifest["tokenizer"]["file"]
-    if not tokenizer.is_file():
-        problems.append(f"{tokenizer}: missing")
-    elif file_sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
-        problems.append(f"{tokenizer}: sha256 differs from the manifest")
+    for side in SIDES[: 1 + has_target_tokenizer(manifest)]:
+        tokenizer = data_dir / tokenizer_files(manifest, side)[0]
+        if not tokenizer.is_file():
+            problems.append(f"{tokenizer}: missing")
+        elif file_sha256(tokenizer) != tokenizer_record(manifest, side)["sha256"]:
+            problems.append(f"{tokenizer}: sha256 differs from the manifest")
     listed = sum(
         len(entry["shards"])
         for dataset in manifest["datasets"].values()
@@ -82,14 +96,20 @@ def validate(data_dir: str | Path) -> list[str]:
                     split,
                     dataset,
                     entry,
-                    int(manifest["tokenizer"]["vocab_size"]),
+                    field_vocab(manifest),
                     shown,
                 )
     return problems
 
 
 def _check_split(
-    data_dir: Path, name: str, split: str, dataset: dict, entry: dict, vocab_size: int, shown
+    data_dir: Path,
+    name: str,
+    split: str,
+    dataset: dict,
+    entry: dict,
+    vocab: Mapping[str, int],
+    shown,
 ) -> list[str]:
     """The problems of one split's listing and shards; `shown` advances by each listed shard."""
     listing = shard_list_problems(entry["shards"], f"{name}/{split}")
@@ -109,13 +129,15 @@ def _check_split(
                 data_dir / shard["path"],
                 shard,
                 tuple(dataset.get("fields", FIELDS[name])),
-                vocab_size,
+                vocab,
             )
         shown.update()
     return problems
 
 
-def _check_shard(path: Path, shard: dict, fields: tuple[str, ...], vocab_size: int) -> list[str]:
+def _check_shard(
+    path: Path, shard: dict, fields: tuple[str, ...], vocab: Mapping[str, int]
+) -> list[str]:
     """The problems of one shard against its manifest entry."""
     if not path.is_file():
         return [f"{shard['path']}: missing"]
@@ -127,14 +149,14 @@ def _check_shard(path: Path, shard: dict, fields: tuple[str, ...], vocab_size: i
     if file_sha256(path) != shard["sha256"]:
         problems.append(f"{shard['path']}: sha256 differs from the manifest")
     try:
-        samples, tokens, outside = _count_samples(path, fields, vocab_size)
+        samples, tokens, outside = _count_samples(path, fields, vocab)
     except Exception as err:  # any decoding failure is a finding, not a crash
         return problems + [f"{shard['path']}: unreadable: {str(err).splitlines()[0]}"]
     if outside:
         problems.append(
             f"{shard['path']}: {len(outside)} sample{'s hold' if len(outside) > 1 else ' holds'} "
-            f"token ids outside the vocabulary of "
-            f"{vocab_size}: {', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}"
+            f"token ids outside the vocabulary of {_vocab_text(fields, vocab)}: "
+            f"{', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}"
         )
     if (samples, tokens) != (shard["samples"], shard["tokens"]):
         problems.append(
@@ -162,3 +184,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     run_main(main)
+
+
+def _vocab_text(fields: tuple[str, ...], vocab: Mapping[str, int]) -> str:
+    """The vocabulary size a shard's ids must stay under, or each side's when they differ."""
+    sizes = {name: vocab[name] for name in fields if is_token_field(name)}
+    if len(set(sizes.values())) == 1:
+        return str(next(iter(sizes.values())))
+    return " / ".join(f"{size} ({name})" for name, size in sizes.items())

@@ -583,6 +583,7 @@ def hf_layouts(tmp_path_factory) -> dict[str, Path]:
 # its model serves (BERT's masks, GPT-2's and Llama's causal blocks; the translation pairs with
 # two of them): read, never written, by test_tokenizer_kinds (the ids in the shards) and
 # test_hf_layouts (continued pretraining from the layout's model).
+BERT2GPT2 = "bert2gpt2"
 HF_LAYOUT_TASKS = {
     "gpt2": "[causal_lm,translation]",
     "llama": "[causal_lm]",
@@ -601,6 +602,15 @@ def build_hf_layout_data(layouts: dict[str, Path], directory: Path) -> None:
             args += [f"tokenizer.path={tokenizer}", f"tasks={HF_LAYOUT_TASKS[layout]}"]
             run = run_prepare(args, ray)
             assert run.returncode == 0, run.stderr[-3000:]
+        # Rothe et al.'s BERT2GPT2: sources by BERT's WordPiece, targets by GPT-2's BPE.
+        args = prepare_args(corpus, directory / BERT2GPT2, **{"ray.num_workers": 2})
+        args += [
+            f"tokenizer.path={layouts['bert']}",
+            f"tokenizer.target_path={layouts['gpt2']}",
+            "tasks=[translation]",
+        ]
+        run = run_prepare(args, ray)
+        assert run.returncode == 0, run.stderr[-3000:]
     finally:
         ray.stop()
 
@@ -616,6 +626,13 @@ def hf_layout_top(hf_layouts, tmp_path_factory) -> Path:
 def hf_layout_corpus(hf_layout_top) -> Path:
     """The synthetic corpus (600 pairs) the layouts' datasets are prepared from."""
     return hf_layout_top / "pairs.tsv"
+
+
+@pytest.fixture(scope="session")
+def bert2gpt2_data(hf_layout_top) -> Path:
+    """A translation dataset of hf_layout_corpus with two tokenizers: BERT's for the sources,
+    GPT-2's for the targets (`tokenizer.target_path`)."""
+    return hf_layout_top / BERT2GPT2
 
 
 @pytest.fixture(scope="session")

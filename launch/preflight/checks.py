@@ -27,6 +27,7 @@ from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
 from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
+from launch.init_model import is_hf_dir
 from launch.preconditions import data_fits_model, with_data_tokenizer
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
@@ -182,7 +183,7 @@ def resolve_model_config(
         return None
     if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
         model_cfg, problem = with_data_tokenizer(
-            model_cfg, data_vocab, data.specials, cfg.data.data_dir, cfg.init.model
+            model_cfg, data_vocab, data.specials, cfg.data.data_dir, cfg.init.model, data.target
         )
         if problem:
             key = "init.model" if problem.startswith("init.model: ") else "model.vocab_size"
@@ -249,15 +250,61 @@ def check_warm_start(
         if path.suffix in (".yaml", ".yml") and path.is_file():
             source = _source_from_config(key, path, data, report)
             what = f"{path} (the model its run will export)"
+        elif is_hf_dir(path):
+            source = _source_from_hf(key, path, side, cfg, data, report)
+            what = f"{path} (Hugging Face)"
         else:
-            source = _source_from_export(key, path, cfg, data, report)
+            source = _source_from_export(key, path, side, cfg, data, report)
             what = str(path)
         if source is not None and model_cfg is not None:
             check_source_fits(report, key, what, source, side, model_cfg)
 
 
+def _side_tokenizer(side: str, data: DataInfo | None) -> tuple[str | None, str]:
+    """The sha256 of the tokenizer a stack's source must have been trained with (the encoder's:
+    the source side's; the decoder's: a target tokenizer of its own, else the same), and its name."""
+    if data is None:
+        return None, "the dataset's tokenizer"
+    if side == "decoder" and data.target is not None:
+        return data.target.sha256, "the dataset's target tokenizer"
+    return data.tokenizer_sha256, (
+        "the dataset's source tokenizer" if data.target is not None else "the dataset's tokenizer"
+    )
+
+
+def _source_from_hf(
+    key: str, path: Path, side: str, cfg: TrainConfig, data: DataInfo | None, report: Report
+) -> ModelConfig | None:
+    """A Hugging Face BERT, GPT-2 or Llama directory as a stack's source: its config with its
+    side's special ids, and its tokenizer checked to be that side's (as the trainer checks it)."""
+    from launch import init_model
+    from launch.preconditions import model_ids
+    from pipeline.format import tokenizer_files
+
+    try:
+        source = init_model.model_config(str(path))
+    except UserError as err:
+        report.problem(key, str(err).removeprefix("init.model: "))
+        return None
+    if data is not None:
+        specials = data.target.specials if side == "decoder" and data.target else data.specials
+        if specials is not None:
+            source = replace(source, **model_ids(specials))
+        if not remote.is_url(cfg.data.data_dir):
+            manifest = read_manifest(cfg.data.data_dir)
+            text_side = "target" if side == "decoder" else "source"
+            local = Path(cfg.data.data_dir) / tokenizer_files(manifest, text_side)[0]
+            try:
+                init_model.check_tokenizer(
+                    str(path), local, key, text_side if data.target is not None else ""
+                )
+            except UserError as err:
+                report.problem(key, str(err).removeprefix(f"{key}: "))
+    return source
+
+
 def _source_from_export(
-    key: str, path: Path, cfg: TrainConfig, data: DataInfo | None, report: Report
+    key: str, path: Path, side: str, cfg: TrainConfig, data: DataInfo | None, report: Report
 ) -> ModelConfig | None:
     if not (path / EXPORT_CONFIG).is_file() or not (path / EXPORT_WEIGHTS).is_file():
         report.problem(
@@ -273,11 +320,12 @@ def _source_from_export(
         report.problem(key, f"{path / EXPORT_CONFIG}: unreadable: {err}")
         return None
     sha256 = meta.get("tokenizer_sha256")
-    if data is not None and data.tokenizer_sha256 and sha256 != data.tokenizer_sha256:
+    wanted, whose = _side_tokenizer(side, data)
+    if wanted and sha256 != wanted:
         report.problem(
             key,
             f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
-            f"{cfg.data.data_dir} ({data.tokenizer_sha256[:12]}...): its embeddings would not "
+            f"{whose} in {cfg.data.data_dir} ({wanted[:12]}...): its embeddings would not "
             "mean the same tokens",
         )
     return source

@@ -9,6 +9,7 @@ from pathlib import Path
 from common.configure import UserError
 from common.hashing import file_sha256
 from launch.config import TrainConfig
+from launch.preconditions import target_side
 from launch.preflight.report import SHOWN_SHARDS, DataInfo, PlannedData, Report
 from launch.tasks import Task
 from pipeline import remote
@@ -43,6 +44,7 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         vocab_size=tokenizer.get("vocab_size"),
         tokenizer_sha256=tokenizer.get("sha256"),
         specials=dataset_specials(manifest),
+        target=target_side(manifest),
     )
     name = tokenizer_files(manifest)[0]
     tokenizer_file = remote.join(data_dir, name)
@@ -73,6 +75,11 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
         tokenizer_state = "sha256 matches the manifest"
     report.facts["dataset"] = (
         f"{data_dir}: manifest readable; {name} {tokenizer_state}, vocabulary {info.vocab_size}"
+        + (
+            f"; targets: {info.target.files[0]}, vocabulary {info.target.vocab_size}"
+            if info.target is not None
+            else ""
+        )
     )
     if task is None:
         return info

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from launch.preconditions import TargetSide
 from model import ModelConfig
 from pipeline.tokenizer import Specials
 
@@ -66,6 +67,7 @@ class DataInfo:
     vocab_size: int | None = None
     tokenizer_sha256: str | None = None
     specials: Specials | None = None  # its tokenizer's special ids (None: not known yet)
+    target: TargetSide | None = None  # a translation target's own tokenizer
     # split -> samples of the task's shard set
     samples: dict[str, int] = field(default_factory=dict)
     # split -> tokens stored (translation: source + target)

@@ -132,7 +132,11 @@ def restore(
     """Engine, loader and RNG state from a checkpoint; where the run stands."""
     root, tag = resume_from
     client = engine.load(root, tag)
-    if client.get("tokenizer_sha256") != data.tokenizer_sha256:
+    target = data.target.sha256 if data.target is not None else None
+    if (
+        client.get("tokenizer_sha256") != data.tokenizer_sha256
+        or client.get("target_tokenizer_sha256") != target
+    ):
         raise UserError(_another_tokenizer(root / tag))
     data.train.load_state_dict(client["loader"])
     saved_world = len(client["rng"])
@@ -203,6 +207,11 @@ def save_checkpoint(run: Run) -> Path:
         "rng": dist.all_gather_object(_rng_state()),
         "config": config_to_dict(run.cfg),
         "tokenizer_sha256": run.data.tokenizer_sha256,
+        **(
+            {"target_tokenizer_sha256": run.data.target.sha256}
+            if run.data.target is not None
+            else {}
+        ),
         "wandb_run_id": run.run_id,
         "world_size": run.denv.world_size,
         "global_batch_size": run.plan.global_batch_size,

@@ -22,7 +22,12 @@ from launch.deepspeed.config import deepspeed_config
 from launch.deepspeed.engine import Engine
 from launch.metrics import peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
-from launch.preconditions import data_fits_model, local_tokenizer, with_data_tokenizer
+from launch.preconditions import (
+    data_fits_model,
+    local_tokenizer,
+    target_side,
+    with_data_tokenizer,
+)
 from launch.stop import StopRequested, stoppable
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id
@@ -30,10 +35,11 @@ from launch.train.guard import Guard
 from launch.train.resume import find_resume, fresh_start, restore, truncate_metrics
 from launch.train.state import Data, Run
 from model import ModelConfig, Pretrained, build_model
-from model.warm_start import warm_start
+from model.warm_start import WarmStartError, warm_start
 from pipeline import remote
 from pipeline.format import (
     MANIFEST,
+    TARGET_DIR,
     ManifestError,
     dataset_specials,
     read_manifest,
@@ -190,6 +196,7 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         hashlib.sha256(manifest_bytes).hexdigest(),
         specials,
         tuple(tokenizer_files(manifest)),
+        target_side(manifest),
     )
 
 
@@ -199,7 +206,7 @@ def resolve_model_config(
     """The model config with the data's vocabulary size (`vocab_size: 0` asks for it) and the
     special ids of its tokenizer."""
     model_cfg, problem = with_data_tokenizer(
-        model_cfg, data.vocab_size, data.specials, data_dir, init_model
+        model_cfg, data.vocab_size, data.specials, data_dir, init_model, data.target
     )
     if problem:
         raise UserError(problem)
@@ -220,7 +227,7 @@ def build_engine(
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     try:
         if _warm_starts(cfg, task):
-            model = _warm_start(cfg, data.tokenizer_sha256, denv.is_main)
+            model = _warm_start(cfg, data, denv.is_main)
         elif cfg.init.model:
             from launch import init_model
 
@@ -307,19 +314,22 @@ def _warm_starts(cfg: TrainConfig, task: Task) -> bool:
     return task.warm_startable and bool(cfg.init.encoder or cfg.init.decoder)
 
 
-def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch.nn.Module:
-    from launch.export import load_model_dir
-    from model import WarmStartError
-
+def _warm_start(cfg: TrainConfig, data: Data, is_main: bool) -> torch.nn.Module:
+    """A Seq2Seq whose stacks come from `init.encoder` / `init.decoder`: our exports, or Hugging
+    Face BERT / GPT-2 / Llama directories, each trained with its side's tokenizer (the encoder the
+    source side's, the decoder the target side's: one tokenizer, or two as in Rothe et al.'s
+    BERT2GPT2)."""
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
     sides = {}
     for side, directory in (("encoder", cfg.init.encoder), ("decoder", cfg.init.decoder)):
         if directory:
-            pretrained, meta = load_model_dir(directory)
-            sides[side] = Pretrained(
-                pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"]
-            )
+            sides[side] = _pretrained_side(cfg, data, fetch, side, directory)
+    sha = {
+        "encoder": data.tokenizer_sha256,
+        "decoder": data.target.sha256 if data.target else data.tokenizer_sha256,
+    }
     try:
-        model, report = warm_start(cfg.model, tokenizer_sha256, **sides)
+        model, report = warm_start(cfg.model, sha, **sides)
     except WarmStartError as err:
         raise UserError(f"init: {err}") from err
     if is_main:
@@ -330,6 +340,41 @@ def _warm_start(cfg: TrainConfig, tokenizer_sha256: str, is_main: bool) -> torch
             file=sys.stderr,
         )
     return model
+
+
+def _pretrained_side(cfg: TrainConfig, data: Data, fetch, side: str, directory: str) -> Pretrained:
+    """One stack's source: an export of ours, or a Hugging Face directory whose tokenizer gives
+    the ids of its side's tokenizer in the dataset (its special ids become that tokenizer's)."""
+    from launch import init_model
+    from launch.export import load_model_dir
+    from launch.preconditions import model_ids
+
+    key, text_side = f"init.{side}", ("source" if side == "encoder" else "target")
+    target = data.target if side == "decoder" else None
+    sha256, name = (
+        (target.sha256, target.files[0])
+        if target
+        else (data.tokenizer_sha256, data.tokenizer_files[0])
+    )
+    if not Path(directory).is_dir():
+        raise UserError(f"{key}: {directory} is not a directory")
+    if not init_model.is_hf_dir(directory):
+        pretrained, meta = load_model_dir(directory)
+        return Pretrained(pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"])
+    from model.hf_dir import load_hf_dir
+
+    local = local_tokenizer(cfg.data.data_dir, fetch, sha256, name)
+    init_model.check_tokenizer(directory, local, key, text_side if data.target else "")
+    specials = target.specials if target else data.specials
+    try:
+        model = load_hf_dir(directory, **model_ids(specials))
+    except ValueError as err:
+        raise UserError(f"{key}: {err}") from None
+    if model.cfg.arch not in ("gpt", "bert"):
+        raise UserError(
+            f"{key}: {directory} holds a {model.cfg.arch} model; a stack starts from a BERT or a GPT"
+        )
+    return Pretrained(model.state_dict(), model.cfg, sha256)
 
 
 def open_run_dir(
@@ -367,6 +412,15 @@ def open_run_dir(
             for name in others:
                 local = remote.local_file(remote.join(cfg.data.data_dir, name), fetch)
                 shutil.copyfile(local, run_dir / name)
+            if data.target is not None:  # a translation target's own tokenizer, under target/
+                (run_dir / TARGET_DIR).mkdir(exist_ok=True)
+                for index, name in enumerate(data.target.files):
+                    local = remote.local_file(
+                        remote.join(cfg.data.data_dir, name),
+                        fetch,
+                        sha256=data.target.sha256 if index == 0 else None,
+                    )
+                    shutil.copyfile(local, run_dir / name)
 
     _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
+from launch.preconditions import TargetSide
 from launch.tasks import Task
 from launch.tracking import Tracker
 from launch.train.guard import Guard
@@ -27,6 +28,7 @@ class Data:
     manifest_sha256: str = ""
     specials: Specials = field(default_factory=Specials)  # the tokenizer's special ids and frames
     tokenizer_files: tuple[str, ...] = ()  # its files in the dataset, copied into the run directory
+    target: TargetSide | None = None  # a translation target's own tokenizer, copied there too
 
 
 @dataclass

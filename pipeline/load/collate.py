@@ -32,13 +32,17 @@ def pack(
     mlm_masking: MLMMasking | None = None,
     generators: list[torch.Generator] | None = None,
     document_mask: bool = False,
+    target_specials: Specials | None = None,
 ) -> dict[str, np.ndarray]:
     """A micro batch of decoded samples (one list of field arrays each: input_ids, and
     doc_starts with `document_mask`) as numpy arrays, padded with the dataset's pad id (a pair
-    framed as its tokenizer frames a source and a target); MLM draws each sample's mask from its
-    own generator, so a mask depends on that seed alone."""
+    framed as its tokenizers frame a source and a target: `specials` the source side's,
+    `target_specials` the target side's when it has a tokenizer of its own); MLM draws each
+    sample's mask from its own generator, so a mask depends on that seed alone."""
     if task == "translation":
-        return _pack_translation([(src, tgt) for src, tgt in samples], specials)
+        return _pack_translation(
+            [(src, tgt) for src, tgt in samples], specials, target_specials or specials
+        )
     pad = specials.pad_id
     if document_mask:
         blocks, doc_starts = zip(*samples)
@@ -131,16 +135,16 @@ class MLMMasking:
 
 
 def _pack_translation(
-    pairs: list[tuple[np.ndarray, np.ndarray]], specials: Specials
+    pairs: list[tuple[np.ndarray, np.ndarray]], source: Specials, target: Specials
 ) -> dict[str, np.ndarray]:
-    (src_before, src_after), (tgt_before, tgt_after) = specials.source, specials.target
+    (src_before, src_after), (tgt_before, tgt_after) = source.source, target.target
     src, src_lengths = _stack(
         [np.concatenate([src_before, src, src_after]).astype(src.dtype) for src, _ in pairs],
-        specials.pad_id,
+        source.pad_id,
     )
     tgt, tgt_lengths = _stack(
         [np.concatenate([tgt_before, tgt, tgt_after]).astype(tgt.dtype) for _, tgt in pairs],
-        specials.pad_id,
+        target.pad_id,
     )
     return {"src_ids": src, "src_lengths": src_lengths, "tgt_ids": tgt, "tgt_lengths": tgt_lengths}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -76,13 +77,14 @@ class _EpochBatches(IterableDataset):
         grad_accum: int,
         num_batches: int,
         first_batch: int,
-        vocab_size: int,
+        vocab_size: int | Mapping[str, int],
         specials: Specials,
         mlm_masking: MLMMasking | None,
         stored_fields: tuple[str, ...],
         fields: tuple[str, ...],
         document_mask: bool,
         length_grouping: bool = False,
+        target_specials: Specials | None = None,
     ):
         self.task = task
         # read, decoded
@@ -93,6 +95,7 @@ class _EpochBatches(IterableDataset):
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.num_batches, self.first_batch = num_batches, first_batch
         self.vocab_size, self.specials = vocab_size, specials
+        self.target_specials = target_specials
         self.mlm_masking = mlm_masking
         self._passes: dict[tuple[int, int], tuple[list[Shard], np.ndarray]] = {}
         self._layout: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
@@ -231,6 +234,7 @@ class _EpochBatches(IterableDataset):
             self.mlm_masking,
             generators,
             document_mask=self.document_mask,
+            target_specials=self.target_specials,
         )
 
 

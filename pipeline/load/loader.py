@@ -21,7 +21,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.format import MANIFEST, dataset_specials, read_manifest, shard_entries
+from pipeline.format import (
+    MANIFEST,
+    dataset_specials,
+    field_vocab,
+    has_target_tokenizer,
+    read_manifest,
+    shard_entries,
+)
 from pipeline.load.collate import MLMMasking, unpack
 from pipeline.load.config import LoaderConfig, global_batch_size
 from pipeline.load.epoch import (
@@ -135,6 +142,11 @@ class ShardLoader:
         self._closing: torch.Tensor | None = None
         self.vocab_size = int(tokenizer["vocab_size"])
         self.specials = dataset_specials(manifest)
+        # a translation target's tokenizer, when it is not the source's (`pipeline.format.SIDES`)
+        self.target_specials = (
+            dataset_specials(manifest, "target") if has_target_tokenizer(manifest) else None
+        )
+        self.field_vocab = field_vocab(manifest)
         self.mlm_masking = (
             MLMMasking(
                 self.vocab_size,
@@ -277,8 +289,9 @@ class ShardLoader:
             micro_batch_size=self.micro_batch_size,
             grad_accum=self.grad_accum,
             num_batches=self._num_batches,
-            vocab_size=self.vocab_size,
+            vocab_size=self.field_vocab,
             specials=self.specials,
+            target_specials=self.target_specials,
             mlm_masking=self.mlm_masking,
             stored_fields=self.stored_fields,
             fields=self.fields,

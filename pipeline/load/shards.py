@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 import numpy as np
 
@@ -282,13 +283,15 @@ def sample_fields(
 
 
 def decode_sample(
-    raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int
+    raw: dict[str, bytes], fields: tuple[str, ...], vocab_size: int | Mapping[str, int]
 ) -> list[np.ndarray]:
     """The arrays of one sample's `fields`, in the integer dtype they are stored in: token ids
-    checked to be in the vocabulary, `doc_starts` to be document starts of its block (0 first,
-    strictly increasing, inside the block; the block's field comes first in `fields`)."""
+    checked to be in the vocabulary (one for all, or each field's: `pipeline.format.field_vocab`),
+    `doc_starts` to be document starts of its block (0 first, strictly increasing, inside the
+    block; the block's field comes first in `fields`)."""
     arrays: dict[str, np.ndarray] = {}
     for name in fields:
+        vocab = vocab_size if isinstance(vocab_size, int) else vocab_size.get(name, 0)
         try:
             array = decode_array(raw[name])
         except Exception as err:
@@ -305,9 +308,9 @@ def decode_sample(
                     f"{name}: {_preview(starts)} are not document starts in a block of {length} "
                     f"tokens (0 first, strictly increasing, below {length})"
                 )
-        elif array.min() < 0 or array.max() >= vocab_size:
+        elif array.min() < 0 or array.max() >= vocab:
             raise ValueError(
-                f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab_size}"
+                f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab}"
             )
         arrays[name] = array
     return list(arrays.values())

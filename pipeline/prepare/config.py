@@ -76,6 +76,10 @@ class TokenizerConfig:
     # tokenizer.json or tokenizer/model directory (GPT-2, Llama, BERT, a group's own); its kind is
     # read from it. "" = train one with `kind`'s library.
     path: str = ""
+    # translation: the target side's own tokenizer (a .model, a tokenizer.json or a Hugging Face
+    # directory), e.g. a GPT-2 decoder's BPE beside a BERT encoder's WordPiece in `path` (Rothe et
+    # al.'s BERT2GPT2); "" = both sides use the one tokenizer. Needs `path`.
+    target_path: str = ""
     # The library that trains the tokenizer when no path is given: sentencepiece (model_type
     # unigram | bpe) | hf (the tokenizers library: model_type bpe, a byte-level BPE as GPT-2's).
     kind: str = "sentencepiece"

@@ -45,6 +45,7 @@ from pipeline.format import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    TARGET_DIR,
     TASKS,
 )
 from pipeline.prepare.config import PrepareConfig
@@ -61,7 +62,13 @@ from pipeline.prepare.sources import (
     stream_chunks,
 )
 from pipeline.prepare.train_tokenizer import BottomKSample, train
-from pipeline.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
+from pipeline.tokenizer import (
+    Tokenizer,
+    load_tokenizer,
+    model_sha256,
+    read_files,
+    tokenizer_from_files,
+)
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer
@@ -80,7 +87,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         units.extend(
             plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
         )
-    given = given_tokenizer(cfg)
+    given, target = given_tokenizer(cfg), target_tokenizer(cfg)
     log = (
         (lambda msg: print(msg, file=sys.stderr, flush=True))
         if cfg.progress
@@ -114,7 +121,7 @@ def prepare(cfg: PrepareConfig) -> dict:
                 )
                 + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
             )
-            manifest = _build(cfg, files, units, given, staging, started, log)
+            manifest = _build(cfg, files, units, (given, target), staging, started, log)
             _say_peak_memory(manifest, memory, log)
             _publish(staging, output)
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
@@ -223,6 +230,35 @@ def given_tokenizer(cfg: PrepareConfig) -> Tokenizer | None:
     return tokenizer
 
 
+def target_tokenizer(cfg: PrepareConfig) -> Tokenizer | None:
+    """`tokenizer.target_path`'s tokenizer for translation targets; None: the targets use the
+    source side's. It must end a sentence (an eos) and start the decoder (a bos, or the eos)."""
+    if not cfg.tokenizer.target_path:
+        return None
+    if not cfg.tokenizer.path:
+        raise UserError(
+            "tokenizer.target_path: a target tokenizer of its own needs the source side's given "
+            "too (tokenizer.path)"
+        )
+    if "translation" not in cfg.tasks:
+        raise UserError(
+            "tokenizer.target_path: only translation has a target side; add translation to tasks "
+            "or drop the key"
+        )
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer.target_path)
+    except UserError as err:
+        raise UserError(f"tokenizer.target_path: {err}") from None
+    if tokenizer.specials.eos is None:
+        raise UserError(
+            f"tokenizer.target_path {cfg.tokenizer.target_path}: translation ends each target with "
+            "an eos token, and this tokenizer has none"
+        )
+    if tokenizer.sha256 == model_sha256(read_files(cfg.tokenizer.path)[tokenizer.main_file]):
+        return None  # the source side's tokenizer itself: one tokenizer
+    return tokenizer
+
+
 def check_tokenizer(tokenizer: Tokenizer, cfg: PrepareConfig, where: str) -> None:
     """Refuse, in one line, a tokenizer that lacks a special token the tasks need."""
     specials = tokenizer.specials
@@ -272,14 +308,17 @@ def _build(
     cfg: PrepareConfig,
     files: list[list[str]],
     units: list[Unit],
-    given: Tokenizer | None,
+    given_tokenizers: tuple[Tokenizer | None, Tokenizer | None],
     staging: Path,
     started: float,
     log,
 ) -> dict:
-    """Scan, train the tokenizer, encode, and write the dataset into `staging`; returns its manifest."""
+    """Scan, train the tokenizer (unless given: `given_tokenizers`, the source side's and a
+    translation target's own), encode, and write the dataset into `staging`; returns its manifest."""
     from pipeline.prepare.ray_runner import ray_session, run_tasks
     from pipeline.prepare.work import encode_splits, scan_units
+
+    given, target = given_tokenizers
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
@@ -336,6 +375,9 @@ def _build(
             tokenizer = given
         del scanned
         tokenizer.save(staging)
+        if target is not None:
+            (staging / TARGET_DIR).mkdir()
+            target.save(staging / TARGET_DIR)
 
         datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
         unit_sources = [unit.source for unit in units]
@@ -353,6 +395,7 @@ def _build(
                 "work_dir": str(work_dir),
                 "out_dir": str(staging),
                 "tokenizer_files": tokenizer.files,
+                "target_files": target.files if target is not None else None,
                 "cfg": cfg,
             },
         )
@@ -370,6 +413,7 @@ def _build(
             "trained": given is None,
             **({"sample": sample} if sample else {}),
         },
+        **({"target_tokenizer": {**target.info(), "trained": False}} if target is not None else {}),
         "config": config_to_dict(cfg),
         "sources": {
             "files": sum(map(len, files)),
@@ -608,8 +652,15 @@ def summary(manifest: dict) -> str:
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
     tok = manifest["tokenizer"]
+    target = manifest.get("target_tokenizer")
     lines.append(
-        f"tokenizer: vocab {tok['vocab_size']}, sha256 {tok['sha256'][:16]}…; {manifest['seconds']} s"
+        f"tokenizer: vocab {tok['vocab_size']}, sha256 {tok['sha256'][:16]}…"
+        + (
+            f"; target tokenizer: vocab {target['vocab_size']}, sha256 {target['sha256'][:16]}…"
+            if target
+            else ""
+        )
+        + f"; {manifest['seconds']} s"
     )
     return "\n".join(lines)
 

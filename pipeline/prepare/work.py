@@ -261,10 +261,12 @@ _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 def _tokenizer(files: dict[str, bytes], lang_tags: tuple[str, ...]) -> Tokenizer:
-    """The tokenizer, loaded once per worker process rather than once per task (tens of ms each)."""
+    """The tokenizer, loaded once per worker process rather than once per task (tens of ms each);
+    a prepare's one or two (a translation target's own) are kept."""
     key = hashlib.sha256(b"".join(files[name] for name in sorted(files))).hexdigest()
     if key not in _TOKENIZERS:
-        _TOKENIZERS.clear()
+        if len(_TOKENIZERS) >= 2:
+            _TOKENIZERS.clear()
         _TOKENIZERS[key] = tokenizer_from_files(files, lang_tags=lang_tags)
     return _TOKENIZERS[key]
 
@@ -278,11 +280,14 @@ def encode_bucket(
     out_dir: str,
     tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
+    target_files: dict[str, bytes] | None = None,
 ) -> dict:
-    """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per source."""
+    """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per
+    source. `target_files`: translation targets' own tokenizer (None: the one tokenizer's)."""
     started = time.perf_counter()
     tokenizer = _tokenizer(tokenizer_files, tuple(cfg.tokenizer.lang_tags))
-    dtype = token_dtype(tokenizer.vocab_size)
+    target = _tokenizer(target_files, ()) if target_files else tokenizer
+    dtype = token_dtype(max(tokenizer.vocab_size, target.vocab_size))
     names = [source.name for source in source_list(cfg)]
     several = len(names) > 1
     stats = [Counter() for _ in names]
@@ -309,7 +314,7 @@ def encode_bucket(
         else:
             for source, lines in _chunks(records, ENCODE_CHUNK):
                 pairs = [line.decode("utf-8").split("\t", 1) for line in lines]
-                for sample in _filter_pairs(pairs, tokenizer, cfg, dtype, stats[source]):
+                for sample in _filter_pairs(pairs, (tokenizer, target), cfg, dtype, stats[source]):
                     sequences[source].write(sample)
         shards = []
         for name, sequence in zip(names, sequences):
@@ -342,6 +347,7 @@ def encode_splits(
     out_dir: str,
     tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
+    target_files: dict[str, bytes] | None = None,
 ) -> list[dict]:
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
     rather than three, since valid and test buckets are small and a task costs milliseconds."""
@@ -350,7 +356,15 @@ def encode_splits(
     return _cpu_noted(
         [
             encode_bucket(
-                dataset, split, bucket, unit_sources, work_dir, out_dir, tokenizer_files, cfg
+                dataset,
+                split,
+                bucket,
+                unit_sources,
+                work_dir,
+                out_dir,
+                tokenizer_files,
+                cfg,
+                target_files,
             )
             for split in SPLITS
         ],
@@ -408,16 +422,17 @@ class _Packer:
 
 def _filter_pairs(
     pairs: list[list[str]],
-    tokenizer: Tokenizer,
+    tokenizers: tuple[Tokenizer, Tokenizer],
     cfg: PrepareConfig,
     dtype: np.dtype,
     stats: Counter,
 ) -> Iterator[dict]:
+    """Each pair's source and target ids, each side encoded by its own tokenizer (the source
+    side's and the target side's, after `translation.reverse` has chosen the direction)."""
     limits = cfg.translation
-    sources = tokenizer.encode_batch([p[0] for p in pairs])
-    targets = tokenizer.encode_batch([p[1] for p in pairs])
-    if limits.reverse:
-        sources, targets = targets, sources
+    source_side, target_side = (1, 0) if limits.reverse else (0, 1)
+    sources = tokenizers[0].encode_batch([p[source_side] for p in pairs])
+    targets = tokenizers[1].encode_batch([p[target_side] for p in pairs])
     for src, tgt in zip(sources, targets):
         shorter, longer = sorted((len(src), len(tgt)))
         if shorter < limits.min_tokens or longer > limits.max_tokens:

@@ -237,8 +237,15 @@ def test_vocab_size_mismatch(bert, gpt):
     cfg = seq2seq_config(bert.config, gpt.config)
     bigger = pretrained(gpt_config(vocab_size=V + 8), seed=7)
     assert "vocabulary mismatch" in _error(cfg, SHA, decoder=bigger)
+    # Sources with two vocabularies (BERT2GPT2) give each stack its own; one shared matrix cannot.
+    two = seq2seq_config(bert.config, bigger.config)
+    assert (two.for_stack("encoder").vocab_size, two.for_stack("decoder").vocab_size) == (V, V + 8)
+    model, _ = warm_start(two, SHA, encoder=bert, decoder=bigger)
+    assert model.encoder.embed.tok.weight.shape[0] == V
+    assert model.decoder.lm_head.weight.shape[0] == V + 8
+    assert torch.equal(model.decoder.embed.tok.weight, bigger.state_dict["embed.tok.weight"])
     with pytest.raises(WarmStartError, match="differ in vocab_size"):
-        seq2seq_config(bert.config, bigger.config)
+        seq2seq_config(bert.config, bigger.config, share_embeddings=True)
     # A config that lies about its state dict is caught by the tensor's shape.
     lying = Pretrained(bigger.state_dict, gpt.config, SHA)
     assert _error(cfg, SHA, decoder=lying).startswith(
