@@ -165,6 +165,14 @@ def _check_shard(
     return problems
 
 
+def _vocab_text(fields: tuple[str, ...], vocab: Mapping[str, int]) -> str:
+    """The vocabulary size a shard's ids must stay under, or each side's when they differ."""
+    sizes = {name: vocab[name] for name in fields if is_token_field(name)}
+    if len(set(sizes.values())) == 1:
+        return str(next(iter(sizes.values())))
+    return " / ".join(f"{size} ({name})" for name, size in sizes.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         ValidateConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
@@ -184,11 +192,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     run_main(main)
-
-
-def _vocab_text(fields: tuple[str, ...], vocab: Mapping[str, int]) -> str:
-    """The vocabulary size a shard's ids must stay under, or each side's when they differ."""
-    sizes = {name: vocab[name] for name in fields if is_token_field(name)}
-    if len(set(sizes.values())) == 1:
-        return str(next(iter(sizes.values())))
-    return " / ".join(f"{size} ({name})" for name, size in sizes.items())
