@@ -16,6 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The helper modules that test files share assert as tests do: pytest rewrites their asserts too,
+# so that a failure shows the values compared, as it did while they were part of test files.
+pytest.register_assert_rewrite("batches", "sourcecfg", "warm_start_sources")
+
 # The suite runs on the CPU wherever it runs, so that its figures (exact loss equalities, gloo)
 # mean the same on a GPU machine as in CI, and a 1-GPU machine can run its 2-rank jobs. CUDA is
 # initialised here first, so the `gpu` tests of this process still see the GPUs; those that

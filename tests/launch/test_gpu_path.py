@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
+from batches import UNEVEN, assert_same_batches
 from conftest import ROOT
-from test_loader import UNEVEN, assert_same_batches
 from test_train import TINY, metrics, train
 
 from common.configure import UserError

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
-from test_warm_start import SHA, V, bert_config, gpt_config, pretrained
 from torch import nn
+from warm_start_sources import SHA, V, bert_config, gpt_config, pretrained
 
 from launch.optim import parameter_groups
 from model import ModelConfig, build_model, seq2seq_config
