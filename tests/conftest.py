@@ -16,6 +16,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The helper modules that test files share assert as tests do: pytest rewrites their asserts too,
+# so that a failure shows the values compared, as it did while they were part of test files.
+pytest.register_assert_rewrite(
+    "batches",
+    "clirun",
+    "dryrun",
+    "errorlines",
+    "madecheckpoints",
+    "processes",
+    "sourcecfg",
+    "trainruns",
+    "warm_start_sources",
+)
+
 # The suite runs on the CPU wherever it runs, so that its figures (exact loss equalities, gloo)
 # mean the same on a GPU machine as in CI, and a 1-GPU machine can run its 2-rank jobs. CUDA is
 # initialised here first, so the `gpu` tests of this process still see the GPUs; those that
@@ -355,29 +369,29 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- trained runs, once a
 # session
 # Each is a 2-rank torchrun job of launch.train (10-25 s on 2 cores, most of it start-up) that tests
-# of several files assert on; the settings live with the file that owns the claim.
+# of several files assert on; their settings are in launch/trainruns.py, which those files import.
 
 
 @pytest.fixture(scope="session")
 def uninterrupted_gpt(tiny_dataset, tmp_path_factory) -> Path:
-    """Tiny GPT on 2 ranks under ZeRO-2, fp32, no dropout, 14 steps (test_elastic.REFERENCE): the
-    run test_elastic resumes against on other world sizes and test_compile's compiled ZeRO-3
+    """Tiny GPT on 2 ranks under ZeRO-2, fp32, no dropout, 14 steps (trainruns.UNINTERRUPTED_GPT):
+    the run test_elastic resumes against on other world sizes and test_compile's compiled ZeRO-3
     chain matches."""
-    from test_elastic import REFERENCE, run_train
+    from trainruns import UNINTERRUPTED_GPT, run_train
 
     return built_once(
         tmp_path_factory,
         "uninterrupted-gpt",
-        lambda run_dir: run_train(tiny_dataset, run_dir, *REFERENCE),
+        lambda run_dir: run_train(tiny_dataset, run_dir, *UNINTERRUPTED_GPT),
     )
 
 
 @pytest.fixture(scope="session")
 def dropout_zero3_gpt(tiny_dataset, tmp_path_factory) -> Path:
     """Tiny GPT on 2 ranks under ZeRO-3 with dropout 0.1, 10 steps, a checkpoint every 5
-    (test_train.DROPOUT_ZERO3): the uninterrupted run of test_train's resume and the run without
+    (trainruns.DROPOUT_ZERO3): the uninterrupted run of test_train's resume and the run without
     activation checkpointing of test_zero_paths."""
-    from test_train import DROPOUT_ZERO3, train
+    from trainruns import DROPOUT_ZERO3, train
 
     return built_once(
         tmp_path_factory,

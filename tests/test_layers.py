@@ -9,6 +9,9 @@ which never run.
 Inside `pipeline/`, two rooms: `pipeline.prepare` (writes a dataset) and `pipeline.load` (streams
 it into batches) never import each other; they meet at the modules directly under `pipeline/`
 (`format`, `tokenizer`, `remote`, `validate`), which import neither room.
+
+In tests/, no file imports a test module (`test_*`): what test files share is in conftest's
+fixtures and in helper modules that are not test files (tests/launch/trainruns.py, ...).
 """
 
 import ast
@@ -192,3 +195,60 @@ def test_only_the_ray_runner_imports_ray():
                 if any(name.split(".")[0] == "ray" for name in names):
                     importers.add(str(path.relative_to(ROOT)))
     assert importers == {"pipeline/prepare/ray_runner.py"}, sorted(importers)
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import, at any depth, of a module named test_* (by its own name or through its
+    package) by a file under `root`: "FILE:LINE imports MODULE"."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                # `from test_x import y` names test_x; `from tests.launch import test_x`, test_x
+                names = (
+                    [base]
+                    if _names_a_test_module(base)
+                    else [f"{base}.{alias.name}".lstrip(".") for alias in node.names]
+                )
+            else:
+                continue
+            found.extend(
+                f"{path.relative_to(root).as_posix()}:{node.lineno} imports {name}"
+                for name in names
+                if _names_a_test_module(name)
+            )
+    return found
+
+
+def _names_a_test_module(name: str) -> bool:
+    return any(part.startswith("test_") for part in name.split("."))
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules(ROOT / "tests") == []
+
+
+def test_the_check_catches_a_test_module_imported_at_any_depth(tmp_path):
+    """At module level or in a function, `import` or `from ... import`, by its own name or through
+    its package; a helper module, and a name that only contains test_, are not test modules."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "test_a.py").write_text(
+        "import pytest_timeout\nfrom trainruns import TINY\nimport test_b\n"
+        "def test_x():\n    from test_c import helper\n"
+    )
+    (tmp_path / "test_d.py").write_text(
+        "from tests.launch.test_a import x\nfrom tests.launch import test_e, trainruns\n"
+        "from latest_results import y\n"
+    )
+    (tmp_path / "conftest.py").write_text("def f():\n    import test_f\n")
+    (tmp_path / "trainruns.py").write_text("from shardtools import make_dataset\n")
+    assert imports_of_test_modules(tmp_path) == [
+        "conftest.py:2 imports test_f",
+        "launch/test_a.py:3 imports test_b",
+        "launch/test_a.py:5 imports test_c",
+        "test_d.py:1 imports tests.launch.test_a",
+        "test_d.py:2 imports tests.launch.test_e",
+    ]

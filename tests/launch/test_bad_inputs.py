@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from clirun import ENV, packed_data, run_cli, train_command
 from conftest import ROOT
+from errorlines import assert_one_error_line
 from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
-from test_reliability import ENV, assert_one_error_line, packed_data, run_cli, train_command
 
 from common.hashing import file_sha256
 from launch.config import TrainConfig, config_problems

@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from errorlines import assert_one_line_error  # noqa: E402
+from madecheckpoints import TAGS, run_copy  # noqa: E402
 
 from common.configure import UserError, run_main  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
 from launch import checkpoint as ckpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TAGS = [ckpt.tag_for(1), ckpt.tag_for(2)]  # two checkpoints per run; the pointer names the second
 STAGES = (0, 2)
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # ZeRO-2's one rank
@@ -157,16 +157,6 @@ def made(made_checkpoints) -> Path:
     return made_checkpoints
 
 
-def run_copy(made: Path, stage: int, tmp_path: Path, *, integrity: bool = True) -> Path:
-    """A copy of a made run directory; with integrity.json in each checkpoint, as the trainer writes it."""
-    run_dir = tmp_path / f"stage{stage}"
-    shutil.copytree(made / f"stage{stage}", run_dir)
-    if integrity:
-        for tag in TAGS:
-            ckpt.write_integrity(ckpt.checkpoint_root(run_dir) / tag)
-    return run_dir
-
-
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -208,15 +198,6 @@ def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(
         ["launch.export", *argv], exited.value.code, stdout.getvalue(), stderr.getvalue()
     )
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 class Planted:

@@ -51,7 +51,7 @@ def train(
     timeout: int = 600,
 ) -> subprocess.CompletedProcess:
     """2 ranks of launch.train (or of `script`, which runs it) under torchrun; not checked."""
-    from test_train import TINY
+    from trainruns import TINY
 
     entry = [str(script)] if script else ["-m", "launch.train"]
     command = [
@@ -96,10 +96,10 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def parameters(data: Path) -> int:
-    """The parameters of the tests' tiny GPT on `data` (TINY in test_train), as the trainer counts them."""
+    """The parameters of the tests' tiny GPT on `data` (trainruns.TINY), as the trainer counts them."""
     from dataclasses import replace
 
-    from test_train import TINY
+    from trainruns import TINY
 
     from common.configure import load_config
     from launch.config import TrainConfig

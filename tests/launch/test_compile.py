@@ -3,7 +3,7 @@
 The first slow test trains a tiny GPT on 2 ranks (torchrun, CPU) compiled under ZeRO-3 with
 activation checkpointing, stopped at step 4, and resumes that checkpoint eagerly under ZeRO-3 to
 step 14; it compares with the session's eager ZeRO-2 run of the same settings (conftest's
-`uninterrupted_gpt`, test_elastic's reference). In fp32, with dropout 0, ZeRO-2 and ZeRO-3 give the
+`uninterrupted_gpt`, trainruns.UNINTERRUPTED_GPT). In fp32, with dropout 0, ZeRO-2 and ZeRO-3 give the
 same losses on the same ranks, and inductor's fused kernels differ from eager ones by rounding
 only: every loss agrees to 1e-5 (they do to about 1e-6). The second trains a tiny BERT under
 ZeRO-1, eagerly and compiled. Inductor's first compile on a CPU takes tens of seconds: one compiling job per test, the tiniest
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from test_train import metrics, train
+from trainruns import UNINTERRUPTED_GPT, metrics, train
 
 LOSS_TOLERANCE = 1e-5  # fp32: compiled and eager losses differ by rounding (about 1e-6 here)
 
@@ -178,21 +178,22 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
 def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_exports_eagerly(
     tiny_dataset, tmp_path, uninterrupted_gpt
 ):
-    from test_elastic import REFERENCE
-
-    eager = uninterrupted_gpt  # REFERENCE: 14 steps, a checkpoint and an evaluation every 4, ZeRO-2
+    # UNINTERRUPTED_GPT: 14 steps, a checkpoint and an evaluation every 4, ZeRO-2
+    eager = uninterrupted_gpt
     compiled = tmp_path / "compiled"
     train(
         "tiny_gpt.yaml",
         tiny_dataset,
         compiled,
-        *REFERENCE,
+        *UNINTERRUPTED_GPT,
         "deepspeed.zero_stage=3",
         "compile=true",
         "model.activation_checkpointing=true",
         "stop_after_steps=4",
     )
-    resumed = train("tiny_gpt.yaml", tiny_dataset, compiled, *REFERENCE, "deepspeed.zero_stage=3")
+    resumed = train(
+        "tiny_gpt.yaml", tiny_dataset, compiled, *UNINTERRUPTED_GPT, "deepspeed.zero_stage=3"
+    )
     assert "resumed from" in resumed.stderr
 
     def by_step(run_dir, key):

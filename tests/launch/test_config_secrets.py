@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from clirun import packed_data, train_command
 from conftest import ROOT
-from test_reliability import packed_data, train_command
 
 SECRET = "hunter2-token-0123456789"
 ENV = {

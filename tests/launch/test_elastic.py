@@ -7,84 +7,18 @@ with a checkpoint of the last good weights.
 """
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
-from test_train import TINY, metrics
+from trainruns import ELASTIC_CHAIN, losses, metrics, run_train
 
 pytestmark = pytest.mark.slow
 
-# A short epoch so that the chain below crosses an epoch boundary: 12 steps of global batch 8.
-COMMON = [
-    "max_steps=14",
-    "log_every=1",
-    "eval_every=0",
-    "checkpoint.every_steps=4",
-    "checkpoint.keep_last=10",
-    "model.dropout=0.0",
-    "data.log_sample_keys=true",
-]
+# The chain's settings and its uninterrupted run (conftest's `uninterrupted_gpt`): trainruns.
 LOSS_TOLERANCE = 2e-5  # fp32; the ranks' reductions group the same sums differently
-# The uninterrupted run (conftest's `uninterrupted_gpt`, shared with test_compile): also evaluated
-# every 4 steps, for test_compile's claim that evaluation runs eagerly in a compiled run.
-# Evaluation leaves training alone (no dropout, its own loader): the legs below, which do not
-# evaluate, still match this run's losses.
-REFERENCE = [*COMMON, "deepspeed.zero_stage=2", "eval_every=4"]
-
-
-def run_train(
-    data: Path,
-    run_dir: Path,
-    *overrides: str,
-    nproc: int = 2,
-    env: dict | None = None,
-    check: bool = True,
-    inject: str = "",
-) -> subprocess.CompletedProcess:
-    """A tiny GPT trained by `launch.train` on `nproc` ranks; `inject`: loss faults installed
-    from outside the trainer (tests/launch/inject_loss.py, INJECT_LOSS's format)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
-    if inject:
-        env["INJECT_LOSS"] = inject
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
-    trainer = (
-        [str(ROOT / "tests" / "launch" / "inject_loss.py")] if inject else ["-m", "launch.train"]
-    )
-    command = [
-        *launcher,
-        *trainer,
-        str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={data}",
-        f"run_dir={run_dir}",
-        *TINY,
-        *overrides,
-    ]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if check:
-        assert run.returncode == 0, run.stderr[-4000:]
-    return run
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {row["step"]: row["train/loss"] for row in metrics(run_dir) if "train/loss" in row}
 
 
 def step_keys(run_dir: Path) -> dict[int, list[str]]:
@@ -104,7 +38,12 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterru
     for nproc, extra in legs:
         outputs.append(
             run_train(
-                tiny_dataset, run_dir, *COMMON, f"deepspeed.zero_stage={stage}", *extra, nproc=nproc
+                tiny_dataset,
+                run_dir,
+                *ELASTIC_CHAIN,
+                f"deepspeed.zero_stage={stage}",
+                *extra,
+                nproc=nproc,
             )
         )
     assert (
@@ -144,7 +83,7 @@ def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_wou
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_gpt, run_dir)
     # 4 x 1 x 1 = 4, not 8
-    refused = run_train(tiny_dataset, run_dir, *COMMON, nproc=1, check=False)
+    refused = run_train(tiny_dataset, run_dir, *ELASTIC_CHAIN, nproc=1, check=False)
     assert refused.returncode == 2
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert "global batch of 8 (4 x 1 x 2 ranks)" in line and "4 x 1 x 1 ranks = 4" in line

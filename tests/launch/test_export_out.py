@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from test_checkpoint_integrity import assert_one_line_error, run_copy
+from errorlines import assert_one_line_error
+from madecheckpoints import run_copy
 
 from common.configure import run_main
 from launch.export import is_export

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from batches import UNEVEN, assert_same_batches
 from conftest import ROOT
-from test_loader import UNEVEN, assert_same_batches
-from test_train import TINY, metrics, train
+from trainruns import TINY, metrics, train
 
 from common.configure import UserError
 from launch.distributed import DistEnv, check_gpus_per_node

@@ -18,8 +18,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from clirun import ENV, packed_data, train_command
 from conftest import ROOT
-from test_reliability import ENV, alive, kill_all, packed_data, steps_of, train_command, wait_for
+from processes import alive, kill_all, wait_for
+from trainruns import steps_of
 
 
 def take_as_controlling_terminal() -> None:

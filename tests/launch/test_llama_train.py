@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from test_elastic import losses, run_train
+from trainruns import losses, run_train
 
 pytestmark = pytest.mark.slow
 

@@ -223,14 +223,14 @@ def test_command_scores_both_tasks_with_nothing_downloaded(tiny_dataset, tmp_pat
     assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
     assert "cloze" in run.stdout and "acc_norm" in run.stdout  # lm-eval's table
     # the offline W&B run beside the JSON, logged at the export's step
-    from test_train import _wandb_records
+    from trainruns import wandb_records
 
     history = [
         {
             item.key or "/".join(item.nested_key): json.loads(item.value_json)
             for item in r.history.item
         }
-        for r in _wandb_records(tmp_path / "scores")
+        for r in wandb_records(tmp_path / "scores")
         if r.WhichOneof("record_type") == "history"
     ]
     assert [(h["_step"], {k: h[k] for k in metrics}) for h in history] == [(7, metrics)]
@@ -273,7 +273,7 @@ def test_bad_input_is_one_line_exit_2(tiny_dataset, tmp_path):
 
 
 def test_training_logs_lm_eval_metrics_every_n_steps(tiny_dataset, tmp_path):
-    from test_train import metrics, train
+    from trainruns import metrics, train
 
     run_dir = tmp_path / "run"
     train(

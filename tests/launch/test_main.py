@@ -147,7 +147,7 @@ def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, 
     too (it was passed on to torchrun, whose ranks died of it unsaved); and a second main job on
     the same out_dir, started meanwhile, is refused in one line naming the first, leaving its
     config and its stage's log as they were (it ran the same stage and wiped the log)."""
-    from test_reliability import alive, command_of, descendants, kill_all, wait_for
+    from processes import alive, command_of, descendants, kill_all, wait_for
 
     out = tmp_path / "out"
     config = tmp_path / "main.yaml"

@@ -4,7 +4,6 @@ run it before any rank. Datasets are tiny shard sets made in the test (`shardtoo
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -16,21 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
-from shardtools import VOCAB_SIZE, make_dataset, save_manifest
+from dryrun import SEQ_LEN, args, dry_run, make_data
+from shardtools import VOCAB_SIZE, save_manifest
 
 from common.configure import load_config
-from common.hashing import file_sha256
 from launch.config import MainConfig, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
 from launch.export import save_model_dir
-from launch.preflight.checks import main_dry_run
 from model import build_model
 from pipeline.tokenizer import SENTENCEPIECE_FILE
-
-TRAIN, VALID = (30, 30), (20,)  # samples per shard
-SEQ_LEN, MAX_TOKENS = 8, 8
-# micro 4 x accumulation 2 x 1 rank = 8 per step: 60 train samples give 7 steps (4 left out).
-SMALL = ["model.max_seq_len=16", "data.micro_batch_size=4", "grad_accum=2", "wandb.mode=disabled"]
 
 
 @pytest.fixture(autouse=True)
@@ -47,58 +40,9 @@ def no_launcher(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def make_data(directory: Path, train=TRAIN, valid=VALID) -> Path:
-    """packed and translation shards for train and valid, a tokenizer file and its sha256 in the
-    manifest, and the block lengths prepare records (packed seq_len, translation.max_tokens)."""
-    manifest = make_dataset(
-        directory, packed=list(train), translation=list(train), seq_len=SEQ_LEN, split="train"
-    )
-    valid_manifest = make_dataset(
-        directory,
-        packed=list(valid),
-        translation=list(valid),
-        seq_len=SEQ_LEN,
-        split="valid",
-        seed=1,
-    )
-    for name, dataset in manifest["datasets"].items():
-        dataset["splits"]["valid"] = valid_manifest["datasets"][name]["splits"]["valid"]
-    manifest["datasets"]["packed"]["seq_len"] = SEQ_LEN
-    manifest["config"] = {"translation": {"max_tokens": MAX_TOKENS}}
-    (directory / SENTENCEPIECE_FILE).write_bytes(b"the dataset's tokenizer")
-    manifest["tokenizer"]["sha256"] = file_sha256(directory / SENTENCEPIECE_FILE)
-    save_manifest(directory, manifest)
-    return directory
-
-
 @pytest.fixture
 def data(tmp_path) -> Path:
     return make_data(tmp_path / "data")
-
-
-def args(data: Path, tmp_path: Path, *overrides: str, config: str = "tiny_gpt.yaml") -> list[str]:
-    return [
-        str(ROOT / "configs" / config),
-        f"data.data_dir={data}",
-        f"run_dir={tmp_path / 'run'}",
-        *SMALL,
-        *overrides,
-    ]
-
-
-def dry_run(argv: list[str], capsys) -> tuple[int, str, list[str]]:
-    """(exit status, stdout, the problem lines)."""
-    code = main_dry_run(argv)
-    out = capsys.readouterr().out
-    lines = out.splitlines()
-    problems = []
-    if any(line.startswith("problems (") for line in lines):
-        start = next(i for i, line in enumerate(lines) if line.startswith("problems ("))
-        problems = [
-            line.strip()
-            for line in itertools.takewhile(lambda line: line.startswith("  "), lines[start + 1 :])
-        ]
-    return code, out, problems
 
 
 def export(directory: Path, stack_config, tokenizer: Path) -> Path:

@@ -18,9 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from clirun import ENV, packed_data, run_cli, train_command
 from conftest import ROOT, free_port
+from errorlines import assert_one_error_line
+from processes import alive, children, command_of, descendants, kill_all, parent_of, wait_for
 from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
-from test_train import TINY
+from trainruns import steps_of
 
 from common.configure import UserError
 from launch.distributed import port_in_use
@@ -32,71 +35,12 @@ from pipeline.load.shards import Shard, read_shard
 from pipeline.tokenizer import sentencepiece_specials
 
 PYTHON = sys.executable
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 LINUX = pytest.mark.skipif(
     not Path("/proc/self/stat").exists(), reason="finds processes through /proc"
 )
 
 
 # ----------------------------------------------------------------------------- processes
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def alive(pid: int) -> bool:
-    """Running: a zombie (dead, not yet reaped by whoever adopted it) does not count."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def children(pid: int) -> list[int]:
-    return [
-        int(p.name)
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and parent_of(int(p.name)) == pid
-    ]
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        below = children(todo.pop())
-        found += below
-        todo += below
-    return found
-
-
-def command_of(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def kill_all(pids) -> None:
-    """Clean up after a failed test: the processes it started, by pid."""
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 # A stand-in launcher: starts CHILD (which arms die_with_parent and reports), writes its pid,
@@ -249,19 +193,6 @@ def test_launcher_kinds():
 # ----------------------------------------------------------------------------- real launchers
 
 
-def train_command(data: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        "-m",
-        "launch.train",
-        str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={data}",
-        f"run_dir={run_dir}",
-        *TINY,
-        "wandb.mode=disabled",
-        *overrides,
-    ]
-
-
 def start_job(launcher: str, data: Path, run_dir: Path, stderr: Path) -> subprocess.Popen:
     """Two ranks of a long tiny-GPT run, with a DataLoader worker each, under torchrun or the
     deepspeed runner (which starts deepspeed.launcher.launch, which starts the ranks)."""
@@ -307,15 +238,6 @@ def is_rank(pid: int) -> bool:
         "torch.distributed.run",
         "deepspeed.launcher.launch",
     }
-
-
-def steps_of(run_dir: Path, rank: int) -> list[int]:
-    keys = run_dir / f"sample_keys.rank{rank}.jsonl"
-    return (
-        [json.loads(line)["step"] for line in keys.read_text().splitlines()]
-        if keys.is_file()
-        else []
-    )
 
 
 @LINUX
@@ -407,22 +329,6 @@ def test_a_signal_to_the_ranks_or_their_launcher_ends_them_with_a_checkpoint(
 # ----------------------------------------------------------------------------- one-line errors
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> tuple[int, list[str]]:
-    run = subprocess.run(
-        [PYTHON, *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout
-    )
-    return run.returncode, run.stderr.splitlines()
-
-
-def assert_one_error_line(code: int, lines: list[str], *fragments: str) -> str:
-    errors = [line for line in lines if line.startswith("error:")]
-    assert code == 2 and len(errors) == 1, "\n".join(lines[-40:])
-    assert not any("Traceback" in line for line in lines), "\n".join(lines[-40:])
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
-
-
 def test_the_error_line_is_written_in_one_piece(monkeypatch):
     """Every rank of a job says the same error into one stream (stderr is written through to the
     pipe at each write): in two writes, the text and then its newline, two ranks' lines splice."""
@@ -500,13 +406,6 @@ def test_the_tools_report_a_broken_manifest_in_one_line(tmp_path, case):
     if case == "no tokenizer":  # the trainer reads it first thing too
         code, lines = run_cli(*train_command(data, tmp_path / "run", "max_steps=1"))
         assert_one_error_line(code, lines, str(data / MANIFEST), expected)
-
-
-def packed_data(directory: Path, seq_len: int, sizes=(40, 40)) -> dict:
-    manifest = make_dataset(directory, packed=list(sizes), seq_len=seq_len)
-    manifest["datasets"]["packed"]["seq_len"] = seq_len  # as prepare records it
-    save_manifest(directory, manifest)
-    return manifest
 
 
 def model_config(arch: str, max_seq_len: int) -> ModelConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from test_train import TINY
+from trainruns import TINY
 
 from common.configure import UserError
 from launch.config import MainConfig, WandbConfig

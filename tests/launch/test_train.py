@@ -9,61 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from trainruns import DROPOUT_ZERO3, TINY, metrics, train, wandb_records
 
 pytestmark = pytest.mark.slow
-
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=64",
-    "model.max_seq_len=64",
-    "data.micro_batch_size=4",
-    "data.num_workers=0",
-    "optim.lr=3e-3",
-    "schedule.warmup_steps=5",
-    "eval_batches=0",
-    "threads_per_rank=1",
-    # W&B starts a service process per run (seconds each); the tests of W&B ask for it.
-    "wandb.mode=disabled",
-    # ZeRO-3 would keep every tensor of a model this small whole on every rank.
-    "deepspeed.zero3_persistence_threshold=0",
-]
-
-
-def train(
-    config: str, data: Path, run_dir: Path, *overrides: str, nproc: int = 2
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
-    command = [
-        *launcher,
-        "-m",
-        "launch.train",
-        str(ROOT / "configs" / config),
-        f"data.data_dir={data}",
-        f"run_dir={run_dir}",
-        *TINY,
-        *overrides,
-    ]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("config", ["tiny_gpt.yaml", "tiny_bert.yaml"])
@@ -101,18 +49,6 @@ def test_loss_falls(tiny_dataset, tmp_path, config, stage):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000030"
 
 
-# The uninterrupted run of the resume below, shared with test_zero_paths (conftest's
-# dropout_zero3_gpt).
-DROPOUT_ZERO3 = [
-    "max_steps=10",
-    "log_every=1",
-    "eval_every=0",
-    "checkpoint.every_steps=5",
-    "deepspeed.zero_stage=3",
-    "model.dropout=0.1",
-]
-
-
 def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path, dropout_zero3_gpt):
     # W&B (offline) in the stopped and resumed jobs, for the run id they share; the uninterrupted
     # run has it off (TINY): W&B records the losses, it does not change them.
@@ -137,45 +73,6 @@ def test_resume_reproduces_uninterrupted_losses(tiny_dataset, tmp_path, dropout_
         for p in (stopped / "checkpoints").glob("step_*")
     }
     assert len(ids) == 1
-
-
-def read_wandb_log(path: Path) -> list[bytes]:
-    """Records of a W&B transaction log (.wandb): a 7-byte header (":W&B", 0xBEE1, version),
-    then LevelDB-log-style 32 KiB blocks of records: crc32 (4), length (2), type (1), data;
-    type 1 is a whole record, 2/3/4 the first/middle/last piece of one."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", path
-    records, pending, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        room = block - pos % block
-        if room < 7:  # block trailer padding
-            pos += room
-            continue
-        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
-        kind = data[pos + 6]
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            records.append(pending)
-            pending = b""
-    return records
-
-
-def _wandb_records(run_dir: Path):
-    from wandb.proto import wandb_internal_pb2
-
-    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert files, "no offline W&B run file"
-    records = []
-    for path in files:
-        for data in read_wandb_log(path):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
-            records.append(record)
-    return records
 
 
 def test_a_resumed_run_drops_the_metrics_rows_it_trains_again(tmp_path):
@@ -211,7 +108,7 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
         "checkpoint.every_steps=0",
         "wandb.mode=offline",
     )
-    records = _wandb_records(run_dir)
+    records = wandb_records(run_dir)
     history = [
         {
             item.key or "/".join(item.nested_key): json.loads(item.value_json)

@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from test_train import metrics, train
+from trainruns import DROPOUT_ZERO3, metrics, train
 
 from common.configure import UserError
 from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
@@ -126,8 +126,6 @@ def test_activation_checkpointing_under_zero_3_reproduces_the_losses(
     in the backward, where ZeRO-3 must gather the block's parameters again: the losses (and so
     the updates) equal a run without it (the session's, shared with test_train's resume). Dropout
     on: the recomputation replays its RNG."""
-    from test_train import DROPOUT_ZERO3
-
     plain = dropout_zero3_gpt  # 10 steps, ZeRO-3, dropout 0.1
     probe = tmp_path / "probe"
     (probe / "counts").mkdir(parents=True)

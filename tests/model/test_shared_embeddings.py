@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
-from test_warm_start import SHA, V, bert_config, gpt_config, pretrained
 from torch import nn
+from warm_start_sources import SHA, V, bert_config, gpt_config, pretrained
 
 from launch.optim import parameter_groups
 from model import ModelConfig, build_model, seq2seq_config
@@ -193,7 +193,7 @@ def test_warm_start_without_a_decoder_source_takes_the_encoders(sources):
 
 
 def _train(data: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    from test_train import train
+    from trainruns import train
 
     return train(
         "tiny_translation.yaml",
@@ -220,7 +220,7 @@ def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.export import load_model_dir, save_model_dir
 
-    # Warm-start sources exported in the test, shaped like the run's stacks (test_train.TINY).
+    # Warm-start sources exported in the test, shaped like the run's stacks (trainruns.TINY).
     vocab = json.loads((tiny_dataset / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     tokenizer = tiny_dataset / "tokenizer.model"
     shape = dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 from conftest import ROOT, prepare_args, synthetic_pairs
-from test_sources import source_cfg
+from sourcecfg import source_cfg
 
 from common.configure import UserError
 from pipeline.prepare.readers import read_unit

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from batches import UNEVEN, assert_same_batches
 
 from common.configure import UserError
 from pipeline.format import BATCH_FIELDS, write_shard
@@ -34,19 +35,9 @@ from tests.shardtools import (
 SP = sentencepiece_specials()  # the project's SentencePiece layout
 ROOT = Path(__file__).resolve().parents[2]
 
-UNEVEN = [1, 40, 7, 23, 3, 31, 12]  # 117 samples in 7 shards: not a multiple of 2 ranks x 2 workers
-
 
 def epoch_batches(data_dir, task="causal_lm", **kw):
     return list(ShardLoader(str(data_dir), task, "train", **kw))
-
-
-def assert_same_batches(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert torch.equal(x[key], y[key]), key
 
 
 @pytest.mark.parametrize(

@@ -244,7 +244,7 @@ def test_the_trainer_logs_and_checkpoints_tokens_per_source_and_resumes_exactly(
 ):
     import json
 
-    from test_train import metrics, train
+    from trainruns import metrics, train
 
     data = tagged_copy(tiny_dataset, tmp_path / "data")
     common = [

@@ -457,7 +457,7 @@ def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset,
 def test_the_dry_run_reads_a_url_s_manifest_and_fetches_its_tokenizer(
     tmp_path, capsys, monkeypatch
 ):
-    from test_preflight import args, dry_run, make_data
+    from dryrun import args, dry_run, make_data
 
     for name in (
         "RANK",
@@ -521,7 +521,7 @@ STOP_WITHIN_S = 10  # the step agreement, a tiny model's checkpoint, the DataLoa
 
 def train_from(url: str, run_dir: Path, cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
     """launch.train on a tiny GPT reading `url`, with the fetch timeouts and retries at their defaults."""
-    from test_train import TINY
+    from trainruns import TINY
 
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
@@ -566,7 +566,7 @@ def steps_made(run_dir: Path) -> int:
 def wait_until_stuck(job: subprocess.Popen, served: Served, run_dir: Path) -> int:
     """Wait until a shard request hangs and training, having made a step, has made none for 3 s;
     the steps made."""
-    from test_reliability import wait_for
+    from processes import wait_for
 
     wait_for(
         lambda: job.poll() is not None or (served.server.hanging and steps_made(run_dir)),
@@ -612,7 +612,7 @@ def test_a_stop_request_ends_training_blocked_on_a_server_that_never_answers(
     every other shard request and never answers it. Once training has used up the first shard
     and waits (in a DataLoader worker, or in the rank itself without workers), a stop request
     ends the job within seconds: the step reached checkpointed, no process of the job left."""
-    from test_reliability import alive, descendants, kill_all, wait_for
+    from processes import alive, descendants, kill_all, wait_for
 
     served = serve_directory(tiny_dataset, tmp_path / "cache")
     answer_the_first_shard_only(served)
@@ -737,7 +737,7 @@ def test_two_ranks_blocked_on_a_server_that_never_answers_stop_together(tiny_dat
     waited for its batch a while, ends the job within seconds. A rank that read its batches
     learns of the stop from the one that could not, in the step's first reduction, and both
     checkpoint the step they reached."""
-    from test_reliability import alive, descendants, kill_all, wait_for
+    from processes import alive, descendants, kill_all, wait_for
 
     served = serve_directory(tiny_dataset, tmp_path / "cache")
     answer_the_first_shard_only(served)

@@ -11,6 +11,7 @@ from collections import Counter
 
 import polib
 import pytest
+from sourcecfg import source_cfg
 
 from common.configure import UserError, load_config
 from pipeline.prepare.config import PrepareConfig
@@ -31,12 +32,6 @@ from pipeline.prepare.sources import (
     plan_units,
     stream_chunks,
 )
-
-
-def source_cfg(**overrides):
-    return load_config(
-        PrepareConfig, None, [f"source.{k}={v}" for k, v in overrides.items()]
-    ).source
 
 
 def read_all(path, **overrides):

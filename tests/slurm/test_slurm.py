@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, prepare_args
-from test_train import TINY, _wandb_records, metrics
+from trainruns import TINY, metrics, wandb_records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -301,7 +301,7 @@ def test_warning_signal_requeues_and_resumes(tiny_dataset, tmp_path):
         run_id,
         run_id,
     ]
-    records = _wandb_records(run_dir)
+    records = wandb_records(run_dir)
     assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {run_id}
     history = [
         json.loads(item.value_json)
