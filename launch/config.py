@@ -21,7 +21,7 @@ from pipeline.load.config import global_batch_size as samples_per_step
 if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need it
     from launch.tasks import Task
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
@@ -59,7 +59,10 @@ class DeepSpeedConfig:
     zero_stage: int = 2  # 0, 1, 2 or 3
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
     offload_params: bool = False  # parameters to CPU (stage 3)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only)
+    # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only) | auto: bf16 where this machine
+    # multiplies bf16 matrices at least as fast as fp32 ones (a GPU with bf16; a CPU with AMX or
+    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower)
+    precision: str = "fp32"
     initial_scale_power: int = 16  # fp16 only: the dynamic loss scale starts at 2**this
     # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's
     # default (100,000). Tiny test models need 0, or ZeRO-3 partitions none of their tensors.

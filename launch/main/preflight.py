@@ -18,6 +18,7 @@ from pathlib import Path
 from common.configure import UserError, load_config
 from launch.config import MainConfig, TrainConfig
 from launch.main import plan as job
+from launch.metrics import resolve_precision
 from launch.preflight.checks import check_source_fits, preflight
 from launch.preflight.report import PlannedData, Report, render
 from model.config import STACKS
@@ -130,7 +131,7 @@ def stage_report(
     """One training stage's config as the job would resolve it, and its preflight on `nproc` ranks."""
     print(f"== {stage}: python -m launch.train {config} {' '.join(overrides)} ({cfg.nproc} ranks)")
     try:
-        train_cfg = load_config(TrainConfig, config, overrides)
+        train_cfg = resolve_precision(load_config(TrainConfig, config, overrides))
     except UserError as err:
         report = Report()
         report.problem_line(str(err))

@@ -28,6 +28,7 @@ from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.init_model import is_hf_dir
+from launch.metrics import resolve_precision
 from launch.preconditions import data_fits_model, with_data_tokenizer
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
@@ -57,7 +58,7 @@ def main_dry_run(argv: list[str]) -> int:
 
     options, rest = _split_flags(strip_launcher_args(argv))
     # As the run resolves it: init.model's directory gives the model config (a misfit: one line).
-    cfg = init_model.resolve(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:])
+    cfg = resolve_precision(init_model.resolve(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:]))
     report = preflight(
         cfg, world_size=options["world_size"], ranks_per_node=options["ranks_per_node"]
     )

@@ -23,7 +23,7 @@ from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch import stop
 from launch.config import TrainConfig
-from launch.metrics import memory_mb
+from launch.metrics import memory_mb, resolve_precision
 from launch.preconditions import check_writable_dir
 from launch.preflight import checks as preflight
 from launch.stop import StopRequested, stoppable
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # init.model=DIR: the model config is the directory's (command-line model.* overrides checked
     # against it).
     cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
-    train(cfg)
+    train(resolve_precision(cfg))
     return 0
 
 

@@ -258,6 +258,7 @@ def save_checkpoint(run: Run) -> Path:
                 "step",
                 "tokens_seen",
                 "tokenizer_sha256",
+                "target_tokenizer_sha256",
                 "wandb_run_id",
                 "world_size",
                 "global_batch_size",
@@ -266,6 +267,7 @@ def save_checkpoint(run: Run) -> Path:
                 "tokens_by_source",
                 "dataset",
             )
+            if k in client_state
         }
         # what a resume checks before loading (`find_resume`)
         info["model"] = client_state["config"]["model"]

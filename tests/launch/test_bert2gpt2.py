@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT  # noqa: E402
 
+from common.hashing import file_sha256  # noqa: E402
 from pipeline.format import read_manifest, tokenizer_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -149,7 +150,13 @@ def test_warm_started_bert2gpt2_trains_evaluates_translates(bert2gpt2, hf_layout
     losses = [json.loads(line) for line in (bert2gpt2["run"] / "metrics.jsonl").open()]
     train = [row["train/loss"] for row in losses if "train/loss" in row]
     assert train[-1] < 0.6 * train[0], log[-2000:]
-    config = json.loads((bert2gpt2["ours"] / "config.json").read_text())["model"]
+    # the target tokenizer's identity travels with the checkpoint and the export
+    sha = file_sha256(hf_layouts["gpt2"] / "tokenizer.json")
+    (client_file,) = (bert2gpt2["run"] / "checkpoints").glob("step_*/client_state.json")
+    assert json.loads(client_file.read_text())["target_tokenizer_sha256"] == sha
+    exported = json.loads((bert2gpt2["ours"] / "config.json").read_text())
+    assert exported["target_tokenizer_sha256"] == sha
+    config = exported["model"]
     assert config["encoder"]["vocab_size"] == len(
         transformers.AutoTokenizer.from_pretrained(hf_layouts["bert"])
     )
@@ -294,3 +301,23 @@ def test_bad_target_tokenizer_is_one_line(given, expected, hf_layouts, hf_layout
     assert run.returncode == 2 and len(errors) == 1, run.stderr[-2000:]
     assert "tokenizer.target_path" in errors[0] and expected in errors[0], errors
     assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_a_replaced_target_tokenizer_is_refused(bert2gpt2, hf_layouts, tmp_path):
+    """The run's target/tokenizer.json swapped for another: export and translate refuse it in one
+    line, exit 2, and write nothing."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(bert2gpt2["run"], run)
+    shutil.copyfile(hf_layouts["bert"] / "tokenizer.json", run / "target" / "tokenizer.json")
+    out = tmp_path / "export"
+    for result in (
+        python_m("launch.export", f"checkpoint={run}", f"out={out}"),
+        python_m("launch.translate", f"checkpoint={run}", input="the red cat\n"),
+    ):
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+        assert "target/tokenizer.json" in errors[0] and "trained with" in errors[0], errors
+        assert result.stdout == "" or not result.stdout.strip()
+    assert not out.exists()
