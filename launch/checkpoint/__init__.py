@@ -1,12 +1,14 @@
-"""Checkpoints of a training run, one room: where they live and whether they are intact.
+"""Checkpoints of a training run, one room: where they live, whether they are intact, whether a
+save fits.
 
     layout.py     the directories and tags, the `latest` pointer, retention, what a checkpoint
                   records of itself, which checkpoints a resume may continue from
     integrity.py  integrity.json: written at a save, verified at a resume (the newest intact
                   checkpoint) and by every reader; checkpoints older than it
+    space.py      what a save needs, and the one line for a save its file system cannot hold
 
-Callers use the names below (`from launch import checkpoint as ckpt`). Nothing here imports
-DeepSpeed or torch.distributed (tests/launch/test_checkpoint_integrity.py).
+Callers use the names below (`from launch import checkpoint as ckpt`), and `space` by its module.
+Nothing here imports DeepSpeed or torch.distributed (tests/launch/test_checkpoint_integrity.py).
 """
 
 from launch.checkpoint.integrity import (

@@ -16,11 +16,11 @@ import torch
 from common.configure import UserError, config_to_dict, show
 from launch import checkpoint as ckpt
 from launch import distributed as dist
+from launch.checkpoint import space
+from launch.checkpoint.space import checkpoint_size
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
-from launch.deepspeed.estimate import checkpoint_size
 from launch.tracking import read_metrics_rows
-from launch.train import space
 from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
 from model.config import TRAINING_ONLY_FIELDS
 
@@ -194,7 +194,7 @@ def save_checkpoint(run: Run) -> Path:
     integrity.json, and the `latest` pointer moves once all have finished.
 
     A save that its file system cannot hold ends the job on every rank in one line naming it and
-    what the save needs (`launch.deepspeed.estimate.checkpoint_size`): refused before anything is written
+    what the save needs (`launch.checkpoint.space.checkpoint_size`): refused before anything is written
     where the file system has less free space, else failed by any rank's OSError (ENOSPC) in
     any step (`_save_step`). The previous checkpoint stays the latest, and this one is removed."""
     root = ckpt.checkpoint_root(run.cfg.run_dir)
