@@ -6,9 +6,12 @@ save fits.
     integrity.py  integrity.json: written at a save, verified at a resume (the newest intact
                   checkpoint) and by every reader; checkpoints older than it
     space.py      what a save needs, and the one line for a save its file system cannot hold
+    save.py       the save, on every rank (the engine, the process group)
 
-Callers use the names below (`from launch import checkpoint as ckpt`), and `space` by its module.
-Nothing here imports DeepSpeed or torch.distributed (tests/launch/test_checkpoint_integrity.py).
+Callers use the names below (`from launch import checkpoint as ckpt`), and `space` and `save` by
+their modules: `save` runs with the engine and the process group, so that importing this package
+(export, the dry run, the DeepSpeed glue) loads neither DeepSpeed nor torch.distributed
+(tests/launch/test_checkpoint_integrity.py).
 """
 
 from launch.checkpoint.integrity import (

@@ -22,6 +22,7 @@ from common.lock import dir_lock
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch import stop
+from launch.checkpoint.save import save_checkpoint
 from launch.config import TrainConfig
 from launch.metrics import memory_mb
 from launch.preconditions import check_writable_dir
@@ -36,7 +37,6 @@ from launch.train.guard import (
     step_sample_keys,
 )
 from launch.train.profiler import StepProfiler
-from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
 from launch.train.step_result import StepResult
