@@ -6,7 +6,7 @@ save fits.
     integrity.py  integrity.json: written at a save, verified at a resume (the newest intact
                   checkpoint) and by every reader; checkpoints older than it
     space.py      what a save needs, and the one line for a save its file system cannot hold
-    save.py       the save, on every rank (the engine, the process group)
+    save.py       when a run saves (`Checkpointer`) and the save, on every rank
 
 Callers use the names below (`from launch import checkpoint as ckpt`), and `space` and `save` by
 their modules: `save` runs with the engine and the process group, so that importing this package

@@ -1,6 +1,7 @@
-"""Saving a training run's checkpoint, on every rank: the engine's state and the loader's,
-integrity.json, the `latest` pointer and retention, or one line on every rank for a save its
-file system cannot hold."""
+"""Saving a training run's checkpoint: when (`Checkpointer`, the cadence the loop asks), and the
+save itself on every rank (`save_checkpoint`: the engine's state and the loader's, integrity.json,
+the `latest` pointer and retention, or one line on every rank for a save its file system cannot
+hold)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,42 @@ from launch.checkpoint.space import (
 )
 from launch.train.resume import rng_state
 from launch.train.state import Run, dataset_record, tokens_by_source
+
+
+class Checkpointer:
+    """When a run saves, and the step of its newest save (`last_saved`: the step the job started
+    from until it saves). Every `checkpoint.every_steps` steps before the run's last
+    (`maybe_save`); the last, unless saved already or where the run has no checkpoint yet
+    (`ensure_final`); the step a job asked to stop reached (`save_unless_saved`); and whenever
+    the loop asks (`save`: the guard's last good state, before it ends the job)."""
+
+    def __init__(self, every_steps: int, stop_at: int, last_saved: int):
+        self.every_steps = every_steps  # 0: no periodic save
+        self.stop_at = stop_at  # the job's last step: saved by `ensure_final`, not the cadence
+        self.last_saved = last_saved
+
+    def save(self, run: Run) -> Path:
+        tag_dir = save_checkpoint(run)
+        self.last_saved = run.step
+        return tag_dir
+
+    def maybe_save(self, run: Run) -> None:
+        """The periodic save, after a step."""
+        if self.every_steps and run.step % self.every_steps == 0 and run.step < self.stop_at:
+            self.save(run)
+
+    def save_unless_saved(self, run: Run) -> bool:
+        """For a job that stops: whether it saved the step reached (not if that step is saved
+        already, or none was trained)."""
+        if run.step == self.last_saved:
+            return False
+        self.save(run)
+        return True
+
+    def ensure_final(self, run: Run) -> None:
+        """The end of the run: its last step saved, and a run always ends with a checkpoint."""
+        if self.last_saved != run.step or latest_tag(checkpoint_root(run.cfg.run_dir)) is None:
+            self.save(run)
 
 
 def save_checkpoint(run: Run) -> Path:
