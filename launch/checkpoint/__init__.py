@@ -1,5 +1,5 @@
 """Checkpoints of a training run, one room: where they live, whether they are intact, whether a
-save fits.
+save fits, when a run saves and the save itself.
 
     layout.py     the directories and tags, the `latest` pointer, retention, what a checkpoint
                   records of itself, which checkpoints a resume may continue from
@@ -11,7 +11,9 @@ save fits.
 Callers use the names below (`from launch import checkpoint as ckpt`), and `space` and `save` by
 their modules: `save` runs with the engine and the process group, so that importing this package
 (export, the dry run, the DeepSpeed glue) loads neither DeepSpeed nor torch.distributed
-(tests/launch/test_checkpoint_integrity.py).
+(tests/launch/test_checkpoint_integrity.py). The two DeepSpeed calls of a checkpoint stay in its
+glue, the only importer of deepspeed: the engine's write (`launch.deepspeed.engine.Engine.save`)
+and the conversion to another world size (`launch.deepspeed.universal`).
 """
 
 from launch.checkpoint.integrity import (
