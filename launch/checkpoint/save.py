@@ -31,11 +31,12 @@ from launch.train.state import Run, dataset_record, tokens_by_source
 
 
 class Checkpointer:
-    """When a run saves, and the step of its newest save (`last_saved`: the step the job started
-    from until it saves). Every `checkpoint.every_steps` steps before the run's last
-    (`maybe_save`); the last, unless saved already or where the run has no checkpoint yet
-    (`ensure_final`); the step a job asked to stop reached (`save_unless_saved`); and whenever
-    the loop asks (`save`: the guard's last good state, before it ends the job)."""
+    """When a run saves, and the step of this job's newest save (`last_saved`: the step the job
+    started from until it saves). Every `checkpoint.every_steps` steps before the job's last
+    (`maybe_save`); the last step, unless saved already, and always where the run has no
+    checkpoint yet (`ensure_final`); the step a job asked to stop reached, unless saved already
+    (`save_unless_saved`); and when the loop asks (`save`: the guard's last good state, before it
+    ends the job)."""
 
     def __init__(self, every_steps: int, stop_at: int, last_saved: int):
         self.every_steps = every_steps  # 0: no periodic save
@@ -61,7 +62,7 @@ class Checkpointer:
         return True
 
     def ensure_final(self, run: Run) -> None:
-        """The end of the run: its last step saved, and a run always ends with a checkpoint."""
+        """The end of the job: its last step saved, and never a run without a checkpoint."""
         if self.last_saved != run.step or latest_tag(checkpoint_root(run.cfg.run_dir)) is None:
             self.save(run)
 
