@@ -1,5 +1,5 @@
-"""What a run's model states take: a checkpoint's size on disk, and DeepSpeed's estimate of the memory
-per GPU."""
+"""DeepSpeed's estimate of the memory per GPU that a run's model states take, for the dry run (their
+size on disk, a checkpoint's: `launch.checkpoint.space.checkpoint_size`)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ import contextlib
 import sys
 
 import torch
-
-
-def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[int, str]:
-    """(about how many bytes a checkpoint takes, all ranks' files together; how that is
-    counted), from the parameter count: per parameter, the weights of the model-states file (4
-    bytes in fp32, 2 in bf16 or fp16; none under ZeRO-3, where the weights are the fp32 masters'
-    partitions), the fp32 master weights (a copy, except in fp32 without ZeRO) and AdamW's two
-    fp32 moments. What DeepSpeed writes, less its pickles' overhead (a few percent on a tiny
-    model; tests/launch/test_checkpoint_save.py compares the two)."""
-    per_parameter = {}
-    if zero_stage < 3:
-        per_parameter["weights"] = 4 if precision == "fp32" else 2
-    if zero_stage > 0 or precision != "fp32":
-        per_parameter["fp32 master weights"] = 4
-    per_parameter["Adam moments"] = 8
-    each = sum(per_parameter.values())
-    how = ", ".join(f"{name} {size}" for name, size in per_parameter.items())
-    return parameters * each, f"{parameters:,} parameters x {each} bytes: {how}"
 
 
 def estimate_model_state_memory(

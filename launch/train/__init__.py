@@ -5,10 +5,11 @@ The same command runs alone, under `torchrun`, under the `deepspeed` launcher an
 
     loop.py     main -> train -> fit -> train_step, evaluate: the loop
     setup.py    config, data, model config, process group, engine, run directory and tracker
-    resume.py   which checkpoint to resume, restoring it, saving one; RNG state, metrics truncation
+    resume.py   which checkpoint to resume, restoring it; RNG state, metrics truncation
     guard.py    guarded steps: which step is skipped and why; it returns a verdict, the loop saves
     harness.py  lm-evaluation-harness tasks on the model in training, every lm_eval.every steps
     state.py    what the loop carries: Run (the resolved config, engine, data), Progress, Data
 
-DeepSpeed is reached only through `launch.deepspeed.engine.Engine`.
+DeepSpeed is reached only through `launch.deepspeed.engine.Engine`; checkpoints are saved through
+`launch.checkpoint.save`.
 """

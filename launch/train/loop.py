@@ -1,8 +1,9 @@
 """The training loop: `main` -> `train` -> `fit` -> `train_step` and `evaluate`, read top-down.
 
 `fit` runs steps until `max_steps` (or a stop request), logging, evaluating and checkpointing
-between them; `train_step` is one optimizer step over grad_accum micro batches, guarded
-(`launch.train.guard`); the end of the run is a checkpoint and final.json.
+between them (when to save: `launch.checkpoint.save.Checkpointer`); `train_step` is one
+optimizer step over grad_accum micro batches, guarded (`launch.train.guard`); the end of the run
+is a checkpoint and final.json.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from common.lock import dir_lock
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch import stop
+from launch.checkpoint.save import Checkpointer
 from launch.config import TrainConfig
 from launch.metrics import memory_mb, resolve_precision
 from launch.preconditions import check_writable_dir
@@ -36,7 +38,6 @@ from launch.train.guard import (
     step_sample_keys,
 )
 from launch.train.profiler import StepProfiler
-from launch.train.resume import save_checkpoint
 from launch.train.setup import setup
 from launch.train.state import Run, data_counters
 from launch.train.step_result import StepResult
@@ -141,8 +142,8 @@ def fit(run: Run) -> dict:
         cfg.optim.grad_clip, run.denv.world_size, run.peak[0], run.denv.is_main
     )
     last_eval: dict = {}
-    last_saved = run.step
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+    checkpointer = Checkpointer(cfg.checkpoint.every_steps, stop_at, last_saved=run.step)
     told_kernel = not (cfg.data.document_mask and run.denv.is_main)
     profiler = StepProfiler(run)
     while run.step < stop_at:
@@ -152,7 +153,7 @@ def fit(run: Run) -> dict:
         profiler.after_step(trained=result is not None)
         # a stop request cut some rank's wait for its batches short: no step taken
         if result is None:
-            return stop_for_requeue(run, last_saved, last_eval)
+            return stop_for_requeue(run, checkpointer, last_eval)
         if not told_kernel:  # which kernel the document mask ran on (model.attention), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
             told_kernel = True
@@ -163,7 +164,7 @@ def fit(run: Run) -> dict:
         window.add(result, time.perf_counter() - step_start, grad_norm)
         metrics, verdict = guard_step(run, result)
         if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
-            save_checkpoint(run)
+            checkpointer.save(run)
             raise UserError(verdict)
         if cfg.data.log_sample_keys:  # which samples each step saw, per rank
             with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
@@ -206,17 +207,10 @@ def fit(run: Run) -> dict:
         # on the last step a normal end is as good
         if stopped or (result.stop and run.step < stop_at):
             profiler.close()
-            return stop_for_requeue(run, last_saved, last_eval)
-        if (
-            cfg.checkpoint.every_steps
-            and run.step % cfg.checkpoint.every_steps == 0
-            and run.step < stop_at
-        ):
-            save_checkpoint(run)
-            last_saved = run.step
+            return stop_for_requeue(run, checkpointer, last_eval)
+        checkpointer.maybe_save(run)
     profiler.close()  # the run ended inside the profiled steps: what was profiled
-    if last_saved != run.step or ckpt.latest_tag(ckpt.checkpoint_root(cfg.run_dir)) is None:
-        save_checkpoint(run)
+    checkpointer.ensure_final(run)
     return {
         "step": run.step,
         "tokens_seen": run.tokens_seen,
@@ -226,11 +220,10 @@ def fit(run: Run) -> dict:
     }
 
 
-def stop_for_requeue(run: Run, last_saved: int, last_eval: dict) -> dict:
+def stop_for_requeue(run: Run, checkpointer: Checkpointer, last_eval: dict) -> dict:
     """End a job asked to stop, on every rank: the step reached checkpointed (unless it is already,
     or none was trained), RUN_DIR/preempted.json left for the batch script, one line."""
-    if run.step != last_saved:
-        save_checkpoint(run)
+    if checkpointer.save_unless_saved(run):
         done = f"checkpoint at step {run.step} saved"
     else:
         done = (

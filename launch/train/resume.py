@@ -1,6 +1,6 @@
-"""Checkpoints of a training run: which one a job resumes from (refused in one line when it
-does not fit the job), restoring it, and saving one on every rank; the RNG state, and the
-metrics rows a resumed job logs again."""
+"""Resuming a training run: which checkpoint a job resumes from (refused in one line when it
+does not fit the job), restoring it; the RNG state, and the metrics rows a resumed job logs
+again. Saving one: `launch.checkpoint.save`."""
 
 from __future__ import annotations
 
@@ -18,10 +18,8 @@ from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
-from launch.deepspeed.estimate import checkpoint_size
 from launch.tracking import read_metrics_rows
-from launch.train import space
-from launch.train.state import Data, Progress, Run, dataset_record, tokens_by_source
+from launch.train.state import Data, Progress
 from model.config import TRAINING_ONLY_FIELDS
 
 
@@ -169,7 +167,8 @@ def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
     return Progress()
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This rank's random streams, as a checkpoint records them (`restore` sets them back)."""
     state = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -186,140 +185,6 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(run: Run) -> Path:
-    """Every rank writes its part and hashes its share of the files (`ckpt.hashing_shares`: the
-    ones it wrote, and the shared ones balanced by size); rank 0 records them all in
-    integrity.json, and the `latest` pointer moves once all have finished.
-
-    A save that its file system cannot hold ends the job on every rank in one line naming it and
-    what the save needs (`launch.deepspeed.estimate.checkpoint_size`): refused before anything is written
-    where the file system has less free space, else failed by any rank's OSError (ENOSPC) in
-    any step (`_save_step`). The previous checkpoint stays the latest, and this one is removed."""
-    root = ckpt.checkpoint_root(run.cfg.run_dir)
-    tag = ckpt.tag_for(run.step)
-    tag_dir = root / tag
-    client_state = {
-        "step": run.step,
-        "tokens_seen": run.tokens_seen,
-        "loader": run.data.train.state_dict(),
-        "rng": dist.all_gather_object(_rng_state()),
-        "config": config_to_dict(run.cfg),
-        "tokenizer_sha256": run.data.tokenizer_sha256,
-        **(
-            {"target_tokenizer_sha256": run.data.target.sha256}
-            if run.data.target is not None
-            else {}
-        ),
-        "wandb_run_id": run.run_id,
-        "world_size": run.denv.world_size,
-        "global_batch_size": run.plan.global_batch_size,
-        "micro_batch_size": run.plan.micro_batch_size,
-        "grad_accum": run.plan.grad_accum,
-        "guard": run.guard.state_dict(),
-        "tokens_by_source": tokens_by_source(run),
-        "dataset": dataset_record(run),
-    }
-    need, how = checkpoint_size(
-        run.n_parameters, run.cfg.deepspeed.zero_stage, run.cfg.deepspeed.precision
-    )
-    free = None
-
-    def part(work, doing: str, *, main_only: bool = False) -> list:  # `free` as measured by then
-        return _save_step(
-            run,
-            root,
-            tag,
-            work,
-            doing,
-            main_only,
-            lambda failure: space.save_failed(root, tag, failure, need, how, free),
-        )
-
-    def make_room() -> int:
-        # what a save that never completed, or a damaged checkpoint a resume skipped, left here
-        ckpt.discard(root, tag)
-        room = space.free_space(root)
-        if room >= need:
-            # here, not in DeepSpeed's save, whose failure would leave the others waiting
-            tag_dir.mkdir(parents=True)
-        return room
-
-    free = part(make_room, "writing", main_only=True)[0]
-    if refusal := space.short_of_space(root, tag, free, need, how):
-        raise UserError(refusal)  # on every rank: each has rank 0's figure
-    part(lambda: run.engine.save(root, tag, client_state), "writing")
-
-    def listed() -> dict[str, int]:
-        info = {
-            k: client_state[k]
-            for k in (
-                "step",
-                "tokens_seen",
-                "tokenizer_sha256",
-                "target_tokenizer_sha256",
-                "wandb_run_id",
-                "world_size",
-                "global_batch_size",
-                "micro_batch_size",
-                "grad_accum",
-                "tokens_by_source",
-                "dataset",
-            )
-            if k in client_state
-        }
-        # what a resume checks before loading (`find_resume`)
-        info["model"] = client_state["config"]["model"]
-        (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
-        return ckpt.files_on_disk(tag_dir)
-
-    # One listing, rank 0's, so that every rank computes the same shares.
-    share = ckpt.hashing_shares(part(listed, "writing", main_only=True)[0], run.denv.world_size)[
-        run.denv.rank
-    ]
-    hashed = part(lambda: ckpt.hash_files(tag_dir, share), "hashing")
-
-    def recorded() -> None:
-        # Sizes and sha256 of every file, checked before a resume trusts it; who hashed each, for
-        # the record.
-        ckpt.write_integrity(
-            tag_dir,
-            {
-                name: {**entry, "hashed_by": rank}
-                for rank, entries in enumerate(hashed)
-                for name, entry in entries.items()
-            },
-        )
-        ckpt.move_pointer(root, tag)
-        ckpt.prune(root, run.cfg.checkpoint.keep_last)
-        run.tracker.checkpointed(run.step)
-
-    part(recorded, "writing", main_only=True)
-    return tag_dir
-
-
-def _save_step(run: Run, root: Path, tag: str, work, doing: str, main_only: bool, failed) -> list:
-    """One step of a save: `work()` on every rank (or on rank 0 alone), its values gathered from
-    every rank. An OSError of any rank's work fails the save on every rank alike, none left
-    waiting in a collective: rank 0 removes what was written of checkpoint `tag` (unless the
-    pointer names it), then every rank raises the UserError `failed(space.WriteFailure)` words."""
-    value = failure = None
-    if run.denv.is_main or not main_only:
-        try:
-            value = work()
-        except OSError as err:
-            failure = space.WriteFailure(
-                run.denv.rank, doing, err.errno, err.strerror or str(err), err.filename
-            )
-    gathered = dist.all_gather_object((value, failure))
-    failures = [failure for _, failure in gathered if failure is not None]
-    if failures:
-        if run.denv.is_main and ckpt.latest_tag(root) != tag:
-            ckpt.discard(root, tag)
-        dist.barrier()  # removed before any rank ends the job
-        raise UserError(failed(failures[0]))
-    return [value for value, _ in gathered]
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:

@@ -117,7 +117,7 @@ def make(out: Path) -> None:
                 "micro_batch_size": 2,
                 "grad_accum": 1,
             }
-            engine.save(root, tag, client)  # as launch.train's save_checkpoint
+            engine.save(root, tag, client)  # as launch.checkpoint.save's save_checkpoint
             info = {
                 key: client[key]
                 for key in ("step", "tokens_seen", "tokenizer_sha256", "world_size")

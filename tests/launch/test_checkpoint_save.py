@@ -344,7 +344,7 @@ def tiny_engine(stage: int, precision: str):
 
 def sizes(out: Path) -> None:
     """OUT/sizes.json: {stage-precision: [the save's estimate, the bytes DeepSpeed wrote]}."""
-    from launch.deepspeed.estimate import checkpoint_size
+    from launch.checkpoint.space import checkpoint_size
 
     found = {}
     for stage, precision in COMBOS:

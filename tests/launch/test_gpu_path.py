@@ -174,6 +174,7 @@ def test_pinned_batches_are_asked_for_only_with_cuda():
 
 MFU_DRIVER = """
 import sys, time
+import launch.checkpoint.save as checkpoint_save
 import launch.train.loop as train
 
 real = train.evaluate
@@ -181,11 +182,11 @@ def slow_evaluate(run):
     time.sleep(0.5)  # an evaluation (or a checkpoint) that takes long between two logged steps
     return real(run)
 train.evaluate = slow_evaluate
-real_save = train.save_checkpoint
+real_save = checkpoint_save.save_checkpoint  # what the loop's Checkpointer calls
 def slow_save(run):
     time.sleep(0.5)
     return real_save(run)
-train.save_checkpoint = slow_save
+checkpoint_save.save_checkpoint = slow_save
 sys.exit(train.main(sys.argv[1:]))
 """
 

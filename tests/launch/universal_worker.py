@@ -97,7 +97,7 @@ def save(out: Path, stage: int, precision: str) -> None:
     root = out / "checkpoints"
     engine.save(root, TAG, {"step": STEPS, "world_size": world_size})
     dist.barrier()
-    if rank == 0:  # as launch.train's save_checkpoint does
+    if rank == 0:  # as launch.checkpoint.save's save_checkpoint does
         (root / TAG / "client_state.json").write_text(
             json.dumps({"step": STEPS, "world_size": world_size}) + "\n"
         )
