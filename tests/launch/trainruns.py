@@ -30,23 +30,27 @@ TINY = [
 ]
 
 
+def python_launcher(nproc: int) -> list[str]:
+    """The start of a command that runs a module on `nproc` ranks: torchrun (standalone) for
+    several, the bare interpreter for one."""
+    if nproc <= 1:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+    ]
+
+
 def train(
     config: str, data: Path, run_dir: Path, *overrides: str, nproc: int = 2
 ) -> subprocess.CompletedProcess:
     """`launch.train` on configs/CONFIG with TINY and `overrides`, on `nproc` ranks; it must succeed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
+    launcher = python_launcher(nproc)
     command = [
         *launcher,
         "-m",
@@ -76,18 +80,7 @@ def run_train(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     if inject:
         env["INJECT_LOSS"] = inject
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
+    launcher = python_launcher(nproc)
     trainer = (
         [str(ROOT / "tests" / "launch" / "inject_loss.py")] if inject else ["-m", "launch.train"]
     )
