@@ -247,6 +247,9 @@ def _train(
     count = args.steps * plan.grad_accum
     start = time.perf_counter()
     loss = micro_batches(count)
+    if cuda:
+        torch.cuda.synchronize()
+    steps_seconds = time.perf_counter() - start
     # --min-seconds: more of the same until that long, so that a GPU is timed at the clock it
     # holds under sustained load (a second-long burst runs faster than minutes of training do).
     while time.perf_counter() - start < args.min_seconds:
@@ -267,6 +270,7 @@ def _train(
         "parameters": n_parameters,
         "micro_batches": count,
         "seconds": seconds,
+        "steps_seconds": steps_seconds,  # of the --steps alone, before --min-seconds' extra
         "last_loss": float(loss),
         "compiled": compiled,
         "profile": profile,

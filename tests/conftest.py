@@ -191,13 +191,23 @@ def prepare_args(corpus: Path, out: Path, **overrides) -> list[str]:
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+# Ports Ray takes by default for its own components when not told otherwise (GCS 6379, the
+# dashboard 8265, the client server 10001, the dashboard agent's HTTP 52365) and its workers'
+# default range: a head started on one of them refuses to start ("is trying to use a port number
+# 52365 that is used by other components").
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365}) | frozenset(range(10002, 20000))
+
+
+def free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, and not one of `avoid`."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def run_prepare(args: list[str], ray: "RayHead | None" = None) -> subprocess.CompletedProcess:
@@ -232,7 +242,7 @@ class RayHead:
         """`cwd`: the workers' working directory, against which a config's relative paths resolve."""
         import secrets
 
-        port = free_port()
+        port = free_port(avoid=RAY_DEFAULT_PORTS)
         self.address = f"127.0.0.1:{port}"
         self.env = {
             **os.environ,

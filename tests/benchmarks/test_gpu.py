@@ -745,7 +745,9 @@ def test_gpu_benchmark_compiles_what_the_trainer_compiles(tmp_path):
     # --min-seconds: timed steps beyond --steps (2 with --tiny) until that long
     assert "2 timed optimizer steps (more until 2 s)" in run.stdout, run.stdout
     (result,) = json.loads(raw.read_text())
-    assert result["seconds"] >= 2 and result["micro_batches"] > 2, result
+    # more steps were timed, unless the 2 of --steps alone already took 2 s (a loaded machine)
+    assert result["seconds"] >= 2, result
+    assert result["micro_batches"] > 2 or result["steps_seconds"] >= 2, result
     profile = run.stdout[run.stdout.index("profile of one optimizer step") :]
     assert re.search(r"^  attention +[\d.]+ ms", profile, re.M) and re.search(
         r"\[attention\] ", profile
