@@ -294,7 +294,7 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
     from pipeline.prepare.sources import expand_paths, plan_units, source_list, stream_chunks
-    from pipeline.prepare.work import MONO, PAIRS, scan_unit, unique_records
+    from pipeline.prepare.work import MONO, PAIRS, scan_unit, unique_chunks
 
     units = [
         chunk
@@ -312,10 +312,11 @@ def encode_work_texts(cfg, work_dir: Path) -> list[str]:
             for bucket in range(cfg.shard.buckets):
                 family = MONO if dataset == "packed" else PAIRS
                 lines = [
-                    line.decode("utf-8")
-                    for _, line in unique_records(
+                    text
+                    for _, chunk in unique_chunks(
                         str(work_dir), unit_sources, family, split, bucket, stats
                     )
+                    for text in chunk
                 ]
                 if dataset == "packed":
                     texts.extend(lines)
@@ -356,7 +357,12 @@ def bench_encode(texts: list[str], model_path: Path, num_threads: int, repeats: 
         seconds.append(time.perf_counter() - started)
         tokens = sum(len(piece_ids) for piece_ids in ids)
     os.environ.pop("TOKENIZERS_PARALLELISM", None)
-    return {"seconds": statistics.median(seconds), "tokens": tokens, "texts": len(texts)}
+    return {
+        "seconds": statistics.median(seconds),
+        "samples": seconds,
+        "tokens": tokens,
+        "texts": len(texts),
+    }
 
 
 def hf_tokenizer(data_dir: Path, source_paths: list[str] | None, tmp: Path) -> Path:
@@ -419,9 +425,13 @@ def bench_prepare(
         return one, every
 
     before = baselines()
-
+    # One more 1-thread timing of the library before each repeat's runs, so that the library and
+    # the prepare runs are timed alternately through the machine's changes of load; the ratio
+    # is of medians on both sides (a best-of on one side alone would favour it).
+    one_thread = list(before[0]["samples"])
     runs: dict[str, list[dict]] = {}
     for repeat in range(repeats):
+        one_thread += bench_encode(texts, tokenizer, 1, 1)["samples"]
         for num_workers in workers:  # alternate worker counts, like the loader runs
             cfg = prepare_config(
                 data_dir, tmp / f"out-{num_workers}", num_workers, tokenizer, source_paths
@@ -447,7 +457,8 @@ def bench_prepare(
                 flush=True,
             )
     after = baselines()
-    baseline = min(before[0], after[0], key=lambda b: b["seconds"])
+    one_thread += after[0]["samples"]
+    baseline = {**before[0], "seconds": statistics.median(one_thread), "samples": one_thread}
     baseline_all = min(before[1], after[1], key=lambda b: b["seconds"])
     trained = None
     if train_run and kind == "sentencepiece":
@@ -799,7 +810,11 @@ def prepare_table(result: dict, repeats: int) -> str:
             f"{wall:.1f} | {encode:.1f} | {_rate(tokens / wall)} | {_rate(tokens / encode)} |"
         )
     for label, baseline in (
-        (f"{lib}, 1 process, 1 thread", result["baseline"]),
+        (
+            f"{lib}, 1 process, 1 thread (median of {len(result['baseline']['samples'])}, "
+            f"{min(result['baseline']['samples']):.2f}-{max(result['baseline']['samples']):.2f} s)",
+            result["baseline"],
+        ),
         (f"{lib}, 1 process, library default threads", result["baseline_all_threads"]),
     ):
         lines.append(

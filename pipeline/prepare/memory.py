@@ -5,7 +5,7 @@ A worker runs one task at a time, so its peak is its own resident size plus the 
 scan task and an encode task hold:
 
 - an encode task (one dataset's bucket, split by split) keeps a set of the 8-byte digests of the
-  records it has written, to drop duplicates (`work.unique_records`): about SEEN_BYTES per
+  records it has written, to drop duplicates (`work.unique_chunks`): about SEEN_BYTES per
   distinct record of the bucket's largest split, the train split; and a chunk of ENCODE_CHUNK
   texts with their token ids as Python lists (about ENCODE_BYTES_PER_TEXT_BYTE of memory per
   byte of text);

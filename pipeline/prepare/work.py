@@ -171,44 +171,50 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def unique_records(
+def unique_chunks(
     work_dir: str,
     unit_sources: list[int],
     family: str,
     split: str,
     bucket: int,
     stats: list[Counter],
-) -> Iterator[tuple[int, bytes]]:
-    """(source index, raw record line without its newline) of one bucket, in unit order, the
-    first occurrence of each distinct record only; a duplicate is counted for the source that
-    loses it. Records are told apart by a 64-bit hash (a collision, about n**2 / 2**65 for n
-    records, would drop a record as a duplicate, the same one in every run)."""
+    size: int = ENCODE_CHUNK,
+) -> Iterator[tuple[int, list[str]]]:
+    """The distinct records of one bucket, in unit order, as (source index, texts): runs of at
+    most `size` consecutive records of one source, each record's first occurrence only; a
+    duplicate is counted for the source that loses it. Records are told apart by a 64-bit hash
+    (a collision, about n**2 / 2**65 for n records, would drop a record as a duplicate, the same
+    one in every run). Read a megabyte of lines at a time and decoded a run at a time: per-line
+    Python work is the encode stage's cost beside the tokenizer's."""
     seen: set[bytes] = set()
+    blake2b = hashlib.blake2b
     for unit_index, source in enumerate(unit_sources):
         path = bucket_file(work_dir, unit_index, family, split, bucket)
         if not path.is_file():
             continue
+        kept: list[bytes] = []
+        dropped = 0
         with open(path, "rb") as fh:
-            for line in fh:
-                digest = hashlib.blake2b(line, digest_size=8).digest()
-                if digest in seen:
-                    stats[source]["duplicates_dropped"] += 1
-                    continue
-                seen.add(digest)
-                yield source, line[:-1]
+            while lines := fh.readlines(1 << 20):
+                for line in lines:
+                    digest = blake2b(line, digest_size=8).digest()
+                    if digest in seen:
+                        dropped += 1
+                        continue
+                    seen.add(digest)
+                    kept.append(line)
+                while len(kept) >= size:
+                    yield source, _texts(kept[:size])
+                    del kept[:size]
+        if dropped:
+            stats[source]["duplicates_dropped"] += dropped
+        if kept:
+            yield source, _texts(kept)
 
 
-def _chunks(records: Iterator[tuple[int, bytes]], size: int) -> Iterator[tuple[int, list[bytes]]]:
-    """Runs of at most `size` consecutive records of one source."""
-    current, chunk = -1, []
-    for source, line in records:
-        if source != current or len(chunk) >= size:
-            if chunk:
-                yield current, chunk
-            current, chunk = source, []
-        chunk.append(line)
-    if chunk:
-        yield current, chunk
+def _texts(lines: list[bytes]) -> list[str]:
+    """Newline-ended UTF-8 record lines as texts, decoded in one call."""
+    return b"".join(lines)[:-1].decode("utf-8").split("\n")
 
 
 class _ShardSequence:
@@ -298,22 +304,21 @@ def encode_bucket(
         for name in names
     ]
     family = MONO if dataset == "packed" else PAIRS
-    records = unique_records(work_dir, unit_sources, family, split, bucket, stats)
+    chunks = unique_chunks(work_dir, unit_sources, family, split, bucket, stats)
     try:
         if dataset == "packed":
             packers = [
                 _Packer(cfg.seq_len, dtype, sequence.write, tokenizer.specials.document)
                 for sequence in sequences
             ]
-            for source, lines in _chunks(records, ENCODE_CHUNK):
-                texts = [line.decode("utf-8") for line in lines]
+            for source, texts in chunks:
                 stats[source]["documents"] += len(texts)
                 packers[source].add(tokenizer.encode_batch(texts), stats[source])
             for packer, source_stats in zip(packers, stats):
                 packer.finish(source_stats)
         else:
-            for source, lines in _chunks(records, ENCODE_CHUNK):
-                pairs = [line.decode("utf-8").split("\t", 1) for line in lines]
+            for source, texts in chunks:
+                pairs = [text.split("\t", 1) for text in texts]
                 for sample in _filter_pairs(pairs, (tokenizer, target), cfg, dtype, stats[source]):
                     sequences[source].write(sample)
         shards = []
@@ -390,34 +395,44 @@ class _Packer:
         self.seq_len, self.dtype, self.emit = seq_len, dtype, emit
         self.before, self.after = list(frame[0]), list(frame[1])
         self.carry = np.empty(0, dtype=np.int64)
-        self.carry_starts: list[int] = []  # where documents start in `carry`
+        self.carry_starts = np.empty(0, dtype=np.int64)  # where documents start in `carry`
 
     def add(self, documents: list[list[int]], stats: Counter) -> None:
         flat: list[int] = []
-        starts = list(self.carry_starts)
+        new_starts: list[int] = []
         for doc in documents:
-            starts.append(len(self.carry) + len(flat))
+            new_starts.append(len(self.carry) + len(flat))
             flat.extend(self.before)
             flat.extend(doc)
             flat.extend(self.after)
         stats["tokens"] += len(flat)
         stream = np.concatenate((self.carry, np.array(flat, dtype=np.int64)))
+        # ascending: the carried documents' starts, then this call's
+        starts = np.concatenate((self.carry_starts, np.array(new_starts, dtype=np.int64)))
         n_blocks = len(stream) // self.seq_len
-        blocks = (
-            stream[: n_blocks * self.seq_len].reshape(n_blocks, self.seq_len).astype(self.dtype)
-        )
-        self.carry = stream[n_blocks * self.seq_len :]
         cut = n_blocks * self.seq_len
-        self.carry_starts = [start - cut for start in starts if start >= cut]
-        for index, block in enumerate(blocks):
-            first = index * self.seq_len
-            inside = [start - first for start in starts if first < start < first + self.seq_len]
-            self.emit({"input_ids": block, "doc_starts": np.array([0, *inside], dtype=self.dtype)})
+        blocks = stream[:cut].reshape(n_blocks, self.seq_len).astype(self.dtype)
+        self.carry = stream[cut:]
+        self.carry_starts = starts[np.searchsorted(starts, cut, side="left") :] - cut
+        # Each block's document starts strictly inside it (its own first position is always
+        # one): found by bisection, not by a scan of every start for every block.
+        firsts = np.arange(n_blocks, dtype=np.int64) * self.seq_len
+        lows = np.searchsorted(starts, firsts, side="right")
+        highs = np.searchsorted(starts, firsts + self.seq_len, side="left")
+        zero = np.zeros(1, dtype=np.int64)
+        for block, first, low, high in zip(blocks, firsts.tolist(), lows.tolist(), highs.tolist()):
+            inside = starts[low:high] - first
+            self.emit(
+                {
+                    "input_ids": block,
+                    "doc_starts": np.concatenate((zero, inside)).astype(self.dtype),
+                }
+            )
 
     def finish(self, stats: Counter) -> None:
         stats["tail_tokens_dropped"] += len(self.carry)
         self.carry = self.carry[:0]
-        self.carry_starts = []
+        self.carry_starts = self.carry_starts[:0]
 
 
 def _filter_pairs(
