@@ -188,11 +188,15 @@ def unique_chunks(
     Python work is the encode stage's cost beside the tokenizer's."""
     seen: set[bytes] = set()
     blake2b = hashlib.blake2b
+    current, kept = -1, []  # the source of the run being gathered, its lines
     for unit_index, source in enumerate(unit_sources):
         path = bucket_file(work_dir, unit_index, family, split, bucket)
         if not path.is_file():
             continue
-        kept: list[bytes] = []
+        if source != current:
+            if kept:
+                yield current, _texts(kept)
+            current, kept = source, []
         dropped = 0
         with open(path, "rb") as fh:
             while lines := fh.readlines(1 << 20):
@@ -208,8 +212,8 @@ def unique_chunks(
                     del kept[:size]
         if dropped:
             stats[source]["duplicates_dropped"] += dropped
-        if kept:
-            yield source, _texts(kept)
+    if kept:
+        yield current, _texts(kept)
 
 
 def _texts(lines: list[bytes]) -> list[str]:
