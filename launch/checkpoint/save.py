@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from common.configure import UserError, config_to_dict
+from common.storage import free_space
 from launch import distributed as dist
 from launch.checkpoint.integrity import files_on_disk, hash_files, hashing_shares, write_integrity
 from launch.checkpoint.layout import (
@@ -22,7 +23,6 @@ from launch.checkpoint.layout import (
 from launch.checkpoint.space import (
     WriteFailure,
     checkpoint_size,
-    free_space,
     save_failed,
     short_of_space,
 )

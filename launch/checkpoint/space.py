@@ -8,10 +8,10 @@ import contextlib
 import errno
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
+from common.storage import byte_size
 from launch.checkpoint.layout import POINTER, latest_tag
 
 
@@ -43,14 +43,6 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
     return parameters * each, f"{parameters:,} parameters x {each} bytes: {how}"
 
 
-def free_space(path: str | Path) -> int:
-    """Bytes free to this user on the file system that holds `path` (or would: its nearest existing ancestor)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 def file_system(path: str | Path) -> str:
     """The file system that holds `path`, for a message: "TYPE on MOUNT_POINT" (the mount point
     alone where /proc/self/mounts does not say)."""
@@ -79,8 +71,8 @@ def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -
     if free >= need:
         return None
     return (
-        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
-        f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}"
+        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {byte_size(free)} free "
+        f"and the save needs about {byte_size(need)} ({how}); {_still_latest(root)}"
     )
 
 
@@ -97,10 +89,10 @@ def save_failed(
         with contextlib.suppress(ValueError):
             name = Path(name).relative_to(base).as_posix()
             break
-    was_free = f" and {_size(free)} was free before it" if free is not None else ""
+    was_free = f" and {byte_size(free)} was free before it" if free is not None else ""
     return (
         f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
-        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
+        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {byte_size(need)} ({how})"
         f"{was_free}; the partial {tag} is removed and {_still_latest(root)}"
     )
 
@@ -113,10 +105,3 @@ def _still_latest(root: Path) -> str:
         else "no checkpoint of this run is complete yet"
     )
     return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n / 2**10:,.0f} KiB"

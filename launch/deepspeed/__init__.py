@@ -15,7 +15,7 @@ on any world size.
 
 Reading a checkpoint runs no code from it wherever we read it ourselves (`consolidated_state_dict`
 for export, evaluation and translation; the ZeRO-3 universal repair): torch's weights-only
-unpickler, with the few classes DeepSpeed's files hold allowed (`_checkpoint_globals`), also for
+unpickler, with the few classes DeepSpeed's files hold allowed (`checkpoint_globals`), also for
 the torch.load calls inside DeepSpeed's consolidation. `Engine.load` is DeepSpeed's
 `load_checkpoint`, which unpickles in full: a run directory resumed from is trusted like code.
 

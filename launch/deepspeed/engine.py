@@ -14,7 +14,7 @@ import torch
 from common.configure import UserError
 from launch.checkpoint import is_universal
 from launch.deepspeed.patches import patch_deepspeed
-from launch.deepspeed.safe_load import _checkpoint_globals
+from launch.deepspeed.safe_load import checkpoint_globals
 
 
 class Engine:
@@ -195,7 +195,7 @@ class Engine:
         the hyperparameters of the first (our no-decay group would get weight decay), and one
         `step` tensor shared by all groups, which AdamW then advances once per group per step."""
         basic = self._engine.basic_optimizer
-        with torch.serialization.safe_globals(_checkpoint_globals()):
+        with torch.serialization.safe_globals(checkpoint_globals()):
             saved = torch.load(
                 checkpoint / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True
             )["param_groups"]

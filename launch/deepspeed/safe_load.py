@@ -20,7 +20,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, t
     """fp32 weights of a DeepSpeed checkpoint of any ZeRO stage, on CPU, without a process group.
     The checkpoint is verified first (`launch.checkpoint.require_intact`) and read without running
     any code it may hold: a torch file whose pickle names anything but tensors, plain data and
-    `_checkpoint_globals` is refused, and every load is weights-only, DeepSpeed's included. Any
+    `checkpoint_globals` is refused, and every load is weights-only, DeepSpeed's included. Any
     failure is one UserError line."""
     tag_dir = Path(checkpoint_dir) / tag
     if is_universal(checkpoint_dir, tag):  # its fp32 weights lack the tied names under ZeRO-3
@@ -88,7 +88,7 @@ def _zero_fp32_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def _checkpoint_globals() -> list:
+def checkpoint_globals() -> list:
     """What our checkpoints hold besides tensors and plain data, which torch's weights-only
     unpickler may then build: DeepSpeed's ZeRO optimizer state (the stage as an enum, its loss
     scaler, each parameter's place in a flat partition: `stage_1_and_2.py`, `stage3.py`) and
@@ -139,14 +139,14 @@ def _checkpoint_globals() -> list:
 @contextlib.contextmanager
 def _weights_only_loads() -> Iterator[None]:
     """Every torch.load inside, DeepSpeed's `weights_only=False` ones included, weights-only with
-    `_checkpoint_globals` allowed: torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call. The
+    `checkpoint_globals` allowed: torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call. The
     environment is the process's: for one-process readers (export, evaluation, translation)."""
     # torch refuses both set
     names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
     saved = {name: os.environ.pop(name, None) for name in names}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(_checkpoint_globals()):
+        with torch.serialization.safe_globals(checkpoint_globals()):
             yield
     finally:
         for name, value in saved.items():

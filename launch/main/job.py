@@ -20,17 +20,17 @@ from common.terminal import leave_terminal
 from launch.config import MainConfig
 from launch.main.plan import (
     StageClock,
-    _check,
-    _finished,
-    _pretrain_steps,
-    _say,
-    _train_command,
+    check_main,
     finetune_overrides,
+    finished,
     own_eta_s,
     plan_stages,
     prepare_overrides,
     pretrain_overrides,
+    pretrain_steps,
     pretrained_needed,
+    say,
+    train_command,
     wandb_group,
 )
 from launch.main.summary import write_report
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [arg for arg in argv if arg != "--dry-run"]
         return dry_run(parse_cli(MainConfig, rest, usage=USAGE), rest[0])
     cfg = parse_cli(MainConfig, argv, usage=USAGE)
-    _check(cfg)  # the job's own keys first, each refused in its own words
+    check_main(cfg)  # the job's own keys first, each refused in its own words
     out = Path(cfg.out_dir)
     # One job per out_dir: a second would run the same stages into the same directories, and
     # open their logs anew under the first. OUT_DIR.lock lies beside it, which it may not be yet.
@@ -76,7 +76,7 @@ def _main(cfg: MainConfig, argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except Stopped as stop:
-        _say(
+        say(
             f"stopped by {stop}"
             + (f": {stop.ended}" if stop.ended else "")
             + "; a re-run continues from there"
@@ -98,15 +98,15 @@ def _chain_problems(cfg: MainConfig, config: str) -> list[str]:
 
 
 def main_job(cfg: MainConfig) -> str:
-    starts = _check(cfg)
+    starts = check_main(cfg)
     out = Path(cfg.out_dir)
     logs = out / "logs"
     out.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, wandb_group=wandb_group(cfg, out))
     save_config(cfg, out / "config.yaml")
-    _say(f"W&B group of this job's runs: {cfg.wandb_group}")
+    say(f"W&B group of this job's runs: {cfg.wandb_group}")
     clock = StageClock(plan_stages(cfg, starts))
-    _say(f"{len(clock.stages)} stages: {', '.join(stage.label for stage in clock.stages)}")
+    say(f"{len(clock.stages)} stages: {', '.join(stage.label for stage in clock.stages)}")
     started = time.time()
     stage_prepare(cfg, logs, clock)
     _say_pretraining_text(cfg)
@@ -122,7 +122,7 @@ def main_job(cfg: MainConfig) -> str:
             {split: stage_evaluate(cfg, run_dir, split, logs, clock) for split in cfg.eval_splits},
         )
     table, report = write_report(cfg, pretrained, finetuned, time.time() - started)
-    _say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
+    say(f"all stages done in {time.time() - started:.0f} s; summary and loss curves in {report}/")
     return table
 
 
@@ -135,7 +135,7 @@ def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
             text=True,
         )
         if check.returncode == 0:
-            _say(f"prepare: skipped, {data} exists and validates")
+            say(f"prepare: skipped, {data} exists and validates")
             return
         # The summary line, or the one-line error of a dataset it cannot read (an older format).
         said = (
@@ -143,7 +143,7 @@ def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
             or check.stderr.strip().splitlines()
             or [f"exit {check.returncode}"]
         )
-        _say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
+        say(f"prepare: {data} does not validate ({said[-1]}); preparing it again")
     _run(
         "prepare",
         [sys.executable, "-m", "pipeline.prepare", cfg.prepare_config, *prepare_overrides(cfg)],
@@ -166,27 +166,27 @@ def _say_pretraining_text(cfg: MainConfig) -> None:
             "configs/prepare_gettext_manpages.yaml as data_dir)"
         )
     )
-    _say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
+    say(f"pretraining text: {cfg.data_dir}'s packed training tokens by source: {counts}{extra}")
 
 
 def stage_pretrain(
     cfg: MainConfig, name: str, config: str, out: Path, logs: Path, clock: StageClock
 ) -> Path:
     run_dir = out / f"pretrain-{name}"
-    steps = _pretrain_steps(cfg, name)
-    if _finished(run_dir, steps):
-        _say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
+    steps = pretrain_steps(cfg, name)
+    if finished(run_dir, steps):
+        say(f"pretrain {name}: skipped, {run_dir} finished {steps} steps")
     else:
         _run(
             f"pretrain {name}",
-            _train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
+            train_command(cfg.nproc, config, pretrain_overrides(cfg, name, run_dir)),
             logs / f"pretrain-{name}.log",
             clock,
         )
     export = out / f"export-{name}"
     exported = export / "config.json"
     if exported.is_file() and json.loads(exported.read_text()).get("step") == steps:
-        _say(f"export {name}: skipped, {export} holds step {steps}")
+        say(f"export {name}: skipped, {export} holds step {steps}")
     else:
         _run(
             f"export {name}",
@@ -208,8 +208,8 @@ def stage_finetune(
 ) -> Path:
     name = f"{encoder}-{decoder}"
     run_dir = out / f"finetune-{name}"
-    if _finished(run_dir, cfg.finetune_steps):
-        _say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
+    if finished(run_dir, cfg.finetune_steps):
+        say(f"fine-tune {name}: skipped, {run_dir} finished {cfg.finetune_steps} steps")
         return run_dir
     init = {
         stack: str(exports[side])
@@ -218,7 +218,7 @@ def stage_finetune(
     }
     _run(
         f"fine-tune {name}",
-        _train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
+        train_command(cfg.nproc, cfg.translation_config, finetune_overrides(cfg, run_dir, init)),
         logs / f"finetune-{name}.log",
         clock,
     )
@@ -247,7 +247,7 @@ def stage_evaluate(
             clock,
         )
     else:
-        _say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
+        say(f"evaluate {run_dir.name} {split}: skipped, {scores} exists")
     return json.loads(scores.read_text())
 
 
@@ -282,7 +282,7 @@ def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
     every = max(every_s(), 1.0)
     started = time.time()
     clock.start(stage)
-    _say(f"{stage}: {' '.join(command)}")
+    say(f"{stage}: {' '.join(command)}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # In a process group of its own, so that a Ctrl-C in the terminal reaches the main job alone,
     # which passes it on to the stage once (a rank takes a second SIGINT for "now").
@@ -293,7 +293,7 @@ def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
             while (code := _wait(process, every)) is None:
                 running = time.time() - started
                 line = _last_progress_line(log)
-                _say(
+                say(
                     f"{stage} ({interval(running)}): {line or 'no progress line yet'}; "
                     f"{clock.eta(running, own_eta_s(line))}"
                 )
@@ -309,7 +309,7 @@ def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
             f"stage {stage} failed (exit {code}): {errors[-1] if errors else ''} (log: {log})"
         )
     clock.finish(stage, time.time() - started)
-    _say(f"{stage}: done in {time.time() - started:.0f} s; {clock.eta()}")
+    say(f"{stage}: done in {time.time() - started:.0f} s; {clock.eta()}")
 
 
 def _wait(process: subprocess.Popen, seconds: float) -> int | None:

@@ -16,7 +16,7 @@ from common.progress import interval
 from launch.config import MainConfig, TrainConfig
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"[main] {message}", file=sys.stderr, flush=True)
 
 
@@ -105,7 +105,7 @@ def plan_stages(cfg: MainConfig, starts: list[tuple[str, str]]) -> list[Stage]:
     stages = [Stage("prepare", "prepare", 1)]
     for name in pretrained_needed(starts):
         stages += [
-            Stage(f"pretrain {name}", "pretrain", _pretrain_steps(cfg, name)),
+            Stage(f"pretrain {name}", "pretrain", pretrain_steps(cfg, name)),
             Stage(f"export {name}", "export", 1),
         ]
     for encoder, decoder in starts:
@@ -152,7 +152,7 @@ def main_problems(cfg: MainConfig) -> list[str]:
     return problems
 
 
-def _check(cfg: MainConfig) -> list[tuple[str, str]]:
+def check_main(cfg: MainConfig) -> list[tuple[str, str]]:
     """The starts, or a UserError with the first of `main_problems`."""
     problems = main_problems(cfg)
     if problems:
@@ -175,7 +175,7 @@ def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
     return [
         f"data.data_dir={cfg.data_dir}",
         f"run_dir={run_dir}",
-        f"max_steps={_pretrain_steps(cfg, name)}",
+        f"max_steps={pretrain_steps(cfg, name)}",
         f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}",
         *_wandb_overrides(cfg),
         *getattr(cfg, f"{name}_overrides"),
@@ -217,7 +217,7 @@ def wandb_group(cfg: MainConfig, out: Path) -> str:
     return kept.read_text().strip()
 
 
-def _pretrain_steps(cfg: MainConfig, name: str) -> int:
+def pretrain_steps(cfg: MainConfig, name: str) -> int:
     return (
         cfg.bert_pretrain_steps
         if name == "bert" and cfg.bert_pretrain_steps
@@ -225,7 +225,7 @@ def _pretrain_steps(cfg: MainConfig, name: str) -> int:
     )
 
 
-def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+def train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
     """`launch.train CONFIG overrides` on `nproc` ranks (torchrun when more than one). With
     CUDA, one rank per GPU: on a machine with fewer GPUs than `nproc` the job runs on as
     many ranks as there are GPUs, with gradient accumulation raised to keep the global batch
@@ -240,7 +240,7 @@ def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
                 f"nproc={nproc} ranks, but this machine has {gpus} GPUs, and the global batch of "
                 f"{nproc} ranks x grad_accum {accum} does not divide over {gpus}; set nproc={gpus}"
             )
-        _say(
+        say(
             f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} rank{'s' if gpus > 1 else ''} with "
             f"grad_accum={accum * nproc // gpus} (the same global batch)"
         )
@@ -260,6 +260,6 @@ def _train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
     return [*launcher, "-m", "launch.train", config, *overrides]
 
 
-def _finished(run_dir: Path, steps: int) -> bool:
+def finished(run_dir: Path, steps: int) -> bool:
     final = run_dir / "final.json"
     return final.is_file() and json.loads(final.read_text()).get("step") == steps

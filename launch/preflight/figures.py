@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from common.storage import byte_size
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
-from launch.preflight.report import DataInfo, Report, World, _size
+from launch.preflight.report import DataInfo, Report, World
 from launch.tasks import Task
 from model import ModelConfig, build_model, training_flops
 from model.config import GATED_ACTIVATIONS
@@ -128,16 +129,16 @@ def model_figures(
     )
     report.facts["FLOPs per token"] = f"{flops_per_step / tokens_per_step:.3e}"
     report.facts["memory per GPU"] = (
-        f"{_size(states['gpu_bytes'] + activations)} = model states "
-        f"{_size(states['gpu_bytes'])} + activations {_size(activations)}"
+        f"{byte_size(states['gpu_bytes'] + activations)} = model states "
+        f"{byte_size(states['gpu_bytes'])} + activations {byte_size(activations)}"
     )
     report.facts["model states"] = (
-        f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {_size(states['gpu_bytes'])} per GPU, "
-        f"{_size(states['cpu_bytes_per_node'])} CPU per node ({states['estimator']}; it counts 16-bit weights and "
+        f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {byte_size(states['gpu_bytes'])} per GPU, "
+        f"{byte_size(states['cpu_bytes_per_node'])} CPU per node ({states['estimator']}; it counts 16-bit weights and "
         "gradients beside fp32 master weights and Adam moments)"
     )
     report.facts["activations"] = (
-        f"{_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, {cfg.deepspeed.precision}, "
+        f"{byte_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, {cfg.deepspeed.precision}, "
         f"activation checkpointing {'on' if model_cfg.activation_checkpointing else 'off'}; our estimate)"
     )
     report.figures.update(

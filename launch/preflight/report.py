@@ -103,7 +103,3 @@ def render(report: Report, config: str) -> str:
     else:
         lines.append("verdict: ready: nothing found that would stop this run (exit 0)")
     return "\n".join(lines)
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

@@ -27,7 +27,7 @@ from pipeline.tokenizer import Specials
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
-_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, _FILLER, _MIXTURE, _LENGTH_GROUPS = 1, 2, 3, 4, 5, 6
+_SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, FILLER, _MIXTURE, _LENGTH_GROUPS = 1, 2, 3, 4, 5, 6
 
 
 DEFAULT_SOURCE = "default"  # the source of shard records that name none (one-source datasets)
@@ -44,16 +44,16 @@ class Source:
     per_epoch: int  # n_s: its samples in one epoch (N_s unmixed)
 
 
-def _epoch_batches(spec: dict, epoch: int, first_batch: int) -> _EpochBatches:
+def rank_epoch(spec: dict, epoch: int, first_batch: int) -> EpochBatches:
     """A rank's batches first_batch.. of an epoch."""
-    return _EpochBatches(**spec, epoch=epoch, first_batch=first_batch)
+    return EpochBatches(**spec, epoch=epoch, first_batch=first_batch)
 
 
 # A shard's place in the stream: (source, pass of that source, place in the pass's shard order).
 ShardKey = tuple[int, int, int]
 
 
-class _EpochBatches(IterableDataset):
+class EpochBatches(IterableDataset):
     """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
     `pipeline.load.collate.unpack(task, packed)` in the main process makes the token batch.
 
@@ -127,7 +127,7 @@ class _EpochBatches(IterableDataset):
                 if self.mixed
                 else (self.seed, q, _SHARD_ORDER)
             )
-            shards = [source.shards[i] for i in _rng(*key).permutation(len(source.shards))]
+            shards = [source.shards[i] for i in seeded_rng(*key).permutation(len(source.shards))]
             starts = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])]).astype(
                 np.int64
             )
@@ -142,7 +142,7 @@ class _EpochBatches(IterableDataset):
             labels = np.repeat(
                 np.arange(len(self.sources), dtype=np.int16), [s.per_epoch for s in self.sources]
             )
-            labels = labels[_rng(self.seed, self.epoch, _MIXTURE).permutation(len(labels))]
+            labels = labels[seeded_rng(self.seed, self.epoch, _MIXTURE).permutation(len(labels))]
             where = [np.flatnonzero(labels == s) for s in range(len(self.sources))]
             occurrence = np.empty(len(labels), dtype=np.int64)
             for positions in where:
@@ -241,7 +241,7 @@ class _EpochBatches(IterableDataset):
 class _Reader:
     """The raw samples one worker needs, read once per shard; shards behind the current batch are dropped."""
 
-    def __init__(self, epoch_batches: _EpochBatches, batches: range):
+    def __init__(self, epoch_batches: EpochBatches, batches: range):
         self.epoch_batches = epoch_batches
         self.batches = batches
         self.loaded: dict[ShardKey, dict[int, dict[str, bytes]] | None] = {}
@@ -251,7 +251,9 @@ class _Reader:
         if key not in self.permutations:
             e = self.epoch_batches
             shard = e.shard(key)
-            order = _rng(e.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(shard.samples)
+            order = seeded_rng(e.seed, key[1], _SAMPLE_ORDER, shard.index).permutation(
+                shard.samples
+            )
             self.permutations[key] = self._grouped(key, order) if e.length_grouping else order
         return self.permutations[key]
 
@@ -269,7 +271,7 @@ class _Reader:
         body = by_size[head:]
         full = len(body) // b
         groups = body[: full * b].reshape(full, b)[
-            _rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
+            seeded_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
         ]
         return np.concatenate([by_size[:head], groups.ravel(), body[full * b :]])
 
@@ -298,7 +300,7 @@ class _Reader:
             )
         else:
             positions = indices - e.epoch * source.samples
-        # Invert `_EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
+        # Invert `EpochBatches.positions`: position -> (step, slot) -> (rank, this rank's batch).
         step, slot = np.divmod(positions // e.micro_batch_size, e.grad_accum * e.world_size)
         round_, rank = np.divmod(slot, e.world_size)
         batch = step * e.grad_accum + round_
@@ -331,7 +333,7 @@ def _new_events() -> dict:
     }
 
 
-def _sources(
+def epoch_sources(
     by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str
 ) -> tuple[Source, ...]:
     """The sources an epoch draws from: unmixed, one holding every shard in manifest order;
@@ -398,7 +400,7 @@ def describe_mixture(sources: tuple[Source, ...]) -> str:
     )
 
 
-def _shares(per_epoch: dict[str, int] | None) -> str:
+def describe_shares(per_epoch: dict[str, int] | None) -> str:
     if not per_epoch:
         return "every source as it is (no mixture)"
     total = sum(per_epoch.values())
@@ -411,7 +413,7 @@ def _name_tag(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
-def _rng(*key: int) -> np.random.Generator:
+def seeded_rng(*key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([k % 2**64 for k in key])))
 
 

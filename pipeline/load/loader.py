@@ -32,14 +32,14 @@ from pipeline.format import (
 from pipeline.load.collate import MLMMasking, unpack
 from pipeline.load.config import LoaderConfig, global_batch_size
 from pipeline.load.epoch import (
-    _FILLER,
     DEFAULT_SOURCE,
-    _epoch_batches,
-    _EpochBatches,
-    _rng,
-    _shares,
-    _sources,
+    FILLER,
+    EpochBatches,
     describe_mixture,
+    describe_shares,
+    epoch_sources,
+    rank_epoch,
+    seeded_rng,
 )
 from pipeline.load.shards import Shard, sample_fields
 
@@ -170,7 +170,7 @@ class ShardLoader:
                 fetch,
             )
             by_source.setdefault(str(entry.get("source", DEFAULT_SOURCE)), []).append(shard)
-        self.sources = _sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
+        self.sources = epoch_sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
         self.mixed = bool(mixture)
         self.allow_mixture_change = allow_mixture_change
         listing = json.dumps(
@@ -218,7 +218,7 @@ class ShardLoader:
         # as they were at the last step boundary
         self._tokens_at_step = dict(self.stats["tokens_by_source"])
         # the last batch handed out (a filler: its source)
-        self._served: tuple[_EpochBatches, int] | None = None
+        self._served: tuple[EpochBatches, int] | None = None
         log.info(
             "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
             "%d samples per epoch dropped (remainder below one global batch)",
@@ -274,8 +274,8 @@ class ShardLoader:
     def __len__(self) -> int:
         return self._num_batches
 
-    def _epoch_batches(self, epoch: int, first_batch: int) -> _EpochBatches:
-        return _epoch_batches(self._batch_spec(), epoch, first_batch)
+    def _epoch_batches(self, epoch: int, first_batch: int) -> EpochBatches:
+        return rank_epoch(self._batch_spec(), epoch, first_batch)
 
     def _batch_spec(self) -> dict:
         """What fixes every epoch's batches apart from (epoch, first batch)."""
@@ -374,14 +374,16 @@ class ShardLoader:
                 )
         self.epoch, self._consumed = epoch + 1, 0
 
-    def _filler(self, epoch_batches: _EpochBatches, j: int) -> tuple[int, dict]:
+    def _filler(self, epoch_batches: EpochBatches, j: int) -> tuple[int, dict]:
         """(i, batch i) to stand in for unreadable batch j: the first readable batch of the epoch in
         an order drawn from (seed, epoch, rank, j), so fillers are spread over the epoch and are
         the same after a resume. Batches touching a shard already found bad are passed over unread."""
         epoch = epoch_batches.epoch
         bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
         for i in (
-            _rng(self.seed, epoch, _FILLER, self.rank, j).permutation(self._num_batches).tolist()
+            seeded_rng(self.seed, epoch, FILLER, self.rank, j)
+            .permutation(self._num_batches)
+            .tolist()
         ):
             if i == j or epoch_batches.shard_paths(i) & bad_paths:
                 continue
@@ -468,8 +470,8 @@ class ShardLoader:
         mixture_changed = saved.get("mixture") != self._fingerprint["mixture"]
         if mixture_changed and not self.allow_mixture_change:
             raise UserError(
-                f"data.mixture: the checkpoint's run drew {_shares(saved.get('mixture'))} per epoch, this run would draw "
-                f"{_shares(self._fingerprint['mixture'])}; pass data.allow_mixture_change=true to continue from the "
+                f"data.mixture: the checkpoint's run drew {describe_shares(saved.get('mixture'))} per epoch, this run would draw "
+                f"{describe_shares(self._fingerprint['mixture'])}; pass data.allow_mixture_change=true to continue from the "
                 "same position with the new weights"
             )
         differences = [
@@ -491,8 +493,8 @@ class ShardLoader:
             log.warning(
                 "data.mixture changed on resume (data.allow_mixture_change=true): was %s per epoch, now %s; "
                 "continuing at epoch %d, batch %d with the new weights",
-                _shares(saved.get("mixture")),
-                _shares(self._fingerprint["mixture"]),
+                describe_shares(saved.get("mixture")),
+                describe_shares(self._fingerprint["mixture"]),
                 epoch,
                 consumed,
             )
@@ -518,7 +520,7 @@ class _CursorBatches(IterableDataset):
 
     def __iter__(self):
         epoch, first = (int(value) for value in self.cursor.tolist())
-        return iter(_epoch_batches(self.spec, epoch, first))
+        return iter(rank_epoch(self.spec, epoch, first))
 
 
 WORKER_EXIT_S = 1.0  # how long a closed loader's worker may take to end by itself

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import sys
@@ -38,6 +37,7 @@ from common.configure import (
     save_config,
 )
 from common.lock import dir_lock
+from common.storage import byte_size, existing_ancestor, free_space
 from common.terminal import leave_terminal
 from pipeline.format import (
     DATASET_FOR_TASK,
@@ -94,13 +94,14 @@ def prepare(cfg: PrepareConfig) -> dict:
         else (lambda msg: None)
     )
     need, why = scratch_need(cfg, files)
-    where, free = free_space(output)
+    where = existing_ancestor(output.absolute().parent)
+    free = free_space(where)
     log(
-        f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); {_size(free)} free on {where}"
+        f"prepare: {output}.partial/_work needs about {byte_size(need)} ({why}); {byte_size(free)} free on {where}"
     )
     if need > free:
         raise UserError(
-            f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
+            f"{output}.partial/_work needs about {byte_size(need)} ({why}), but {where} has {byte_size(free)} "
             f"free; free some space or choose an output_dir on a larger file system"
         )
     memory = check_memory(cfg, files, units, log)
@@ -145,7 +146,7 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
         text += size
         need += copies * size
         twice = twice or copies == 2
-    return need, f"{_size(text)} of decompressed input" + (
+    return need, f"{byte_size(text)} of decompressed input" + (
         ", pairs twice: as texts and as pairs" if twice else ""
     )
 
@@ -154,7 +155,9 @@ def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], 
     """Say how much memory a Ray worker will need at its peak (`pipeline.prepare.memory`), and
     stop in one line when a local Ray's workers would not have it; returns the estimate."""
     estimate = estimate_worker_memory(cfg, files, units)
-    need = f"each Ray worker needs about {_size(estimate.peak_bytes)} at its peak ({estimate.why})"
+    need = (
+        f"each Ray worker needs about {byte_size(estimate.peak_bytes)} at its peak ({estimate.why})"
+    )
     if cfg.ray.address:
         log(f"prepare: {need}; not checked here: the workers run on the nodes of {cfg.ray.address}")
         return estimate.peak_bytes
@@ -162,12 +165,12 @@ def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], 
     each = available // cfg.ray.num_workers if cfg.ray.num_workers > 0 else available
     if estimate.peak_bytes > each:
         raise UserError(
-            f"{need}, but this machine has {_size(available)} available for "
-            f"ray.num_workers={cfg.ray.num_workers} ({_size(each)} each); {estimate.remedy}, "
+            f"{need}, but this machine has {byte_size(available)} available for "
+            f"ray.num_workers={cfg.ray.num_workers} ({byte_size(each)} each); {estimate.remedy}, "
             "or lower ray.num_workers"
         )
     log(
-        f"prepare: {need}; {_size(available)} available, {_size(each)} for each of {cfg.ray.num_workers}"
+        f"prepare: {need}; {byte_size(available)} available, {byte_size(each)} for each of {cfg.ray.num_workers}"
     )
     return estimate.peak_bytes
 
@@ -176,26 +179,8 @@ def _say_peak_memory(manifest: dict, estimate: int, log) -> None:
     peaks = manifest["memory"]
     log(
         f"prepare: peak memory of a Ray worker: scan {peaks['scan_peak_mb']:,.0f} MiB, encode "
-        f"{peaks['encode_peak_mb']:,.0f} MiB (estimated before the start: {_size(estimate)})"
+        f"{peaks['encode_peak_mb']:,.0f} MiB (estimated before the start: {byte_size(estimate)})"
     )
-
-
-def free_space(output: Path) -> tuple[str, int]:
-    """The file system the staging directory goes on (its nearest existing ancestor) and the
-    bytes an unprivileged user may still write there."""
-    where = output.absolute().parent
-    while not where.exists():
-        where = where.parent
-    stats = os.statvfs(where)
-    return str(where), stats.f_bavail * stats.f_frsize
-
-
-def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def check_config(cfg: PrepareConfig) -> None:
@@ -362,7 +347,7 @@ def _build(
             share = sample["bytes_of_long_texts"] / max(sample["bytes"], 1)
             log(
                 f"prepare: training the tokenizer on {sample['texts']:,} texts "
-                f"({_size(sample['bytes'])}; {sample['pieces_of_long_texts']:,} of them pieces of "
+                f"({byte_size(sample['bytes'])}; {sample['pieces_of_long_texts']:,} of them pieces of "
                 f"texts over tokenizer.max_sentence_length={cfg.tokenizer.max_sentence_length} "
                 f"bytes, {share:.1%} of the bytes)"
             )

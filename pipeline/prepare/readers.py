@@ -20,12 +20,12 @@ from pipeline.prepare.manpage import man_paragraphs, page_encoding
 from pipeline.prepare.sources import (
     Record,
     Unit,
-    _lines,
-    _open_binary,
-    _parquet_columns,
-    _reading,
     clean_text,
     decode_counting,
+    open_binary,
+    parquet_columns,
+    reading_file,
+    unit_lines,
 )
 
 _CHARSET = re.compile(rb"charset\s*=\s*([A-Za-z0-9_.:-]+)")
@@ -39,7 +39,7 @@ def _read_text(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record
     if cfg.text_split not in ("line", "paragraph"):
         raise UserError(f"source.text_split: {cfg.text_split!r} is not 'line' or 'paragraph'")
     paragraph: list[str] = []
-    for raw in _lines(unit):
+    for raw in unit_lines(unit):
         text, bad = decode_counting(raw)
         stats["bad_bytes_replaced"] += bad
         if cfg.text_split == "line":
@@ -60,7 +60,7 @@ def _malformed(stats: Counter, reason: str) -> None:
 
 
 def _read_jsonl(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    for raw in _lines(unit):
+    for raw in unit_lines(unit):
         if not raw.strip():
             continue
         stats["lines"] += 1
@@ -94,7 +94,7 @@ def _field_problem(record: dict, name: str, role: str) -> str:
 
 def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
     need = max(cfg.source_column, cfg.target_column) + 1
-    for raw in _lines(unit):
+    for raw in unit_lines(unit):
         text, bad = decode_counting(raw.rstrip(b"\r\n"))
         stats["bad_bytes_replaced"] += bad
         if not text.strip():
@@ -189,7 +189,7 @@ def read_po(data: bytes, stats: Counter) -> Iterator[Record]:
 
 
 def _read_gettext(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    with _open_binary(unit.path) as fh:
+    with open_binary(unit.path) as fh:
         data = fh.read()
     reader = read_po if unit.path.endswith((".po", ".po.gz", ".pot")) else read_mo
     try:
@@ -207,7 +207,7 @@ def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
     """The rows of row groups [start, end), batch by batch: memory holds one batch of the needed columns."""
     import pyarrow.parquet as pq
 
-    columns = _parquet_columns(cfg)
+    columns = parquet_columns(cfg)
     with pq.ParquetFile(unit.path) as parquet:
         for group in range(unit.start, unit.end):
             for batch in parquet.iter_batches(
@@ -227,7 +227,7 @@ def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Rec
 
 def _read_manpage(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
     """The paragraphs of running text of one roff page (see `pipeline.prepare.manpage`)."""
-    with _open_binary(unit.path) as fh:
+    with open_binary(unit.path) as fh:
         data = fh.read()
     text, bad = decode_counting(data, page_encoding(data[:1024]))
     stats["bad_bytes_replaced"] += bad
@@ -256,7 +256,7 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
     """Cleaned records of one unit; empty and mostly undecodable texts are dropped and counted."""
     parallel = is_parallel(cfg)
     limit = cfg.max_replaced_fraction
-    with _reading(unit.path):
+    with reading_file(unit.path):
         for source, target in _READERS[cfg.format](unit, cfg, stats):
             source = clean_text(source)
             target = clean_text(target) if target is not None else None

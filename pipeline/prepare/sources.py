@@ -368,7 +368,7 @@ def stream_chunks(unit: Unit, chunk_bytes: int) -> Iterator[Unit]:
     `chunk_bytes` more): units of their own, read from `data`. The cuts depend on the bytes
     alone, never on the number of workers; and since a reader's records are per line, the
     chunks yield the records of the whole file."""
-    with _reading(unit.path), _open_binary(unit.path) as fh:
+    with reading_file(unit.path), open_binary(unit.path) as fh:
         offset, carry = 0, b""
         while block := _read_full(
             fh, chunk_bytes - len(carry) if len(carry) < chunk_bytes else chunk_bytes
@@ -384,7 +384,7 @@ def stream_chunks(unit: Unit, chunk_bytes: int) -> Iterator[Unit]:
             yield Unit(unit.path, offset, offset + len(carry), unit.source, data=carry)
 
 
-def _parquet_columns(cfg: SourceConfig) -> list[str]:
+def parquet_columns(cfg: SourceConfig) -> list[str]:
     return [cfg.text_field] + ([cfg.target_field] if cfg.target_field else [])
 
 
@@ -423,7 +423,7 @@ def _parquet_units(
     return units
 
 
-def _open_binary(path: str) -> IO[bytes]:
+def open_binary(path: str) -> IO[bytes]:
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
@@ -492,12 +492,12 @@ def _read_full(fh: IO[bytes], size: int) -> bytes:
     return b"".join(parts)
 
 
-def _lines(unit: Unit) -> Iterator[bytes]:
+def unit_lines(unit: Unit) -> Iterator[bytes]:
     """Raw lines of a unit. A range owns the lines that start inside it; a chunk's are in `data`."""
     if unit.data is not None:
         yield from io.BytesIO(unit.data)
         return
-    with _open_binary(unit.path) as fh:
+    with open_binary(unit.path) as fh:
         if unit.start > 0:
             fh.seek(unit.start - 1)
             # Whatever line the previous byte belongs to is the previous unit's.
@@ -511,7 +511,7 @@ def _lines(unit: Unit) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
-def _reading(path: str) -> Iterator[None]:
+def reading_file(path: str) -> Iterator[None]:
     """A file that cannot be read or decompressed ends the run in one line naming it."""
     try:
         yield

@@ -16,7 +16,7 @@ from sourcecfg import source_cfg
 
 from common.configure import UserError
 from pipeline.prepare.readers import read_unit
-from pipeline.prepare.sources import _open_binary, expand_paths, plan_units, stream_chunks
+from pipeline.prepare.sources import expand_paths, open_binary, plan_units, stream_chunks
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -73,19 +73,19 @@ def test_every_frame_of_a_zst_is_read_and_a_cut_at_any_point_in_a_frame_is_refus
     frames = [zstandard.ZstdCompressor(level=3).compress(half) for half in halves]
     whole = tmp_path / "two.zst"
     whole.write_bytes(b"".join(frames))
-    with _open_binary(str(whole)) as fh:
+    with open_binary(str(whole)) as fh:
         assert fh.read() == data
     # A frame written by a streaming compressor does not declare its size.
     streamed = zstandard.ZstdCompressor().compressobj()
     (tmp_path / "s.zst").write_bytes(streamed.compress(data) + streamed.flush())
-    with _open_binary(str(tmp_path / "s.zst")) as fh:
+    with open_binary(str(tmp_path / "s.zst")) as fh:
         assert fh.read() == data
     blob = b"".join(frames)
     for end in (1, 6, len(frames[0]) - 1, len(frames[0]) + 3, len(blob) - 1):
         (tmp_path / "cut.zst").write_bytes(blob[:end])
         with (
             pytest.raises(EOFError, match="truncated"),
-            _open_binary(str(tmp_path / "cut.zst")) as fh,
+            open_binary(str(tmp_path / "cut.zst")) as fh,
         ):
             fh.read()
 

@@ -846,8 +846,9 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
     import zstandard
 
     from common.configure import load_config
+    from common.storage import byte_size
     from pipeline.prepare.config import PrepareConfig
-    from pipeline.prepare.job import _size, scratch_need
+    from pipeline.prepare.job import scratch_need
     from pipeline.prepare.sources import expand_paths, source_list
 
     write_web_corpus(tmp_path, n_docs=200, n_pairs=100)
@@ -866,7 +867,7 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
         cfg = load_config(PrepareConfig, WEB_EXAMPLE, [f"tasks={tasks}"])
         need, why = scratch_need(cfg, [expand_paths(source) for source in source_list(cfg)])
         assert need == expected, tasks
-        assert why == f"{_size(web_bytes + pair_bytes)} of decompressed input" + (
+        assert why == f"{byte_size(web_bytes + pair_bytes)} of decompressed input" + (
             ", pairs twice: as texts and as pairs" if twice else ""
         )
 
