@@ -11,6 +11,7 @@ import json
 import os
 import posixpath
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -139,11 +140,24 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 
-def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
-    """The manifest of a prepared dataset, in a directory or at a URL (`pipeline.remote`, fetched
-    with the `fetch` settings, never cached); one clear line naming the file if it is missing,
-    unreachable, unreadable, or lacks what every reader relies on (the tokenizer's identity and
-    size, the datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
+@dataclass(frozen=True)
+class Dataset:
+    """A prepared dataset with its manifest read once: what training resolves from `data_dir`
+    and hands to its loaders, its tokenizer copies and its run directory, rather than each
+    reading the manifest (and building the fetch settings) again."""
+
+    data_dir: str
+    fetch: object  # `pipeline.remote.FetchConfig` for a URL; None reads with the defaults
+    manifest: dict
+    sha256: str  # of manifest.json's bytes: the dataset's fingerprint
+
+
+def open_dataset(data_dir: str | os.PathLike, fetch=None) -> Dataset:
+    """The dataset in a directory or at a URL (`pipeline.remote`, fetched with the `fetch`
+    settings, never cached), its manifest checked; one clear line naming the file if it is
+    missing, unreachable, unreadable, or lacks what every reader relies on (the tokenizer's
+    identity and size, the datasets), rather than a KeyError or TypeError later, wherever the
+    first reader stumbles."""
     if remote.is_url(data_dir):
         path = remote.join(data_dir, MANIFEST)
         try:
@@ -168,7 +182,12 @@ def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
     problem = _manifest_problem(manifest)
     if problem:
         raise UserError(f"{path}: {problem}")
-    return manifest
+    return Dataset(str(data_dir), fetch, manifest, hashlib.sha256(text).hexdigest())
+
+
+def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
+    """The checked manifest of the dataset at `data_dir` (`open_dataset`)."""
+    return open_dataset(data_dir, fetch).manifest
 
 
 def _manifest_problem(manifest) -> str | None:

@@ -3,7 +3,6 @@ model config -> process group -> model and engine -> resume -> run directory and
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -38,11 +37,10 @@ from model import ModelConfig, Pretrained, build_model
 from model.warm_start import WarmStartError, warm_start
 from pipeline import remote
 from pipeline.format import (
-    MANIFEST,
     TARGET_DIR,
     ManifestError,
     dataset_specials,
-    read_manifest,
+    open_dataset,
     tokenizer_files,
 )
 from pipeline.load.epoch import describe_mixture
@@ -149,7 +147,9 @@ def _on_main(denv: dist.DistEnv, work):
 
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
     """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
-    manifest = read_manifest(cfg.data.data_dir, remote.FetchConfig.from_loader_config(cfg.data))
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
+    dataset = open_dataset(cfg.data.data_dir, fetch)  # its manifest read once, here
+    manifest = dataset.manifest
     # Found here, before the engine is built, rather than at the first forward after start-up.
     if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
         raise UserError(problem)
@@ -169,6 +169,7 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         grad_accum=cfg.grad_accum,
         expected_tokenizer_sha256=sha256,
         pin_memory=torch.cuda.is_available(),
+        dataset=dataset,
     )
     try:
         valid = ShardLoader.from_config(
@@ -179,6 +180,7 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
             world_size=denv.world_size,
             expected_tokenizer_sha256=sha256,
             pin_memory=torch.cuda.is_available(),
+            dataset=dataset,
         )
     except ManifestError:  # a damaged manifest stops the run, whichever split it damages
         raise
@@ -186,17 +188,16 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
         valid = None
         if denv.is_main:
             print(f"warning: no evaluation: {err}", file=sys.stderr)
-    fetch = remote.FetchConfig.from_loader_config(cfg.data)
-    manifest_bytes = remote.read_bytes(remote.join(cfg.data.data_dir, MANIFEST), fetch)
     return Data(
         train,
         valid,
         int(tokenizer["vocab_size"]),
         sha256,
-        hashlib.sha256(manifest_bytes).hexdigest(),
+        dataset.sha256,
         specials,
         tuple(tokenizer_files(manifest)),
         target_side(manifest),
+        fetch,
     )
 
 
@@ -231,9 +232,8 @@ def build_engine(
         elif cfg.init.model:
             from launch import init_model
 
-            fetch = remote.FetchConfig.from_loader_config(cfg.data)
             dataset_tokenizer = local_tokenizer(
-                cfg.data.data_dir, fetch, data.tokenizer_sha256, data.tokenizer_files[0]
+                cfg.data.data_dir, data.fetch, data.tokenizer_sha256, data.tokenizer_files[0]
             )
             model = init_model.load(cfg, dataset_tokenizer)
         else:
@@ -319,7 +319,7 @@ def _warm_start(cfg: TrainConfig, data: Data, is_main: bool) -> torch.nn.Module:
     Face BERT / GPT-2 / Llama directories, each trained with its side's tokenizer (the encoder the
     source side's, the decoder the target side's: one tokenizer, or two as in Rothe et al.'s
     BERT2GPT2)."""
-    fetch = remote.FetchConfig.from_loader_config(cfg.data)
+    fetch = data.fetch
     sides = {}
     for side, directory in (("encoder", cfg.init.encoder), ("decoder", cfg.init.decoder)):
         if directory:
@@ -400,7 +400,7 @@ def open_run_dir(
                 file=sys.stderr,
             )
         save_config(cfg, run_dir / "config.yaml")
-        fetch = remote.FetchConfig.from_loader_config(cfg.data)
+        fetch = data.fetch
         # The dataset's tokenizer files (through the shard cache when data_dir is a URL), the
         # one that fixes its ids checked against the manifest's sha256.
         with stoppable():

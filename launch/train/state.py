@@ -29,6 +29,7 @@ class Data:
     specials: Specials = field(default_factory=Specials)  # the tokenizer's special ids and frames
     tokenizer_files: tuple[str, ...] = ()  # its files in the dataset, copied into the run directory
     target: TargetSide | None = None  # a translation target's own tokenizer, copied there too
+    fetch: object = None  # `pipeline.remote.FetchConfig` the dataset was opened with (a URL's)
 
 
 @dataclass

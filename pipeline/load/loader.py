@@ -23,6 +23,7 @@ from common.configure import UserError
 from pipeline import remote
 from pipeline.format import (
     MANIFEST,
+    Dataset,
     dataset_specials,
     field_vocab,
     has_target_tokenizer,
@@ -83,7 +84,10 @@ class ShardLoader:
         fetch: remote.FetchConfig | None = None,
         document_mask: bool = False,
         length_grouping: bool = False,
+        manifest: dict | None = None,
     ):
+        """`manifest`: the dataset's, already read and checked (`pipeline.format.open_dataset`),
+        so that a trainer's loaders do not read it again; read here when None."""
         if micro_batch_size < 1 or grad_accum < 1:
             raise UserError(
                 f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1"
@@ -105,7 +109,8 @@ class ShardLoader:
             )
         # a URL: see pipeline.remote
         self.data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
-        manifest = read_manifest(self.data_dir, fetch)
+        if manifest is None:
+            manifest = read_manifest(self.data_dir, fetch)
         tokenizer = manifest.get("tokenizer") or {}
         if (
             expected_tokenizer_sha256 is not None
@@ -247,7 +252,9 @@ class ShardLoader:
         grad_accum: int = 1,
         expected_tokenizer_sha256: str | None = None,
         pin_memory: bool = False,
+        dataset: Dataset | None = None,
     ) -> ShardLoader:
+        """A loader of `cfg.data_dir` (or of `dataset`, opened from it already)."""
         return cls(
             cfg.data_dir,
             task,
@@ -266,9 +273,10 @@ class ShardLoader:
             # Only training draws by weight: validation reads every source as it is.
             mixture=dict(cfg.mixture) if split == "train" else None,
             allow_mixture_change=cfg.allow_mixture_change,
-            fetch=remote.FetchConfig.from_loader_config(cfg),
+            fetch=dataset.fetch if dataset else remote.FetchConfig.from_loader_config(cfg),
             document_mask=cfg.document_mask,
             length_grouping=cfg.length_grouping,
+            manifest=dataset.manifest if dataset else None,
         )
 
     def __len__(self) -> int:
