@@ -136,6 +136,8 @@ def _stopped_in_setup(cfg: TrainConfig) -> dict:
 
 
 def fit(run: Run) -> dict:
+    """Steps until `max_steps` (or `stop_after_steps`, or a stop request); between them, what is
+    due: the guard's verdict, the log line, evaluation, lm-eval and a checkpoint."""
     cfg = run.cfg
     batches = _batches(run.data.train)
     window = ThroughputWindow(
@@ -144,7 +146,7 @@ def fit(run: Run) -> dict:
     last_eval: dict = {}
     stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
     checkpointer = Checkpointer(cfg.checkpoint.every_steps, stop_at, last_saved=run.step)
-    told_kernel = not (cfg.data.document_mask and run.denv.is_main)
+    tell_kernel = cfg.data.document_mask and run.denv.is_main
     profiler = StepProfiler(run)
     while run.step < stop_at:
         profiler.before_step()
@@ -154,9 +156,9 @@ def fit(run: Run) -> dict:
         # a stop request cut some rank's wait for its batches short: no step taken
         if result is None:
             return stop_for_requeue(run, checkpointer, last_eval)
-        if not told_kernel:  # which kernel the document mask ran on (model.attention), once
+        if tell_kernel:  # which kernel the document mask ran on (model.attention), once
             print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
-            told_kernel = True
+            tell_kernel = False
         run.step += 1
         run.tokens_seen += int(result.tokens)
         # Kept on the device and read at the next log line: a read here would wait for the update.
@@ -166,41 +168,14 @@ def fit(run: Run) -> dict:
         if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
             checkpointer.save(run)
             raise UserError(verdict)
-        if cfg.data.log_sample_keys:  # which samples each step saw, per rank
-            with open(Path(cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
-                fh.write(
-                    json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n"
-                )
+        if cfg.data.log_sample_keys:
+            _log_sample_keys(run, result)
         if run.step % cfg.log_every == 0 or run.step == stop_at:
-            perf = window.figures()
-            metrics.update(
-                {
-                    "train/loss": result.loss,
-                    "train/lr": run.engine.lr,
-                    "train/grad_norm": float(grad_norm),
-                    "train/clipped_fraction": perf.pop("train/clipped_fraction"),
-                    "train/tokens_seen": run.tokens_seen,
-                    "train/epoch": run.data.train.epoch,
-                    **{
-                        k: perf.pop(k)
-                        for k in ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
-                    },
-                    **data_counters(run),
-                    **memory_mb(),
-                    **perf,  # perf/mfu_llmc, where it has a value
-                }
-            )
-            if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
-                metrics.update({"train/loss_scale": run.engine.loss_scale})
-        stopped = False
-        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == stop_at:
-            # None: a stop request cut some rank's wait for validation data short
-            evaluated = evaluate(run)
-            stopped = evaluated is None
-            last_eval = evaluated or last_eval
-            metrics.update(evaluated or {})
-        # lm-evaluation-harness tasks, every lm_eval.every steps
-        if not stopped and harness.due(run):
+            metrics.update(_train_metrics(run, result, grad_norm, window))
+        evaluated, stopped = _evaluate_if_due(run, stop_at)
+        last_eval = evaluated or last_eval
+        metrics.update(evaluated)
+        if not stopped and harness.due(run):  # lm-evaluation-harness tasks
             metrics.update(harness.lm_eval_metrics(run))
         if metrics:
             _log(run, metrics)
@@ -218,6 +193,42 @@ def fit(run: Run) -> dict:
         **data_counters(run),
         **last_eval,
     }
+
+
+def _train_metrics(run: Run, result: StepResult, grad_norm, window: ThroughputWindow) -> dict:
+    """The log line's training figures: this step's, the throughput window's since the last
+    line (then a fresh window), the loader's counters and memory."""
+    perf = window.figures()
+    metrics = {
+        "train/loss": result.loss,
+        "train/lr": run.engine.lr,
+        "train/grad_norm": float(grad_norm),
+        "train/clipped_fraction": perf.pop("train/clipped_fraction"),
+        "train/tokens_seen": run.tokens_seen,
+        "train/epoch": run.data.train.epoch,
+        **{k: perf.pop(k) for k in ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")},
+        **data_counters(run),
+        **memory_mb(),
+        **perf,  # perf/mfu_llmc, where it has a value
+    }
+    if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
+        metrics["train/loss_scale"] = run.engine.loss_scale
+    return metrics
+
+
+def _evaluate_if_due(run: Run, stop_at: int) -> tuple[dict, bool]:
+    """The valid split's metrics when evaluation is due (every `eval_every` steps and at the
+    end; {} otherwise), and whether a stop request cut some rank's wait for its data short."""
+    if not ((run.cfg.eval_every and run.step % run.cfg.eval_every == 0) or run.step == stop_at):
+        return {}, False
+    evaluated = evaluate(run)
+    return evaluated or {}, evaluated is None
+
+
+def _log_sample_keys(run: Run, result: StepResult) -> None:
+    """`data.log_sample_keys`: which samples this step saw on this rank, a line per step."""
+    with open(Path(run.cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n")
 
 
 def stop_for_requeue(run: Run, checkpointer: Checkpointer, last_eval: dict) -> dict:
@@ -268,22 +279,10 @@ def train_step(run: Run, batches) -> StepResult | None:
     non_finite_here = torch.zeros(
         len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device
     )
-    served = []  # handles on this step's batches; their sample keys are worked out only when needed
-    micro = []
-    try:
-        with stoppable():
-            for _ in range(run.plan.grad_accum):
-                # on the host: the counts below cost no device sync
-                micro.append(run.task.model_inputs(next(batches)))
-                served.append(run.data.train.served_batch())
-        stopped = False
-    except StopRequested:
-        stopped = True
-    # A rank stopped while it waited for its batches has none to train on: every rank learns of
-    # it here, before the step's first collective, and gives the step up.
-    if dist.any_rank(stopped):
-        run.data.train.rewind()
+    taken = _micro_batches(run, batches)
+    if taken is None:
         return None
+    micro, served = taken
     scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
     # Summed over the ranks and left on the device, as is every weight made from it below: the
     # host issues this step's forwards without waiting for the previous step to finish.
@@ -339,7 +338,45 @@ def train_step(run: Run, batches) -> StepResult | None:
     loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed
     # per scored token, over the finite batches
     loss = loss_sum / finite_scored if finite_scored else math.nan
-    reason = "non-finite loss" if non_finite else ("loss spike" if loss > spike_limit else "")
+    return StepResult(
+        loss=loss,
+        tokens=tokens,
+        flops=flops,
+        flops_llmc=flops_llmc,
+        samples=samples,
+        stop=stop > 0,
+        skipped=_skip_reason(run, bool(non_finite), loss > spike_limit, skipped),
+        spike_limit=spike_limit,
+        non_finite_here=dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
+        served=served,
+        filler_fraction=fillers / (len(run.data.train) * run.denv.world_size),
+    )
+
+
+def _micro_batches(run: Run, batches) -> tuple[list[dict], list] | None:
+    """The step's grad_accum micro batches as model inputs (on the host: counting their tokens
+    costs no device sync) and the loader's handles on them (their sample keys are worked out
+    only when needed); None on every rank when a stop request cut some rank's wait for its
+    batches short, which every rank learns here, before the step's first collective."""
+    served, micro = [], []
+    try:
+        with stoppable():
+            for _ in range(run.plan.grad_accum):
+                micro.append(run.task.model_inputs(next(batches)))
+                served.append(run.data.train.served_batch())
+        stopped = False
+    except StopRequested:
+        stopped = True
+    if dist.any_rank(stopped):  # a rank without its batches has none to train on
+        run.data.train.rewind()
+        return None
+    return micro, served
+
+
+def _skip_reason(run: Run, non_finite: bool, spike: bool, skipped: bool) -> str:
+    """Why DeepSpeed dropped the step's update ("" when it did not): the guard's reason, which
+    it must have honoured, else fp16's overflow or a non-finite gradient norm."""
+    reason = "non-finite loss" if non_finite else ("loss spike" if spike else "")
     if reason and not skipped:  # the guard's premise: a NaN backward makes DeepSpeed drop the step
         raise RuntimeError(
             f"step {run.step + 1}: DeepSpeed applied an update the guard asked to skip ({reason})"
@@ -348,19 +385,7 @@ def train_step(run: Run, batches) -> StepResult | None:
         # fp16: DeepSpeed's loss scaler met an overflow and lowers the scale, which is how it
         # finds its scale (several in a row at the start are normal): counted, not guarded.
         reason = FP16_OVERFLOW if run.engine.loss_scale is not None else "non-finite gradient norm"
-    return StepResult(
-        loss=loss,
-        tokens=tokens,
-        flops=flops,
-        flops_llmc=flops_llmc,
-        samples=samples,
-        stop=stop > 0,
-        skipped=reason,
-        spike_limit=spike_limit,
-        non_finite_here=dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
-        served=served,
-        filler_fraction=fillers / (len(run.data.train) * run.denv.world_size),
-    )
+    return reason
 
 
 class HostCopy:
