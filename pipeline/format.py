@@ -120,7 +120,8 @@ def sample_key(bucket: int, index: int) -> str:
 
 
 def shard_name(dataset: str, split: str, bucket: int, part: int, source: str | None = None) -> str:
-    """A shard's path in the dataset; `source` names the source's own folder when a prepare has several."""
+    """A shard's path in the dataset; `source` names the source's own folder when a
+    prepare has several."""
     folder = f"{dataset}/{split}/{source}" if source else f"{dataset}/{split}"
     return f"{folder}/{bucket:04d}-{part:04d}.tar"
 
@@ -143,7 +144,8 @@ def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
     """The manifest of a prepared dataset, in a directory or at a URL (`pipeline.remote`, fetched
     with the `fetch` settings, never cached); one clear line naming the file if it is missing,
     unreachable, unreadable, or lacks what every reader relies on (the tokenizer's identity and
-    size, the datasets), rather than a KeyError or TypeError later, wherever the first reader stumbles."""
+    size, the datasets), rather than a KeyError or TypeError later, wherever the
+    first reader stumbles."""
     if remote.is_url(data_dir):
         path = remote.join(data_dir, MANIFEST)
         try:
@@ -239,7 +241,8 @@ def shard_entries(manifest: dict, task: str, split: str, where: str = MANIFEST) 
     dataset = manifest.get("datasets", {}).get(name)
     if dataset is None:
         raise UserError(
-            f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}"
+            f"the dataset has no {name!r} shards (needed by {task}); prepare it "
+            f"with tasks including {task}"
         )
     if split not in dataset["splits"]:
         raise UserError(f"the {name!r} shards have no split {split!r}")

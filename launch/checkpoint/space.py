@@ -44,7 +44,8 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
 
 
 def free_space(path: str | Path) -> int:
-    """Bytes free to this user on the file system that holds `path` (or would: its nearest existing ancestor)."""
+    """Bytes free to this user on the file system that holds `path` (or would: its nearest
+    existing ancestor)."""
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -79,8 +80,8 @@ def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -
     if free >= need:
         return None
     return (
-        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {_size(free)} free "
-        f"and the save needs about {_size(need)} ({how}); {_still_latest(root)}"
+        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has "
+        f"{_size(free)} free and the save needs about {_size(need)} ({how}); {_still_latest(root)}"
     )
 
 
@@ -100,8 +101,8 @@ def save_failed(
     was_free = f" and {_size(free)} was free before it" if free is not None else ""
     return (
         f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
-        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {_size(need)} ({how})"
-        f"{was_free}; the partial {tag} is removed and {_still_latest(root)}"
+        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about "
+        f"{_size(need)} ({how}){was_free}; the partial {tag} is removed and {_still_latest(root)}"
     )
 
 
@@ -112,7 +113,10 @@ def _still_latest(root: Path) -> str:
         if latest
         else "no checkpoint of this run is complete yet"
     )
-    return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
+    return (
+        f"{kept}: make room there, or move run_dir to a roomier file "
+        "system, and start the job again"
+    )
 
 
 def _size(n: float) -> str:

@@ -96,12 +96,13 @@ def prepare(cfg: PrepareConfig) -> dict:
     need, why = scratch_need(cfg, files)
     where, free = free_space(output)
     log(
-        f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); {_size(free)} free on {where}"
+        f"prepare: {output}.partial/_work needs about {_size(need)} ({why}); "
+        f"{_size(free)} free on {where}"
     )
     if need > free:
         raise UserError(
-            f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has {_size(free)} "
-            f"free; free some space or choose an output_dir on a larger file system"
+            f"{output}.partial/_work needs about {_size(need)} ({why}), but {where} has "
+            f"{_size(free)} free; free some space or choose an output_dir on a larger file system"
         )
     memory = check_memory(cfg, files, units, log)
     # The lock file lies beside the output rather than in it or in its staging directory:
@@ -167,7 +168,8 @@ def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], 
             "or lower ray.num_workers"
         )
     log(
-        f"prepare: {need}; {_size(available)} available, {_size(each)} for each of {cfg.ray.num_workers}"
+        f"prepare: {need}; {_size(available)} available, {_size(each)} for "
+        f"each of {cfg.ray.num_workers}"
     )
     return estimate.peak_bytes
 
@@ -206,7 +208,8 @@ def check_config(cfg: PrepareConfig) -> None:
     if "translation" in cfg.tasks and not any(is_parallel(source) for source in source_list(cfg)):
         formats = ", ".join(source.format for source in source_list(cfg))
         raise UserError(
-            f"tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with target_field), not {formats}"
+            "tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with "
+            f"target_field), not {formats}"
         )
     if cfg.seq_len < 2:
         raise UserError(f"seq_len: must be at least 2, got {cfg.seq_len}")
@@ -314,7 +317,8 @@ def _build(
     log,
 ) -> dict:
     """Scan, train the tokenizer (unless given: `given_tokenizers`, the source side's and a
-    translation target's own), encode, and write the dataset into `staging`; returns its manifest."""
+    translation target's own), encode, and write the dataset into `staging`;
+    returns its manifest."""
     from pipeline.prepare.ray_runner import ray_session, run_tasks
     from pipeline.prepare.work import encode_splits, scan_units
 
@@ -646,8 +650,8 @@ def summary(manifest: dict) -> str:
                 for split, e in dataset["splits"].items()
             )
             lines.append(
-                f"source {name} ({entry['format']}): {entry['files']} files, {entry.get('records', 0)} records; "
-                f"samples {counts}"
+                f"source {name} ({entry['format']}): {entry['files']} files, "
+                f"{entry.get('records', 0)} records; samples {counts}"
             )
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
