@@ -12,7 +12,8 @@ fails with one line naming the key and where it came from.
 Every entry point has the same command-line grammar (`parse_cli`):
 
     python -m ENTRY CONFIG.yaml [key.sub=value ...]      training, prepare, the main job
-    python -m ENTRY [CONFIG.yaml] [key.sub=value ...]    the tools (evaluate, translate, export, ...)
+    python -m ENTRY [CONFIG.yaml] [key.sub=value ...]    the tools (evaluate, translate,
+                                                         export, ...)
 
 and `--help` prints the usage with every key of the schema, its default and its description:
 the comment written with the field (`field_comments`, which the configuration reference,
@@ -141,7 +142,8 @@ def _refuse_env(values: Any, where: str) -> None:
 
 
 def _list_index(key: str) -> str:
-    """The part of a dotted key up to its first list index (`sources[1].name` -> `sources`), or ""."""
+    """The part of a dotted key up to its first list index (`sources[1].name` ->
+    `sources`), or ""."""
     return key.partition("[")[0] if "[" in key else ""
 
 
@@ -258,7 +260,8 @@ def parse_cli(
         return load_config(schema, None, argv)
     if "=" in argv[0]:
         raise UserError(
-            f"{argv[0]!r}: the first argument is the CONFIG.yaml file; key.sub=value overrides follow it"
+            f"{argv[0]!r}: the first argument is the CONFIG.yaml file; "
+            "key.sub=value overrides follow it"
         )
     return load_config(schema, argv[0], argv[1:])
 

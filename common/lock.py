@@ -87,7 +87,8 @@ def dir_lock(
                 "no longer running"
                 if previous.host == me.host
                 else (
-                    f"its lock is free; if it still runs on {previous.host}, this file system does not honour locks across hosts"
+                    f"its lock is free; if it still runs on {previous.host}, this file system does "
+                    "not honour locks across hosts"
                 )
             )
             logger.warning(
@@ -130,8 +131,8 @@ def _acquire(directory: Path, path: Path, me: Holder) -> tuple[Optional[int], by
             os.close(fd)
             if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 logger.warning(
-                    "%s: not locked: the file system refuses flock on %s (%s); nothing stops a second job "
-                    "from using it at the same time",
+                    "%s: not locked: the file system refuses flock on %s (%s); nothing stops a "
+                    "second job from using it at the same time",
                     directory,
                     path,
                     err.strerror,

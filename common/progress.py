@@ -22,7 +22,10 @@ from common.configure import UserError
 
 EVERY_ENV = "PROGRESS_EVERY_S"
 DEFAULT_EVERY_S = 30.0
-_PLAIN = "{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%), elapsed {elapsed}, ETA {remaining}, {rate_fmt}"
+_PLAIN = (
+    "{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%), elapsed {elapsed}, "
+    "ETA {remaining}, {rate_fmt}"
+)
 _PLAIN_NO_TOTAL = "{desc}: {n_fmt} {unit}, elapsed {elapsed}, {rate_fmt}"
 _PROGRESS_LINE = re.compile(r"\bETA (\?|>=|\d)")
 

@@ -1,12 +1,13 @@
-"""`python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR`: the mean of a run's last N checkpoints.
+"""`python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR`: the mean of a
+run's last N checkpoints.
 
 Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1: the base
 model averages the last 5 checkpoints, the big one the last 20). The run's last N complete
 checkpoints (oldest first, none newer than the one the `latest` pointer names: a save that
 never finished is not a checkpoint) are each turned into plain fp32 weights by the function
-export uses (`launch.deepspeed.safe_load.consolidated_state_dict`: verified, weights-only, any ZeRO stage),
-averaged elementwise (`average_state_dicts`), and written by `launch.export.save_model_dir`: `out` is an
-exported model directory like any other, which `launch.evaluate`, `launch.translate` and
+export uses (`launch.deepspeed.safe_load.consolidated_state_dict`: verified, weights-only, any ZeRO
+stage), averaged elementwise (`average_state_dicts`), and written by `launch.export.save_model_dir`:
+`out` is an exported model directory like any other, which `launch.evaluate`, `launch.translate` and
 warm starts read unchanged. Exports store fp32, so the mean is stored as computed.
 
 A command of its own rather than an option of `launch.export`: export takes one checkpoint
@@ -58,8 +59,8 @@ def last_tags(run_dir: str | Path, last: int) -> tuple[Path, list[str]]:
     tags = [tag for tag in checkpoint_tags(root) if tag <= current]
     if len(tags) < last:
         raise UserError(
-            f"last: {run_dir} has {len(tags)} complete checkpoint(s) ({', '.join(tags)}), not {last}; "
-            "train with checkpoint.keep_last >= last"
+            f"last: {run_dir} has {len(tags)} complete checkpoint(s) ({', '.join(tags)}), not "
+            f"{last}; train with checkpoint.keep_last >= last"
         )
     return root, tags[-last:]
 
@@ -76,7 +77,8 @@ def average_state_dicts(
         if state.keys() != first.keys():
             odd = sorted(state.keys() ^ first.keys())[:3]
             raise UserError(
-                f"{name} and {names[0]} hold different weights ({', '.join(odd)}): not the same model config"
+                f"{name} and {names[0]} hold different weights "
+                f"({', '.join(odd)}): not the same model config"
             )
         for key, tensor in state.items():
             if tensor.shape != first[key].shape:
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     meta = average(cfg.checkpoint, cfg.last, cfg.out, cfg.overwrite)
     print(
-        f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step {meta['step']}) into {cfg.out}"
+        f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step "
+        f"{meta['step']}) into {cfg.out}"
     )
     return 0
 

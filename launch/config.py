@@ -1,4 +1,5 @@
-"""Configuration schemas of the launch entry points: train, main, export, evaluate, translate, report.
+"""Configuration schemas of the launch entry points: train, main, export,
+evaluate, translate, report.
 
 The run config embeds the model's (`model.config.ModelConfig`) and the loader's
 (`pipeline.load.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
@@ -94,7 +95,8 @@ class WandbConfig:
 
 @dataclass
 class GuardConfig:
-    """Guarded steps: a step is skipped on every rank when its loss is not finite on any rank, or spikes."""
+    """Guarded steps: a step is skipped on every rank when its loss is not finite on
+    any rank, or spikes."""
 
     # End the job (with a checkpoint of the last good weights) after more skipped steps in a row
     # than this.
@@ -223,8 +225,8 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
             else f"; no micro batch fits {world_size} ranks"
         )
         raise UserError(
-            f"global_batch_size: {cfg.global_batch_size} is not a multiple of data.micro_batch_size x ranks "
-            f"= {micro} x {world_size}{hint}"
+            f"global_batch_size: {cfg.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size x ranks = {micro} x {world_size}{hint}"
         )
     return BatchPlan(micro, accum, world_size)
 
@@ -310,7 +312,8 @@ def _optim_checks(optim: OptimConfig) -> list[tuple[bool, str]]:
 
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every cross-field problem the types cannot express, each message starting with its key;
-    empty if none. All of them, not only the first: a dry run (`launch.preflight`) lists them at once."""
+    empty if none. All of them, not only the first: a dry run (`launch.preflight`)
+    lists them at once."""
     from launch.tasks import TASKS
 
     task = TASKS.get(cfg.task)
@@ -330,7 +333,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (
             cfg.deepspeed.precision in PRECISIONS,
-            f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one of {', '.join(PRECISIONS)}",
+            f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one "
+            f"of {', '.join(PRECISIONS)}",
         ),
         (
             not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
@@ -342,11 +346,13 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (
             cfg.optim.implementation in ADAMW_IMPLEMENTATIONS,
-            f"optim.implementation: {cfg.optim.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}",
+            f"optim.implementation: {cfg.optim.implementation!r} is not one of "
+            f"{', '.join(ADAMW_IMPLEMENTATIONS)}",
         ),
         (
             cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
-            "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's CPU Adam steps; leave it auto",
+            "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's "
+            "CPU Adam steps; leave it auto",
         ),
         *_optim_checks(cfg.optim),
         (
@@ -355,7 +361,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (
             math.isfinite(cfg.schedule.min_lr_ratio) and cfg.schedule.min_lr_ratio >= 0,
-            f"schedule.min_lr_ratio: {cfg.schedule.min_lr_ratio} must be a finite number, 0 or more",
+            f"schedule.min_lr_ratio: {cfg.schedule.min_lr_ratio} must "
+            "be a finite number, 0 or more",
         ),
         (
             cfg.schedule.decay in DECAYS,
@@ -363,7 +370,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (
             cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
-            "schedule.warmup_steps: inverse_sqrt needs a positive warmup (the formula divides by it)",
+            "schedule.warmup_steps: inverse_sqrt needs a positive warmup "
+            "(the formula divides by it)",
         ),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
         (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
@@ -380,8 +388,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (
             not (cfg.compile_scope == "model" and cfg.deepspeed.zero_stage == 3),
-            "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in hooks that break the "
-            "graph); use blocks or auto",
+            "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in "
+            "hooks that break the graph); use blocks or auto",
         ),
     ]
     checks.append(_wandb_check(cfg.wandb))
@@ -474,7 +482,8 @@ class MainConfig:
 
 @dataclass
 class ExportConfig:
-    """A run's checkpoint to plain weights (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
+    """A run's checkpoint to plain weights
+    (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
 
     # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
     checkpoint: str = MISSING
@@ -491,7 +500,8 @@ class ExportConfig:
 
 @dataclass
 class AverageConfig:
-    """The mean of a run's last checkpoints (`python -m launch.average checkpoint=RUN last=N out=DIR`)."""
+    """The mean of a run's last checkpoints
+    (`python -m launch.average checkpoint=RUN last=N out=DIR`)."""
 
     RENAMED: ClassVar[dict] = {"run_dir": "checkpoint"}
 
@@ -505,7 +515,8 @@ class AverageConfig:
 
 @dataclass
 class EvaluateConfig:
-    """BLEU and chrF of a translation model on one split (`python -m launch.evaluate checkpoint=...`)."""
+    """BLEU and chrF of a translation model on one split
+    (`python -m launch.evaluate checkpoint=...`)."""
 
     RENAMED: ClassVar[dict] = {
         "zero_stage": "deepspeed.zero_stage",
@@ -534,7 +545,8 @@ class EvaluateConfig:
 
 @dataclass
 class LmEvalConfig:
-    """A GPT's scores on lm-evaluation-harness tasks built from held-out text (`python -m launch.lm_eval checkpoint=DIR`)."""
+    """A GPT's scores on lm-evaluation-harness tasks built from held-out text
+    (`python -m launch.lm_eval checkpoint=DIR`)."""
 
     checkpoint: str = MISSING  # an exported GPT directory (launch.export, format=ours or format=hf)
     # cloze | choice (docs/design.md#scoring-with-lm-evaluation-harness)

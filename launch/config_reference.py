@@ -1,4 +1,5 @@
-"""The configuration reference (docs/configuration.md), generated from the config dataclasses themselves.
+"""The configuration reference (docs/configuration.md), \
+generated from the config dataclasses themselves.
 
 One table per entry point lists every leaf key of its schema (nested dataclasses as dotted keys),
 its type, its default and its description: the comment written with the field, either `#` lines
@@ -11,7 +12,8 @@ markers; `tests/launch/test_config_reference.py` fails when it goes stale.
     python -m launch.config_reference --check          # exit 1 naming the first stale key
     python -m launch.config_reference --check FILE.md  # the same for another file with the markers
 
-Exit status: 1 for a stale reference (`--check`), 2 for a FILE that cannot be read or has no markers.
+Exit status: 1 for a stale reference (`--check`), 2 for a FILE that cannot be
+read or has no markers.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def reference() -> str:
         out += [
             f"### {entry}",
             "",
-            f"`python -m {entry} {config} [key.sub=value ...]` reads `{cls.__module__}.{cls.__qualname__}`.",
+            f"`python -m {entry} {config} [key.sub=value ...]` reads "
+            f"`{cls.__module__}.{cls.__qualname__}`.",
             "",
             "| key | type | default | description |",
             "|---|---|---|---|",
@@ -136,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         nargs="?",
         const=DEFAULT_PATH,
-        help="exit 1 if FILE's block differs from the generated text (default: docs/configuration.md)",
+        help=(
+            "exit 1 if FILE's block differs from the generated text "
+            "(default: docs/configuration.md)"
+        ),
     )
     mode.add_argument(
         "--write",
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         if difference:
             print(
                 f"error: {path}: config reference is stale ({difference}); "
-                f"run python -m launch.config_reference --write{'' if path == DEFAULT_PATH else f' {path}'}",
+                "run python -m launch.config_reference "
+                f"--write{'' if path == DEFAULT_PATH else f' {path}'}",
                 file=sys.stderr,
             )
             return 1

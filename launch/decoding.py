@@ -1,4 +1,5 @@
-"""What `launch.evaluate` and `launch.translate` share: a translation checkpoint, and token ids in and out of it.
+"""What `launch.evaluate` and `launch.translate` share: a translation checkpoint, and token
+ids in and out of it.
 
 A checkpoint is an exported model directory (`launch.export`: safetensors and JSON, nothing
 unpickled) or a training run (its run directory, `checkpoints/` directory or one `step_*`
@@ -133,7 +134,8 @@ def load_model(ckpt: Checkpoint) -> Seq2Seq:
     )
     if missing or unexpected:
         raise UserError(
-            f"{ckpt.root / ckpt.tag} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"{ckpt.root / ckpt.tag} does not match its model config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
         )
     return model.eval()
 
@@ -202,7 +204,8 @@ def translate_ids(
 
 
 def detokenize(tokenizer, ids: Sequence[int]) -> str:
-    """Text of a hypothesis or reference, on one line (byte-fallback pieces may decode to newlines)."""
+    """Text of a hypothesis or reference, on one line (byte-fallback pieces may
+    decode to newlines)."""
     return " ".join(tokenizer.decode([int(i) for i in ids]).splitlines())
 
 

@@ -67,9 +67,9 @@ def _first_slurm_host() -> str:
         except OSError:
             continue
     raise UserError(
-        f"the first node of the allocation, {host!r} (SLURM_JOB_NODELIST={nodelist}), does not resolve"
-        f"{' and SLURM gives no address for it' if len(candidates) < 2 else ''}: the ranks could not meet "
-        "there; set MASTER_ADDR to its address (an IP every node reaches)"
+        f"the first node of the allocation, {host!r} (SLURM_JOB_NODELIST={nodelist}), does not "
+        f"resolve{' and SLURM gives no address for it' if len(candidates) < 2 else ''}: the ranks "
+        "could not meet there; set MASTER_ADDR to its address (an IP every node reaches)"
     )
 
 
@@ -176,9 +176,10 @@ def check_gpus_per_node(denv: DistEnv, gpus: int) -> None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise UserError(
             f"{denv.local_world_size} ranks per node, but this node has {gpus} visible GPU"
-            f"{'' if gpus == 1 else 's'}{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: "
-            f"start at most {gpus} per node (torchrun/deepspeed --nproc_per_node, srun --ntasks-per-node), "
-            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+            f"{'' if gpus == 1 else 's'}"
+            f"{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: start at most "
+            f"{gpus} per node (torchrun/deepspeed --nproc_per_node, srun --ntasks-per-node), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
         )
 
 
@@ -193,14 +194,16 @@ def rendezvous_problem(denv: DistEnv) -> str | None:
     if not hosts_store or not port_in_use(denv.master_port):
         return None
     return (
-        f"MASTER_PORT={denv.master_port}: port {denv.master_port} on this node is already in use (another job "
-        f"or rendezvous?), so rank 0 cannot host the rendezvous at {denv.master_addr}:{denv.master_port}; "
-        "set MASTER_PORT (torchrun/deepspeed --master_port) to a free port"
+        f"MASTER_PORT={denv.master_port}: port {denv.master_port} on this node is already in use "
+        "(another job or rendezvous?), so rank 0 cannot host the rendezvous at "
+        f"{denv.master_addr}:{denv.master_port}; set MASTER_PORT (torchrun/deepspeed "
+        "--master_port) to a free port"
     )
 
 
 def port_in_use(port: int) -> bool:
-    """Whether a TCP port on this machine cannot be bound (by any address: the store listens on all)."""
+    """Whether a TCP port on this machine cannot be bound (by any address: the
+    store listens on all)."""
     with socket.socket() as sock:
         # As the store does: a port held only by connections in TIME_WAIT is free to take.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,4 +1,5 @@
-"""`python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key=value ...]`: BLEU and chrF of a translation model.
+"""`python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key=value ...]`: BLEU and chrF of
+a translation model.
 
 The keys are `launch.config.EvaluateConfig`'s (`--help` lists them). The checkpoint is an
 exported model directory (`launch.export`) or a training run (run directory, `checkpoints/`
@@ -70,7 +71,8 @@ from pipeline.tokenizer import load_tokenizer
 
 USAGE = """usage: python -m launch.evaluate [CONFIG.yaml] checkpoint=DIR [key.sub=value ...]
 
-Corpus BLEU and chrF of a translation model on one split; also under torchrun or the deepspeed launcher."""
+Corpus BLEU and chrF of a translation model on one split; also under torchrun or the deepspeed \
+launcher."""
 
 
 def read_pairs(
@@ -101,7 +103,8 @@ def read_pairs(
         )
         if not path.is_file() or (entry.get("sha256") and file_sha256(path) != entry["sha256"]):
             raise UserError(
-                f"{path}: missing or not the shard the manifest lists (sha256 differs); an evaluation needs every pair"
+                f"{path}: missing or not the shard the manifest lists (sha256 differs); "
+                "an evaluation needs every pair"
             )
         samples: dict[str, dict[str, bytes]] = {}
         with tarfile.open(path) as tar:
@@ -134,8 +137,9 @@ def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
     data_sha = (manifest.get("tokenizer") or {}).get("sha256")
     if data_sha != ckpt.tokenizer_sha256:
         raise UserError(
-            f"tokenizer mismatch: {ckpt.path} was trained with tokenizer {ckpt.tokenizer_sha256[:12]}, "
-            f"{data_dir} was prepared with {str(data_sha)[:12]}; evaluate on data prepared with the model's tokenizer"
+            f"tokenizer mismatch: {ckpt.path} was trained with tokenizer "
+            f"{ckpt.tokenizer_sha256[:12]}, {data_dir} was prepared with {str(data_sha)[:12]}; "
+            "evaluate on data prepared with the model's tokenizer"
         )
     theirs = (
         tokenizer_record(manifest, "target")["sha256"] if has_target_tokenizer(manifest) else None
@@ -145,7 +149,8 @@ def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
         raise UserError(
             f"tokenizer mismatch: {ckpt.path}'s target side was trained with "
             f"{(ours or 'the source side')[:12]}, {data_dir}'s targets were encoded with "
-            f"{(theirs or 'the source side')[:12]}; evaluate on data prepared with the model's tokenizers"
+            f"{(theirs or 'the source side')[:12]}; evaluate on data "
+            "prepared with the model's tokenizers"
         )
     return manifest
 
@@ -246,7 +251,8 @@ def _evaluate(
         if denv.is_main:
             split, total = engine.partitioned()
             print(
-                f"ZeRO-3: {split} of {total} parameter tensors partitioned over {denv.world_size} ranks",
+                f"ZeRO-3: {split} of {total} parameter tensors partitioned "
+                f"over {denv.world_size} ranks",
                 file=sys.stderr,
             )
     else:
@@ -258,14 +264,15 @@ def _evaluate(
         model = model.to(device)
     if denv.is_main:
         print(
-            f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam {cfg.beam}, max_len {max_len}, "
-            f"world {denv.world_size}, ZeRO-{cfg.deepspeed.zero_stage}",
+            f"evaluating {ckpt.path} on {data_dir} {cfg.split}: {len(pairs)} pairs, beam "
+            f"{cfg.beam}, max_len {max_len}, world {denv.world_size}, "
+            f"ZeRO-{cfg.deepspeed.zero_stage}",
             file=sys.stderr,
         )
         if any(truncated):
             print(
-                f"warning: {sum(truncated)} sources longer than the model's limit ({ckpt.max_source_tokens} tokens + the source frame) "
-                "were truncated",
+                f"warning: {sum(truncated)} sources longer than the model's limit "
+                f"({ckpt.max_source_tokens} tokens + the source frame) were truncated",
                 file=sys.stderr,
             )
 

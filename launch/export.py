@@ -1,12 +1,13 @@
-"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=hf]`: a DeepSpeed checkpoint to a
-self-contained model directory.
+"""`python -m launch.export [CONFIG.yaml] checkpoint=RUN_DIR out=DIR [format=hf]`: a DeepSpeed
+checkpoint to a self-contained model directory.
 
 The checkpoint is a run directory, its `checkpoints/` directory (the latest complete
 checkpoint is taken) or one `step_*` checkpoint, of any ZeRO stage. `out` receives, in our
 format (the default):
 
     model.safetensors   consolidated fp32 weights (tied tensors stored once)
-    config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256", "source"}
+    config.json         {"model": ModelConfig, "task", "step", "tokens_seen", "tokenizer_sha256",
+                        "source"}
     tokenizer files     the tokenizer the weights were trained with, as the dataset held it:
                         tokenizer.model, or a Hugging Face tokenizer.json (+ tokenizer_config.json)
     provenance.json     what made the weights (`provenance`)
@@ -27,9 +28,9 @@ as OUT.partial, which a failure removes (`writing`). The run's tokenizer file mu
 checkpoint recorded.
 
 The checkpoint is verified against its integrity.json and read weights-only
-(`launch.deepspeed.safe_load.consolidated_state_dict`): a damaged or partial checkpoint, a universal copy, or
-a torch file holding anything but tensors and plain data (a planted pickle payload) is refused
-in one line, exit status 2.
+(`launch.deepspeed.safe_load.consolidated_state_dict`): a damaged or partial checkpoint, a universal
+copy, or a torch file holding anything but tensors and plain data (a planted pickle payload) is
+refused in one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -287,7 +288,8 @@ def input_frame(tokenizer: str | Path, model_cfg: ModelConfig):
 
 
 def copy_tokenizer(tokenizer: str | Path, directory: Path) -> None:
-    """The tokenizer file `tokenizer` and the files beside it that belong to it, into `directory`."""
+    """The tokenizer file `tokenizer` and the files beside it that belong to it,
+    into `directory`."""
     for name, data in read_files(tokenizer).items():
         (directory / name).write_bytes(data)
 
@@ -320,7 +322,8 @@ def read_model_config(directory: Path) -> tuple[dict, ModelConfig]:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from a file of ours; UserError (one line) if it is unreadable or not an object."""
+    """A JSON object from a file of ours; UserError (one line) if it is unreadable
+    or not an object."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -371,7 +374,8 @@ def target_tokenizer_in(directory: Path) -> Path | None:
 def provenance(run: RunCheckpoint) -> dict:
     """The one record every export carries: what trained the weights and on what. The dataset's
     fingerprints are those the run recorded at the checkpoint (`launch.train`; null for a checkpoint
-    written before it recorded them): the manifest's, and the train shards' listing with their sha256s."""
+    written before it recorded them): the manifest's, and the train shards' listing
+    with their sha256s."""
     dataset = run.client.get("dataset") or {}
     return {
         "task": run.config.task,
@@ -477,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     record = export(cfg.checkpoint, cfg.out, cfg.format, cfg.overwrite)
     print(
-        f"exported {record['task']} step {record['step']} from {record['checkpoint']} to {cfg.out} ({cfg.format})"
+        f"exported {record['task']} step {record['step']} from {record['checkpoint']} "
+        f"to {cfg.out} ({cfg.format})"
     )
     return 0
 

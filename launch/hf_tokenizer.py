@@ -3,11 +3,12 @@
 `AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does, plus
 the frame training put around the model's inputs when asked (`frame`: a translation source's
 `text </s>`, as `tokenizer(text)` adds it by default), decodes as `decode` does, and names our
-reserved ids (`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens. Each step
-SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
+reserved ids (`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens.
+Each step SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
 whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
 fallback), which is what the generic conversions get wrong (transformers #25316, #28370): see
-docs/design.md#the-hugging-face-tokenizer. Checked on real texts in tests/launch/test_hf_tokenizer.py.
+docs/design.md#the-hugging-face-tokenizer. Checked on real texts in
+tests/launch/test_hf_tokenizer.py.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def hf_tokenizer(
     model_max_length: int | None = None,
     frame: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
 ):
-    """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`; it truncates
-    (when asked to) at `model_max_length`, the positions of the model it is saved with, and its
-    post-processor puts the ids of `frame` (special ids of our layout) around a text."""
+    """A `transformers` fast tokenizer equal to the SentencePiece model at `model_path`; it
+    truncates (when asked to) at `model_max_length`, the positions of the model it is saved with,
+    and its post-processor puts the ids of `frame` (special ids of our layout) around a text."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import (
         Regex,
@@ -66,7 +67,8 @@ def hf_tokenizer(
         or spec.normalization_rule_tsv
     ):
         raise ValueError(
-            f"{model_path}: a whitespace or normalisation option that the conversion does not rebuild"
+            f"{model_path}: a whitespace or normalisation option that "
+            "the conversion does not rebuild"
         )
     if any(piece.type == USER_DEFINED for piece in proto.pieces):
         raise ValueError(f"{model_path}: user-defined pieces are not converted")

@@ -47,14 +47,15 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
         return cfg  # check_config names the unknown task
     if cfg.init.encoder or cfg.init.decoder:
         raise UserError(
-            "init.model: starts the whole model, init.encoder / init.decoder warm-start a translation "
-            "model's stacks apart: give one or the other"
+            "init.model: starts the whole model, init.encoder / init.decoder warm-start a "
+            "translation model's stacks apart: give one or the other"
         )
     directory = cfg.init.model
     found = model_config(directory)
     if found.arch != task.arch:
         raise UserError(
-            f"init.model: {directory} holds a {found.arch} model; task {cfg.task} trains {task.arch}"
+            f"init.model: {directory} holds a {found.arch} model; task "
+            f"{cfg.task} trains {task.arch}"
         )
     given = {
         arg.split("=", 1)[0].lstrip("+")
@@ -74,8 +75,8 @@ def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
         )
         here = ", ".join(f"{key}={show(_value(cfg.model, key))}" for key in contradicting)
         raise UserError(
-            f"init.model: {directory} has {there}; the override {here} contradicts it (the model config "
-            "is the directory's: drop the override)"
+            f"init.model: {directory} has {there}; the override {here} contradicts it (the model "
+            "config is the directory's: drop the override)"
         )
     kept = {name: getattr(cfg.model, name) for name in TRAINING_ONLY_FIELDS}
     return dataclasses.replace(cfg, model=dataclasses.replace(found, **kept))
@@ -105,7 +106,8 @@ def is_hf_dir(directory: str | Path) -> bool:
 
 
 def model_config(directory: str) -> ModelConfig:
-    """The model config of an export of ours or of a Hugging Face directory, with our reserved ids."""
+    """The model config of an export of ours or of a Hugging Face directory, with
+    our reserved ids."""
     if not Path(directory).is_dir():
         raise UserError(f"init.model: {directory} is not a directory")
     if not is_hf_dir(directory):
@@ -124,8 +126,8 @@ def model_config(directory: str) -> ModelConfig:
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     if hf_config.model_type not in readers:
         raise UserError(
-            f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, Llama, "
-            "BERT and BERT + GPT-2 encoder-decoder directories start a run"
+            f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, "
+            "Llama, BERT and BERT + GPT-2 encoder-decoder directories start a run"
         )
     try:
         return readers[hf_config.model_type](hf_config, **UNRESOLVED_IDS)
@@ -183,8 +185,8 @@ def check_tokenizer(
     if text is not None:
         raise UserError(
             f"{key}: the tokenizer of {directory} gives other ids than {whose} "
-            f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> {theirs[:8]} there, "
-            f"{ours[:8]} here"
+            f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> "
+            f"{theirs[:8]} there, {ours[:8]} here"
         )
 
 

@@ -120,7 +120,8 @@ def _watch(kind: str, parent: int, runner: int | None, interval_s: float) -> Non
 
 
 def _launcher_gone(reason: str) -> None:
-    """Die, or, after `stop_with_launcher`, ask the main thread to stop and die if it has not ended in time."""
+    """Die, or, after `stop_with_launcher`, ask the main thread to stop and die if it has
+    not ended in time."""
     if _stop_on_death is None:
         _die(reason)
     signum, grace_s = _stop_on_death

@@ -36,7 +36,8 @@ class AdamW(torch.optim.AdamW):
 
     DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers drop such steps themselves; under ZeRO-0 in
     fp32 the engine calls this optimizer directly, with gradients already averaged over the
-    ranks, so every rank takes the same decision (`launch.train.loop.train_step`'s guard relies on it)."""
+    ranks, so every rank takes the same decision (`launch.train.loop.train_step`'s
+    guard relies on it)."""
 
     overflow = False
 
@@ -62,8 +63,8 @@ def build_optimizer(
 
     `cpu_offload` (ZeRO-Offload of the optimizer, `deepspeed.offload_optimizer`: the fp32 master
     weights and moments live in CPU memory): DeepSpeed's vectorised CPU Adam in AdamW mode
-    (`launch.deepspeed.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be built.
-    ZeRO-Offload drops non-finite steps itself."""
+    (`launch.deepspeed.engine.cpu_adam`), over the same groups; torch's AdamW if its op cannot be
+    built. ZeRO-Offload drops non-finite steps itself."""
     groups = parameter_groups(model, cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
     if cpu_offload:
@@ -84,7 +85,8 @@ def adamw_kernels(implementation: str = "auto") -> dict:
     (docs/results.md#adamws-kernels-on-a-cpu)."""
     if implementation not in ADAMW_IMPLEMENTATIONS:
         raise ValueError(
-            f"optim.implementation: {implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}"
+            f"optim.implementation: {implementation!r} is not one of "
+            f"{', '.join(ADAMW_IMPLEMENTATIONS)}"
         )
     if implementation == "auto":
         return {"fused": True}

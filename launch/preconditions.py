@@ -97,14 +97,14 @@ def with_data_tokenizer(
         return replace(model_cfg, vocab_size=int(data_vocab)), None
     if model_cfg.vocab_size != data_vocab and init_model:  # the size is the directory's
         return model_cfg, (
-            f"init.model: {init_model} has a vocabulary of {model_cfg.vocab_size}, the tokenizer of "
-            f"{data_dir} {data_vocab} pieces: the dataset was prepared with another tokenizer than "
-            f"the model's (prepare it with tokenizer.path={init_model})"
+            f"init.model: {init_model} has a vocabulary of {model_cfg.vocab_size}, the tokenizer "
+            f"of {data_dir} {data_vocab} pieces: the dataset was prepared with another tokenizer "
+            f"than the model's (prepare it with tokenizer.path={init_model})"
         )
     if model_cfg.vocab_size != data_vocab:
         return model_cfg, (
-            f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has {data_vocab} "
-            f"pieces (set model.vocab_size=0 to take it from the data)"
+            f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has "
+            f"{data_vocab} pieces (set model.vocab_size=0 to take it from the data)"
         )
     return model_cfg, None
 
@@ -165,7 +165,8 @@ def local_tokenizer(
 def data_fits_model(
     data_dir: str | os.PathLike, manifest: dict, task: str, model_cfg: ModelConfig
 ) -> str | None:
-    """One line if some input of `task`'s data needs more positions than `model.max_seq_len`, else None.
+    """One line if some input of `task`'s data needs more positions than
+    `model.max_seq_len`, else None.
 
     Packed blocks (causal_lm, mlm) are exactly the manifest's `seq_len` long. A translation pair's
     sides are bounded by prepare's `translation.max_tokens`; when that bound fits the model,
@@ -175,8 +176,9 @@ def data_fits_model(
     if longest is None or longest.positions <= model_cfg.max_seq_len:
         return None
     return (
-        f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the inputs of {data_dir}, which need "
-        f"{longest.positions} positions ({longest.source}); set model.max_seq_len={longest.positions} or more"
+        f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the inputs of {data_dir}, "
+        f"which need {longest.positions} positions ({longest.source}); set "
+        f"model.max_seq_len={longest.positions} or more"
     )
 
 

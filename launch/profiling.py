@@ -100,8 +100,8 @@ class Profiled:
             for family, us in sorted(families.items(), key=lambda kv: -kv[1])
         ]
         lines += [
-            f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% x{e.count:<5} "
-            f"[{kernel_family(e.key)}] {e.key[:110]}"
+            f"  {getattr(e, attr, 0) / 1e3:9.2f} ms {100 * getattr(e, attr, 0) / total:5.1f}% "
+            f"x{e.count:<5} [{kernel_family(e.key)}] {e.key[:110]}"
             for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:kernels]
         ]
         if host_ops:
@@ -111,7 +111,8 @@ class Profiled:
                 if getattr(getattr(e, "device_type", None), "name", "CPU") == "CPU"
             ]
             lines.append(
-                f"host operators by CPU time of their own (the host's share of the {1e3 * self.wall:.1f} ms):"
+                "host operators by CPU time of their own (the host's share of "
+                f"the {1e3 * self.wall:.1f} ms):"
             )
             lines += [
                 f"  {e.self_cpu_time_total / 1e3:9.2f} ms x{e.count:<6} {e.key[:100]}"

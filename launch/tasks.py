@@ -1,4 +1,5 @@
-"""The task table: what each of causal_lm, mlm and translation trains, on what, and how it is scored.
+"""The task table: what each of causal_lm, mlm and translation trains, on what,
+and how it is scored.
 
 One training loop (`launch.train`) serves all three and never branches on a task's name: a
 `Task` owns the model it trains (`arch`), the shard set that feeds it (`dataset`, from the
@@ -114,7 +115,8 @@ def _accuracy(sums: dict[str, float]) -> dict[str, float]:
 def host_value(tensor: torch.Tensor) -> float | int | bool:
     """The number in a 0-dim tensor on the host (made from a loader batch), read without waiting
     for any device; refused for a device tensor, whose read would wait for its queued work. The
-    training step's figures from the device are read once per step (`launch.train.loop.train_step`)."""
+    training step's figures from the device are read once per step
+    (`launch.train.loop.train_step`)."""
     if tensor.device.type != "cpu":
         raise ValueError(
             f"host_value: a {tensor.device.type} tensor: reading it would wait for the device"

@@ -141,15 +141,19 @@ class Tracker:
         print(self.where(mode, source), file=sys.stderr, flush=True)
 
     def where(self, mode: str, source: str) -> str:
-        """The start line: the online run's URL, or the offline run's directory and how to upload it."""
+        """The start line: the online run's URL, or the offline run's directory and
+        how to upload it."""
         group = f", group {self.run.group}" if self.run.group else ""
         if mode == "online":
-            return f"W&B: online run {self.run.url} (project {self.run.project}{group}; mode from {source})"
+            return (
+                f"W&B: online run {self.run.url} (project "
+                f"{self.run.project}{group}; mode from {source})"
+            )
         files = Path(self.run.dir)  # RUN_DIR/wandb/offline-run-DATE-ID/files
         offline = files.parent if files.name == "files" else files
         return (
-            f"W&B: offline run in {offline} (project {self.run.project}{group}; mode from {source}); "
-            f"upload it with: wandb sync {offline}"
+            f"W&B: offline run in {offline} (project {self.run.project}{group}; mode from "
+            f"{source}); upload it with: wandb sync {offline}"
         )
 
     def log(self, metrics: dict, step: int) -> None:
@@ -162,7 +166,8 @@ class Tracker:
 
     def progress(self, step: int, max_steps: int, metrics: dict) -> None:
         """One line on stderr: step, loss, rate, tokens/s, ..., the ETA to `max_steps` at this
-        process's mean time per step so far (evaluation and checkpoints included), the last checkpoint."""
+        process's mean time per step so far (evaluation and checkpoints included),
+        the last checkpoint."""
         if not self.enabled:
             return
         parts = [f"step {step}/{max_steps}"]
@@ -182,11 +187,13 @@ class Tracker:
         elapsed = time.time() - self.started
         parts.append(f"{elapsed:.0f}s")
         parts.append(
-            f"ETA {interval(remaining(step - self.start_step, max_steps - self.start_step, elapsed))}"
+            "ETA "
+            f"{interval(remaining(step - self.start_step, max_steps - self.start_step, elapsed))}"
         )
         if self.saved:
             parts.append(
-                f"last ckpt step {self.saved[0]} at {time.strftime('%H:%M:%S', time.localtime(self.saved[1]))}"
+                f"last ckpt step {self.saved[0]} at "
+                f"{time.strftime('%H:%M:%S', time.localtime(self.saved[1]))}"
             )
         else:
             parts.append("last ckpt none yet")

@@ -1,4 +1,5 @@
-"""`python -m launch.translate [CONFIG.yaml] checkpoint=DIR [key=value ...]`: translate text, line by line.
+"""`python -m launch.translate [CONFIG.yaml] checkpoint=DIR [key=value ...]`:
+translate text, line by line.
 
 The keys are `launch.config.TranslateConfig`'s (`--help` lists them). Reads UTF-8 source
 sentences from standard input (or `input`), undecodable bytes replaced, and writes one
@@ -23,9 +24,11 @@ from common.progress import meter
 from launch.config import TranslateConfig
 from pipeline.tokenizer import load_tokenizer
 
-USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input=FILE] [key.sub=value ...]
+USAGE = """usage: python -m launch.translate [CONFIG.yaml] checkpoint=DIR [input=FILE] \
+[key.sub=value ...]
 
-Translate UTF-8 text, one sentence per line, from standard input (or input=FILE) to standard output."""
+Translate UTF-8 text, one sentence per line, from standard input (or input=FILE) to standard \
+output."""
 
 
 def translate_lines(
@@ -63,8 +66,9 @@ def translate_lines(
                     if cut:
                         counts["truncated"] += 1
                         print(
-                            f"warning: line {counts['lines'] + offset + 1}: {len(ids)} tokens, truncated to the model's "
-                            f"limit of {ckpt.max_source_tokens} (+ the source frame)",
+                            f"warning: line {counts['lines'] + offset + 1}: {len(ids)} "
+                            "tokens, truncated to the model's limit of "
+                            f"{ckpt.max_source_tokens} (+ the source frame)",
                             file=err,
                             flush=True,
                         )
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             out.detach()  # sys.stdout keeps its buffer
     print(
-        f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, {counts['truncated']} truncated)",
+        f"translated {counts['lines'] - counts['empty']} lines ({counts['empty']} empty, "
+        f"{counts['truncated']} truncated)",
         file=sys.stderr,
     )
     return 0

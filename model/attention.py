@@ -1,6 +1,7 @@
 """Attention: SDPA masks (padding, causal, documents), the kernels (SDPA, FlexAttention for
 document masks on CUDA, a recomputed-softmax path for compiled bf16 on a CPU) and the
-multi-head attention layer with grouped key/value heads (the design: docs/design.md#modelblockspy)."""
+multi-head attention layer with grouped key/value heads (the design:
+docs/design.md#modelblockspy)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def document_attention_mask(
 
 def document_block_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal: bool) -> Any:
     """`document_attention_mask` as a FlexAttention BlockMask: the same rule, evaluated per
-    (query, key) pair, from which FlexAttention learns which blocks of the score matrix it may skip."""
+    (query, key) pair, from which FlexAttention learns which blocks of the score
+    matrix it may skip."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = document_ids.shape
@@ -116,7 +118,8 @@ SDPA_TAKES_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def expand_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
-    """Keys and values (B, Hkv, S, Dh) repeated to (B, H, S, Dh): query head h reads head h // (H / Hkv)."""
+    """Keys and values (B, Hkv, S, Dh) repeated to (B, H, S, Dh): query head h reads
+    head h // (H / Hkv)."""
     groups = n_heads // k.shape[1]
     if groups == 1:
         return k, v
@@ -135,13 +138,13 @@ def attention(
     takes masks and float32, has no grouped heads, and SDPA would fall back to its math path.
 
     torch's `scaled_dot_product_attention` runs it, except in one case: bf16 training on a CPU
-    inside a compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys. There
-    SDPA's CPU flash kernel runs its backward pass at a small fraction of the bf16 GEMM rate
-    (at 128 keys, 10 ms for a layer whose forward takes 0.7 ms), and `_RecomputedAttention`
-    keeps the flash forward but recomputes the probabilities in backward with batched GEMMs
-    (float32 for the scores and their gradient, bf16 for the three that produce q, k and v's
-    gradients) and float32 element-wise work, which inductor fuses. Like the flash kernel it saves no
-    (T x S) matrix; the backward holds one for each layer in turn."""
+    inside a compiled graph (`compile: true`), without dropout, at up to RECOMPUTE_MAX_KEYS keys.
+    There SDPA's CPU flash kernel runs its backward pass at a small fraction of the bf16 GEMM rate
+    (at 128 keys, 10 ms for a layer whose forward takes 0.7 ms), and `_RecomputedAttention` keeps
+    the flash forward but recomputes the probabilities in backward with batched GEMMs (float32 for
+    the scores and their gradient, bf16 for the three that produce q, k and v's gradients) and
+    float32 element-wise work, which inductor fuses. Like the flash kernel it saves no (T x S)
+    matrix; the backward holds one for each layer in turn."""
     if (
         q.device.type == "cpu"
         and q.dtype == torch.bfloat16
@@ -272,8 +275,9 @@ class Attention(nn.Module):
         cache: Optional[KV] = None,
         rotary: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Tensor:
-        """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document mask on CUDA);
-        `rotary`: the (cos, sin) of the queries' positions (`Rotary`), self-attention only."""
+        """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document
+        mask on CUDA); `rotary`: the (cos, sin) of the queries' positions (`Rotary`),
+        self-attention only."""
         B, T, C = x.shape
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
         if memory is None:

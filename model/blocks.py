@@ -367,7 +367,8 @@ class Transformer(nn.Module):
     def _document_kernel(self, device: torch.device) -> str:
         if self.document_attention not in ("auto", "sdpa", "flex_attention"):
             raise ValueError(
-                f"document_attention={self.document_attention!r}: expected auto, sdpa or flex_attention"
+                f"document_attention={self.document_attention!r}: expected "
+                "auto, sdpa or flex_attention"
             )
         head_dim = self.cfg.d_model // self.cfg.n_heads
         if (
@@ -376,8 +377,8 @@ class Transformer(nn.Module):
             and head_dim < FLEX_MIN_HEAD_DIM
         ):
             raise ValueError(
-                f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / n_heads); "
-                f"FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}"
+                f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / "
+                f"n_heads); FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}"
             )
         if self.document_attention != "auto":
             return self.document_attention

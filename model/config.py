@@ -174,7 +174,8 @@ class ModelConfig:
         _check_ids(self, "")
         _check(
             self.tie_embeddings or not self.share_embeddings,
-            "share_embeddings=True makes the output layer the shared embedding: it needs tie_embeddings=True",
+            "share_embeddings=True makes the output layer the shared embedding: "
+            "it needs tie_embeddings=True",
         )
         if self.arch == "seq2seq":
             for stack in STACKS:
@@ -183,7 +184,8 @@ class ModelConfig:
             vocabs = {self.for_stack(stack).vocab_size for stack in STACKS}
             _check(
                 not self.share_embeddings or len(vocabs) == 1,
-                f"share_embeddings=True needs one vocabulary; encoder and decoder have {sorted(vocabs)}",
+                "share_embeddings=True needs one vocabulary; encoder and "
+                f"decoder have {sorted(vocabs)}",
             )
         else:
             _check(

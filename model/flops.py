@@ -24,7 +24,8 @@ def _kv_dim(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """All weights that take part in matmuls (N of 6N for GPT and BERT); see docs/design.md#modelflopspy."""
+    """All weights that take part in matmuls (N of 6N for GPT and BERT); see
+    docs/design.md#modelflopspy."""
     head = cfg.d_model * cfg.vocab_size
     if cfg.arch == "gpt":
         return cfg.n_layers * _block_params(cfg) + head

@@ -156,7 +156,8 @@ def generate_causal(
     B, T = input_ids.shape
     if T + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(
-            f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={model.cfg.max_seq_len}"
+            f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_seq_len={model.cfg.max_seq_len}"
         )
     cache = KVCache(len(model.blocks))
     mask = attention_mask
@@ -215,7 +216,8 @@ def row_limits(
     src_ids: Tensor, src_mask: Optional[Tensor], max_len: int, a: float, b: int
 ) -> Optional[Tensor]:
     """Each source's own limit, min(max_len, floor(a * source length + b)) and at least 1
-    (fairseq's max_len_a / max_len_b; the source length counts its </s>); None when a and b are 0."""
+    (fairseq's max_len_a / max_len_b; the source length counts its </s>); None
+    when a and b are 0."""
     if a < 0 or b < 0:
         raise ValueError(f"max_len_a={a}, max_len_b={b}: must be >= 0")
     if a == 0 and b == 0:

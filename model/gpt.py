@@ -1,4 +1,5 @@
-"""GPT: a decoder-only causal language model, its output layer tied to its input embeddings by default.
+"""GPT: a decoder-only causal language model, its output layer tied to its input
+embeddings by default.
 
 Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (GPT-2);
 karpathy/nanoGPT. Labels are the project's (`model.loss`): labels[:, t] is the token

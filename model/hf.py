@@ -59,7 +59,8 @@ ACTIVATION_FROM_HF = {
 def _activation_from_hf(name: str) -> str:
     if name not in ACTIVATION_FROM_HF:
         raise ValueError(
-            f"activation {name!r} has no equivalent here; expected one of {sorted(ACTIVATION_FROM_HF)}"
+            f"activation {name!r} has no equivalent here; expected one of "
+            f"{sorted(ACTIVATION_FROM_HF)}"
         )
     return ACTIVATION_FROM_HF[name]
 
@@ -68,7 +69,8 @@ def _require(cfg: ModelConfig, reference: str, **wanted) -> None:
     for name, value in wanted.items():
         if getattr(cfg, name) != value:
             raise ValueError(
-                f"only a model with {name}={value!r} converts to Hugging Face's {reference}; got {getattr(cfg, name)!r}"
+                f"only a model with {name}={value!r} converts to Hugging Face's "
+                f"{reference}; got {getattr(cfg, name)!r}"
             )
 
 
@@ -86,7 +88,8 @@ def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
     )
     if cfg.kv_heads != cfg.n_heads:
         raise ValueError(
-            f"n_kv_heads={cfg.n_kv_heads}: Hugging Face's {arch} has a key/value head per query head"
+            f"n_kv_heads={cfg.n_kv_heads}: Hugging Face's {arch} has a "
+            "key/value head per query head"
         )
     if cfg.activation not in ACTIVATION_TO_HF:
         raise ValueError(

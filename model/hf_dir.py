@@ -44,7 +44,8 @@ def hf_config_for(cfg: ModelConfig):
 
 
 def to_hf(model: torch.nn.Module):
-    """The Hugging Face model (eval mode) with our model's weights, of the class `hf_config_for` picks."""
+    """The Hugging Face model (eval mode) with our model's weights, of the class
+    `hf_config_for` picks."""
     if isinstance(model, Seq2Seq):
         return seq2seq_to_hf(model).eval()
     if isinstance(model, BERT):
@@ -95,7 +96,7 @@ def load_hf_dir(directory: str, **overrides) -> torch.nn.Module:
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ValueError(
-            f"{directory} lacks {len(missing)} weights of {hf_class.__name__} ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''})"
+            f"{directory} lacks {len(missing)} weights of {hf_class.__name__} "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
         )
     return from_hf(hf_model, **overrides)

@@ -41,8 +41,8 @@ def stack_configs(cfg: ModelConfig) -> tuple[ModelConfig, ModelConfig]:
     """The encoder as a BERT config and the decoder as a GPT config, for the HF config builders."""
     if cfg.share_embeddings:
         raise ValueError(
-            "share_embeddings=True (one matrix scaled by sqrt(d_model)) has no equivalent in Hugging "
-            "Face's BERT/GPT-2 encoder-decoder"
+            "share_embeddings=True (one matrix scaled by sqrt(d_model)) has no equivalent in "
+            "Hugging Face's BERT/GPT-2 encoder-decoder"
         )
     # The encoder has no output layer, so tie_embeddings only describes the decoder's.
     encoder = dataclasses.replace(cfg.for_stack("encoder"), arch="bert", tie_embeddings=True)
@@ -51,7 +51,8 @@ def stack_configs(cfg: ModelConfig) -> tuple[ModelConfig, ModelConfig]:
 
 
 def hf_encoder_decoder_config(cfg: ModelConfig):
-    """An `EncoderDecoderConfig` (BertConfig + GPT2Config with cross-attention) for our Seq2Seq config."""
+    """An `EncoderDecoderConfig` (BertConfig + GPT2Config with cross-attention) for
+    our Seq2Seq config."""
     from transformers import EncoderDecoderConfig
 
     encoder, decoder = stack_configs(cfg)

@@ -26,7 +26,8 @@ _OUT_DTYPE_GEMMS: dict = {}
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    """Mean cross-entropy of logits (..., V) over labels (...) that are not IGNORE_INDEX; 0 (not NaN) when there are none."""
+    """Mean cross-entropy of logits (..., V) over labels (...) that are not IGNORE_INDEX; 0 (not
+    NaN) when there are none."""
     total = F.cross_entropy(
         # a bf16 log-softmax over the vocabulary loses precision
         logits.reshape(-1, logits.shape[-1]).float(),
@@ -46,7 +47,8 @@ def rows_per_chunk(vocab_size: int, device: torch.device | str) -> int:
 
 
 def chunk_peak_bytes(vocab_size: int, device: torch.device | str) -> int:
-    """The transient memory of one chunk: its float32 logits and their log-softmax, live together."""
+    """The transient memory of one chunk: its float32 logits and their
+    log-softmax, live together."""
     return 8 * rows_per_chunk(vocab_size, device) * vocab_size
 
 
@@ -118,7 +120,8 @@ class _Gemms:
         return torch.log_softmax(self.logits(hc), dim=-1)  # one fused kernel
 
     def mm(self, a: Tensor, b: Tensor, out: Tensor) -> None:
-        """out = a @ b, out in `acc`, a and b in the inputs' dtype (b the weight as `self.weight`)."""
+        """out = a @ b, out in `acc`, a and b in the inputs' dtype (b the weight
+        as `self.weight`)."""
         if self.mode in ("addmm", "mm"):
             torch.mm(a, b, out_dtype=self.acc, out=out)
         elif self.mode == "bf16":

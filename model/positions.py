@@ -76,7 +76,8 @@ class Rotary(nn.Module):
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, Dh) rotated by its positions' angles: computed in float32, returned in x's dtype."""
+    """x (B, H, T, Dh) rotated by its positions' angles: computed in float32,
+    returned in x's dtype."""
     half = x.shape[-1] // 2
     x32 = x.float()
     # each pair turned by 90 degrees

@@ -22,8 +22,9 @@ from model.seq2seq import Seq2Seq
 SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
 # Fields a source must share with the stack it fills; max_seq_len may differ (resized).
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm", "norm_position",
-    "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id", "eos_id", "mask_id",
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm",
+    "norm_position", "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id",
+    "eos_id", "mask_id",
 )  # fmt: skip
 # A stack's vocabulary: its size and special ids, the stack's own when the sides' tokenizers differ.
 VOCABULARY_FIELDS = ("vocab_size", "pad_id", "bos_id", "eos_id", "mask_id")
@@ -195,15 +196,19 @@ def warm_start(
 def _shared_origin(cfg: ModelConfig, side: str, source: Pretrained) -> str:
     """The report's line on the shared matrix: its source, why, and how its scale changed."""
     why = (
-        "the decoder source trained it as its output layer, and the Seq2Seq's output projection is this matrix"
+        "the decoder source trained it as its output layer, and the Seq2Seq's "
+        "output projection is this matrix"
         if side == "decoder"
         else "there is no decoder source; the encoder source's is the one pretrained matrix"
     )
-    line = f"share_embeddings: source, target and output embeddings <- {side}:{TOKEN_EMBEDDING} ({why})"
+    line = (
+        "share_embeddings: source, target and output embeddings <- "
+        f"{side}:{TOKEN_EMBEDDING} ({why})"
+    )
     if source.config.positions != "sinusoidal":
         line += (
-            f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the source"
-            f" ({source.config.positions} positions) used 1"
+            f"; lookups are now scaled by sqrt(d_model) = {math.sqrt(cfg.d_model):g}, where the "
+            f"source ({source.config.positions} positions) used 1"
         )
     if side == "decoder":
         line += f"; encoder:{TOKEN_EMBEDDING}, if given, is dropped"
@@ -226,13 +231,14 @@ def _check_config(side: str, source: Pretrained, stack: ModelConfig, tokenizer_s
     if src.vocab_size != stack.vocab_size:
         why = " (share_embeddings=True needs one vocabulary)" if stack.share_embeddings else ""
         raise WarmStartError(
-            f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq vocab_size={stack.vocab_size}{why}"
+            f"vocabulary mismatch: {side} source vocab_size={src.vocab_size}, Seq2Seq "
+            f"vocab_size={stack.vocab_size}{why}"
         )
     for name in architecture_fields(side):
         if getattr(src, name) != getattr(stack, name):
             raise WarmStartError(
-                f"{side} source has {name}={getattr(src, name)!r} but the Seq2Seq {side} has {getattr(stack, name)!r}"
-                " (derive the config with seq2seq_config)"
+                f"{side} source has {name}={getattr(src, name)!r} but the Seq2Seq {side} has "
+                f"{getattr(stack, name)!r} (derive the config with seq2seq_config)"
             )
 
 
@@ -255,7 +261,8 @@ def _load_side(
     unknown = sorted(set(state) - set(expected))
     if unknown:
         raise WarmStartError(
-            f"{side} source has {len(unknown)} unknown keys, e.g. {unknown[0]!r}: not a {source.config.arch} state dict"
+            f"{side} source has {len(unknown)} unknown keys, e.g. {unknown[0]!r}: not a "
+            f"{source.config.arch} state dict"
         )
     prefix = f"{side}."
     for key in expected:
@@ -296,10 +303,12 @@ def _copy(side: str, key: str, value: Tensor, param: Tensor) -> TensorOrigin:
         )
     if key == "embed.tok.weight":
         raise WarmStartError(
-            f"vocabulary mismatch: {side} source {key} has {value.shape[0]} rows, the Seq2Seq {param.shape[0]}"
+            f"vocabulary mismatch: {side} source {key} has {value.shape[0]} rows, "
+            f"the Seq2Seq {param.shape[0]}"
         )
     raise WarmStartError(
-        f"shape mismatch: {side} source {key} is {tuple(value.shape)}, the Seq2Seq's is {tuple(param.shape)}"
+        f"shape mismatch: {side} source {key} is {tuple(value.shape)}, the "
+        f"Seq2Seq's is {tuple(param.shape)}"
     )
 
 

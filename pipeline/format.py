@@ -121,7 +121,8 @@ def sample_key(bucket: int, index: int) -> str:
 
 
 def shard_name(dataset: str, split: str, bucket: int, part: int, source: str | None = None) -> str:
-    """A shard's path in the dataset; `source` names the source's own folder when a prepare has several."""
+    """A shard's path in the dataset; `source` names the source's own folder when a
+    prepare has several."""
     folder = f"{dataset}/{split}/{source}" if source else f"{dataset}/{split}"
     return f"{folder}/{bucket:04d}-{part:04d}.tar"
 
@@ -258,7 +259,8 @@ def shard_entries(manifest: dict, task: str, split: str, where: str = MANIFEST) 
     dataset = manifest.get("datasets", {}).get(name)
     if dataset is None:
         raise UserError(
-            f"the dataset has no {name!r} shards (needed by {task}); prepare it with tasks including {task}"
+            f"the dataset has no {name!r} shards (needed by {task}); prepare it "
+            f"with tasks including {task}"
         )
     if split not in dataset["splits"]:
         raise UserError(f"the {name!r} shards have no split {split!r}")

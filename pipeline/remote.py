@@ -34,7 +34,8 @@ class FetchError(Exception):
 
 @dataclass(frozen=True)
 class FetchConfig:
-    """How remote files are fetched and cached; picklable, so it travels to DataLoader workers with the shards."""
+    """How remote files are fetched and cached; picklable, so it travels to DataLoader
+    workers with the shards."""
 
     cache_dir: str = ""  # "" = default_cache_dir()
     max_bytes: int = 50 * _GB
@@ -72,7 +73,8 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 def join(base: str | os.PathLike, relative: str) -> str:
-    """`base`/`relative` for a local directory or a URL (a Path would turn "http://" into "http:/")."""
+    """`base`/`relative` for a local directory or a URL (a Path would turn
+    "http://" into "http:/")."""
     if is_url(base):
         return base.rstrip("/") + "/" + relative.lstrip("/")
     return str(Path(base) / relative)
@@ -342,7 +344,8 @@ def prefetch(shards) -> None:
 
 
 def reading(url: str) -> None:
-    """Tell the prefetcher that the reader has come to `url`: it fetches up to `prefetch` shards past it."""
+    """Tell the prefetcher that the reader has come to `url`: it fetches up to
+    `prefetch` shards past it."""
     if _prefetcher is not None and _prefetcher.pid == os.getpid():
         _prefetcher.reached(url)
 

@@ -1,4 +1,5 @@
-"""`python -m pipeline.validate [CONFIG.yaml] data_dir=DIR`: re-check a prepared dataset against its manifest.
+"""`python -m pipeline.validate [CONFIG.yaml] data_dir=DIR`: re-check a prepared dataset
+against its manifest.
 
 Every split must list each shard once with a positive sample count (`pipeline.format`'s rule,
 which the loader enforces); every shard must exist with the recorded size and sha256, read as
@@ -160,7 +161,8 @@ def _check_shard(
         )
     if (samples, tokens) != (shard["samples"], shard["tokens"]):
         problems.append(
-            f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says {shard['samples']} / {shard['tokens']}"
+            f"{shard['path']}: {samples} samples / {tokens} tokens, manifest says "
+            f"{shard['samples']} / {shard['tokens']}"
         )
     return problems
 

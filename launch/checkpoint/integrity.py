@@ -31,7 +31,8 @@ INTEGRITY = "integrity.json"  # every file's size and sha256, written once all r
 # intact checkpoint
 #
 # On every rank, in the trainer (it owns the process group; this module stays free of it):
-#     candidates = rank 0's resume_candidates(resume, run_dir), broadcast  (launch.checkpoint.layout)
+#     candidates = rank 0's resume_candidates(resume, run_dir), broadcast
+#                  (launch.checkpoint.layout)
 #     found = choose_resume(resume, candidates, lambda c: resume_verdict(c, rank, world_size),
 #                           all_gather_object, report=rank == 0)
 
@@ -68,14 +69,15 @@ def choose_resume(
     if chosen is None:
         (root, tag), reason = skipped[0]
         raise UserError(
-            f"resume: no intact checkpoint in {root} ({len(skipped)} tried; the newest, {tag}: {reason}); "
-            f"name one with resume=..., or remove them or use another run_dir to start afresh"
+            f"resume: no intact checkpoint in {root} ({len(skipped)} tried; the "
+            f"newest, {tag}: {reason}); name one with resume=..., or remove them or "
+            "use another run_dir to start afresh"
         )
     root, tag = chosen
     if report and not (root / tag / INTEGRITY).is_file():
         print(
-            f"warning: checkpoint {root / tag} has no {INTEGRITY} (written before checkpoints were verified): "
-            f"only checked that its torch files are whole archives; resuming from it",
+            f"warning: checkpoint {root / tag} has no {INTEGRITY} (written before checkpoints were "
+            "verified): only checked that its torch files are whole archives; resuming from it",
             file=sys.stderr,
         )
     return chosen
@@ -130,8 +132,8 @@ def require_intact(root: str | Path, tag: str) -> None:
         reason = _check_unrecorded(root, tag)
         if reason is None:
             print(
-                f"warning: checkpoint {tag_dir} has no {INTEGRITY} (written before checkpoints were verified): "
-                f"only checked that its torch files are whole archives",
+                f"warning: checkpoint {tag_dir} has no {INTEGRITY} (written before checkpoints "
+                "were verified): only checked that its torch files are whole archives",
                 file=sys.stderr,
             )
     if reason is not None:
@@ -184,7 +186,8 @@ def files_on_disk(tag_dir: str | Path) -> dict[str, int]:
 
 
 def hash_files(tag_dir: str | Path, names: Sequence[str]) -> dict[str, dict]:
-    """{name: {"size", "sha256"}} of files `names` (relative to `tag_dir`), as integrity.json records them."""
+    """{name: {"size", "sha256"}} of files `names` (relative to `tag_dir`), as
+    integrity.json records them."""
     tag_dir = Path(tag_dir)
     return {
         name: {"size": (tag_dir / name).stat().st_size, "sha256": file_sha256(tag_dir / name)}
@@ -238,7 +241,10 @@ def verify(tag_dir: str | Path, files: list[str] | None = None) -> str | None:
                 return f"{name} is not recorded in {INTEGRITY}"
             digest = file_sha256(tag_dir / name)
             if digest != record[name]["sha256"]:
-                return f"{name} has sha256 {digest[:16]}..., {INTEGRITY} records {record[name]['sha256'][:16]}..."
+                return (
+                    f"{name} has sha256 {digest[:16]}..., {INTEGRITY} records "
+                    f"{record[name]['sha256'][:16]}..."
+                )
     except OSError as err:
         return f"cannot be read: {err}"
     return None
@@ -293,7 +299,8 @@ def _read_integrity(tag_dir: Path) -> tuple[dict | None, str | None]:
     if not path.is_file():
         return (
             None,
-            f"no {INTEGRITY} (a checkpoint written before checkpoints were verified, or not complete)",
+            f"no {INTEGRITY} (a checkpoint written before checkpoints "
+            "were verified, or not complete)",
         )
     try:
         files = json.loads(path.read_text())["files"]

@@ -1,8 +1,10 @@
 """Checkpoint layout, the `latest` pointer and retention; what a checkpoint records of itself,
 and which checkpoints a resume may continue from.
 
-    RUN_DIR/checkpoints/step_00000100/            a DeepSpeed checkpoint (every rank writes its part)
-    RUN_DIR/checkpoints/step_00000100.universal/  its universal copy, if one was made (launch.deepspeed.universal.to_universal)
+    RUN_DIR/checkpoints/step_00000100/            a DeepSpeed checkpoint (every rank writes
+                                                  its part)
+    RUN_DIR/checkpoints/step_00000100.universal/  its universal copy, if one was made
+                                                  (launch.deepspeed.universal.to_universal)
     RUN_DIR/checkpoints/latest                    the tag of the newest complete checkpoint
 
 The pointer moves only after every rank has finished writing (a barrier, then an atomic
@@ -98,7 +100,8 @@ def universal_tag_for(tag: str) -> str:
 
 
 def is_universal(root: str | Path, tag: str) -> bool:
-    """Whether `root/tag` is a universal checkpoint (DeepSpeed's `zero/` folder of whole tensors)."""
+    """Whether `root/tag` is a universal checkpoint (DeepSpeed's `zero/` folder
+    of whole tensors)."""
     return (Path(root) / tag / "zero").is_dir()
 
 
@@ -198,7 +201,8 @@ def resume_candidates(resume: str, run_dir: str | Path) -> list[tuple[Path, str]
             return [(path.parent, path.name)]
         else:
             raise UserError(
-                f"resume: {resume!r} is not auto, none, a checkpoints directory or a step_* checkpoint"
+                f"resume: {resume!r} is not auto, none, a checkpoints "
+                "directory or a step_* checkpoint"
             )
     pointer = root / POINTER
     newest = pointer.read_text().strip() if pointer.is_file() else ""

@@ -71,8 +71,9 @@ def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -
     if free >= need:
         return None
     return (
-        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has {byte_size(free)} free "
-        f"and the save needs about {byte_size(need)} ({how}); {_still_latest(root)}"
+        f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) has "
+        f"{byte_size(free)} free and the save needs about {byte_size(need)} ({how}); "
+        f"{_still_latest(root)}"
     )
 
 
@@ -92,8 +93,9 @@ def save_failed(
     was_free = f" and {byte_size(free)} was free before it" if free is not None else ""
     return (
         f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
-        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about {byte_size(need)} ({how})"
-        f"{was_free}; the partial {tag} is removed and {_still_latest(root)}"
+        f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about "
+        f"{byte_size(need)} ({how}){was_free}; the partial {tag} is removed and "
+        f"{_still_latest(root)}"
     )
 
 
@@ -104,4 +106,7 @@ def _still_latest(root: Path) -> str:
         if latest
         else "no checkpoint of this run is complete yet"
     )
-    return f"{kept}: make room there, or move run_dir to a roomier file system, and start the job again"
+    return (
+        f"{kept}: make room there, or move run_dir to a roomier file "
+        "system, and start the job again"
+    )

@@ -70,7 +70,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
         ):
             if key in user and user[key] != "auto" and user[key] != config[key]:
                 raise UserError(
-                    f"deepspeed.config_file: {key}={user[key]} disagrees with the run config ({config[key]}); set data.micro_batch_size / grad_accum instead"
+                    f"deepspeed.config_file: {key}={user[key]} disagrees with the run config "
+                    f"({config[key]}); set data.micro_batch_size / grad_accum instead"
                 )
         if "load_universal" in (user.get("checkpoint") or {}):
             raise UserError(
@@ -94,9 +95,9 @@ def _bf16_accumulation(config: dict) -> dict:
     bf16, whose 8-bit mantissa drops the small contributions of later micro batches and ranks.
     DeepSpeed's default for both is the model's dtype. Both, so that a step is the same sum
     whatever its split into ranks x micro batches: a run resumed on another world size keeps its
-    global batch (`launch.train.resume.find_resume`), and with fp32 accumulation but a bf16 reduction the
-    next step would differ in the bf16 rounding (tests/launch/test_universal.py). The reduction then
-    moves twice the bytes of a bf16 one.
+    global batch (`launch.train.resume.find_resume`), and with fp32 accumulation but a bf16
+    reduction the next step would differ in the bf16 rounding (tests/launch/test_universal.py). The
+    reduction then moves twice the bytes of a bf16 one.
 
     What DeepSpeed 0.19 makes of it, by stage (`DeepSpeedEngine._do_optimizer_sanity_check`):
     ZeRO-1 wraps AdamW in its BF16_Optimizer (fp32 gradient buffers beside the bf16 weights;

@@ -48,14 +48,16 @@ class Engine:
                 and accum > 1
             ):
                 print(
-                    f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} micro batches in "
-                    f"bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set deepspeed.zero_stage=1 or more",
+                    f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} "
+                    "micro batches in bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set "
+                    "deepspeed.zero_stage=1 or more",
                     file=sys.stderr,
                 )
 
     @property
     def optimizer_name(self) -> str:
-        """The class of the optimizer DeepSpeed steps (ours, inside its wrapper): e.g. AdamW, DeepSpeedCPUAdam."""
+        """The class of the optimizer DeepSpeed steps (ours, inside its wrapper): e.g. AdamW,
+        DeepSpeedCPUAdam."""
         return type(self._engine.basic_optimizer).__name__
 
     def describe(self) -> str:
@@ -71,8 +73,8 @@ class Engine:
         groups = getattr(self._engine.basic_optimizer, "param_groups", None) or [{}]
         kernels = " (fused kernel)" if groups[0].get("fused") else ""
         return (
-            f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in {accum}, "
-            f"reduced in {reduce}"
+            f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in "
+            f"{accum}, reduced in {reduce}"
         )
 
     @property
@@ -117,7 +119,8 @@ class Engine:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps DeepSpeed dropped: a non-finite gradient norm (fp16 overflow included)."""
+        """Optimizer steps DeepSpeed dropped: a non-finite gradient norm (fp16
+        overflow included)."""
         return int(self._engine.skipped_steps)
 
     @property
@@ -167,7 +170,8 @@ class Engine:
         if universal and not (checkpoint / model_states).is_file():
             raise UserError(
                 f"checkpoint {checkpoint}: a universal copy written under ZeRO-"
-                f"{'1/2' if stage == 3 else '3'} does not load under ZeRO-{stage} (no {model_states})"
+                f"{'1/2' if stage == 3 else '3'} does not load under "
+                f"ZeRO-{stage} (no {model_states})"
             )
         try:
             # DeepSpeed unpickles its files in full here (weights_only=False): the run directory is
@@ -201,7 +205,8 @@ class Engine:
             )["param_groups"]
         if len(saved) != len(basic.param_groups):
             raise UserError(
-                f"checkpoint {checkpoint} has {len(saved)} optimizer parameter groups, this model {len(basic.param_groups)}"
+                f"checkpoint {checkpoint} has {len(saved)} optimizer parameter groups, this "
+                f"model {len(basic.param_groups)}"
             )
         for group, saved_group in zip(basic.param_groups, saved):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
@@ -264,10 +269,10 @@ def cpu_adam(
     torch's AdamW), over the caller's parameter groups, each with its own weight decay.
 
     Its C++ op is built by DeepSpeed with the host's compiler at first use and cached in a
-    folder of this CPU type (`launch.deepspeed.patches.use_cpu_keyed_jit_cache`). If it cannot be built, torch's AdamW
-    (the same update, slower) takes its place, with a one-line warning. Under a process group
-    the ranks agree first: if the op fails on any rank, every rank falls back, so that all
-    partitions are stepped by the same optimizer."""
+    folder of this CPU type (`launch.deepspeed.patches.use_cpu_keyed_jit_cache`). If it cannot be
+    built, torch's AdamW (the same update, slower) takes its place, with a one-line warning. Under a
+    process group the ranks agree first: if the op fails on any rank, every rank falls back, so that
+    all partitions are stepped by the same optimizer."""
     failure = None
     patch_deepspeed(cpu_adam=True)
     try:
@@ -290,8 +295,8 @@ def cpu_adam(
         return optimizer
     if not distributed or torch.distributed.get_rank() == 0:
         print(
-            f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer is torch's "
-            f"AdamW, which is slower",
+            f"warning: DeepSpeed's CPU Adam op is unavailable ({failure}); the offloaded optimizer "
+            "is torch's AdamW, which is slower",
             file=sys.stderr,
         )
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
@@ -356,7 +361,8 @@ def _os_error(err: BaseException | None) -> OSError | None:
 
 def deepspeed_accelerator() -> tuple[str, str]:
     """(DeepSpeed's version, the accelerator it detected: 'cuda' where it will train on the GPU).
-    For the GPU check's probes (benchmarks/gpu_check.py), which import DeepSpeed only through here."""
+    For the GPU check's probes (benchmarks/gpu_check.py), which import DeepSpeed
+    only through here."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

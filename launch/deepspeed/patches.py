@@ -37,8 +37,9 @@ def patch_deepspeed(cpu_adam: bool = False) -> None:
                 import deepspeed
 
                 print(
-                    f"warning: DeepSpeed {deepspeed.__version__}: start-up patch {patch.__name__} does not "
-                    f"apply ({type(err).__name__}: {err}; written for {PATCHED_FOR}); running without it",
+                    f"warning: DeepSpeed {deepspeed.__version__}: start-up patch "
+                    f"{patch.__name__} does not apply ({type(err).__name__}: {err}; written for "
+                    f"{PATCHED_FOR}); running without it",
                     file=sys.stderr,
                 )
 
@@ -65,8 +66,9 @@ def load_muon_compiling_on_first_call() -> None:
     first call rather than at import. DeepSpeed imports the module in every ZeRO engine (its
     optimizer check, and ZeRO-1/2's gradient reduce, to test `isinstance(optimizer, Muon)`), and
     those wrappers import inductor's compiler, a share of every rank's start
-    (docs/design.md#a-ranks-start), for an optimizer this project never passes. A Muon user sees no difference: torch.compile
-    compiles at the first call anyway. No-op where the module is loaded already."""
+    (docs/design.md#a-ranks-start), for an optimizer this project never passes. A Muon user sees no
+    difference: torch.compile compiles at the first call anyway. No-op where the module is loaded
+    already."""
     if MUON_MODULE in sys.modules:
         return
     import importlib

@@ -1,6 +1,6 @@
-"""Reading a checkpoint's weights without running code from it: torch's weights-only unpickler with the
-few classes DeepSpeed's files hold allowed, also for the torch.load calls inside DeepSpeed's
-consolidation."""
+"""Reading a checkpoint's weights without running code from it: torch's weights-only unpickler
+with the few classes DeepSpeed's files hold allowed, also for the torch.load calls inside
+DeepSpeed's consolidation."""
 
 from __future__ import annotations
 
@@ -173,6 +173,7 @@ def _refuse_code_in(tag_dir: Path) -> None:
             continue
         if unsafe:
             raise UserError(
-                f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} holds {', '.join(sorted(unsafe))}, which "
-                f"unpickling would call (our checkpoints hold tensors and plain data): refusing to load it"
+                f"checkpoint {tag_dir}: {path.relative_to(tag_dir)} holds "
+                f"{', '.join(sorted(unsafe))}, which unpickling would call (our checkpoints hold "
+                "tensors and plain data): refusing to load it"
             )

@@ -1,4 +1,5 @@
-"""`python -m launch.lm_eval checkpoint=DIR [tasks=[cloze,choice]] [key=value ...]`: an exported GPT's scores.
+"""`python -m launch.lm_eval checkpoint=DIR [tasks=[cloze,choice]] [key=value ...]`: an
+exported GPT's scores.
 
 The keys are `launch.config.LmEvalConfig`'s (`--help` lists them). DIR is an export of
 `launch.export`: ours (scored through `OurLM`) or format=hf (through lm-eval's `HFLM`, which
@@ -19,7 +20,8 @@ from common.hashing import file_sha256
 from launch.config import LmEvalConfig
 from launch.lm_eval.tasks import check_tasks, held_out_texts
 
-USAGE = """usage: python -m launch.lm_eval [CONFIG.yaml] checkpoint=DIR [tasks=[cloze,choice]] [format=auto|ours|hf] [key.sub=value ...]
+USAGE = """usage: python -m launch.lm_eval [CONFIG.yaml] checkpoint=DIR [tasks=[cloze,choice]] \
+[format=auto|ours|hf] [key.sub=value ...]
 
 An exported GPT scored by lm-evaluation-harness on tasks built from its dataset's held-out split."""
 FORMATS = ("auto", "ours", "hf")
@@ -70,7 +72,8 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     from launch.lm_eval.score import flat_metrics, score, table
 
     print(
-        f"lm_eval: {directory} ({fmt}) on {data_dir} {cfg.split}: {len(texts)} documents, tasks {', '.join(names)}",
+        f"lm_eval: {directory} ({fmt}) on {data_dir} {cfg.split}: {len(texts)} "
+        f"documents, tasks {', '.join(names)}",
         file=sys.stderr,
     )
     results = score(
@@ -120,7 +123,8 @@ def export_tokenizer_sha256(directory: Path, data_dir: str) -> str:
 
 def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
     """(ours | hf, the export's provenance) for an exported GPT directory; UserError, one line,
-    for anything else: no export, a BERT or translation model, a format that is not the directory's."""
+    for anything else: no export, a BERT or translation model, a format that is
+    not the directory's."""
     if fmt not in FORMATS:
         raise UserError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
     from launch.export import CONFIG, PROVENANCE, read_json

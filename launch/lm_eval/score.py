@@ -1,4 +1,5 @@
-"""Run the local tasks on an lm-eval model with the library's own evaluator, and flatten its results.
+"""Run the local tasks on an lm-eval model with the library's own evaluator, and
+flatten its results.
 
 `lm_eval.evaluator.evaluate` (what `simple_evaluate` calls once it has a model and tasks) over a
 TaskManager that indexes none of lm-eval's bundled tasks: only ours, given as configs, so

@@ -62,7 +62,8 @@ def held_out_texts(
     if tokenizer_sha256 and data_sha != tokenizer_sha256:
         raise UserError(
             f"tokenizer mismatch: the model was trained with tokenizer {tokenizer_sha256[:12]}, "
-            f"{data_dir} was prepared with {data_sha[:12]}; score on data prepared with the model's tokenizer"
+            f"{data_dir} was prepared with {data_sha[:12]}; score on data "
+            "prepared with the model's tokenizer"
         )
     streams: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
     for entry in shard_entries(manifest, "causal_lm", split):

@@ -40,7 +40,8 @@ LOCK_SUFFIX = ".lock"  # OUT_DIR.lock, held for the job
 USAGE = """usage: python -m launch.main CONFIG.yaml [key.sub=value ...] [--dry-run]
 
 The whole chain: prepare -> pretrain GPT and BERT -> export -> fine-tune -> evaluate -> report.
---dry-run: check every stage's config, the training runs' preflights and the warm starts' shapes; start nothing."""
+--dry-run: check every stage's config, the training runs' preflights and the warm starts' shapes; \
+start nothing."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +65,8 @@ def _main(cfg: MainConfig, argv: list[str]) -> int:
     if problems:  # a stage that would fail, found before hours of the stages before it
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(
-            f"error: {problems[0]}{more}; `python -m launch.main {argv[0]} --dry-run` reports every stage",
+            f"error: {problems[0]}{more}; `python -m launch.main {argv[0]} "
+            "--dry-run` reports every stage",
             file=sys.stderr,
         )
         return 2
@@ -153,7 +155,8 @@ def stage_prepare(cfg: MainConfig, logs: Path, clock: StageClock) -> None:
 
 
 def _say_pretraining_text(cfg: MainConfig) -> None:
-    """Which monolingual text the pretraining reads, per source; extra text (man pages) is optional."""
+    """Which monolingual text the pretraining reads, per source; extra text (man
+    pages) is optional."""
     manifest = json.loads((Path(cfg.data_dir) / "manifest.json").read_text())
     train = manifest.get("datasets", {}).get("packed", {}).get("splits", {}).get("train", {})
     sources = train.get("sources") or {"default": {"tokens": train.get("tokens", 0)}}
@@ -321,7 +324,8 @@ def _wait(process: subprocess.Popen, seconds: float) -> int | None:
 
 
 def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
-    """The last progress line (`common.progress.is_progress_line`) in the last `tail` bytes of `log`."""
+    """The last progress line (`common.progress.is_progress_line`) in the last
+    `tail` bytes of `log`."""
     with open(log, "rb") as fh:
         fh.seek(max(fh.seek(0, os.SEEK_END) - tail, 0))
         text = fh.read().decode("utf-8", errors="replace")
@@ -331,9 +335,9 @@ def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
 
 def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
     """Pass the main job's signal on to the stage (SIGHUP as SIGTERM) and wait for it to end
-    (torchrun passes SIGTERM on to its ranks, which checkpoint; it has no parent-death handling, so it would otherwise
-    train on unseen); its process group is killed after STAGE_STOP_S, or at a second signal.
-    Returns what became of it, in words."""
+    (torchrun passes SIGTERM on to its ranks, which checkpoint; it has no parent-death handling, so
+    it would otherwise train on unseen); its process group is killed after STAGE_STOP_S, or at a
+    second signal. Returns what became of it, in words."""
     started = time.time()
     # A hang-up is a stop request as SIGTERM is, which every stage takes for one (prepare cleans
     # up, torchrun passes it on to ranks that checkpoint, export removes OUT.partial).

@@ -140,7 +140,8 @@ def main_problems(cfg: MainConfig) -> list[str]:
     if cfg.pretrain_steps <= 0 or cfg.bert_pretrain_steps < 0 or cfg.finetune_steps <= 0:
         problems.append(
             f"pretrain_steps={cfg.pretrain_steps}, bert_pretrain_steps={cfg.bert_pretrain_steps}, "
-            f"finetune_steps={cfg.finetune_steps}: steps must be positive (bert_pretrain_steps 0: pretrain_steps)"
+            f"finetune_steps={cfg.finetune_steps}: steps must be positive "
+            "(bert_pretrain_steps 0: pretrain_steps)"
         )
     if cfg.nproc < 1:
         problems.append(f"nproc: {cfg.nproc}: must be at least 1")
@@ -161,7 +162,8 @@ def check_main(cfg: MainConfig) -> list[tuple[str, str]]:
 
 
 def pretrained_needed(starts: list[tuple[str, str]]) -> list[str]:
-    """The pretraining runs the starts need, in the order they run (both when there are no starts)."""
+    """The pretraining runs the starts need, in the order they run (both when
+    there are no starts)."""
     needed = {side for start in starts for side in start} - {"random"}
     return [name for name in ("gpt", "bert") if name in needed or not starts]
 
@@ -171,7 +173,8 @@ def prepare_overrides(cfg: MainConfig) -> list[str]:
 
 
 def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
-    """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the stage's overrides."""
+    """What the job passes to the `name` (gpt | bert) pretraining run: its own keys, then the
+    stage's overrides."""
     return [
         f"data.data_dir={cfg.data_dir}",
         f"run_dir={run_dir}",
@@ -183,7 +186,8 @@ def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
 
 
 def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> list[str]:
-    """What the job passes to a fine-tuning run; `init`: stack -> exported directory of each warm side.
+    """What the job passes to a fine-tuning run; `init`: stack -> exported
+    directory of each warm side.
     Random sides are left to the config's default (""): an empty override would read as null."""
     return [
         f"data.data_dir={cfg.data_dir}",
@@ -241,7 +245,8 @@ def train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
                 f"{nproc} ranks x grad_accum {accum} does not divide over {gpus}; set nproc={gpus}"
             )
         say(
-            f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} rank{'s' if gpus > 1 else ''} with "
+            f"{gpus} GPU{'s' if gpus > 1 else ''} for nproc={nproc}: {gpus} "
+            f"rank{'s' if gpus > 1 else ''} with "
             f"grad_accum={accum * nproc // gpus} (the same global batch)"
         )
         nproc, overrides = gpus, [*overrides, f"grad_accum={accum * nproc // gpus}"]

@@ -1,4 +1,5 @@
-"""`python -m launch.main CONFIG.yaml [key.sub=value ...] --dry-run`: the whole chain checked, nothing started.
+"""`python -m launch.main CONFIG.yaml [key.sub=value ...] --dry-run`: the whole chain
+checked, nothing started.
 
 Before a job that runs for days is queued: every stage's config resolved with the overrides the
 main job would pass it (`launch.main`'s own functions make both), and each problem a stage would
@@ -96,7 +97,8 @@ def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:
     its config with the job's overrides and its sources' files; what it will make, if it can."""
     if (Path(cfg.data_dir) / MANIFEST).is_file():
         print(
-            f"== prepare: skipped if {cfg.data_dir} validates (pipeline.validate; else prepared again)"
+            f"== prepare: skipped if {cfg.data_dir} validates "
+            "(pipeline.validate; else prepared again)"
         )
         return None
     overrides = job.prepare_overrides(cfg)
@@ -113,8 +115,8 @@ def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:
         problems.append(f"prepare: prepare_config: {err}")
         return None
     print(
-        f"  {sum(files):,} source files; tasks {', '.join(prepare.tasks)}; seq_len {prepare.seq_len}; "
-        f"vocabulary {prepare.tokenizer.vocab_size}"
+        f"  {sum(files):,} source files; tasks {', '.join(prepare.tasks)}; seq_len "
+        f"{prepare.seq_len}; vocabulary {prepare.tokenizer.vocab_size}"
     )
     return PlannedData(
         source=cfg.prepare_config,
@@ -128,7 +130,8 @@ def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:
 def stage_report(
     stage: str, config: str, overrides: list[str], cfg: MainConfig, planned: PlannedData | None
 ) -> Report:
-    """One training stage's config as the job would resolve it, and its preflight on `nproc` ranks."""
+    """One training stage's config as the job would resolve it, and its preflight
+    on `nproc` ranks."""
     print(f"== {stage}: python -m launch.train {config} {' '.join(overrides)} ({cfg.nproc} ranks)")
     try:
         train_cfg = resolve_precision(load_config(TrainConfig, config, overrides))

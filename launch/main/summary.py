@@ -27,14 +27,15 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
     for name, run_dir in pretrained.items():
         final = _final(run_dir)
         lines.append(
-            f"| {name} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
-            f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} |"
+            f"| {name} | {final['step']} | {final['tokens_seen']:,} | "
+            f"{_last(run_dir, 'train/loss'):.3f} | {final.get('eval/loss', float('nan')):.3f} | "
+            f"{final.get('eval/perplexity', float('nan')):.1f} |"
         )
     header = " | ".join(f"{split} BLEU | {split} chrF" for split in cfg.eval_splits)
     lines += [
         "",
-        f"| fine-tuning start (encoder/decoder) | steps | tokens seen | final train loss | valid loss | "
-        f"valid perplexity | {header} |",
+        "| fine-tuning start (encoder/decoder) | steps | tokens seen | final train loss | valid "
+        f"loss | valid perplexity | {header} |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(cfg.eval_splits)),
     ]
     baseline = finetuned.get("random/random")
@@ -50,9 +51,9 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
             )
             cells.append(f"{bleu:.1f}{delta} | {scores[split]['chrf']:.1f}")
         lines.append(
-            f"| {start} | {final['step']} | {final['tokens_seen']:,} | {_last(run_dir, 'train/loss'):.3f} | "
-            f"{final.get('eval/loss', float('nan')):.3f} | {final.get('eval/perplexity', float('nan')):.1f} | "
-            f"{' | '.join(cells)} |"
+            f"| {start} | {final['step']} | {final['tokens_seen']:,} | "
+            f"{_last(run_dir, 'train/loss'):.3f} | {final.get('eval/loss', float('nan')):.3f} | "
+            f"{final.get('eval/perplexity', float('nan')):.1f} | {' | '.join(cells)} |"
         )
     signature = (
         next(iter(finetuned.values()))[1][cfg.eval_splits[0]].get("signature_bleu", "")
@@ -61,8 +62,8 @@ def summary_table(cfg: MainConfig, pretrained: dict, finetuned: dict) -> str:
     )
     lines += [
         "",
-        "Tokens: input tokens of all ranks (fine-tuning: source + target). Losses in nats per target token; "
-        "perplexity = exp(valid loss).",
+        "Tokens: input tokens of all ranks (fine-tuning: source + target). Losses in nats per "
+        "target token; perplexity = exp(valid loss).",
         f"BLEU in parentheses: difference from random/random. sacrebleu: {signature}",
     ]
     return "\n".join(lines)
@@ -95,7 +96,8 @@ def write_report(
         )
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
     (report / "summary.md").write_text(
-        f"# Main job summary\n\n{table}\n\nWall time of this invocation: {seconds:.0f} s.\n\n{images}\n"
+        f"# Main job summary\n\n{table}\n\nWall time of this invocation: "
+        f"{seconds:.0f} s.\n\n{images}\n"
     )
     summary = {
         "pretraining": {name: _final(d) for name, d in pretrained.items()},

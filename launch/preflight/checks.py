@@ -1,5 +1,5 @@
-"""The dry run: the config resolved as the trainer resolves it, each check in the order a run meets it,
-every problem listed at once; `main` is `python -m launch.preflight`, `main_dry_run` is
+"""The dry run: the config resolved as the trainer resolves it, each check in the order a run meets
+it, every problem listed at once; `main` is `python -m launch.preflight`, `main_dry_run` is
 `launch.train ... --dry-run`."""
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from model.warm_start import SOURCE_CLASSES, architecture_fields
 from pipeline import remote
 from pipeline.format import read_manifest
 
-USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] CONFIG.yaml [key.sub=value ...]
-   or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] [--ranks-per-node N] [--json]
+USAGE = """usage: python -m launch.preflight [--world-size N] [--ranks-per-node N] [--json] \
+CONFIG.yaml [key.sub=value ...]
+   or: python -m launch.train CONFIG.yaml [key.sub=value ...] --dry-run [--world-size N] \
+[--ranks-per-node N] [--json]
 
 Resolve a training run and report it without starting it; every problem is listed, exit 2 if any."""
 
@@ -263,7 +265,8 @@ def check_warm_start(
 
 def _side_tokenizer(side: str, data: DataInfo | None) -> tuple[str | None, str]:
     """The sha256 of the tokenizer a stack's source must have been trained with (the encoder's:
-    the source side's; the decoder's: a target tokenizer of its own, else the same), and its name."""
+    the source side's; the decoder's: a target tokenizer of its own, else the
+    same), and its name."""
     if data is None:
         return None, "the dataset's tokenizer"
     if side == "decoder" and data.target is not None:
@@ -358,7 +361,8 @@ def check_source_fits(
     report: Report, key: str, what: str, source: ModelConfig, side: str, model_cfg: ModelConfig
 ) -> None:
     """A warm-start source (`what`: where it comes from) against the Seq2Seq stack `side` it
-    would fill: the fields `model.warm_start` requires equal; the problem names every one that differs."""
+    would fill: the fields `model.warm_start` requires equal; the problem names every
+    one that differs."""
     if source.arch not in SOURCE_CLASSES:
         report.problem(
             key,
@@ -413,5 +417,6 @@ def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:
         report.warn(
             "resume",
             f"{root / tag} was written by {saved} ranks, this job would have {world.size}: a ZeRO "
-            "checkpoint is tied to its world size (launch.deepspeed.universal.to_universal converts it)",
+            "checkpoint is tied to its world size "
+            "(launch.deepspeed.universal.to_universal converts it)",
         )

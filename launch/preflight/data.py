@@ -104,7 +104,8 @@ def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo 
             checked.append(f"{split} {len(entries)} shards listed (remote: checked when fetched)")
             continue
         checked.append(
-            f"{split} {len(entries) - _check_shards(data_dir, task.dataset, split, entries, report)}"
+            f"{split} "
+            f"{len(entries) - _check_shards(data_dir, task.dataset, split, entries, report)}"
             f"/{len(entries)} shards"
         )
     report.facts["shards"] = (
@@ -164,7 +165,8 @@ def planned_data(
 
 
 def check_mixture(cfg: TrainConfig, task: Task, entries: list[dict], report: Report) -> None:
-    """`data.mixture`'s sources against the train split's, as the loader checks them (`pipeline.load.loader`)."""
+    """`data.mixture`'s sources against the train split's, as the loader checks them
+    (`pipeline.load.loader`)."""
     samples: dict[str, int] = {}
     for entry in entries:
         name = str(entry.get("source", DEFAULT_SOURCE))
@@ -185,7 +187,8 @@ def check_mixture(cfg: TrainConfig, task: Task, entries: list[dict], report: Rep
 def _check_shards(
     data_dir: Path, dataset: str, split: str, entries: list[dict], report: Report
 ) -> int:
-    """Report the split's missing shards and those whose size is not the manifest's; how many are bad.
+    """Report the split's missing shards and those whose size is not the
+    manifest's; how many are bad.
     Sizes only: hashing every shard is `pipeline.validate`'s job, not a seconds-long check's."""
     missing, resized = [], []
     for entry in entries:

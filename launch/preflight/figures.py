@@ -1,5 +1,6 @@
-"""What the run would be: the batch (tokens per step, steps per epoch), parameters, FLOPs, and memory
-per GPU (DeepSpeed's estimate of the model states plus our count of a micro batch's activations)."""
+"""What the run would be: the batch (tokens per step, steps per epoch), parameters, FLOPs,
+and memory per GPU (DeepSpeed's estimate of the model states plus our count of a micro
+batch's activations)."""
 
 from __future__ import annotations
 
@@ -133,13 +134,15 @@ def model_figures(
         f"{byte_size(states['gpu_bytes'])} + activations {byte_size(activations)}"
     )
     report.facts["model states"] = (
-        f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {byte_size(states['gpu_bytes'])} per GPU, "
-        f"{byte_size(states['cpu_bytes_per_node'])} CPU per node ({states['estimator']}; it counts 16-bit weights and "
+        f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {byte_size(states['gpu_bytes'])} "
+        f"per GPU, {byte_size(states['cpu_bytes_per_node'])} CPU per node "
+        f"({states['estimator']}; it counts 16-bit weights and "
         "gradients beside fp32 master weights and Adam moments)"
     )
     report.facts["activations"] = (
-        f"{byte_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, {cfg.deepspeed.precision}, "
-        f"activation checkpointing {'on' if model_cfg.activation_checkpointing else 'off'}; our estimate)"
+        f"{byte_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, "
+        f"{cfg.deepspeed.precision}, activation checkpointing "
+        f"{'on' if model_cfg.activation_checkpointing else 'off'}; our estimate)"
     )
     report.figures.update(
         parameters=states["parameters"],
@@ -171,25 +174,24 @@ def activation_bytes(
     q/k/v projections' input, q, k and v, SDPA's output and the output projection's reshaped
     copy of it (5 d + 2 d_kv, d_kv = n_kv_heads x d / n_heads: grouped-query attention's k and v
     are smaller, and SDPA takes them so where it can, `model.attention.attention`; on CUDA with a
-    mask, or in float32, they are repeated to d each, which this leaves out); in the MLP sublayer the norm's
-    input, the first projection's input and the hidden layer before and after its activation
-    (2 d + 2 d_ff; a gated MLP keeps gate and value before, the activated gate and the product
-    after: 2 d + 4 d_ff); and a one-byte mask per element for each residual dropout (2 d). With
-    d_ff = 4 d in 16 bits that is 36 d bytes, their 34 d plus the copy; Llama's blocks (d_ff =
+    mask, or in float32, they are repeated to d each, which this leaves out); in the MLP sublayer
+    the norm's input, the first projection's input and the hidden layer before and after its
+    activation (2 d + 2 d_ff; a gated MLP keeps gate and value before, the activated gate and the
+    product after: 2 d + 4 d_ff); and a one-byte mask per element for each residual dropout (2 d).
+    With d_ff = 4 d in 16 bits that is 36 d bytes, their 34 d plus the copy; Llama's blocks (d_ff =
     8/3 d, no grouped heads, no dropout) keep 39.3 d. Rotary positions keep nothing of their own
-    (the rotated q and k are SDPA's inputs). Korthikanti et al.'s (T x T) attention-score term
-    is left out: torch's flash and memory-efficient SDPA kernels keep only per-row softmax
-    statistics. A cross-attention
-    sublayer adds 5 d per target token (its norm's and q-projection's inputs, q, SDPA's output
-    and its copy) and the keys and values of the memory (2 d_kv per source token). With
-    activation checkpointing a block keeps only its input, plus one block's tensors while it is
+    (the rotated q and k are SDPA's inputs). Korthikanti et al.'s (T x T) attention-score term is
+    left out: torch's flash and memory-efficient SDPA kernels keep only per-row softmax statistics.
+    A cross-attention sublayer adds 5 d per target token (its norm's and q-projection's inputs, q,
+    SDPA's output and its copy) and the keys and values of the memory (2 d_kv per source token).
+    With activation checkpointing a block keeps only its input, plus one block's tensors while it is
     recomputed. Embeddings: a dropout mask, and the norm's input in a post-LN stack. Heads: GPT's
-    and the decoder's chunked loss (`model.loss`) keeps the final hidden states and their
-    gradient (fp32, so that fp16's loss scale reaches it) per token, the (V x d) fp32 weight
-    gradient it computes in the forward pass and one chunk of fp32 logits and their
-    log-softmax at a time (sized for a GPU: `model.loss.chunk_peak_bytes`); BERT's head keeps four d-wide inputs per masked position and
-    their logits (16-bit, then fp32 and its log-softmax). Padding (translation pairs are padded
-    to the batch's longest) and the allocator's slack come on top.
+    and the decoder's chunked loss (`model.loss`) keeps the final hidden states and their gradient
+    (fp32, so that fp16's loss scale reaches it) per token, the (V x d) fp32 weight gradient it
+    computes in the forward pass and one chunk of fp32 logits and their log-softmax at a time (sized
+    for a GPU: `model.loss.chunk_peak_bytes`); BERT's head keeps four d-wide inputs per masked
+    position and their logits (16-bit, then fp32 and its log-softmax). Padding (translation pairs
+    are padded to the batch's longest) and the allocator's slack come on top.
     """
     element = 4 if precision == "fp32" else 2
     mask = 1 if model_cfg.dropout > 0 else 0

@@ -25,7 +25,8 @@ class Problem:
 
 @dataclass
 class Report:
-    """What a dry run found: labelled facts (in reading order), numbers for machines, problems, warnings."""
+    """What a dry run found: labelled facts (in reading order), numbers for machines,
+    problems, warnings."""
 
     facts: dict[str, str] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
@@ -41,7 +42,8 @@ class Report:
         self.warnings.append(Problem(key, message))
 
     def problem_line(self, line: str) -> None:
-        """A message that already starts with its key (`launch.config.config_problems`, UserErrors)."""
+        """A message that already starts with its key
+        (`launch.config.config_problems`, UserErrors)."""
         key, _, message = line.partition(": ")
         if message:
             self.problem(key, message)
@@ -89,7 +91,8 @@ class PlannedData:
 
 
 def render(report: Report, config: str) -> str:
-    """Aligned `label: value` lines, then the problems and warnings, each naming its key, then the verdict."""
+    """Aligned `label: value` lines, then the problems and warnings, each naming its key,
+    then the verdict."""
     width = max(len(label) for label in report.facts) + 2 if report.facts else 0
     lines = [f"dry run of {config}: nothing started, nothing written"]
     lines += [f"  {label + ':':<{width}} {value}" for label, value in report.facts.items()]

@@ -1,4 +1,5 @@
-"""The training loop, one room: `python -m launch.train CONFIG [key=value ...]` for causal_lm, mlm and translation.
+"""The training loop, one room: `python -m launch.train CONFIG [key=value ...]` for causal_lm,
+mlm and translation.
 
 The same command runs alone, under `torchrun`, under the `deepspeed` launcher and under `srun`
 (see `launch.distributed`). Read it top-down, in the order a batch meets it:

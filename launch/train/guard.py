@@ -106,22 +106,24 @@ def guard_step(run: Run, result: StepResult) -> tuple[dict, str | None]:
             with open(Path(run.cfg.run_dir) / "skipped_batches.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(
-                f"step {run.step}: skipped on every rank ({said}); {run.guard.skipped} skipped so far",
+                f"step {run.step}: skipped on every rank ({said}); "
+                f"{run.guard.skipped} skipped so far",
                 file=sys.stderr,
             )
         metrics = {"guard/skipped_steps": run.guard.skipped, "guard/skip_reason": result.skipped}
         if run.guard.consecutive > run.guard.max_consecutive_skips:
             verdict = (
-                f"{run.guard.consecutive} steps in a row skipped ({result.skipped}) at step {run.step}, "
-                f"more than guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
+                f"{run.guard.consecutive} steps in a row skipped ({result.skipped}) at step "
+                f"{run.step}, more than "
+                f"guard.max_consecutive_skips={run.guard.max_consecutive_skips}; the last good "
                 f"weights are checkpointed (see {Path(run.cfg.run_dir) / 'skipped_batches.jsonl'})"
             )
             return metrics, verdict
     if result.filler_fraction > run.cfg.data.max_bad_fraction:
         raise UserError(
-            f"{result.filler_fraction:.1%} of this epoch's batches are fillers for unreadable data, "
-            f"more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the skipped shards "
-            f"in the log (data.data_dir={run.cfg.data.data_dir})"
+            f"{result.filler_fraction:.1%} of this epoch's batches are fillers for unreadable "
+            f"data, more than data.max_bad_fraction={run.cfg.data.max_bad_fraction:g}; see the "
+            f"skipped shards in the log (data.data_dir={run.cfg.data.data_dir})"
         )
     return metrics, verdict
 
@@ -131,7 +133,8 @@ def skip_cause(result: StepResult, non_finite_by_rank: list[dict]) -> tuple[dict
     non-finite loss: each rank's micro batches whose loss was nan, inf or -inf, and apart from
     them `finite_loss`, the loss per scored token of the micro batches that were finite, all ranks
     (null if none was): the step itself has no finite loss. A spike: the loss and the limit it
-    passed (`Guard.spike_limit`). Otherwise (DeepSpeed found a non-finite gradient norm): the loss."""
+    passed (`Guard.spike_limit`). Otherwise (DeepSpeed found a non-finite
+    gradient norm): the loss."""
     reason, loss = result.skipped, result.loss
     if reason == "non-finite loss":
         found = [

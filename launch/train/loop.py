@@ -45,7 +45,8 @@ from launch.train.window import ThroughputWindow
 from model import attention_kernels, llmc_flops_per_token
 from pipeline.load.loader import ShardLoader
 
-USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] [--dry-run [--world-size N] [--ranks-per-node N] [--json]]
+USAGE = """usage: python -m launch.train CONFIG.yaml [key.sub=value ...] \
+[--dry-run [--world-size N] [--ranks-per-node N] [--json]]
 
 --dry-run: what the run would be (batch, parameters, FLOPs, memory per GPU) and every reason it
 would fail, each naming its key, in seconds; starts nothing, writes nothing; exit 2 if any

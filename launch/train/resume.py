@@ -46,8 +46,8 @@ def find_resume(
         return found
     print(
         f"checkpoint {root / tag} was written by {world} ranks; this job has {plan.world_size}: "
-        f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} x "
-        f"{plan.world_size}); converting it to a universal checkpoint",
+        f"global batch {plan.global_batch_size} kept ({plan.micro_batch_size} x {plan.grad_accum} "
+        f"x {plan.world_size}); converting it to a universal checkpoint",
         file=sys.stderr,
     )
     from launch.deepspeed.universal import to_universal
@@ -82,8 +82,8 @@ def _model_misfit(checkpoint: Path, saved: dict | None, cfg: TrainConfig) -> str
     as_saved = " ".join(f"{key}={show(there[key])}" for key in differ)
     fresh = "in a new run_dir" if cfg.resume == "auto" else "in a new run_dir with resume=none"
     return (
-        f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved with "
-        f"{as_saved}, or train the new model from scratch {fresh}"
+        f"checkpoint {checkpoint} holds another model than this job: {values}; resume it as saved "
+        f"with {as_saved}, or train the new model from scratch {fresh}"
     )
 
 
@@ -99,7 +99,8 @@ def _dotted(values: dict, prefix: str) -> dict:
 
 
 def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
-    """One line: the sizes, and overrides that would keep the saved global batch on this world size."""
+    """One line: the sizes, and overrides that would keep the saved global batch
+    on this world size."""
     target, world = saved["global_batch_size"], plan.world_size
     was = (
         f"{saved['micro_batch_size']} x {saved['grad_accum']} x {saved['world_size']} ranks"
@@ -116,11 +117,14 @@ def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
     hint = (
         ("; set " + " or ".join(f"data.micro_batch_size={m} grad_accum={a}" for m, a in fits))
         if fits
-        else f"; no micro batch x grad_accum makes {target} on {world} ranks: use a world size that divides it"
+        else (
+            f"; no micro batch x grad_accum makes {target} on {world} ranks: use "
+            "a world size that divides it"
+        )
     )
     return (
-        f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); this job would use "
-        f"{now}{hint}"
+        f"checkpoint {checkpoint} was trained with a global batch of {target} ({was}); "
+        f"this job would use {now}{hint}"
     )
 
 

@@ -101,9 +101,10 @@ def setup(cfg: TrainConfig) -> Run:
     if denv.is_main:
         print(
             f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
-            f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x {denv.world_size}), "
-            f"ZeRO-{cfg.deepspeed.zero_stage} {cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, "
-            f"peak {peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})",
+            f"{plan.global_batch_size} ({plan.micro_batch_size} x {plan.grad_accum} x "
+            f"{denv.world_size}), ZeRO-{cfg.deepspeed.zero_stage} "
+            f"{cfg.deepspeed.precision}, {len(data.train)} batches/epoch per rank, peak "
+            f"{peak[0] / 1e9:.1f} GFLOP/s ({peak[1]})",
             file=sys.stderr,
         )
         if data.train.mixed:
@@ -128,7 +129,8 @@ def setup(cfg: TrainConfig) -> Run:
 
 def _on_main(denv: dist.DistEnv, work):
     """`work()` on rank 0, its result (or its UserError or StopRequested, raised on every rank)
-    broadcast: a refusal on rank 0 alone would leave the other ranks waiting at the next collective."""
+    broadcast: a refusal on rank 0 alone would leave the other ranks waiting at
+    the next collective."""
     outcome = None
     if denv.is_main:
         try:
@@ -264,8 +266,8 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
     The module keeps its class and its state dict its keys (no `_orig_mod.` prefix), so
     checkpoints, resume and export read the same names as without compilation.
 
-    scope 'model' (`compile_scope`; auto for the pretraining tasks under ZeRO 0-2 on a CPU): the whole
-    forward, loss included, as `nn.Module.compile` does, one graph in which inductor fuses the
+    scope 'model' (`compile_scope`; auto for the pretraining tasks under ZeRO 0-2 on a CPU): the
+    whole forward, loss included, as `nn.Module.compile` does, one graph in which inductor fuses the
     embeddings, the norms and the loss's per-chunk element-wise work with the blocks' (measured in
     docs/results.md#training-ours-against-hugging-face-and-mfu). BERT's count of masked positions
     changes per batch: `Task.to_device` marks it dynamic, one graph for every count.
@@ -288,15 +290,15 @@ def compile_model(model: torch.nn.Module, scope: str = "blocks") -> None:
     if torch.cuda.is_available():
         if importlib.util.find_spec("triton") is None:
             raise UserError(
-                "compile: inductor needs Triton on a GPU, which is not installed (pip install triton, "
-                "or compile=false)"
+                "compile: inductor needs Triton on a GPU, which is not installed (pip "
+                "install triton, or compile=false)"
             )
     else:
         cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
         if shutil.which(cxx) is None:
             raise UserError(
-                f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install one "
-                f"or set CXX, or compile=false)"
+                f"compile: inductor needs a C++ compiler on CPU and {cxx!r} was not found (install "
+                "one or set CXX, or compile=false)"
             )
     if scope == "model":
         model.compile(backend="inductor")
@@ -372,7 +374,8 @@ def _pretrained_side(cfg: TrainConfig, data: Data, fetch, side: str, directory: 
         raise UserError(f"{key}: {err}") from None
     if model.cfg.arch not in ("gpt", "bert"):
         raise UserError(
-            f"{key}: {directory} holds a {model.cfg.arch} model; a stack starts from a BERT or a GPT"
+            f"{key}: {directory} holds a {model.cfg.arch} model; a "
+            "stack starts from a BERT or a GPT"
         )
     return Pretrained(model.state_dict(), model.cfg, sha256)
 
@@ -396,7 +399,8 @@ def open_run_dir(
         dropped = truncate_metrics(run_dir, step)
         if dropped:
             print(
-                f"metrics.jsonl: dropped {dropped} rows logged after step {step} by an interrupted job",
+                f"metrics.jsonl: dropped {dropped} rows logged after step "
+                f"{step} by an interrupted job",
                 file=sys.stderr,
             )
         save_config(cfg, run_dir / "config.yaml")

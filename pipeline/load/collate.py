@@ -1,4 +1,5 @@
-"""Turn one micro batch of decoded samples into the loader's token batch (the contract is `pipeline.format`).
+"""Turn one micro batch of decoded samples into the loader's token batch (the contract
+is `pipeline.format`).
 
 Collation is split in two. In a DataLoader worker, `pack(task, samples, ...)` turns the
 samples into a few numpy arrays: the token ids padded to the longest row (in their stored
@@ -175,5 +176,6 @@ def _long(ids: np.ndarray) -> torch.Tensor:
 
 
 def _mask(lengths: np.ndarray, width: int) -> torch.Tensor:
-    """(B, width) attention mask: 1 over the first `lengths[b]` positions of row b, 0 over the padding."""
+    """(B, width) attention mask: 1 over the first `lengths[b]` positions of row b, 0
+    over the padding."""
     return torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64))

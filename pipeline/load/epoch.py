@@ -54,13 +54,14 @@ ShardKey = tuple[int, int, int]
 
 
 class EpochBatches(IterableDataset):
-    """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None, events);
-    `pipeline.load.collate.unpack(task, packed)` in the main process makes the token batch.
+    """One rank's batches [first_batch, num_batches) of one epoch, as (j, packed batch or None,
+    events); `pipeline.load.collate.unpack(task, packed)` in the main process makes the token
+    batch.
 
-    Where a stream position's sample lies (docs/design.md, the loader, 8): the position's source s and its
-    index i in that source's own endless stream of passes, pass q = i // N_s; pass q is the
-    source's shards in an order drawn from (seed, q[, source]), and each shard's samples in an
-    order drawn from (seed, q, shard). Unmixed, the one source is the whole dataset, i = epoch N +
+    Where a stream position's sample lies (docs/design.md, the loader, 8): the position's source s
+    and its index i in that source's own endless stream of passes, pass q = i // N_s; pass q is the
+    source's shards in an order drawn from (seed, q[, source]), and each shard's samples in an order
+    drawn from (seed, q, shard). Unmixed, the one source is the whole dataset, i = epoch N +
     position and q = epoch: the orders of the loader design, 1."""
 
     def __init__(
@@ -239,7 +240,8 @@ class EpochBatches(IterableDataset):
 
 
 class _Reader:
-    """The raw samples one worker needs, read once per shard; shards behind the current batch are dropped."""
+    """The raw samples one worker needs, read once per shard; shards behind the current
+    batch are dropped."""
 
     def __init__(self, epoch_batches: EpochBatches, batches: range):
         self.epoch_batches = epoch_batches
@@ -258,7 +260,8 @@ class _Reader:
         return self.permutations[key]
 
     def _grouped(self, key: ShardKey, order: np.ndarray) -> np.ndarray:
-        """`order` sorted by sample size, cut into batch-aligned groups, groups shuffled (the loader design, 9)."""
+        """`order` sorted by sample size, cut into batch-aligned groups, groups shuffled (the
+        loader design, 9)."""
         e = self.epoch_batches
         shard = e.shard(key)
         sizes = sample_sizes(shard, e.stored_fields)
@@ -357,7 +360,8 @@ def epoch_sources(
     unknown = [name for name in mixture if name not in by_source]
     if unknown:
         raise UserError(
-            f"data.mixture: {where} has no source {unknown[0]!r}; its sources: {', '.join(sorted(by_source))}"
+            f"data.mixture: {where} has no source {unknown[0]!r}; its sources: "
+            f"{', '.join(sorted(by_source))}"
         )
     for name, weight in mixture.items():
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):

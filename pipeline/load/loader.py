@@ -1,4 +1,5 @@
-"""Stream prepared WebDataset shards into token batches: rank/worker split, seeded shuffle, exact resume.
+"""Stream prepared WebDataset shards into token batches: rank/worker split, seeded
+shuffle, exact resume.
 
 The design and its reasons: docs/design.md#pipelineloadloaderpy.
 """
@@ -90,7 +91,8 @@ class ShardLoader:
         so that a trainer's loaders do not read it again; read here when None."""
         if micro_batch_size < 1 or grad_accum < 1:
             raise UserError(
-                f"micro_batch_size ({micro_batch_size}) and grad_accum ({grad_accum}) must be at least 1"
+                f"micro_batch_size ({micro_batch_size}) and grad_accum "
+                f"({grad_accum}) must be at least 1"
             )
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is not in a world of size {world_size}")
@@ -104,8 +106,8 @@ class ShardLoader:
             or mlm_mask_fraction + mlm_random_fraction > 1
         ):
             raise UserError(
-                f"mlm_mask_fraction ({mlm_mask_fraction}) and mlm_random_fraction ({mlm_random_fraction}) "
-                "must be non-negative and add up to at most 1"
+                f"mlm_mask_fraction ({mlm_mask_fraction}) and mlm_random_fraction "
+                f"({mlm_random_fraction}) must be non-negative and add up to at most 1"
             )
         # a URL: see pipeline.remote
         self.data_dir = data_dir if remote.is_url(data_dir) else Path(data_dir)
@@ -117,8 +119,9 @@ class ShardLoader:
             and tokenizer.get("sha256") != expected_tokenizer_sha256
         ):
             raise UserError(
-                f"{self.data_dir}: tokenizer sha256 {tokenizer.get('sha256')} differs from the expected "
-                f"{expected_tokenizer_sha256}: the data was prepared with another tokenizer than the model's"
+                f"{self.data_dir}: tokenizer sha256 {tokenizer.get('sha256')} differs from "
+                f"the expected {expected_tokenizer_sha256}: the data was prepared with "
+                "another tokenizer than the model's"
             )
         # each once, none empty
         entries = shard_entries(manifest, task, split, remote.join(self.data_dir, MANIFEST))
@@ -225,8 +228,8 @@ class ShardLoader:
         # the last batch handed out (a filler: its source)
         self._served: tuple[EpochBatches, int] | None = None
         log.info(
-            "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d per rank; "
-            "%d samples per epoch dropped (remainder below one global batch)",
+            "%s/%s: %d samples in %d shards; %d steps of %d samples per epoch, %d batches of %d "
+            "per rank; %d samples per epoch dropped (remainder below one global batch)",
             task,
             split,
             total,
@@ -385,7 +388,8 @@ class ShardLoader:
     def _filler(self, epoch_batches: EpochBatches, j: int) -> tuple[int, dict]:
         """(i, batch i) to stand in for unreadable batch j: the first readable batch of the epoch in
         an order drawn from (seed, epoch, rank, j), so fillers are spread over the epoch and are
-        the same after a resume. Batches touching a shard already found bad are passed over unread."""
+        the same after a resume. Batches touching a shard already found bad are
+        passed over unread."""
         epoch = epoch_batches.epoch
         bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
         for i in (
@@ -410,8 +414,8 @@ class ShardLoader:
                 return i, unpack(self.task, packed)
             bad_paths = {path for seen_epoch, path in self._skipped_seen if seen_epoch == epoch}
         raise RuntimeError(
-            f"rank {self.rank}, epoch {epoch}: none of the {self._num_batches} batches is readable; "
-            f"see the warnings about skipped shards under {self.data_dir}"
+            f"rank {self.rank}, epoch {epoch}: none of the {self._num_batches} batches is "
+            f"readable; see the warnings about skipped shards under {self.data_dir}"
         )
 
     def sample_keys(self, served: tuple | None = None) -> list[str]:
@@ -450,7 +454,8 @@ class ShardLoader:
             )
 
     def state_dict(self) -> dict:
-        """The position, valid at an optimizer-step boundary (after a multiple of grad_accum batches)."""
+        """The position, valid at an optimizer-step boundary (after a multiple of
+        grad_accum batches)."""
         epoch, consumed = self.epoch, self._consumed
         if consumed % self.grad_accum:
             raise RuntimeError(
@@ -469,8 +474,9 @@ class ShardLoader:
         version = state.get("version")
         if version in (1, 2):
             raise UserError(
-                f"the loader state is of version {version}, whose order was cut by rank: its position cannot be "
-                f"carried into this version's order (resume with the version that wrote it, or start anew)"
+                f"the loader state is of version {version}, whose order was cut by rank: its "
+                "position cannot be carried into this version's order (resume with the version "
+                "that wrote it, or start anew)"
             )
         if version != STATE_VERSION:
             raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
@@ -478,8 +484,10 @@ class ShardLoader:
         mixture_changed = saved.get("mixture") != self._fingerprint["mixture"]
         if mixture_changed and not self.allow_mixture_change:
             raise UserError(
-                f"data.mixture: the checkpoint's run drew {describe_shares(saved.get('mixture'))} per epoch, this run would draw "
-                f"{describe_shares(self._fingerprint['mixture'])}; pass data.allow_mixture_change=true to continue from the "
+                "data.mixture: the checkpoint's run drew "
+                f"{describe_shares(saved.get('mixture'))} per epoch, this run would draw "
+                f"{describe_shares(self._fingerprint['mixture'])}; pass "
+                "data.allow_mixture_change=true to continue from the "
                 "same position with the new weights"
             )
         differences = [
@@ -489,8 +497,8 @@ class ShardLoader:
         ]
         if differences:
             raise UserError(
-                "the loader state does not match this loader, so the batches after a resume would differ: "
-                + "; ".join(differences)
+                "the loader state does not match this loader, so the batches "
+                "after a resume would differ: " + "; ".join(differences)
             )
         epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
         per_batch = self.micro_batch_size * self.world_size
@@ -499,8 +507,8 @@ class ShardLoader:
             if consumed >= self._num_batches:  # the new mixture's epoch is shorter: it is over
                 epoch, consumed, remainder = epoch + 1, 0, 0
             log.warning(
-                "data.mixture changed on resume (data.allow_mixture_change=true): was %s per epoch, now %s; "
-                "continuing at epoch %d, batch %d with the new weights",
+                "data.mixture changed on resume (data.allow_mixture_change=true): was %s per "
+                "epoch, now %s; continuing at epoch %d, batch %d with the new weights",
                 describe_shares(saved.get("mixture")),
                 describe_shares(self._fingerprint["mixture"]),
                 epoch,
@@ -513,8 +521,9 @@ class ShardLoader:
             or not 0 <= consumed <= self._num_batches
         ):
             raise UserError(
-                f"loader state epoch {epoch}, {samples} samples consumed: not a whole number of global batches "
-                f"of {self.global_batch_size} within the epoch's {self.steps_per_epoch}"
+                f"loader state epoch {epoch}, {samples} samples consumed: not a whole "
+                f"number of global batches of {self.global_batch_size} within the "
+                f"epoch's {self.steps_per_epoch}"
             )
         self.epoch, self._consumed = epoch, consumed
 

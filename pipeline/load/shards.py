@@ -51,7 +51,8 @@ class ShardError(Exception):
 def read_shard(
     shard: Shard, fields: tuple[str, ...], wanted: set[int]
 ) -> dict[int, dict[str, bytes]]:
-    """The raw members of the `wanted` samples (by position in the tar), after checking the whole shard.
+    """The raw members of the `wanted` samples (by position in the tar), after
+    checking the whole shard.
 
     The whole shard is read even when few samples are wanted: a shard is good or bad as a whole,
     so every worker and every rank reaches the same verdict and the batch stream stays the same.
@@ -227,7 +228,8 @@ def read_shard_with_webdataset(
                 found = {key for key in sample if not key.startswith("__")}
                 if found != expected:
                     raise ShardError(
-                        f"sample {sample['__key__']!r} has {sorted(found)}, expected {sorted(expected)}"
+                        f"sample {sample['__key__']!r} has {sorted(found)}, "
+                        f"expected {sorted(expected)}"
                     )
                 if position in wanted:
                     kept[position] = {name: sample[f"{name}.npy"] for name in fields}
@@ -247,7 +249,8 @@ def read_shard_with_webdataset(
 
 def stored_fields(manifest: dict, task: str) -> tuple[str, ...]:
     """The members each sample of the task's shards holds, as the manifest lists them (its
-    dataset's `fields`); a manifest that lists none predates the list, when samples held token ids only."""
+    dataset's `fields`); a manifest that lists none predates the list, when samples
+    held token ids only."""
     name = DATASET_FOR_TASK[task]
     fields = manifest.get("datasets", {}).get(name, {}).get("fields")
     if fields is None:
@@ -256,7 +259,8 @@ def stored_fields(manifest: dict, task: str) -> tuple[str, ...]:
         isinstance(fields, list) and fields and all(isinstance(field, str) for field in fields)
     ):
         raise UserError(
-            f"the manifest's {name!r} dataset lists its fields as {fields!r}, expected a list of names"
+            f"the manifest's {name!r} dataset lists its fields as "
+            f"{fields!r}, expected a list of names"
         )
     return tuple(fields)
 
@@ -276,8 +280,9 @@ def sample_fields(
         )
     if "doc_starts" not in stored:
         raise UserError(
-            f"data.document_mask=true, but {where} was prepared without document boundaries (its packed "
-            "shards hold no doc_starts): prepare it again with this version, or set data.document_mask=false"
+            f"data.document_mask=true, but {where} was prepared without document boundaries "
+            "(its packed shards hold no doc_starts): prepare it again with this version, or "
+            "set data.document_mask=false"
         )
     return stored, ("input_ids", "doc_starts")
 
@@ -298,7 +303,8 @@ def decode_sample(
             raise ValueError(f"{name}: not a npy array: {type(err).__name__}: {err}") from err
         if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
             raise ValueError(
-                f"{name}: {array.dtype} array of shape {array.shape}, expected non-empty 1-D integers"
+                f"{name}: {array.dtype} array of shape {array.shape}, "
+                "expected non-empty 1-D integers"
             )
         if name in POSITION_FIELDS:
             length = arrays[POSITION_FIELDS[name]].size
@@ -310,7 +316,8 @@ def decode_sample(
                 )
         elif array.min() < 0 or array.max() >= vocab:
             raise ValueError(
-                f"{name}: token ids in [{array.min()}, {array.max()}], outside the vocabulary of {vocab}"
+                f"{name}: token ids in [{array.min()}, {array.max()}], "
+                f"outside the vocabulary of {vocab}"
             )
         arrays[name] = array
     return list(arrays.values())

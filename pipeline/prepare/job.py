@@ -97,12 +97,14 @@ def prepare(cfg: PrepareConfig) -> dict:
     where = existing_ancestor(output.absolute().parent)
     free = free_space(where)
     log(
-        f"prepare: {output}.partial/_work needs about {byte_size(need)} ({why}); {byte_size(free)} free on {where}"
+        f"prepare: {output}.partial/_work needs about {byte_size(need)} ({why}); "
+        f"{byte_size(free)} free on {where}"
     )
     if need > free:
         raise UserError(
-            f"{output}.partial/_work needs about {byte_size(need)} ({why}), but {where} has {byte_size(free)} "
-            f"free; free some space or choose an output_dir on a larger file system"
+            f"{output}.partial/_work needs about {byte_size(need)} ({why}), but {where} has "
+            f"{byte_size(free)} free; free some space or choose an output_dir on a larger file "
+            "system"
         )
     memory = check_memory(cfg, files, units, log)
     # The lock file lies beside the output rather than in it or in its staging directory:
@@ -170,7 +172,8 @@ def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], 
             "or lower ray.num_workers"
         )
     log(
-        f"prepare: {need}; {byte_size(available)} available, {byte_size(each)} for each of {cfg.ray.num_workers}"
+        f"prepare: {need}; {byte_size(available)} available, {byte_size(each)} for each of "
+        f"{cfg.ray.num_workers}"
     )
     return estimate.peak_bytes
 
@@ -191,7 +194,8 @@ def check_config(cfg: PrepareConfig) -> None:
     if "translation" in cfg.tasks and not any(is_parallel(source) for source in source_list(cfg)):
         formats = ", ".join(source.format for source in source_list(cfg))
         raise UserError(
-            f"tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with target_field), not {formats}"
+            "tasks: translation needs a parallel source (tsv, gettext, or jsonl/parquet with "
+            f"target_field), not {formats}"
         )
     if cfg.seq_len < 2:
         raise UserError(f"seq_len: must be at least 2, got {cfg.seq_len}")
@@ -299,7 +303,8 @@ def _build(
     log,
 ) -> dict:
     """Scan, train the tokenizer (unless given: `given_tokenizers`, the source side's and a
-    translation target's own), encode, and write the dataset into `staging`; returns its manifest."""
+    translation target's own), encode, and write the dataset into `staging`;
+    returns its manifest."""
     from pipeline.prepare.ray_runner import ray_session, run_tasks
     from pipeline.prepare.work import encode_splits, scan_units
 
@@ -347,7 +352,8 @@ def _build(
             share = sample["bytes_of_long_texts"] / max(sample["bytes"], 1)
             log(
                 f"prepare: training the tokenizer on {sample['texts']:,} texts "
-                f"({byte_size(sample['bytes'])}; {sample['pieces_of_long_texts']:,} of them pieces of "
+                f"({byte_size(sample['bytes'])}; {sample['pieces_of_long_texts']:,} of them "
+                "pieces of "
                 f"texts over tokenizer.max_sentence_length={cfg.tokenizer.max_sentence_length} "
                 f"bytes, {share:.1%} of the bytes)"
             )
@@ -631,8 +637,8 @@ def summary(manifest: dict) -> str:
                 for split, e in dataset["splits"].items()
             )
             lines.append(
-                f"source {name} ({entry['format']}): {entry['files']} files, {entry.get('records', 0)} records; "
-                f"samples {counts}"
+                f"source {name} ({entry['format']}): {entry['files']} files, "
+                f"{entry.get('records', 0)} records; samples {counts}"
             )
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))

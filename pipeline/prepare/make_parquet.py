@@ -1,4 +1,5 @@
-"""`python -m pipeline.prepare.make_parquet OUT.parquet [--max-rows N] [--row-group-rows N]`: a parquet
+"""`python -m pipeline.prepare.make_parquet OUT.parquet \
+[--max-rows N] [--row-group-rows N]`: a parquet
 file of real English monolingual text that every Debian or Ubuntu machine has, for the second
 source of `configs/prepare_two_sources.yaml`.
 
@@ -22,7 +23,8 @@ _SPACE = re.compile(r"\s+")
 
 
 def paragraphs(patterns=PATTERNS):
-    """(path, paragraph) of the files matching `patterns`, in sorted order; short fragments skipped."""
+    """(path, paragraph) of the files matching `patterns`, in sorted order; short
+    fragments skipped."""
     for path in sorted(
         {p for pattern in patterns for p in glob.glob(pattern) if Path(p).is_file()}
     ):

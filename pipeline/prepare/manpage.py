@@ -198,7 +198,8 @@ def page_encoding(head: bytes) -> str:
 
 
 def man_paragraphs(text: str, min_words: int, stats: Counter) -> list[str]:
-    """The paragraphs of running text of one decoded page, each on one line (docs/design.md#pipelinepreparemanpagepy)."""
+    """The paragraphs of running text of one decoded page, each on one line
+    (docs/design.md#pipelinepreparemanpagepy)."""
     page = _Page(min_words, stats)
     for line in _logical_lines(text):
         if page.mdoc:
@@ -230,7 +231,8 @@ def _logical_lines(text: str):
 
 
 def _strip_comment(line: str) -> tuple[str | None, bool]:
-    """The line without its comment (None for a comment line), and whether the comment was `\\#` (it joins the next line)."""
+    """The line without its comment (None for a comment line), and whether the comment was `\\#` (it
+    joins the next line)."""
     if line.startswith(('.\\"', "'\\\"", ".\\#", "'\\#")):
         return None, False
     if "\\" not in line:
@@ -243,7 +245,8 @@ def _strip_comment(line: str) -> tuple[str | None, bool]:
 
 
 def _arguments(rest: str) -> list[str]:
-    """A macro's arguments, raw: separated by spaces, "quoted" ones may hold spaces ("" is a quote)."""
+    """A macro's arguments, raw: separated by spaces, "quoted" ones may hold
+    spaces ("" is a quote)."""
     args, pos = [], 0
     while True:
         match = _ARGUMENT.match(rest, pos)
@@ -275,7 +278,8 @@ def _named_glyph(name: str) -> str:
 
 
 def _character(code: int) -> str:
-    """The character of a code point; nothing for controls and for what is no character (surrogates, too large)."""
+    """The character of a code point; nothing for controls and for what is no character
+    (surrogates, too large)."""
     if code < 32 or 0xD800 <= code < 0xE000 or code >= 0x110000:
         return ""
     return chr(code)
@@ -333,7 +337,8 @@ class _Page:
                 self.macros[self.defining] = effect
 
     def _effect(self, line: str) -> str:
-        """What a line of a macro body does to the text around a call: start or end no-fill, or break."""
+        """What a line of a macro body does to the text around a call: start or end
+        no-fill, or break."""
         name, rest = _CONTROL.match(line).groups()
         if name in ("if", "ie", "el"):
             body = rest.lstrip()

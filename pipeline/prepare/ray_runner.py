@@ -106,7 +106,8 @@ def _init(ray: Any, cfg: RayConfig) -> None:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise UserError(
-            f"cannot start or join Ray at {cfg.address or 'a local instance'}: {str(err).splitlines()[0]}"
+            "cannot start or join Ray at "
+            f"{cfg.address or 'a local instance'}: {str(err).splitlines()[0]}"
         ) from err
     finally:
         if callable(sigterm):

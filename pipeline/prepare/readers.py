@@ -119,7 +119,8 @@ def _catalog_charset(header: bytes) -> str:
 
 
 def _gettext_pairs(msgid: str, plural: str | None, forms: list[str]) -> Iterator[Record]:
-    """(msgid, first form) and, for plural entries, (msgid_plural, second form): untranslated forms are skipped."""
+    """(msgid, first form) and, for plural entries, (msgid_plural, second form): untranslated
+    forms are skipped."""
     if forms and forms[0]:
         yield msgid, forms[0]
     if plural and len(forms) > 1 and forms[1]:
@@ -204,7 +205,8 @@ PARQUET_BATCH_ROWS = 8192  # rows per record batch read from a row group
 
 
 def _read_parquet(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    """The rows of row groups [start, end), batch by batch: memory holds one batch of the needed columns."""
+    """The rows of row groups [start, end), batch by batch: memory holds one batch of
+    the needed columns."""
     import pyarrow.parquet as pq
 
     columns = parquet_columns(cfg)
@@ -303,9 +305,11 @@ def check_usable(
     if undecodable > records:
         worst = max(sorted(undecodable_by_file), key=lambda path: undecodable_by_file[path])
         raise UserError(
-            f"source is mostly undecodable (binary, or not UTF-8): {undecodable} of {records + undecodable} "
-            f"{_record_noun(cfg)} have more than {cfg.max_replaced_fraction * 100:g}% undecodable characters "
-            f"(source.max_replaced_fraction={cfg.max_replaced_fraction}), {undecodable_by_file[worst]} of them in {worst}"
+            f"source is mostly undecodable (binary, or not UTF-8): {undecodable} of "
+            f"{records + undecodable} {_record_noun(cfg)} have more than "
+            f"{cfg.max_replaced_fraction * 100:g}% undecodable characters "
+            f"(source.max_replaced_fraction={cfg.max_replaced_fraction}), "
+            f"{undecodable_by_file[worst]} of them in {worst}"
         )
     if records == 0:
         why = describe_skipped(stats, cfg, filtered=True) or f"{cfg.format}: the files hold no text"

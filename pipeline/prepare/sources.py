@@ -1,6 +1,7 @@
 """The sources of a prepare: their files (globs, links, what is not a regular file), the work units
 they are cut into (compressed streams in chunks, parquet by row groups), and reading a unit's
-bytes; `pipeline.prepare.readers` turns a unit into records (text, jsonl, tsv, gettext, parquet, man pages).
+bytes; `pipeline.prepare.readers` turns a unit into records (text, jsonl, tsv, gettext,
+parquet, man pages).
 
 The design and its reasons: docs/design.md#pipelinepreparesourcespy.
 """
@@ -35,7 +36,8 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def decode_counting(data: bytes, encoding: str = "utf-8") -> tuple[str, int]:
-    """Decode `data`, replacing each undecodable sequence with U+FFFD; also return how many bytes were replaced."""
+    """Decode `data`, replacing each undecodable sequence with U+FFFD; also return how many
+    bytes were replaced."""
     try:
         return data.decode(encoding), 0
     except UnicodeDecodeError:
@@ -99,7 +101,8 @@ def source_list(cfg: PrepareConfig) -> list[SourceConfig]:
 
 
 def source_where(cfg: PrepareConfig, index: int) -> str:
-    """How messages name a source's keys: `source` for the single source, `sources[i]` (with its name) otherwise."""
+    """How messages name a source's keys: `source` for the single source, `sources[i]` (with
+    its name) otherwise."""
     return f"sources[{index}] ({cfg.sources[index].name})" if cfg.sources else "source"
 
 
@@ -109,7 +112,8 @@ def check_sources(cfg: PrepareConfig) -> None:
     # `source` with its defaults (paths resolved, as in a loaded config) means it was not given.
     if cfg.sources and cfg.source != config_from_dict(PrepareConfig, {}).source:
         raise UserError(
-            "source and sources: both given; put the single source in the list `sources` (or give only `source`)"
+            "source and sources: both given; put the single source in the list "
+            "`sources` (or give only `source`)"
         )
     names = [s.name for s in source_list(cfg)]
     for index, source in enumerate(source_list(cfg)):
@@ -121,7 +125,8 @@ def check_sources(cfg: PrepareConfig) -> None:
             )
         if names.count(source.name) > 1:
             raise UserError(
-                f"sources: the name {source.name!r} is given to {names.count(source.name)} sources; names must differ"
+                f"sources: the name {source.name!r} is given to "
+                f"{names.count(source.name)} sources; names must differ"
             )
         if source.format not in SOURCE_FORMATS:
             raise UserError(
@@ -133,7 +138,8 @@ def check_sources(cfg: PrepareConfig) -> None:
             )
         if not 0 <= source.max_replaced_fraction <= 1:
             raise UserError(
-                f"{where}.max_replaced_fraction: a fraction in [0, 1], got {source.max_replaced_fraction}"
+                f"{where}.max_replaced_fraction: a fraction in [0, 1], got "
+                f"{source.max_replaced_fraction}"
             )
 
 
@@ -168,8 +174,8 @@ def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
         link, target = min(set(loops))
         count = len(set(loops))
         log.warning(
-            "warning: %s.paths: %d symlink loop%s not followed (a link back into a directory the glob is "
-            "already inside adds no file), e.g. %s -> %s",
+            "warning: %s.paths: %d symlink loop%s not followed (a link back into a directory the "
+            "glob is already inside adds no file), e.g. %s -> %s",
             where,
             count,
             "s" if count > 1 else "",
@@ -188,8 +194,8 @@ def expand_paths(cfg: SourceConfig, where: str = "source") -> list[str]:
     if others:
         other, name = min(others)
         log.warning(
-            "warning: %s.paths: %d path%s name a file listed under another name (symbolic links); each "
-            "file is read once, e.g. %s is %s",
+            "warning: %s.paths: %d path%s name a file listed under another name (symbolic links); "
+            "each file is read once, e.g. %s is %s",
             where,
             len(others),
             "s" if len(others) > 1 else "",
@@ -279,7 +285,10 @@ def _unusable(path: str) -> str:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         if os.path.islink(path):
-            return f"file not found: {path} is a symbolic link to {os.readlink(path)}, which does not exist"
+            return (
+                f"file not found: {path} is a symbolic link to "
+                f"{os.readlink(path)}, which does not exist"
+            )
         return f"file not found: {path}"
     except OSError as err:
         if err.errno == errno.ELOOP:
@@ -391,7 +400,8 @@ def parquet_columns(cfg: SourceConfig) -> list[str]:
 def _parquet_units(
     path: str, cfg: SourceConfig, chunk_bytes: int, source: int, where: str
 ) -> list[Unit]:
-    """Runs of whole row groups of about `chunk_bytes` (uncompressed) each; the schema is checked here, once."""
+    """Runs of whole row groups of about `chunk_bytes` (uncompressed) each; the schema is
+    checked here, once."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -407,7 +417,8 @@ def _parquet_units(
             continue
         if column not in schema.names:
             raise UserError(
-                f"{where}.{key}: {path} has no column {column!r} (columns: {', '.join(schema.names)})"
+                f"{where}.{key}: {path} has no column {column!r} "
+                f"(columns: {', '.join(schema.names)})"
             )
         kind = schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -522,7 +533,8 @@ def reading_file(path: str) -> Iterator[None]:
 
 
 def _decompress_errors(path: str) -> tuple[type[BaseException], ...]:
-    """What a corrupt .zst stream or parquet file raises (the libraries are imported only when used)."""
+    """What a corrupt .zst stream or parquet file raises (the libraries are
+    imported only when used)."""
     if path.endswith(".zst"):
         import zstandard
 

@@ -104,7 +104,8 @@ def train(texts: list[str], cfg: TokenizerConfig, seed: int = 0) -> dict[str, by
 
 def train_byte_level_bpe(texts: list[str], cfg: TokenizerConfig) -> dict[str, bytes]:
     """GPT-2's tokenizer design (bytes as the alphabet, no unknown token) trained on `texts`, with
-    the special tokens of HF_TRAINED_SPECIALS and the language tags after the byte alphabet's ids."""
+    the special tokens of HF_TRAINED_SPECIALS and the language tags after the
+    byte alphabet's ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if cfg.model_type != "bpe":

@@ -222,7 +222,8 @@ def _texts(lines: list[bytes]) -> list[str]:
 
 
 class _ShardSequence:
-    """The shards of one (dataset, split, bucket, source): samples keyed in order, a new shard every `max_samples`."""
+    """The shards of one (dataset, split, bucket, source): samples keyed in order, a new shard
+    every `max_samples`."""
 
     def __init__(
         self,
