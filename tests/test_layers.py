@@ -10,6 +10,9 @@ Inside `pipeline/`, two rooms: `pipeline.prepare` (writes a dataset) and `pipeli
 it into batches) never import each other; they meet at the modules directly under `pipeline/`
 (`format`, `tokenizer`, `remote`, `validate`), which import neither room.
 
+No library module imports another module's private name (`from pipeline.load.epoch import
+_x`): what other modules use is public.
+
 In tests/, no file imports a test module (`test_*`): what test files share is in conftest's
 fixtures and in helper modules that are not test files (tests/launch/trainruns.py, ...).
 """
@@ -195,6 +198,42 @@ def test_only_the_ray_runner_imports_ray():
                 if any(name.split(".")[0] == "ray" for name in names):
                     importers.add(str(path.relative_to(ROOT)))
     assert importers == {"pipeline/prepare/ray_runner.py"}, sorted(importers)
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """Every `from PROJECT_MODULE import _name` in the library under `root`, at any depth:
+    "FILE:LINE imports MODULE._name" (dunder names, `__version__` and the like, are public)."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not (isinstance(node, ast.ImportFrom) and node.module):
+                    continue
+                if node.level or node.module.split(".")[0] in PACKAGES:
+                    found.extend(
+                        f"{path.relative_to(root).as_posix()}:{node.lineno} imports "
+                        f"{node.module}.{alias.name}"
+                        for alias in node.names
+                        if alias.name.startswith("_") and not alias.name.startswith("__")
+                    )
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    assert private_imports() == []
+
+
+def test_the_private_import_check_catches_one_at_any_depth(tmp_path):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "pipeline" / "a.py").write_text(
+        "from pipeline.b import public, _hidden\nfrom numpy import _private\n"
+        "def f():\n    from common.c import _inner\n    from model import __version__\n"
+    )
+    assert private_imports(tmp_path) == [
+        "pipeline/a.py:1 imports pipeline.b._hidden",
+        "pipeline/a.py:4 imports common.c._inner",
+    ]
 
 
 def imports_of_test_modules(root: Path) -> list[str]:
