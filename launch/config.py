@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need 
     from launch.tasks import Task
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+ZERO_STAGES = (0, 1, 2, 3)  # deepspeed.zero_stage, of training and of inference alike
 DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
@@ -328,8 +329,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         ),
         (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
         (
-            cfg.deepspeed.zero_stage in (0, 1, 2, 3),
-            f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3",
+            zero_stage_problem(cfg.deepspeed.zero_stage) is None,
+            zero_stage_problem(cfg.deepspeed.zero_stage),
         ),
         (
             cfg.deepspeed.precision in PRECISIONS,
@@ -416,6 +417,13 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         )
         checks.append(_lm_eval_check(cfg.lm_eval))
     return [message for ok, message in checks if not ok]
+
+
+def zero_stage_problem(stage: int) -> str | None:
+    """The one check of `deepspeed.zero_stage`, for training and inference alike."""
+    if stage in ZERO_STAGES:
+        return None
+    return f"deepspeed.zero_stage: {stage} is not 0, 1, 2 or 3"
 
 
 # The schemas of the other launch entry points. Each takes `[CONFIG.yaml] [key.sub=value ...]`

@@ -43,7 +43,7 @@ from common.hashing import file_sha256
 from common.progress import meter
 from launch import distributed as dist
 from launch import launcher
-from launch.config import EvaluateConfig
+from launch.config import EvaluateConfig, zero_stage_problem
 from launch.decoding import (
     Checkpoint,
     check_decoding,
@@ -184,8 +184,8 @@ def evaluate(cfg: EvaluateConfig, stdout: TextIO | None = None) -> dict | None:
     """Scores on rank 0 (None on the others), printed to `stdout` (default sys.stdout)."""
     if cfg.split not in SPLITS:
         raise UserError(f"split: {cfg.split!r} is not one of {', '.join(SPLITS)}")
-    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
-        raise UserError(f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} is not 0, 1, 2 or 3")
+    if problem := zero_stage_problem(cfg.deepspeed.zero_stage):
+        raise UserError(problem)
     ckpt = inspect_checkpoint(cfg.checkpoint)
     data_dir = cfg.data_dir or ckpt.data_dir
     if not data_dir:
