@@ -379,7 +379,7 @@ def tiny_dataset(tiny_corpus, tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- trained runs, once a
 # session
 # Each is a 2-rank torchrun job of launch.train (10-25 s on 2 cores, most of it start-up) that tests
-# of several files assert on; their settings are in launch/trainruns.py, which those files import.
+# of several files assert on; their settings are in trainruns.py, which those files import.
 
 
 @pytest.fixture(scope="session")

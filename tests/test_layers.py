@@ -14,7 +14,7 @@ No library module imports another module's private name (`from pipeline.load.epo
 _x`): what other modules use is public.
 
 In tests/, no file imports a test module (`test_*`): what test files share is in conftest's
-fixtures and in helper modules that are not test files (tests/launch/trainruns.py, ...).
+fixtures and in helper modules that are not test files (tests/trainruns.py, ...).
 """
 
 import ast

@@ -448,7 +448,7 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
 
 # ----------------------------------------------------------------------------- the trainer on GPUs
 
-# Like tests/launch/trainruns.py's TINY, for processes that see the GPUs.
+# Like tests/trainruns.py's TINY, for processes that see the GPUs.
 TINY_RUN = [
     "model.d_model=32",
     "model.n_layers=2",
