@@ -92,9 +92,9 @@ def test_every_config_in_configs_validates(path):
         return
     if path.name.startswith(("main", "transfer")):
         from launch.config import MainConfig
-        from launch.main.plan import _check
+        from launch.main.plan import check_main
 
-        assert _check(load_config(MainConfig, path))
+        assert check_main(load_config(MainConfig, path))
         return
     from launch.config import TrainConfig, check_config
 
