@@ -6,6 +6,7 @@ The design and its reasons: docs/design.md#pipelineprepareworkpy.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import resource
 import time
@@ -200,8 +201,8 @@ def unique_chunks(
         dropped = 0
         with open(path, "rb") as fh:
             while lines := fh.readlines(1 << 20):
-                for line in lines:
-                    digest = blake2b(line, digest_size=8).digest()
+                digests = [blake2b(line, digest_size=8).digest() for line in lines]
+                for line, digest in zip(lines, digests):
                     if digest in seen:
                         dropped += 1
                         continue
@@ -241,16 +242,27 @@ class _ShardSequence:
         self.relative = ""
         self.index = 0
 
-    def write(self, sample: dict) -> None:
-        if self.writer is None:
-            self.relative = shard_name(
-                self.dataset, self.split, self.bucket, len(self.records), self.source
+    def write(self, columns: dict[str, list[np.ndarray]]) -> None:
+        """Samples given field by field (as `ShardWriter.write_many`), in order."""
+        count = len(next(iter(columns.values()), ()))
+        done = 0
+        while done < count:
+            if self.writer is None:
+                self.relative = shard_name(
+                    self.dataset, self.split, self.bucket, len(self.records), self.source
+                )
+                self.writer = ShardWriter(Path(self.out_dir) / self.relative)
+            take = min(count - done, self.max_samples - self.writer.samples)
+            keys = [
+                sample_key(self.bucket, index) for index in range(self.index, self.index + take)
+            ]
+            self.writer.write_many(
+                keys, {name: column[done : done + take] for name, column in columns.items()}
             )
-            self.writer = ShardWriter(Path(self.out_dir) / self.relative)
-        self.writer.write(sample_key(self.bucket, self.index), sample)
-        self.index += 1
-        if self.writer.samples >= self.max_samples:
-            self._close()
+            self.index += take
+            done += take
+            if self.writer.samples >= self.max_samples:
+                self._close()
 
     def _close(self) -> None:
         record = self.writer.close()
@@ -324,8 +336,8 @@ def encode_bucket(
         else:
             for source, texts in chunks:
                 pairs = [text.split("\t", 1) for text in texts]
-                for sample in _filter_pairs(pairs, (tokenizer, target), cfg, dtype, stats[source]):
-                    sequences[source].write(sample)
+                columns = _filter_pairs(pairs, (tokenizer, target), cfg, dtype, stats[source])
+                sequences[source].write(columns)
         shards = []
         for name, sequence in zip(names, sequences):
             for record in sequence.finish():
@@ -386,7 +398,8 @@ class _Packer:
     """Documents framed as the tokenizer frames one (`Specials.document`: ours `text </s>`, GPT-2's
     `text <|endoftext|>`, Llama's `<s> text </s>`, BERT's `[CLS] text [SEP]`), joined and cut into
     blocks of exactly `seq_len` tokens, streamed: `add` takes documents in order and emits the
-    blocks they complete, each with the positions where a document (or the rest of one) starts;
+    blocks they complete, each with the positions where a document (or the rest of one) starts
+    (as shard columns: `_ShardSequence.write`);
     `finish` drops (and counts) the short tail. The blocks are the same however the documents
     are chunked."""
 
@@ -403,17 +416,11 @@ class _Packer:
         self.carry_starts = np.empty(0, dtype=np.int64)  # where documents start in `carry`
 
     def add(self, documents: list[list[int]], stats: Counter) -> None:
-        flat: list[int] = []
-        new_starts: list[int] = []
-        for doc in documents:
-            new_starts.append(len(self.carry) + len(flat))
-            flat.extend(self.before)
-            flat.extend(doc)
-            flat.extend(self.after)
-        stats["tokens"] += len(flat)
-        stream = np.concatenate((self.carry, np.array(flat, dtype=np.int64)))
+        framed = self._framed(documents)
+        stats["tokens"] += len(framed[0])
+        stream = np.concatenate((self.carry, framed[0]))
         # ascending: the carried documents' starts, then this call's
-        starts = np.concatenate((self.carry_starts, np.array(new_starts, dtype=np.int64)))
+        starts = np.concatenate((self.carry_starts, framed[1] + len(self.carry)))
         n_blocks = len(stream) // self.seq_len
         cut = n_blocks * self.seq_len
         blocks = stream[:cut].reshape(n_blocks, self.seq_len).astype(self.dtype)
@@ -425,14 +432,36 @@ class _Packer:
         lows = np.searchsorted(starts, firsts, side="right")
         highs = np.searchsorted(starts, firsts + self.seq_len, side="left")
         zero = np.zeros(1, dtype=np.int64)
-        for block, first, low, high in zip(blocks, firsts.tolist(), lows.tolist(), highs.tolist()):
-            inside = starts[low:high] - first
-            self.emit(
-                {
-                    "input_ids": block,
-                    "doc_starts": np.concatenate((zero, inside)).astype(self.dtype),
-                }
-            )
+        self.emit(
+            {
+                "input_ids": list(blocks),
+                "doc_starts": [
+                    np.concatenate((zero, starts[low:high] - first)).astype(self.dtype)
+                    for first, low, high in zip(firsts.tolist(), lows.tolist(), highs.tolist())
+                ],
+            }
+        )
+
+    def _framed(self, documents: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The documents, each between the frame's tokens, as one array, and where each starts:
+        built by numpy from the lengths rather than by a list extended per document."""
+        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        ids = np.fromiter(
+            itertools.chain.from_iterable(documents), dtype=np.int64, count=int(lengths.sum())
+        )
+        before, after = len(self.before), len(self.after)
+        ends = np.cumsum(lengths + (before + after))
+        starts = ends - (lengths + (before + after))
+        stream = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+        inside = np.ones(len(stream), dtype=bool)
+        for offset, token in enumerate(self.before):
+            stream[starts + offset] = token
+            inside[starts + offset] = False
+        for offset, token in enumerate(self.after):
+            stream[ends - after + offset] = token
+            inside[ends - after + offset] = False
+        stream[inside] = ids
+        return stream, starts
 
     def finish(self, stats: Counter) -> None:
         stats["tail_tokens_dropped"] += len(self.carry)
@@ -446,21 +475,47 @@ def _filter_pairs(
     cfg: PrepareConfig,
     dtype: np.dtype,
     stats: Counter,
-) -> Iterator[dict]:
-    """Each pair's source and target ids, each side encoded by its own tokenizer (the source
-    side's and the target side's, after `translation.reverse` has chosen the direction)."""
+) -> dict[str, list[np.ndarray]]:
+    """The kept pairs' source and target ids as shard columns, each side encoded by its own
+    tokenizer (the source side's and the target side's, after `translation.reverse` has chosen
+    the direction); the others counted by why they were dropped."""
     limits = cfg.translation
     source_side, target_side = (1, 0) if limits.reverse else (0, 1)
     sources = tokenizers[0].encode_batch([p[source_side] for p in pairs])
     targets = tokenizers[1].encode_batch([p[target_side] for p in pairs])
-    for src, tgt in zip(sources, targets):
-        shorter, longer = sorted((len(src), len(tgt)))
-        if shorter < limits.min_tokens or longer > limits.max_tokens:
-            stats["pairs_filtered_length"] += 1
-            continue
-        if longer > limits.max_ratio * shorter:
-            stats["pairs_filtered_ratio"] += 1
-            continue
-        stats["pairs"] += 1
-        stats["tokens"] += len(src) + len(tgt)
-        yield {"src_ids": np.array(src, dtype=dtype), "tgt_ids": np.array(tgt, dtype=dtype)}
+    # Decided for the whole chunk at once: per-pair Python is this stage's cost beside the
+    # tokenizer's.
+    source_ids, source_ends = _flat(sources, dtype)
+    target_ids, target_ends = _flat(targets, dtype)
+    source_lengths = np.diff(source_ends)
+    target_lengths = np.diff(target_ends)
+    shorter = np.minimum(source_lengths, target_lengths)
+    longer = np.maximum(source_lengths, target_lengths)
+    bad_length = (shorter < limits.min_tokens) | (longer > limits.max_tokens)
+    bad_ratio = ~bad_length & (longer > limits.max_ratio * shorter)
+    kept = np.flatnonzero(~(bad_length | bad_ratio))
+    counts = {
+        "pairs_filtered_length": int(bad_length.sum()),
+        "pairs_filtered_ratio": int(bad_ratio.sum()),
+        "pairs": len(kept),
+        "tokens": int(source_lengths[kept].sum() + target_lengths[kept].sum()),
+    }
+    stats.update({name: count for name, count in counts.items() if count})  # no zero entries
+    return {
+        "src_ids": _pieces(source_ids, source_ends, kept),
+        "tgt_ids": _pieces(target_ids, target_ends, kept),
+    }
+
+
+def _pieces(ids: np.ndarray, ends: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
+    """The kept sequences of a `_flat` array, as views."""
+    starts, stops = ends[kept].tolist(), ends[kept + 1].tolist()
+    return [ids[start:stop] for start, stop in zip(starts, stops)]
+
+
+def _flat(sequences: list[list[int]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences end to end as one array, and where each starts (one offset more: the end)."""
+    ends = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences)), out=ends[1:])
+    ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=int(ends[-1]))
+    return ids, ends
