@@ -145,9 +145,8 @@ def fit(run: Run) -> dict:
         cfg.optim.grad_clip, run.denv.world_size, run.peak[0], run.denv.is_main
     )
     last_eval: dict = {}
-    stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+    start, stop_at = run.step, min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
     checkpointer = Checkpointer(cfg.checkpoint.every_steps, stop_at, last_saved=run.step)
-    tell_kernel = cfg.data.document_mask and run.denv.is_main
     profiler = StepProfiler(run)
     while run.step < stop_at:
         profiler.before_step()
@@ -157,22 +156,8 @@ def fit(run: Run) -> dict:
         # a stop request cut some rank's wait for its batches short: no step taken
         if result is None:
             return stop_for_requeue(run, checkpointer, last_eval)
-        if tell_kernel:  # which kernel the document mask ran on (model.attention), once
-            print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
-            tell_kernel = False
-        run.step += 1
-        run.tokens_seen += int(result.tokens)
-        # Kept on the device and read at the next log line: a read here would wait for the update.
-        grad_norm = run.engine.grad_norm()
-        window.add(result, time.perf_counter() - step_start, grad_norm)
-        metrics, verdict = guard_step(run, result)
-        if verdict:  # too many skips in a row: the last good state checkpointed, and the job ends
-            checkpointer.save(run)
-            raise UserError(verdict)
-        if cfg.data.log_sample_keys:
-            _log_sample_keys(run, result)
-        if run.step % cfg.log_every == 0 or run.step == stop_at:
-            metrics.update(_train_metrics(run, result, grad_norm, window))
+        first = run.step == start
+        metrics = _after_step(run, result, window, step_start, checkpointer, stop_at, first)
         evaluated, stopped = _evaluate_if_due(run, stop_at)
         last_eval = evaluated or last_eval
         metrics.update(evaluated)
@@ -194,6 +179,38 @@ def fit(run: Run) -> dict:
         **data_counters(run),
         **last_eval,
     }
+
+
+def _after_step(
+    run: Run,
+    result: StepResult,
+    window: ThroughputWindow,
+    step_start: float,
+    checkpointer: Checkpointer,
+    stop_at: int,
+    first: bool,
+) -> dict:
+    """A step taken, counted: the step and its tokens, the throughput window, the guard's
+    verdict (too many skips in a row: the last good state checkpointed, and the job ends), the
+    sample keys and, when due, the log line's figures; returns the step's metrics so far."""
+    cfg = run.cfg
+    if first and cfg.data.document_mask and run.denv.is_main:
+        # which kernel the document mask ran on (model.attention), once
+        print(f"attention: {', '.join(attention_kernels(run.engine.module))}", file=sys.stderr)
+    run.step += 1
+    run.tokens_seen += int(result.tokens)
+    # Kept on the device and read at the next log line: a read here would wait for the update.
+    grad_norm = run.engine.grad_norm()
+    window.add(result, time.perf_counter() - step_start, grad_norm)
+    metrics, verdict = guard_step(run, result)
+    if verdict:
+        checkpointer.save(run)
+        raise UserError(verdict)
+    if cfg.data.log_sample_keys:
+        _log_sample_keys(run, result)
+    if run.step % cfg.log_every == 0 or run.step == stop_at:
+        metrics.update(_train_metrics(run, result, grad_norm, window))
+    return metrics
 
 
 def _train_metrics(run: Run, result: StepResult, grad_norm, window: ThroughputWindow) -> dict:
