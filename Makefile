@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # built once; the SLURM tests share one cluster in one worker). One worker more than the 2 cores
 # fills the time the others wait on SLURM, servers, other ranks and process start-ups
 # (docs/design.md#the-test-suite-in-three-workers). Files are dealt costliest first
-# (tests/conftest.py COSTLIEST_FIRST), not xdist's most-tests first. 0: one process.
+# (tests/ordering.py COSTLIEST_FIRST), not xdist's most-tests first. 0: one process.
 PYTEST_WORKERS ?= 3
 
 .PHONY: setup main test slurm-cluster manpages clean-venv gpu-bundle gpu-wheelhouse gpu-data
@@ -75,7 +75,7 @@ test: setup slurm-cluster
 #   GPT-2's 50,257 pieces, trained by the tokenizers library): data/ for configs/gpt2_small.yaml
 #   (seq_len 1024, causal_lm), data2048/ for configs/llama_gpu_1b.yaml (seq_len 2048, the same
 #   tokenizer, GPU_DATA2048_CHARS of the text), and tiny_dataset, the test suite's
-#   (tests/conftest.py), for the gpu tests that train (TINY_DATASET).
+#   (tests/corpora.py), for the gpu tests that train (TINY_DATASET).
 GPU_BUNDLE ?= build/gpu-bundle
 NODE_PYTHON_VERSION ?= 3.12
 NODE_GLIBC ?= 2.28
@@ -104,7 +104,7 @@ gpu-data: setup
 		source.text_split=paragraph tokenizer.path=$(CURDIR)/$(GPU_BUNDLE)/data \
 		split.valid=0.01 split.test=0.01 shard.max_samples=256 shard.buckets=4 ray.num_workers=2 progress=false
 	rm -rf $(GPU_BUNDLE)/tiny_dataset
-	$(PY) tests/conftest.py $(GPU_BUNDLE)/tiny_dataset
+	$(PY) tests/corpora.py $(GPU_BUNDLE)/tiny_dataset
 	@du -sh $(GPU_BUNDLE)/data $(GPU_BUNDLE)/data2048 $(GPU_BUNDLE)/tiny_dataset
 
 clean-venv:

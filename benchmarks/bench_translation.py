@@ -98,6 +98,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from launch.main.plan import torchrun  # noqa: E402
+
 DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
 DEFAULT_CONFIG = ROOT / "configs" / "small_translation.yaml"
 # Marian's names for our activations (transformers.activations.ACT2FN).
@@ -400,17 +402,6 @@ def launch(command: list[str], log: Path, what: str) -> None:
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
         raise SystemExit(f"error: {what} failed (exit {proc.returncode}), log {log}:\n{tail}")
     print(f"  {what}: {time.time() - started:.0f} s (log {log})", flush=True)
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-    ]
 
 
 def run_ours(

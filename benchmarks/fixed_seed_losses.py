@@ -25,17 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tests' helper modules (the tiny corpus, its prepare and the tiny shape), from this checkout
+# for both revisions.
+sys.path.insert(0, str(ROOT / "tests"))
+from trainruns import TINY_SHAPE as SHAPE  # noqa: E402
+
 STOP_AT = 15  # the first job's last step; the second resumes from its checkpoint
 
-# The tests' tiny shape (tests/launch/test_train.py TINY) on each config.
-SHAPE = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=64",
-    "model.max_seq_len=64",
-    "data.micro_batch_size=4",
-]
 # Llama's blocks on the GPT (tests/launch/test_llama_train.py LLAMA).
 LLAMA = [
     "model.positions=rope",
@@ -217,9 +213,8 @@ def environment(tree: Path) -> dict:
 
 
 def write_corpus(work: Path) -> Path:
-    """The tests' tiny corpus (one owner: tests/conftest.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import write_tiny_corpus
+    """The tests' tiny corpus (one owner: tests/corpora.py)."""
+    from corpora import write_tiny_corpus
 
     (work / "corpus").mkdir(exist_ok=True)
     return write_tiny_corpus(work / "corpus")
@@ -227,7 +222,7 @@ def write_corpus(work: Path) -> Path:
 
 def prepare(tree: Path, corpus: Path, out: Path, log: Path) -> None:
     """The tests' tiny dataset (causal_lm, mlm, translation) of `corpus`, by `tree`'s pipeline."""
-    from conftest import prepare_args
+    from corpora import prepare_args
 
     if out.exists():
         sys.exit(f"{out} exists: give a new --work directory")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from conftest import ROOT
+from repo import ROOT
 from shardtools import make_dataset, save_manifest
 
 from common.hashing import file_sha256

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import List
 
 import pytest
-from conftest import ROOT
 from omegaconf import MISSING
+from repo import ROOT
 
 from common.configure import (
     UserError,

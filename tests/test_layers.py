@@ -13,8 +13,9 @@ it into batches) never import each other; they meet at the modules directly unde
 No library module imports another module's private name (`from pipeline.load.epoch import
 _x`): what other modules use is public.
 
-In tests/, no file imports a test module (`test_*`): what test files share is in conftest's
-fixtures and in helper modules that are not test files (tests/trainruns.py, ...).
+In tests/, no file imports a test module (`test_*`) or conftest (pytest loads it as a plugin; a
+module import would be a second copy): what test files share is in conftest's fixtures and in
+helper modules that are not test files (tests/repo.py, tests/trainruns.py, ...).
 """
 
 import ast
@@ -237,8 +238,8 @@ def test_the_private_import_check_catches_one_at_any_depth(tmp_path):
 
 
 def imports_of_test_modules(root: Path) -> list[str]:
-    """Every import, at any depth, of a module named test_* (by its own name or through its
-    package) by a file under `root`: "FILE:LINE imports MODULE"."""
+    """Every import, at any depth, of a module named test_* or conftest (by its own name or
+    through its package) by a file under `root`: "FILE:LINE imports MODULE"."""
     found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -263,10 +264,10 @@ def imports_of_test_modules(root: Path) -> list[str]:
 
 
 def _names_a_test_module(name: str) -> bool:
-    return any(part.startswith("test_") for part in name.split("."))
+    return any(part.startswith("test_") or part == "conftest" for part in name.split("."))
 
 
-def test_no_test_module_imports_another():
+def test_no_test_module_imports_another_or_conftest():
     assert imports_of_test_modules(ROOT / "tests") == []
 
 
@@ -283,11 +284,14 @@ def test_the_check_catches_a_test_module_imported_at_any_depth(tmp_path):
         "from latest_results import y\n"
     )
     (tmp_path / "conftest.py").write_text("def f():\n    import test_f\n")
-    (tmp_path / "trainruns.py").write_text("from shardtools import make_dataset\n")
+    (tmp_path / "trainruns.py").write_text(
+        "from shardtools import make_dataset\nfrom conftest import ROOT\nimport my_conftest_notes\n"
+    )
     assert imports_of_test_modules(tmp_path) == [
         "conftest.py:2 imports test_f",
         "launch/test_a.py:3 imports test_b",
         "launch/test_a.py:5 imports test_c",
         "test_d.py:1 imports tests.launch.test_a",
         "test_d.py:2 imports tests.launch.test_e",
+        "trainruns.py:2 imports conftest",
     ]

@@ -4,7 +4,7 @@ settings in pyproject.toml, leave nothing to change."""
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo import ROOT
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:

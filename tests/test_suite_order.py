@@ -2,7 +2,8 @@
 
 from types import SimpleNamespace
 
-from conftest import COSTLIEST_FIRST, ROOT, in_cost_order
+from ordering import COSTLIEST_FIRST, in_cost_order
+from repo import ROOT
 
 
 def test_every_costliest_file_exists_once():

@@ -6,18 +6,23 @@ and offline W&B records. Also the settings of the runs conftest trains once a se
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import ROOT
+from repo import ROOT
 
-TINY = [
+from launch.main.plan import python_launcher
+
+# The tests' tiny model and batch, on any config.
+TINY_SHAPE = [
     "model.d_model=32",
     "model.n_layers=2",
     "model.n_heads=2",
     "model.d_ff=64",
     "model.max_seq_len=64",
     "data.micro_batch_size=4",
+]
+TINY = [
+    *TINY_SHAPE,
     "data.num_workers=0",
     "optim.lr=3e-3",
     "schedule.warmup_steps=5",
@@ -28,21 +33,6 @@ TINY = [
     # ZeRO-3 would keep every tensor of a model this small whole on every rank.
     "deepspeed.zero3_persistence_threshold=0",
 ]
-
-
-def python_launcher(nproc: int) -> list[str]:
-    """The start of a command that runs a module on `nproc` ranks: torchrun (standalone) for
-    several, the bare interpreter for one."""
-    if nproc <= 1:
-        return [sys.executable]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-    ]
 
 
 def train(

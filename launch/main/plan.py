@@ -250,19 +250,25 @@ def train_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
             f"grad_accum={accum * nproc // gpus} (the same global batch)"
         )
         nproc, overrides = gpus, [*overrides, f"grad_accum={accum * nproc // gpus}"]
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
-    return [*launcher, "-m", "launch.train", config, *overrides]
+    return [*python_launcher(nproc), "-m", "launch.train", config, *overrides]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The start of a command that runs a module or script on `nproc` ranks of this machine
+    (torchrun, standalone: its own rendezvous on a free port)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+    ]
+
+
+def python_launcher(nproc: int) -> list[str]:
+    """`torchrun(nproc)` for several ranks, the bare interpreter for one."""
+    return torchrun(nproc) if nproc > 1 else [sys.executable]
 
 
 def finished(run_dir: Path, steps: int) -> bool:

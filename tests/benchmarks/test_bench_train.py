@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo import ROOT
 
 
 def test_llama_pair_trains_ours_and_transformers_alike(tiny_dataset, tmp_path):

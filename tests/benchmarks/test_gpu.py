@@ -27,10 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GPU_ENV, ROOT
+from devices import GPU_ENV
+from repo import ROOT
+from trainruns import TINY
 
 from common.configure import load_config
 from launch.config import TrainConfig
+from launch.main.plan import python_launcher
 from launch.optim import parameter_groups
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
@@ -448,40 +451,16 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
 
 # ----------------------------------------------------------------------------- the trainer on GPUs
 
-# Like tests/trainruns.py's TINY, for processes that see the GPUs.
-TINY_RUN = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=64",
-    "model.max_seq_len=64",
-    "data.micro_batch_size=4",
-    "data.num_workers=0",
-    "optim.lr=3e-3",
-    "schedule.warmup_steps=5",
-    "eval_batches=2",
-    "wandb.mode=disabled",
-    "threads_per_rank=1",
-    "deepspeed.zero3_persistence_threshold=0",
-    "deepspeed.precision=bf16",
-    "log_every=1",
-]
+# tests/trainruns.py's TINY, for processes that see the GPUs (later settings win).
+TINY_RUN = [*TINY, "eval_batches=2", "deepspeed.precision=bf16", "log_every=1"]
 
 
 def train_on_gpus(
     data: Path, run_dir: Path, *overrides: str, nproc: int
 ) -> subprocess.CompletedProcess:
     env = {**GPU_ENV, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-    ]
     command = [
-        *(launcher if nproc > 1 else [sys.executable]),
+        *python_launcher(nproc),
         "-m",
         "launch.train",
         str(ROOT / "configs/tiny_gpt.yaml"),

@@ -12,7 +12,7 @@ import sys
 import venv
 from pathlib import Path
 
-from conftest import ROOT
+from repo import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 REASONS = ("is a CPU-only build", "no NVIDIA driver", "hides every GPU", "driver is too old")

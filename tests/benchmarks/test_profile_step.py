@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo import ROOT
 
 
 def test_profile_step_times_both_sides_and_groups_the_profile():

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from repo import ROOT
 
 from common.configure import UserError
 from common.lock import LOCK_FILE, dir_lock

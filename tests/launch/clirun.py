@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from repo import ROOT
 from shardtools import make_dataset, save_manifest
 from trainruns import TINY
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 from clirun import ENV, packed_data, run_cli, train_command
-from conftest import ROOT
 from errorlines import assert_one_error_line
+from repo import ROOT
 from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
 
 from common.hashing import file_sha256

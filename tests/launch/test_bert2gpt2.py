@@ -16,9 +16,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 from common.hashing import file_sha256  # noqa: E402
+from launch.main.plan import torchrun  # noqa: E402
 from pipeline.format import read_manifest, tokenizer_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,12 +52,8 @@ TRAIN = [
 DECODE = ["split=test", "beam=4", "micro_batch_size=16"]
 
 
-def python_m(module: str, *args: str, torchrun: bool = False, **kwargs):
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", module]
-        if torchrun
-        else [sys.executable, "-m", module]
-    )
+def python_m(module: str, *args: str, two_ranks: bool = False, **kwargs):
+    launcher = [*torchrun(2), "-m", module] if two_ranks else [sys.executable, "-m", module]
     return subprocess.run(
         [*launcher, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900, **kwargs
     )
@@ -83,7 +80,7 @@ def bert2gpt2(hf_layouts, bert2gpt2_data, tmp_path_factory) -> dict[str, Path]:
     run = python_m(
         "launch.train",
         *train_args(bert2gpt2_data, paths["run"], hf_layouts["bert"], hf_layouts["gpt2"]),
-        torchrun=True,
+        two_ranks=True,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     paths["train_log"] = top / "train.log"

@@ -32,6 +32,7 @@ from madecheckpoints import TAGS, run_copy  # noqa: E402
 from common.configure import UserError, run_main  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
 from launch import checkpoint as ckpt  # noqa: E402
+from launch.main.plan import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = (0, 2)
@@ -322,12 +323,7 @@ def test_the_ranks_agree_when_only_one_of_them_sees_the_damage(made, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *torchrun(2),
             __file__,
             "agree",
             str(run_dir),

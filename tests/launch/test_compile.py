@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 from trainruns import UNINTERRUPTED_GPT, metrics, train
 
 LOSS_TOLERANCE = 1e-5  # fp32: compiled and eager losses differ by rounding (about 1e-6 here)

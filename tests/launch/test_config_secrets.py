@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from clirun import packed_data, train_command
-from conftest import ROOT
+from repo import ROOT
 
 SECRET = "hunter2-token-0123456789"
 ENV = {

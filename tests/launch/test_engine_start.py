@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, free_port
+from corpora import free_port
+from repo import ROOT
 
 PROBE = """
 import sys, torch

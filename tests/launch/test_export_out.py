@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from errorlines import assert_one_line_error
 from madecheckpoints import run_copy
+from repo import ROOT
 
 from common.configure import run_main
 from launch.export import is_export

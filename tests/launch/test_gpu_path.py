@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from batches import UNEVEN, assert_same_batches
-from conftest import ROOT
+from repo import ROOT
 from trainruns import TINY, metrics, train
 
 from common.configure import UserError

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from clirun import ENV, packed_data, train_command
-from conftest import ROOT
 from processes import alive, kill_all, wait_for
+from repo import ROOT
 from trainruns import steps_of
 
 

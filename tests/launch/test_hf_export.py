@@ -14,7 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, synthetic_pairs  # noqa: E402
+from corpora import synthetic_pairs  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 from common.configure import save_config  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402

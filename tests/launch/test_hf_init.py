@@ -21,24 +21,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+import trainruns  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+# trainruns' TINY, shorter (later settings win)
 TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=64",
+    *trainruns.TINY,
     "model.max_seq_len=32",
-    "data.micro_batch_size=4",
-    "data.num_workers=0",
-    "optim.lr=3e-3",
     "schedule.warmup_steps=2",
     "eval_every=0",
-    "eval_batches=0",
-    "wandb.mode=disabled",
-    "threads_per_rank=1",
     "checkpoint.every_steps=0",
     "log_every=1",
 ]

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 from trainruns import losses, run_train
 
 pytestmark = pytest.mark.slow

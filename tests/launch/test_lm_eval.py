@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from conftest import ROOT  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 from common.configure import UserError  # noqa: E402
 from launch.export import save_hf_dir, save_model_dir  # noqa: E402

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from repo import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 from trainruns import metrics, train
 
 # absolute, on each logged loss; measured: 0, or 1 float32 ulp (4.8e-7) at one step

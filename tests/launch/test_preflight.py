@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 from dryrun import SEQ_LEN, args, dry_run, make_data
+from repo import ROOT
 from shardtools import VOCAB_SIZE, save_manifest
 
 from common.configure import load_config
@@ -734,7 +734,7 @@ def test_a_chain_whose_dataset_is_not_made_yet_is_checked_against_its_prepare_co
 ):
     """No dataset yet: the prepare config (and its sources' files) stands for it: its vocabulary,
     its block length against each pretraining model, the tasks it writes."""
-    from conftest import synthetic_pairs, write_tsv
+    from corpora import synthetic_pairs, write_tsv
 
     corpus = write_tsv(tmp_path / "pairs.tsv", synthetic_pairs(20))
     prepare = tmp_path / "prepare.yaml"

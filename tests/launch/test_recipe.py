@@ -12,16 +12,16 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 
 from common.configure import UserError, load_config
 from launch.average import average_state_dicts
 from launch.config import ScheduleConfig, TrainConfig, config_problems
+from launch.main.plan import python_launcher
 from launch.optim import build_scheduler, lr_multiplier
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -134,20 +134,8 @@ TRAIN = [
 
 
 def python_m(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
     return subprocess.run(
-        [*launcher, "-m", module, *args],
+        [*python_launcher(nproc), "-m", module, *args],
         cwd=ROOT,
         env=ENV,
         capture_output=True,

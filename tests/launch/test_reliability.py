@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from clirun import ENV, packed_data, run_cli, train_command
-from conftest import ROOT, free_port
+from corpora import free_port
 from errorlines import assert_one_error_line
 from processes import alive, children, command_of, descendants, kill_all, parent_of, wait_for
+from repo import ROOT
 from shardtools import VOCAB_SIZE, make_dataset, save_manifest, shard_ids
 from trainruns import steps_of
 

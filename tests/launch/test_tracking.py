@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from repo import ROOT
 from trainruns import TINY
 
 from common.configure import UserError

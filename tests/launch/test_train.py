@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 from trainruns import DROPOUT_ZERO3, TINY, metrics, train, wandb_records
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, synthetic_pairs
+from corpora import synthetic_pairs
+from repo import ROOT
 
 from common.hashing import file_sha256
 from launch.decoding import length_sorted_batches, source_ids
 from launch.evaluate import rank_batches, read_pairs, score
+from launch.main.plan import torchrun
 from pipeline.format import read_manifest
 from pipeline.tokenizer import sentencepiece_specials
 
@@ -287,12 +289,7 @@ def test_two_ranks_zero3_equal_one_rank(train_eval, finetuned, tmp_path):
     )
     out = tmp_path / "eval-2ranks"
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *torchrun(2),
         "-m",
         "launch.evaluate",
         f"checkpoint={finetuned['export']}",

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 
 from common.configure import UserError
 from launch import checkpoint as ckpt
 from launch.config import BatchPlan, TrainConfig
+from launch.main.plan import torchrun
 
 # Every stage in both precisions; stage 0 is never converted. ZeRO-3 runs last (see the worker).
 COMBOS = ["0-fp32", "1-fp32", "2-fp32", "0-bf16", "1-bf16", "2-bf16", "3-fp32", "3-bf16"]
@@ -159,12 +160,7 @@ def jobs(tmp_path_factory):
     started = time.monotonic()
     save = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *torchrun(2),
             worker,
             "save",
             str(out),

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trainruns import TINY_SHAPE
 
 from model import BERT, GPT, ModelConfig
 from model.attention import document_attention_mask
@@ -424,16 +425,11 @@ def test_train_with_document_mask(tiny_dataset, tmp_path, config):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from repo import ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     tiny = [
-        "model.d_model=32",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.d_ff=64",
-        "model.max_seq_len=64",
-        "data.micro_batch_size=4",
+        *TINY_SHAPE,
         "data.num_workers=0",
         "eval_every=3",
         "eval_batches=1",

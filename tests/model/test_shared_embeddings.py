@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 from torch import nn
 from warm_start_sources import SHA, V, bert_config, gpt_config, pretrained
 

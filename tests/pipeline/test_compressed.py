@@ -11,7 +11,8 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import ROOT, prepare_args, synthetic_pairs
+from corpora import prepare_args, synthetic_pairs
+from repo import ROOT
 from sourcecfg import source_cfg
 
 from common.configure import UserError

@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 import webdataset as wds
-from conftest import ROOT, prepare_args, synthetic_pairs, write_tsv
+from corpora import prepare_args, synthetic_pairs, write_tsv
+from repo import ROOT
 
 from common.configure import UserError, load_config
 from pipeline.format import MANIFEST, decode_array

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 import webdataset as wds
-from conftest import ROOT, RayHead, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from corpora import RayHead, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from repo import ROOT
 
 from common.hashing import file_sha256
 from pipeline.format import MANIFEST, decode_array

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from repo import ROOT
 
 from common.progress import meter
 

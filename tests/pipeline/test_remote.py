@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from repo import ROOT
 
 from common.configure import UserError
+from launch.main.plan import python_launcher
 from pipeline import remote
 from pipeline.load.loader import ShardLoader
 from pipeline.remote import FetchConfig
@@ -523,14 +524,8 @@ def train_from(url: str, run_dir: Path, cache: Path, *overrides: str, nproc: int
     """launch.train on a tiny GPT reading `url`, with the fetch timeouts and retries at their defaults."""
     from trainruns import TINY
 
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        if nproc > 1
-        else []
-    )
     return [
-        sys.executable,
-        *launcher,
+        *python_launcher(nproc),
         "-m",
         "launch.train",
         str(ROOT / "configs" / "tiny_gpt.yaml"),

@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from conftest import synthetic_pairs
+from corpora import synthetic_pairs
 
 from common.configure import UserError
 from pipeline.prepare.config import TokenizerConfig

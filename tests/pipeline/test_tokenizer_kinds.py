@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HF_LAYOUT_TASKS, ROOT, RayHead, prepare_args, synthetic_pairs
+from corpora import RayHead, prepare_args, synthetic_pairs
+from hflayouts import HF_LAYOUT_TASKS
+from repo import ROOT
 
 from pipeline.format import dataset_specials, decode_array, read_manifest
 from pipeline.tokenizer import load_tokenizer

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, prepare_args
+from corpora import prepare_args
+from repo import ROOT
 from trainruns import TINY, metrics, wandb_records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
