@@ -102,7 +102,9 @@ def free_port(avoid: frozenset[int] = frozenset()) -> int:
             return port
 
 
-def run_prepare(args: list[str], ray: "RayHead | None" = None) -> subprocess.CompletedProcess:
+def run_prepare(
+    args: list[str], ray: "RayHead | None" = None, timeout: float | None = None
+) -> subprocess.CompletedProcess:
     """pipeline.prepare on the gettext config with `args`; with `ray`, as a driver of that running
     cluster (`ray.address`), else starting a local Ray of its own as by default."""
     joined = [f"ray.address={ray.address}"] if ray else []
@@ -119,6 +121,7 @@ def run_prepare(args: list[str], ray: "RayHead | None" = None) -> subprocess.Com
         capture_output=True,
         text=True,
         env=ray.env if ray else None,
+        timeout=timeout,
     )
 
 

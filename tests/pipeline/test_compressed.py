@@ -6,13 +6,10 @@ rather than read as raw bytes."""
 
 import gzip
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
-from corpora import prepare_args, synthetic_pairs
-from repo import ROOT
+from corpora import prepare_args, run_prepare, synthetic_pairs
 from sourcecfg import source_cfg
 
 from common.configure import UserError
@@ -113,19 +110,7 @@ def test_prepare_refuses_a_truncated_zst_and_leaves_nothing(truncated, tmp_path)
         out,
         **{"source.format": "jsonl", "tasks": "[causal_lm]", "ray.num_workers": 1},
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.prepare",
-            str(ROOT / "configs/prepare_gettext_en_de.yaml"),
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_prepare(args, timeout=300)
     assert run.returncode == 2, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
