@@ -31,7 +31,7 @@
    (TOKENIZERS_PARALLELISM=false, as the Ray workers run it) and on its thread pool; target:
    tokens/s per worker >= 0.8 of the one-thread figure. The 1- and 2-worker shards must be the
    same bytes. Each library's one-thread figure is taken two ways, one call for all the texts
-   and calls of ENCODE_CHUNK texts as prepare makes them (the tokenizers library runs faster
+   and calls of ENCODE_CHUNK texts as prepare makes them (the tokenizers library can run faster
    so), alternating with the prepare runs; the ratio is given against each, the target is
    against the faster. The all-threads baselines are measured before and after the prepare
    runs; the faster of the two is used.
