@@ -298,7 +298,8 @@ def run_prepare(cfg) -> dict:
 def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
-    from pipeline.prepare.sources import expand_paths, plan_units, source_list, stream_chunks
+    from pipeline.prepare.sources import expand_paths, plan_units, source_list
+    from pipeline.prepare.units import stream_chunks
     from pipeline.prepare.work import MONO, PAIRS, scan_unit, unique_chunks
 
     units = [
@@ -670,8 +671,9 @@ def bench_big_file(compressed_mb: float, unit_mb: float, repeats: int, tmp: Path
     from common.configure import load_config
     from pipeline.prepare.config import PrepareConfig
     from pipeline.prepare.readers import read_unit
-    from pipeline.prepare.sources import Unit, source_list
+    from pipeline.prepare.sources import source_list
     from pipeline.prepare.train_tokenizer import train_tokenizer
+    from pipeline.prepare.units import Unit
 
     path = tmp / "web.jsonl.zst"
     started = time.perf_counter()

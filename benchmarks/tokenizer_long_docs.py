@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.prepare.readers import chunk_text  # noqa: E402
-from pipeline.prepare.sources import text_hash  # noqa: E402
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces  # noqa: E402
+from pipeline.prepare.units import text_hash  # noqa: E402
 from pipeline.prepare.work import assign_split  # noqa: E402
 
 LIMIT, SALT, MAX_DOC_CHARS, LONG = 4192, "split-v1", 100_000, 10_000

@@ -11,8 +11,6 @@ from typing import List
 
 from pipeline.format import TASKS
 
-SOURCE_FORMATS = ("text", "jsonl", "tsv", "gettext", "parquet", "manpage")
-
 
 @dataclass
 class SourceConfig:

@@ -52,16 +52,15 @@ from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.memory import available_bytes, estimate_worker_memory
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
 from pipeline.prepare.sources import (
-    Unit,
     check_sources,
     decompressed_size,
     expand_paths,
     plan_units,
     source_list,
     source_where,
-    stream_chunks,
 )
 from pipeline.prepare.train_tokenizer import BottomKSample, train
+from pipeline.prepare.units import Unit, stream_chunks
 from pipeline.tokenizer import (
     Tokenizer,
     load_tokenizer,

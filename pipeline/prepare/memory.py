@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from common.configure import UserError
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
-from pipeline.prepare.sources import Unit, decompressed_size, source_list, stream_chunks
+from pipeline.prepare.sources import decompressed_size, source_list
+from pipeline.prepare.units import Unit, stream_chunks
 from pipeline.prepare.work import ENCODE_CHUNK
 
 SCAN_TASKS_PER_WORKER = 4  # as `job.scan_batches` groups units

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 from common.configure import UserError
 from pipeline.prepare.config import SourceConfig
 from pipeline.prepare.manpage import man_paragraphs, page_encoding
-from pipeline.prepare.sources import (
+from pipeline.prepare.units import (
     Record,
     Unit,
     clean_text,
@@ -245,6 +245,10 @@ _READERS = {
     "parquet": _read_parquet,
     "manpage": _read_manpage,
 }
+
+
+# The source formats a config may name: this table's, so that a new reader is one edit.
+FORMATS = tuple(_READERS)
 
 
 def is_parallel(cfg: SourceConfig) -> bool:

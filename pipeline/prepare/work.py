@@ -19,8 +19,9 @@ import numpy as np
 from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, token_dtype
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
-from pipeline.prepare.sources import Unit, source_list, text_hash
+from pipeline.prepare.sources import source_list
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces
+from pipeline.prepare.units import Unit, text_hash
 from pipeline.tokenizer import Tokenizer, tokenizer_from_files
 
 MONO, PAIRS = "mono", "pairs"

@@ -14,7 +14,8 @@ from sourcecfg import source_cfg
 
 from common.configure import UserError
 from pipeline.prepare.readers import read_unit
-from pipeline.prepare.sources import expand_paths, open_binary, plan_units, stream_chunks
+from pipeline.prepare.sources import expand_paths, plan_units
+from pipeline.prepare.units import open_binary, stream_chunks
 
 zstandard = pytest.importorskip("zstandard")
 

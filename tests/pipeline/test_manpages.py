@@ -19,7 +19,8 @@ from pipeline.format import MANIFEST, decode_array
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.manpage import man_paragraphs
 from pipeline.prepare.readers import check_usable, read_unit
-from pipeline.prepare.sources import decode_counting, expand_paths, normalize_key, plan_units
+from pipeline.prepare.sources import expand_paths, plan_units
+from pipeline.prepare.units import decode_counting, normalize_key
 from pipeline.tokenizer import load_tokenizer
 
 

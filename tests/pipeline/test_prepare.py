@@ -19,7 +19,7 @@ from repo import ROOT
 
 from common.hashing import file_sha256
 from pipeline.format import MANIFEST, decode_array
-from pipeline.prepare.sources import normalize_key
+from pipeline.prepare.units import normalize_key
 from pipeline.tokenizer import load_tokenizer
 
 
@@ -643,7 +643,7 @@ def test_tokenizer_sample_shares():
     from common.configure import load_config
     from pipeline.prepare.config import PrepareConfig
     from pipeline.prepare.job import tokenizer_sample
-    from pipeline.prepare.sources import Unit
+    from pipeline.prepare.units import Unit
 
     def cfg(k, shares):
         listed = ", ".join(

@@ -23,15 +23,8 @@ from pipeline.prepare.readers import (
     read_po,
     read_unit,
 )
-from pipeline.prepare.sources import (
-    ASSUMED_RATIO,
-    Unit,
-    decode_counting,
-    decompressed_size,
-    expand_paths,
-    plan_units,
-    stream_chunks,
-)
+from pipeline.prepare.sources import ASSUMED_RATIO, decompressed_size, expand_paths, plan_units
+from pipeline.prepare.units import Unit, decode_counting, stream_chunks
 
 
 def read_all(path, **overrides):
