@@ -33,7 +33,7 @@ from model.config import TRAINING_ONLY_FIELDS
 
 # A Hugging Face config's special ids may not fit the model's vocabulary (GPT2Config's default
 # 50256 in a smaller one): they stand in these placeholders until the trainer sets the dataset's
-# (launch.train.setup.resolve_model_config), the directory's tokenizer checked to be the dataset's.
+# (launch.resolve.resolve), the directory's tokenizer checked to be the dataset's.
 UNRESOLVED_IDS = dict(pad_id=0, bos_id=0, eos_id=0, mask_id=-1)
 SAMPLE_SENTENCE_PIECES = 12  # pieces per sentence of the tokenizer check's sample
 

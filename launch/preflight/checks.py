@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,17 @@ from common.configure import (
 )
 from launch import checkpoint as ckpt
 from launch import distributed as dist
-from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
+from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.init_model import is_hf_dir
 from launch.metrics import resolve_precision
-from launch.preconditions import data_fits_model, with_data_tokenizer
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
-from launch.preflight.report import DataInfo, PlannedData, Report, World, render
-from launch.tasks import TASKS, Task
+from launch.preflight.report import DataInfo, PlannedData, Report, render
+from launch.resolve import Problem, World, resolve
+from launch.tasks import Task
 from model import ModelConfig
 from model.config import STACKS
 from model.warm_start import SOURCE_CLASSES, architecture_fields
@@ -72,8 +71,8 @@ def main_dry_run(argv: list[str]) -> int:
                     "ok": not report.problems,
                     "facts": report.facts,
                     "figures": report.figures,
-                    "problems": [asdict(p) for p in report.problems],
-                    "warnings": [asdict(w) for w in report.warnings],
+                    "problems": [_keyed(p) for p in report.problems],
+                    "warnings": [_keyed(w) for w in report.warnings],
                 },
                 indent=1,
             )
@@ -81,6 +80,10 @@ def main_dry_run(argv: list[str]) -> int:
     else:
         print(render(report, rest[0]))
     return 2 if report.problems else 0
+
+
+def _keyed(problem: Problem) -> dict[str, str]:
+    return {"key": problem.key, "message": problem.message}
 
 
 def _split_flags(argv: list[str]) -> tuple[dict, list[str]]:
@@ -109,20 +112,22 @@ def preflight(
     ranks_per_node: int | None = None,
     planned: PlannedData | None = None,
 ) -> Report:
-    """Resolve `cfg` as `launch.train.setup.setup` would, without a process group or an engine, and
-    collect every problem instead of stopping at the first. `planned`: the dataset a prepare
-    stage will make, taken for `data.data_dir` while that does not exist."""
-    report = Report()
-    for line in config_problems(cfg):
-        report.problem_line(line)
+    """Resolve `cfg` by the trainer's own route (`launch.resolve.resolve`), without a process
+    group or an engine, then check what was resolved; every problem listed, not only the first.
+    `planned`: the dataset a prepare stage will make, taken for `data.data_dir` while that does
+    not exist."""
+    world = resolve_world(world_size, ranks_per_node)
+    resolved, problems = resolve(
+        cfg, world, planned_vocab=planned.vocab_size if planned is not None else None
+    )
+    report = Report(problems=problems)
     if 0 < cfg.max_steps <= cfg.schedule.warmup_steps:
         report.warn(
             "schedule.warmup_steps",
             f"{cfg.schedule.warmup_steps:,} but max_steps is {cfg.max_steps:,}: the "
             "learning rate never reaches optim.lr",
         )
-    task = TASKS.get(cfg.task)
-    world = resolve_world(world_size, ranks_per_node)
+    task, plan, model_cfg = resolved.task, resolved.plan, resolved.model
     if task is not None:
         report.facts["task"] = f"{task.name}: {task.arch} on the {task.dataset!r} shards"
     report.facts["world size"] = (
@@ -132,7 +137,6 @@ def preflight(
     report.figures.update(
         world_size=world.size, ranks_per_node=world.ranks_per_node, nodes=world.nodes
     )
-
     if (
         planned is not None
         and not remote.is_url(cfg.data.data_dir)
@@ -140,16 +144,14 @@ def preflight(
     ):
         data = planned_data(cfg, task, planned, report)
     else:
-        data = check_data(cfg, task, report)
-        if task is not None and data is not None:
-            check_block_length(cfg, task, report)
-    model_cfg = report.model_config = resolve_model_config(cfg, data, report)
-    plan = None
-    if cfg.data.micro_batch_size > 0 and cfg.grad_accum > 0:
-        try:
-            plan = batch_plan(cfg, world.size)
-        except UserError as err:
-            report.problem_line(str(err))
+        data = check_data(cfg, task, resolved.data, report)
+    report.model_config = model_cfg
+    if model_cfg is None:
+        report.facts["parameters"] = (
+            "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
+            if cfg.model.vocab_size == 0 and data is None
+            else "not counted: the model config has a problem (below)"
+        )
     if plan is not None:
         batch_figures(cfg, task, plan, data, report)
         if model_cfg is not None and task is not None:
@@ -170,51 +172,6 @@ def resolve_world(world_size: int | None, ranks_per_node: int | None) -> World:
         min(ranks_per_node or denv.local_world_size, denv.world_size),
         "the environment's; --world-size N plans another",
     )
-
-
-def resolve_model_config(
-    cfg: TrainConfig, data: DataInfo | None, report: Report
-) -> ModelConfig | None:
-    """The model config with the data's vocabulary (`model.vocab_size: 0`), checked by
-    `ModelConfig.validate`; None when it cannot be built."""
-    model_cfg = cfg.model
-    data_vocab = data.vocab_size if data is not None else None
-    if model_cfg.vocab_size == 0 and data_vocab is None:
-        report.facts["parameters"] = (
-            "unknown: model.vocab_size 0 takes the data's vocabulary, which could not be read"
-        )
-        return None
-    if data_vocab is not None:  # the trainer's rule (launch.train.setup.resolve_model_config)
-        model_cfg, problem = with_data_tokenizer(
-            model_cfg, data_vocab, data.specials, cfg.data.data_dir, cfg.init.model, data.target
-        )
-        if problem:
-            key = "init.model" if problem.startswith("init.model: ") else "model.vocab_size"
-            report.problem(key, problem.removeprefix(f"{key}: ").removeprefix(f"{key}="))
-    try:
-        model_cfg.validate()
-    except ValueError as err:
-        # validate stops at its first problem; name the field it blames (the one before its
-        # first ": ", else the last one it mentions, as in "d_model=768 is not divisible by
-        # n_heads=5").
-        message = str(err).removeprefix("model config: ")
-        named = re.findall(r"([A-Za-z_][\w.]*)=", message.split(": ", 1)[0])
-        report.problem(f"model.{named[-1]}" if named else "model", message)
-        report.facts["parameters"] = "not counted: the model config has a problem (below)"
-        return None
-    return model_cfg
-
-
-def check_block_length(cfg: TrainConfig, task: Task, report: Report) -> None:
-    """The data's longest input against `model.max_seq_len`, by the trainer's own check
-    (`launch.preconditions.data_fits_model`: packed blocks from the manifest, translation pairs
-    from their recorded bound, or from the shards when the bound does not fit)."""
-    try:
-        manifest = read_manifest(cfg.data.data_dir)
-    except UserError:
-        return  # `check_data` reported it
-    if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
-        report.problem("model.max_seq_len", problem)
 
 
 def check_deepspeed(cfg: TrainConfig, plan: BatchPlan, report: Report) -> None:

@@ -9,44 +9,32 @@ from pathlib import Path
 from common.configure import UserError
 from common.hashing import file_sha256
 from launch.config import TrainConfig
-from launch.preconditions import target_side
 from launch.preflight.report import SHOWN_SHARDS, DataInfo, PlannedData, Report
+from launch.resolve import DatasetHandle
 from launch.tasks import Task
 from pipeline import remote
-from pipeline.format import (
-    ManifestError,
-    dataset_specials,
-    read_manifest,
-    shard_entries,
-    tokenizer_files,
-)
+from pipeline.format import ManifestError, shard_entries
 from pipeline.load.epoch import DEFAULT_SOURCE
 
 
-def check_data(cfg: TrainConfig, task: Task | None, report: Report) -> DataInfo | None:
-    """The manifest, the tokenizer it names and every shard of the splits training reads (of a
-    URL, the manifest and the tokenizer, fetched; its shards are checked when they are fetched)."""
+def check_data(
+    cfg: TrainConfig, task: Task | None, handle: DatasetHandle | None, report: Report
+) -> DataInfo | None:
+    """Of the dataset as resolved (None: its manifest could not be read, a problem already), the
+    tokenizer it names and every shard of the splits training reads (of a URL, the tokenizer,
+    fetched; its shards are checked when they are fetched)."""
+    if handle is None:
+        return None
     url = remote.is_url(cfg.data.data_dir)
     data_dir = cfg.data.data_dir if url else Path(cfg.data.data_dir)
-    fetch = remote.FetchConfig.from_loader_config(cfg.data)
-    if not url and not data_dir.is_dir():
-        report.problem(
-            "data.data_dir", f"{data_dir}: no such directory (prepare it with pipeline.prepare)"
-        )
-        return None
-    try:
-        manifest = read_manifest(data_dir, fetch)
-    except UserError as err:
-        report.problem("data.data_dir", str(err))
-        return None
-    tokenizer = manifest.get("tokenizer") or {}
+    fetch, manifest = handle.fetch, handle.manifest
     info = DataInfo(
-        vocab_size=tokenizer.get("vocab_size"),
-        tokenizer_sha256=tokenizer.get("sha256"),
-        specials=dataset_specials(manifest),
-        target=target_side(manifest),
+        vocab_size=handle.vocab_size,
+        tokenizer_sha256=handle.tokenizer_sha256,
+        specials=handle.specials,
+        target=handle.target,
     )
-    name = tokenizer_files(manifest)[0]
+    name = handle.tokenizer_files[0]
     tokenizer_file = remote.join(data_dir, name)
     tokenizer_state = "missing"
     if url:

@@ -9,7 +9,8 @@ import torch
 from common.storage import byte_size
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
-from launch.preflight.report import DataInfo, Report, World
+from launch.preflight.report import DataInfo, Report
+from launch.resolve import World
 from launch.tasks import Task
 from model import ModelConfig, build_model, training_flops
 from model.config import GATED_ACTIVATIONS

@@ -3,24 +3,15 @@ dataset (`DataInfo`, or `PlannedData` for one not prepared yet), and the text it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from launch.preconditions import TargetSide
+from launch.resolve import Problem
 from model import ModelConfig
 from pipeline.tokenizer import Specials
 
 SHOWN_SHARDS = 3  # shard names quoted per problem line; the count says how many in all
-
-
-@dataclass(frozen=True)
-class Problem:
-    key: str  # the config key to change (or the flag)
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.message}"
 
 
 @dataclass
@@ -44,22 +35,7 @@ class Report:
     def problem_line(self, line: str) -> None:
         """A message that already starts with its key
         (`launch.config.config_problems`, UserErrors)."""
-        key, _, message = line.partition(": ")
-        if message:
-            self.problem(key, message)
-        else:
-            self.problem("config", line)
-
-
-@dataclass(frozen=True)
-class World:
-    size: int
-    ranks_per_node: int
-    source: str
-
-    @property
-    def nodes(self) -> int:
-        return math.ceil(self.size / self.ranks_per_node)
+        self.problems.append(Problem.from_line(line))
 
 
 @dataclass

@@ -8,7 +8,6 @@ import os
 import shutil
 import sys
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,33 +15,23 @@ import torch
 from common.configure import UserError, config_to_dict, save_config
 from launch import checkpoint as ckpt
 from launch import distributed as dist
-from launch.config import BatchPlan, TrainConfig, batch_plan, check_config
+from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.config import deepspeed_config
 from launch.deepspeed.engine import Engine
 from launch.metrics import peak_flops, set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
-from launch.preconditions import (
-    data_fits_model,
-    local_tokenizer,
-    target_side,
-    with_data_tokenizer,
-)
+from launch.preconditions import local_tokenizer
+from launch.resolve import DatasetHandle, World, resolve
 from launch.stop import StopRequested, stoppable
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id
 from launch.train.guard import Guard
 from launch.train.resume import find_resume, fresh_start, restore, truncate_metrics
 from launch.train.state import Data, Run
-from model import ModelConfig, Pretrained, build_model
+from model import Pretrained, build_model
 from model.warm_start import WarmStartError, warm_start
 from pipeline import remote
-from pipeline.format import (
-    TARGET_DIR,
-    ManifestError,
-    dataset_specials,
-    open_dataset,
-    tokenizer_files,
-)
+from pipeline.format import TARGET_DIR, ManifestError
 from pipeline.load.epoch import describe_mixture
 from pipeline.load.loader import ShardLoader
 
@@ -52,16 +41,15 @@ def setup(cfg: TrainConfig) -> Run:
     model and engine -> resume -> run directory and tracker."""
     # DeepSpeed calls torch.distributed functions that torch now marks deprecated, every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
-    task = check_config(cfg)
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
-    plan = batch_plan(cfg, denv.world_size)
-    cfg = replace(cfg, grad_accum=plan.grad_accum)
+    world = World(denv.world_size, denv.local_world_size, "the environment's")
     with stoppable():  # every rank reads the manifest, before there is a process group to leave
-        data = open_data(cfg, task, denv)
-    cfg = replace(
-        cfg, model=resolve_model_config(cfg.model, data, cfg.data.data_dir, cfg.init.model)
-    )
+        resolved, problems = resolve(cfg, world)
+        if problems:
+            raise UserError(problems[0].error)
+        cfg, task, plan = resolved.cfg, resolved.task, resolved.plan
+        data = open_data(cfg, task, denv, resolved.data)
     dist.init_process_group(denv, cfg.dist_timeout_s)
     tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
@@ -147,73 +135,47 @@ def _on_main(denv: dist.DistEnv, work):
     return value
 
 
-def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv) -> Data:
-    """This rank's train and valid loaders over `data.data_dir`, checked against its manifest."""
-    fetch = remote.FetchConfig.from_loader_config(cfg.data)
-    dataset = open_dataset(cfg.data.data_dir, fetch)  # its manifest read once, here
-    manifest = dataset.manifest
-    # Found here, before the engine is built, rather than at the first forward after start-up.
-    if problem := data_fits_model(cfg.data.data_dir, manifest, task.name, cfg.model):
-        raise UserError(problem)
-    tokenizer = manifest["tokenizer"]
-    sha256 = tokenizer["sha256"]
-    specials = dataset_specials(manifest)
+def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv, handle: DatasetHandle) -> Data:
+    """This rank's train and valid loaders over the resolved dataset."""
     if not remote.is_url(cfg.data.data_dir):
         # The file training copies into run_dir, checked here, before anything is built or
         # written (a URL's is checked as it is fetched).
-        remote.local_file(Path(cfg.data.data_dir) / tokenizer_files(manifest)[0], sha256=sha256)
-    train = ShardLoader.from_config(
-        cfg.data,
-        task.name,
-        "train",
-        rank=denv.rank,
-        world_size=denv.world_size,
-        grad_accum=cfg.grad_accum,
-        expected_tokenizer_sha256=sha256,
-        pin_memory=torch.cuda.is_available(),
-        dataset=dataset,
-    )
-    try:
-        valid = ShardLoader.from_config(
-            cfg.data,
-            task.name,
-            "valid",
-            rank=denv.rank,
-            world_size=denv.world_size,
-            expected_tokenizer_sha256=sha256,
-            pin_memory=torch.cuda.is_available(),
-            dataset=dataset,
+        remote.local_file(
+            Path(cfg.data.data_dir) / handle.tokenizer_files[0], sha256=handle.tokenizer_sha256
         )
-    except ManifestError:  # a damaged manifest stops the run, whichever split it damages
-        raise
-    except UserError as err:  # e.g. a valid split smaller than one global batch
-        valid = None
-        if denv.is_main:
-            print(f"warning: no evaluation: {err}", file=sys.stderr)
+    loaders = {}
+    for split in ("train", "valid"):
+        try:
+            loaders[split] = ShardLoader.from_config(
+                cfg.data,
+                task.name,
+                split,
+                rank=denv.rank,
+                world_size=denv.world_size,
+                grad_accum=cfg.grad_accum if split == "train" else 1,
+                expected_tokenizer_sha256=handle.tokenizer_sha256,
+                pin_memory=torch.cuda.is_available(),
+                dataset=handle.dataset,
+            )
+        except ManifestError:  # a damaged manifest stops the run, whichever split it damages
+            raise
+        except UserError as err:  # e.g. a valid split smaller than one global batch
+            if split == "train":
+                raise
+            loaders[split] = None
+            if denv.is_main:
+                print(f"warning: no evaluation: {err}", file=sys.stderr)
     return Data(
-        train,
-        valid,
-        int(tokenizer["vocab_size"]),
-        sha256,
-        dataset.sha256,
-        specials,
-        tuple(tokenizer_files(manifest)),
-        target_side(manifest),
-        fetch,
+        loaders["train"],
+        loaders["valid"],
+        handle.vocab_size,
+        handle.tokenizer_sha256,
+        handle.dataset.sha256,
+        handle.specials,
+        handle.tokenizer_files,
+        handle.target,
+        handle.fetch,
     )
-
-
-def resolve_model_config(
-    model_cfg: ModelConfig, data: Data, data_dir: str, init_model: str = ""
-) -> ModelConfig:
-    """The model config with the data's vocabulary size (`vocab_size: 0` asks for it) and the
-    special ids of its tokenizer."""
-    model_cfg, problem = with_data_tokenizer(
-        model_cfg, data.vocab_size, data.specials, data_dir, init_model, data.target
-    )
-    if problem:
-        raise UserError(problem)
-    return model_cfg
 
 
 def build_engine(

@@ -228,7 +228,7 @@ BAD = [
         f"need {SEQ_LEN} positions (packed blocks of seq_len {SEQ_LEN})",
     ),
     ("vocabulary", ["model.vocab_size=1000"], None, "model.vocab_size", f"has {VOCAB_SIZE} pieces"),
-    ("no dataset", ["data.data_dir={tmp}/nowhere"], None, "data.data_dir", "no such directory"),
+    ("no dataset", ["data.data_dir={tmp}/nowhere"], None, "data.data_dir", "no manifest.json in"),
     ("no manifest", [], _drop_manifest, "data.data_dir", "no manifest.json"),
     (
         "missing shard",
@@ -317,6 +317,40 @@ def test_each_problem_is_reported_with_its_key(
     assert code == 2, out
     assert any(line.startswith(f"{key}: ") and text in line for line in problems), out
     assert out.rstrip().splitlines()[-1].startswith(f"verdict: {len(problems)} problem")
+
+
+# The problems that the resolution (`launch.resolve.resolve`) finds, before anything is built.
+RESOLVED = [
+    "unknown task",
+    "arch of another task",
+    "model config",
+    "model shorter than the blocks",
+    "vocabulary",
+    "no dataset",
+    "no manifest",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, change", [case[1:3] for case in BAD if case[0] in RESOLVED], ids=RESOLVED
+)
+def test_the_trainer_stops_at_the_dry_runs_first_problem(data, tmp_path, overrides, change):
+    """One route: the trainer's set-up raises, in one line, the first problem the dry run lists
+    for the same config, and has made nothing (no run directory)."""
+    from common.configure import UserError, parse_cli
+    from launch.preflight.checks import preflight
+    from launch.train.setup import setup
+
+    if change:
+        change(data)
+    argv = args(data, tmp_path, *(o.format(tmp=tmp_path) for o in overrides))
+    cfg = parse_cli(TrainConfig, argv, usage="")
+    report = preflight(cfg, world_size=1)
+    assert report.problems
+    with pytest.raises(UserError) as raised:
+        setup(cfg)
+    assert str(raised.value) == report.problems[0].error
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_problem_at_once(data, tmp_path, capsys):
