@@ -102,6 +102,17 @@ def free_port(avoid: frozenset[int] = frozenset()) -> int:
             return port
 
 
+def prepare_command(args: list[str]) -> list[str]:
+    """The command line of pipeline.prepare on the gettext config with `args`."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.prepare",
+        str(ROOT / "configs/prepare_gettext_en_de.yaml"),
+        *args,
+    ]
+
+
 def run_prepare(
     args: list[str], ray: "RayHead | None" = None, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
@@ -109,14 +120,7 @@ def run_prepare(
     cluster (`ray.address`), else starting a local Ray of its own as by default."""
     joined = [f"ray.address={ray.address}"] if ray else []
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.prepare",
-            str(ROOT / "configs/prepare_gettext_en_de.yaml"),
-            *args,
-            *joined,
-        ],
+        prepare_command([*args, *joined]),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import webdataset as wds
-from corpora import RayHead, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from corpora import RayHead, prepare_args, prepare_command, run_prepare, synthetic_pairs, write_tsv
 from repo import ROOT
 
 from common.hashing import file_sha256
@@ -244,15 +244,8 @@ def slow_corpus(tmp_path_factory):
 
 
 def start_prepare(corpus_glob, out, **overrides):
-    args = prepare_args(corpus_glob, out, **overrides)
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.prepare",
-            str(ROOT / "configs/prepare_gettext_en_de.yaml"),
-            *args,
-        ],
+        prepare_command(prepare_args(corpus_glob, out, **overrides)),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
