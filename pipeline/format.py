@@ -29,6 +29,13 @@ SPLITS = ("train", "valid", "test")
 # blocks (masks are drawn at load time, so every epoch sees new ones).
 DATASET_FOR_TASK = {"causal_lm": "packed", "mlm": "packed", "translation": "translation"}
 TASKS = tuple(DATASET_FOR_TASK)
+
+
+def shard_sets(tasks) -> set[str]:
+    """The shard sets that `tasks` read ('packed', 'translation'); unknown tasks read none."""
+    return {DATASET_FOR_TASK[task] for task in tasks if task in DATASET_FOR_TASK}
+
+
 FIELDS = {"packed": ("input_ids", "doc_starts"), "translation": ("src_ids", "tgt_ids")}
 # Members that hold positions in another member rather than token ids: what they index. Every
 # other member holds token ids, and only those count as tokens (manifest, validate, loader).

@@ -47,6 +47,7 @@ from pipeline.format import (
     SPLITS,
     TARGET_DIR,
     TASKS,
+    shard_sets,
 )
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.memory import available_bytes, estimate_worker_memory
@@ -141,7 +142,7 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
     need, text, twice = 0, 0, False
     for source, paths in zip(source_list(cfg), files):
         size = sum(decompressed_size(path) for path in paths)
-        copies = any(task in cfg.tasks for task in ("causal_lm", "mlm")) + (
+        copies = "packed" in shard_sets(cfg.tasks) + (
             "translation" in cfg.tasks and is_parallel(source)
         )
         text += size
@@ -259,7 +260,7 @@ def check_tokenizer(tokenizer: Tokenizer, cfg: PrepareConfig, where: str) -> Non
         raise UserError(
             f"tasks: translation ends each sentence with an eos token, and {where} has none"
         )
-    if any(task in cfg.tasks for task in ("causal_lm", "mlm")) and not specials.document[1]:
+    if "packed" in shard_sets(cfg.tasks) and not specials.document[1]:
         raise UserError(
             f"tasks: packed documents need a token between them, and {where} has no eos token "
             "and adds none after a text"
@@ -369,7 +370,7 @@ def _build(
             (staging / TARGET_DIR).mkdir()
             target.save(staging / TARGET_DIR)
 
-        datasets = sorted({DATASET_FOR_TASK[task] for task in cfg.tasks})
+        datasets = sorted(shard_sets(cfg.tasks))
         unit_sources = [unit.source for unit in units]
         jobs = [(d, b, unit_sources) for d in datasets for b in range(cfg.shard.buckets)]
         # Largest first (by bucket-file bytes), so that no worker is left with a big task at the

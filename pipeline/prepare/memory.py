@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from common.configure import UserError
+from pipeline.format import shard_sets
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import decompressed_size, source_list
@@ -140,7 +141,7 @@ def estimate_worker_memory(
     sources = source_list(cfg)
     train = 1.0 - cfg.split.valid - cfg.split.test
     buckets = cfg.shard.buckets
-    mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
+    mono = "packed" in shard_sets(cfg.tasks)
     pairs = "translation" in cfg.tasks
     mono_texts = sum(p.records * p.texts_per_record for p in probes) if mono else 0.0
     pair_records = (

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, token_dtype
+from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, shard_sets, token_dtype
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import source_list
@@ -71,7 +71,7 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     # A given tokenizer (tokenizer.path) needs no training sample: no hashing, no memory for it.
     sampling = not cfg.tokenizer.path and cfg.tokenizer.sample_texts > 0
     source_cfg = source_list(cfg)[unit.source]
-    want_mono = any(task in cfg.tasks for task in ("causal_lm", "mlm"))
+    want_mono = "packed" in shard_sets(cfg.tasks)
     want_pairs = "translation" in cfg.tasks
     parallel = is_parallel(source_cfg)
     salt, buckets = cfg.split.salt, cfg.shard.buckets
@@ -446,10 +446,8 @@ class _Packer:
     def _framed(self, documents: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """The documents, each between the frame's tokens, as one array, and where each starts:
         built by numpy from the lengths rather than by a list extended per document."""
-        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
-        ids = np.fromiter(
-            itertools.chain.from_iterable(documents), dtype=np.int64, count=int(lengths.sum())
-        )
+        ids, offsets = _flat(documents, np.int64)
+        lengths = np.diff(offsets)
         before, after = len(self.before), len(self.after)
         ends = np.cumsum(lengths + (before + after))
         starts = ends - (lengths + (before + after))
