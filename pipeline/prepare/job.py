@@ -142,7 +142,7 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
     need, text, twice = 0, 0, False
     for source, paths in zip(source_list(cfg), files):
         size = sum(decompressed_size(path) for path in paths)
-        copies = "packed" in shard_sets(cfg.tasks) + (
+        copies = int("packed" in shard_sets(cfg.tasks)) + int(
             "translation" in cfg.tasks and is_parallel(source)
         )
         text += size
