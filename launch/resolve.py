@@ -86,6 +86,7 @@ class ResolvedRun:
     plan: BatchPlan | None
     data: DatasetHandle | None  # None: unreadable, or a planned dataset not made yet
     model: ModelConfig | None  # None: the vocabulary is unknown or the config is invalid
+    planned: bool = False  # data_dir is a dataset a prepare stage will make (not there yet)
 
 
 def resolve(
@@ -103,9 +104,10 @@ def resolve(
         except UserError as err:
             problems.append(Problem.from_line(str(err)))
     data_dir = cfg.data.data_dir
-    handle = None
-    if planned_vocab is None or remote.is_url(data_dir) or Path(data_dir).exists():
-        handle = _open(cfg, problems)
+    planned = (
+        planned_vocab is not None and not remote.is_url(data_dir) and not Path(data_dir).exists()
+    )
+    handle = None if planned else _open(cfg, problems)
     if handle is not None and task is not None:
         if problem := data_fits_model(data_dir, handle.manifest, task.name, cfg.model):
             problems.append(Problem("model.max_seq_len", problem, problem))
@@ -113,13 +115,13 @@ def resolve(
     model = _model_config(cfg, handle, vocab, problems)
     if model is not None:
         cfg = replace(cfg, model=model)
-    return ResolvedRun(cfg, task, world, plan, handle, model), problems
+    return ResolvedRun(cfg, task, world, plan, handle, model, planned), problems
 
 
 def _open(cfg: TrainConfig, problems: list[Problem]) -> DatasetHandle | None:
     """`data.data_dir`'s manifest, read once, and its tokenizer's identity."""
+    fetch = remote.FetchConfig.from_loader_config(cfg.data)
     try:
-        fetch = remote.FetchConfig.from_loader_config(cfg.data)
         dataset = open_dataset(cfg.data.data_dir, fetch)
     except UserError as err:
         problems.append(Problem("data.data_dir", str(err), str(err)))

@@ -137,11 +137,7 @@ def preflight(
     report.figures.update(
         world_size=world.size, ranks_per_node=world.ranks_per_node, nodes=world.nodes
     )
-    if (
-        planned is not None
-        and not remote.is_url(cfg.data.data_dir)
-        and not Path(cfg.data.data_dir).exists()
-    ):
+    if resolved.planned:
         data = planned_data(cfg, task, planned, report)
     else:
         data = check_data(cfg, task, resolved.data, report)

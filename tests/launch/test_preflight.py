@@ -332,7 +332,9 @@ RESOLVED = [
 
 
 @pytest.mark.parametrize(
-    "overrides, change", [case[1:3] for case in BAD if case[0] in RESOLVED], ids=RESOLVED
+    "overrides, change",
+    [case[1:3] for case in BAD if case[0] in RESOLVED],
+    ids=[case[0] for case in BAD if case[0] in RESOLVED],
 )
 def test_the_trainer_stops_at_the_dry_runs_first_problem(data, tmp_path, overrides, change):
     """One route: the trainer's set-up raises, in one line, the first problem the dry run lists
