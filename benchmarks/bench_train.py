@@ -22,7 +22,9 @@
    `compile_scope`: auto, the whole model with its loss on a CPU; `--compile-scope blocks` for
    each block's forward only), theirs as their users would (`model.compile()`, the whole model,
    in place). Each compiled
-   pair gives its own row and ratio; the untimed warm-up round is where they compile.
+   pair gives its own row and ratio; the untimed warm-up round is where they compile. On a CPU,
+   each rank's off-CPU share of the timed steps is printed for both sides
+   (`rank_clock.StepClock`: the time its main thread waited in collectives or for a core).
 2. MFU: in the same job, before training, every rank measures a square (1024) GEMM in fp32 and
    in bf16 on its own threads, all ranks at once (as they train). MFU = model FLOPs per step
    (`model.flops.training_flops`, as the trainer logs it) x steps/s / the sum of the ranks'
@@ -62,6 +64,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from rank_clock import StepClock, off_cpu, shares  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
 SHAPES = {
@@ -222,25 +226,48 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def run_round(name: str, engine: Engine) -> tuple[float, float]:
+    def run_round(name: str, engine: Engine) -> tuple[float, float, StepClock]:
         sync()
         start = time.perf_counter()
+        clock = StepClock()  # the steps alone: the barriers' wait is outside it
         for batch in on_device[name]:
+            clock.begin()
             loss = engine(**batch).loss  # ours a NamedTuple, theirs a transformers ModelOutput
             engine.backward(loss)
             engine.step()
+            clock.end()
         sync()
-        return time.perf_counter() - start, float(loss)
+        return time.perf_counter() - start, float(loss), clock
 
     seconds = {name: [] for name in engines}
     losses = {}
+    # per side, this rank's steps' wall and main-thread CPU seconds over the timed rounds
+    busy = {name: [0.0, 0.0] for name in engines}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
-            elapsed, losses[name] = run_round(name, engine)
+            elapsed, losses[name], clock = run_round(name, engine)
             if round_index:  # round 0 warms up: allocator, kernels, DeepSpeed buffers
                 seconds[name].append(elapsed)
+                busy[name][0] += clock.wall
+                busy[name][1] += clock.cpu
+    # every rank's figures in its own slots of one reduction
+    slots = [0.0] * (2 * len(engines) * denv.world_size)
+    for index, (wall, cpu) in enumerate(busy.values()):
+        at = 2 * (index * denv.world_size + denv.rank)
+        slots[at : at + 2] = [wall, cpu]
+    slots = dist.all_reduce_sum(slots)
+    off = {
+        name: [
+            off_cpu(
+                slots[2 * (index * denv.world_size + r) + 1],
+                slots[2 * (index * denv.world_size + r)],
+            )
+            for r in range(denv.world_size)
+        ]
+        for index, name in enumerate(engines)
+    }
     if denv.is_main:
         result = {
             "arch": args.arch,
@@ -256,6 +283,7 @@ def worker(args: argparse.Namespace) -> None:
             "tokens_per_round": tokens,
             "flops_per_round": flops,
             "seconds": seconds,
+            "off_cpu": off,
             "last_loss": losses,
             "peaks": peaks,
             "hf_class": type(theirs).__name__,
@@ -472,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"last losses ours {r['last_loss'][ours]:.3f}, HF {r['last_loss'][theirs]:.3f}",
                             flush=True,
                         )
+                        if not torch.cuda.is_available():
+                            print(
+                                f"  off the CPU, per rank (1 - main thread's CPU / wall of the timed steps): "
+                                f"ours {shares(r['off_cpu'][ours])}, HF {shares(r['off_cpu'][theirs])}",
+                                flush=True,
+                            )
                     speedup = ""
                     if len(modes(r)) == 2:
                         eager, compiled = summarize(r), summarize(r, COMPILED)

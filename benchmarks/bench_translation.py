@@ -10,7 +10,8 @@ dataset's translation train pairs, and are scored on `--split` with the same dec
 the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to both sides.
 
 1. Ours: the real entry points, as `launch.main` runs them: `torch.distributed.run --standalone
-   --nproc_per_node N -m launch.train CONFIG data.data_dir=DATA run_dir=OUT/ours max_steps=STEPS
+   --nproc_per_node N -m launch.train` (through benchmarks/rank_clock.py, which times each step
+   on each rank and changes nothing else) `CONFIG data.data_dir=DATA run_dir=OUT/ours max_steps=STEPS
    eval_every=0 checkpoint.every_steps=0 wandb.mode=disabled [overrides]` (no evaluation or
    checkpoint until the end, as for theirs), then `launch.evaluate checkpoint=OUT/ours split=SPLIT
    beam=BEAM` in one process (its scores.json). Train seconds: the trainer's own timing of its
@@ -42,10 +43,14 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    time from the first `on_step_begin` to the last `on_step_end` (a TrainerCallback), so the first
    batch's loading is outside it (ours counts it). Final train loss: the last step's, averaged
    over the ranks, as ours logs it.
-3. Tokens: every non-pad source token (with its </s>) and target token (with its </s>) of every
+3. Off the CPU: on a CPU, each rank's share of its optimizer steps (after the first 5) that its
+   main thread was not running: waiting in collectives, for batches, or for a free core
+   (`rank_clock.StepClock`: ours around `train_step`, theirs between the Trainer's step begin
+   and end callbacks), per round and side.
+4. Tokens: every non-pad source token (with its </s>) and target token (with its </s>) of every
    rank and micro batch, as `launch.tasks.Task.tokens` counts ours' `train/tokens_seen`; tokens/s
    = tokens / train seconds, and the ratio ours / theirs.
-4. Scores: theirs is decoded in this process (all cores, as `launch.evaluate` in one process) in
+5. Scores: theirs is decoded in this process (all cores, as `launch.evaluate` in one process) in
    `launch.evaluate`'s batches (`launch.decoding.length_sorted_batches` of the same sources,
    EvaluateConfig's micro batch) with `generate(num_beams=BEAM, length_penalty=EvaluateConfig's,
    max_new_tokens=the max_len launch.evaluate uses, early_stopping=False)` (Hugging Face's stopping
@@ -97,6 +102,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import rank_clock  # noqa: E402
 
 from launch.main.plan import torchrun  # noqa: E402
 
@@ -282,10 +289,12 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.out) / "theirs"
 
     class Clock(TrainerCallback):
-        """Wall time from the first optimizer step's start to the last one's end."""
+        """Wall time from the first optimizer step's start to the last one's end, and each
+        step's off-CPU time as `rank_clock` measures ours'."""
 
         start = end = None
         threads = 0
+        steps = rank_clock.StepClock(skip=5)
 
         def on_train_begin(self, *_, **__):
             self.threads = torch.get_num_threads()  # after accelerate's set-up
@@ -293,8 +302,10 @@ def worker(args: argparse.Namespace) -> None:
         def on_step_begin(self, *_, **__):
             if self.start is None:
                 self.start = time.perf_counter()
+            self.steps.begin()
 
         def on_step_end(self, *_, **__):
+            self.steps.end()
             self.end = time.perf_counter()
 
     class CountingTrainer(Seq2SeqTrainer):
@@ -356,6 +367,20 @@ def worker(args: argparse.Namespace) -> None:
     tokens, padded, loss = dist.all_reduce_sum(
         [float(trainer.tokens), float(trainer.padded), trainer.step_loss]
     )
+    own = clock.steps.figures()
+    slots = [0.0] * (3 * denv.world_size)  # each rank's steps, wall and CPU seconds in its slots
+    slots[3 * denv.rank : 3 * denv.rank + 3] = [own["steps"], own["wall_s"], own["cpu_s"]]
+    by_rank = dist.all_reduce_sum(slots)
+    ranks = [
+        {
+            "rank": r,
+            "steps": int(by_rank[3 * r]),
+            "wall_s": by_rank[3 * r + 1],
+            "cpu_s": by_rank[3 * r + 2],
+            "off_cpu": rank_clock.off_cpu(by_rank[3 * r + 2], by_rank[3 * r + 1]),
+        }
+        for r in range(denv.world_size)
+    ]
     trainer.save_model(str(out / "model"))
     if denv.is_main:
         unwrapped = trainer.model
@@ -367,6 +392,7 @@ def worker(args: argparse.Namespace) -> None:
             "padding": padded / tokens,  # padded batch positions per real token
             "final_loss": loss / denv.world_size,
             "world_size": denv.world_size,
+            "clock": ranks,
             "threads": clock.threads,
             "mixed_precision": str(trainer.accelerator.mixed_precision),
             "distributed": str(trainer.accelerator.distributed_type),
@@ -418,8 +444,9 @@ def run_ours(
     launch(
         [
             *torchrun(args.nproc),
-            "-m",
-            "launch.train",
+            str(ROOT / "benchmarks" / "rank_clock.py"),
+            "--out",
+            str(out / f"{name}-clock"),
             str(args.config),
             f"data.data_dir={args.data}",
             f"run_dir={run_dir}",
@@ -449,6 +476,7 @@ def run_ours(
         "seconds": seconds,
         "tokens": seen,
         "final_loss": windows[-1]["train/loss"],
+        "clock": rank_clock.read(out / f"{name}-clock"),
     }
     if not scored:
         return result
@@ -767,6 +795,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"variant {name} ({' '.join(extra)}): {medians[name] / medians['theirs']:.2f}x theirs, "
                 f"{medians[name] / medians['ours']:.3f}x ours (medians of {args.rounds} round(s))"
             )
+    if not torch.cuda.is_available():
+        print(
+            "\nOff the CPU, per rank (1 - the main thread's CPU time / wall time of its steps after the "
+            "first 5: waiting in collectives, for batches, or for a free core):"
+        )
+        for k, r in enumerate(rounds, 1):
+            print(
+                f"  round {k}: "
+                + "; ".join(
+                    f"{name} {rank_clock.shares([x['off_cpu'] for x in r[name]['clock']])}"
+                    for name in r
+                )
+            )
     print(
         f"\ntokens/s ours / theirs{f' (medians of {args.rounds} rounds)' if args.rounds > 1 else ''}: "
         f"**{ratio:.2f}x**; BLEU ours - theirs: {ours['bleu'] - theirs['bleu']:+.1f}; tokens "
@@ -799,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table(sides, args.split),
         "rounds": [
             {
-                name: {k: r[name][k] for k in ("steps", "seconds", "tokens", "final_loss")}
+                name: {k: r[name][k] for k in ("steps", "seconds", "tokens", "final_loss", "clock")}
                 for name in r
             }
             for r in rounds

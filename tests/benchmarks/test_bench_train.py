@@ -39,4 +39,7 @@ def test_llama_pair_trains_ours_and_transformers_alike(tiny_dataset, tmp_path):
     assert (r["hf_class"], r["zero_stage"], r["micro_batch"]) == ("LlamaForCausalLM", 1, 4)
     # 4 optimizer steps in the warm-up round and 4 in the timed one, fp32: the same losses
     assert abs(r["last_loss"]["ours"] - r["last_loss"]["hf"]) < 1e-4, r["last_loss"]
+    # each side's off-CPU share of its timed steps, one per rank
+    assert all(len(v) == 1 and 0.0 <= v[0] < 1.0 for v in r["off_cpu"].values()), r["off_cpu"]
+    assert "off the CPU, per rank" in run.stdout
     assert "LLAMA vs LlamaForCausalLM | tiny" in run.stdout and "**" in run.stdout
