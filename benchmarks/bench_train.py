@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rank_clock import StepClock, off_cpu, shares  # noqa: E402
+from rank_clock import StepClock, shares  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
 SHAPES = {
@@ -226,48 +226,32 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def run_round(name: str, engine: Engine) -> tuple[float, float, StepClock]:
+    # each side's steps, timed on this rank's main thread; round 0 (warm-up) not counted
+    clocks = {name: StepClock(skip=len(inputs)) for name in engines}
+
+    def run_round(name: str, engine: Engine) -> tuple[float, float]:
         sync()
         start = time.perf_counter()
-        clock = StepClock()  # the steps alone: the barriers' wait is outside it
         for batch in on_device[name]:
-            clock.begin()
+            clocks[name].begin()  # the steps alone: the barriers' wait is outside it
             loss = engine(**batch).loss  # ours a NamedTuple, theirs a transformers ModelOutput
             engine.backward(loss)
             engine.step()
-            clock.end()
+            clocks[name].end()
         sync()
-        return time.perf_counter() - start, float(loss), clock
+        return time.perf_counter() - start, float(loss)
 
     seconds = {name: [] for name in engines}
     losses = {}
-    # per side, this rank's steps' wall and main-thread CPU seconds over the timed rounds
-    busy = {name: [0.0, 0.0] for name in engines}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
-            elapsed, losses[name], clock = run_round(name, engine)
+            elapsed, losses[name] = run_round(name, engine)
             if round_index:  # round 0 warms up: allocator, kernels, DeepSpeed buffers
                 seconds[name].append(elapsed)
-                busy[name][0] += clock.wall
-                busy[name][1] += clock.cpu
-    # every rank's figures in its own slots of one reduction
-    slots = [0.0] * (2 * len(engines) * denv.world_size)
-    for index, (wall, cpu) in enumerate(busy.values()):
-        at = 2 * (index * denv.world_size + denv.rank)
-        slots[at : at + 2] = [wall, cpu]
-    slots = dist.all_reduce_sum(slots)
-    off = {
-        name: [
-            off_cpu(
-                slots[2 * (index * denv.world_size + r) + 1],
-                slots[2 * (index * denv.world_size + r)],
-            )
-            for r in range(denv.world_size)
-        ]
-        for index, name in enumerate(engines)
-    }
+    ranks = dist.all_gather_object({name: c.figures()["off_cpu"] for name, c in clocks.items()})
+    off = {name: [rank[name] for rank in ranks] for name in engines}
     if denv.is_main:
         result = {
             "arch": args.arch,

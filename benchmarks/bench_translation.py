@@ -367,20 +367,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens, padded, loss = dist.all_reduce_sum(
         [float(trainer.tokens), float(trainer.padded), trainer.step_loss]
     )
-    own = clock.steps.figures()
-    slots = [0.0] * (3 * denv.world_size)  # each rank's steps, wall and CPU seconds in its slots
-    slots[3 * denv.rank : 3 * denv.rank + 3] = [own["steps"], own["wall_s"], own["cpu_s"]]
-    by_rank = dist.all_reduce_sum(slots)
-    ranks = [
-        {
-            "rank": r,
-            "steps": int(by_rank[3 * r]),
-            "wall_s": by_rank[3 * r + 1],
-            "cpu_s": by_rank[3 * r + 2],
-            "off_cpu": rank_clock.off_cpu(by_rank[3 * r + 2], by_rank[3 * r + 1]),
-        }
-        for r in range(denv.world_size)
-    ]
+    ranks = dist.all_gather_object({"rank": denv.rank, **clock.steps.figures()})
     trainer.save_model(str(out / "model"))
     if denv.is_main:
         unwrapped = trainer.model
