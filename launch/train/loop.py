@@ -339,6 +339,8 @@ def train_step(run: Run, batches) -> StepResult | None:
             samples,
             fillers,
             float(_stop_requested(run)),
+            # each rank's tokens in its own slot: how evenly the step's work was spread
+            *(tokens if r == run.denv.rank else 0 for r in range(run.denv.world_size)),
         ]
     ).to(run.engine.device)
     spike_limit = run.guard.spike_limit()
@@ -353,7 +355,10 @@ def train_step(run: Run, batches) -> StepResult | None:
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before
     *summed, nan, pos_inf, neg_inf = on_host.values()
-    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed
+    rank_tokens = summed[9:]
+    loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed[
+        :9
+    ]
     # per scored token, over the finite batches
     loss = loss_sum / finite_scored if finite_scored else math.nan
     return StepResult(
@@ -368,6 +373,7 @@ def train_step(run: Run, batches) -> StepResult | None:
         non_finite_here=dict(zip(NON_FINITE_KINDS, (int(nan), int(pos_inf), int(neg_inf)))),
         served=served,
         filler_fraction=fillers / (len(run.data.train) * run.denv.world_size),
+        rank_tokens_max_min=max(rank_tokens) / max(min(rank_tokens), 1.0),
     )
 
 

@@ -19,3 +19,4 @@ class StepResult:
     non_finite_here: dict = field(default_factory=dict)  # this rank's NaN / +inf / -inf counts
     served: list = field(default_factory=list)  # handles on this rank's batches (their keys)
     filler_fraction: float = 0.0  # this epoch's batches that stood in for unreadable data
+    rank_tokens_max_min: float = 1.0  # the most tokens a rank had this step over the fewest

@@ -1,6 +1,7 @@
 """The throughput window between two log lines: tokens, samples and FLOPs of the training steps
 alone (evaluation and checkpoints between them would otherwise count as slow training), the
-share of clipped steps, and the figures they give (tokens/s, samples/s, MFU by both counts)."""
+share of clipped steps, and the figures they give (tokens/s, samples/s, MFU by both counts, and
+how evenly the ranks' tokens were spread: the mean and worst of each step's max/min)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class ThroughputWindow:
     def reset(self) -> None:
         self.tokens = self.flops = self.flops_llmc = self.samples = self.seconds = 0.0
         self.clipped = self.steps = 0
+        self.balance_sum = self.balance_worst = 0.0
 
     def add(self, result: StepResult, seconds: float, grad_norm) -> None:
         """One step: its figures, its wall time, and its gradient norm, kept on the device (a
@@ -32,6 +34,8 @@ class ThroughputWindow:
         self.flops_llmc += result.flops_llmc
         self.samples += result.samples
         self.steps += 1
+        self.balance_sum += result.rank_tokens_max_min
+        self.balance_worst = max(self.balance_worst, result.rank_tokens_max_min)
         if self.grad_clip:
             self.clipped = self.clipped + (grad_norm.isfinite() & (grad_norm > self.grad_clip))
 
@@ -46,6 +50,9 @@ class ThroughputWindow:
             "perf/samples_per_s": self.samples / elapsed,
             "perf/mfu": achieved / self.peak if self.is_main else float("nan"),
         }
+        if self.world_size > 1:  # the ranks wait for the one with the most work at each step
+            out["perf/rank_tokens_max_min"] = self.balance_sum / self.steps
+            out["perf/rank_tokens_max_min_worst"] = self.balance_worst
         if self.is_main and math.isfinite(achieved_llmc):  # llm.c's count has no Seq2Seq form
             out["perf/mfu_llmc"] = achieved_llmc / self.peak
         self.reset()

@@ -260,23 +260,26 @@ class _Reader:
         return self.permutations[key]
 
     def _grouped(self, key: ShardKey, order: np.ndarray) -> np.ndarray:
-        """`order` sorted by sample size, cut into batch-aligned groups, groups shuffled (the
-        loader design, 9)."""
+        """`order` sorted by sample size, cut into groups of one global batch aligned to the
+        steps, groups shuffled, and each group dealt to the step's micro batches so that every
+        rank gets about the same tokens (the loader design, 9)."""
         e = self.epoch_batches
         shard = e.shard(key)
         sizes = sample_sizes(shard, e.stored_fields)
         if sizes is None:  # unreadable: `members` skips the shard, whatever its order
             return order
-        b = e.micro_batch_size
+        g = global_batch_size(e.micro_batch_size, e.grad_accum, e.world_size)
         # Unmixed, the shard's first sample is stream position `start` (its pass is the epoch).
-        head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % b
+        head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % g
         by_size = order[np.argsort(sizes[order], kind="stable")]
         body = by_size[head:]
-        full = len(body) // b
-        groups = body[: full * b].reshape(full, b)[
+        full = len(body) // g
+        groups = body[: full * g].reshape(full, g)[
             seeded_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
         ]
-        return np.concatenate([by_size[:head], groups.ravel(), body[full * b :]])
+        return np.concatenate(
+            [by_size[:head], _deal(groups, g // e.micro_batch_size), body[full * g :]]
+        )
 
     def evict_before(self, keys: list[ShardKey]) -> None:
         # Each source's samples are read forward through its passes, so nothing behind the first
@@ -323,6 +326,17 @@ class _Reader:
                 self.loaded[key] = None
                 events["skipped"].append((shard.path, str(err)))
         return self.loaded[key]
+
+
+def _deal(groups: np.ndarray, slots: int) -> np.ndarray:
+    """Each row (a step's samples, by size) dealt to its `slots` micro batches (slot a W + r is
+    rank r's batch of round a) in a snake: samples 0..slots-1 to slots 0..slots-1, the next
+    `slots` back from the last, and so on, so each micro batch spans the group's sizes and all of
+    them hold about the same tokens; flattened in stream order (slot-major)."""
+    steps, g = groups.shape
+    dealt = groups.reshape(steps, g // slots, slots).copy()
+    dealt[:, 1::2] = dealt[:, 1::2, ::-1]
+    return dealt.transpose(0, 2, 1).ravel()
 
 
 def _new_events() -> dict:

@@ -193,9 +193,10 @@ class ShardLoader:
             # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
             "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
-        # the group size fixes which samples share a batch (the loader design, 9)
+        # grouping changes which samples share a step; a group is a global batch (already in the
+        # fingerprint), dealt to the ranks (the loader design, 9)
         if length_grouping:
-            self._fingerprint["length_grouping"] = micro_batch_size
+            self._fingerprint["length_grouping"] = "global batch, dealt"
 
         total = sum(source.per_epoch for source in self.sources)
         self.steps_per_epoch = total // self.global_batch_size

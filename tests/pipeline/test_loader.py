@@ -553,8 +553,10 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
     make_dataset(tmp_path, translation=GROUPED)
     kw = dict(task="translation", seed=5, length_grouping=True)
     reference = steps_of(tmp_path, **SHAPES[0], num_workers=2, **kw)
-    # same micro batch, other world size / accumulation
-    assert steps_of(tmp_path, **SHAPES[1], **kw) == reference
+    # A group is a global batch: the steps are the same for any world size, accumulation and
+    # micro batch that make it.
+    for shape in SHAPES[1:]:
+        assert steps_of(tmp_path, **shape, **kw) == reference
     two_ranks = [
         ShardLoader(
             str(tmp_path),
@@ -574,7 +576,7 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
             if index + 1 == 9:
                 break
     state = json.loads(json.dumps(two_ranks[0].state_dict()))
-    assert state["fingerprint"]["length_grouping"] == 4
+    assert state["fingerprint"]["length_grouping"] == "global batch, dealt"
     assert steps_of(tmp_path, **SHAPES[1], state=state, **kw) == reference[9:]
     # Grouping on or off changes which samples share a step: a resume across the change is refused.
     for grouping, saved in (
@@ -597,6 +599,40 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
         )
         with pytest.raises(UserError, match="length_grouping: saved"):
             other.load_state_dict(saved)
+
+
+def test_length_grouping_gives_every_rank_about_the_same_tokens_each_step(tmp_path):
+    """Each step's group is dealt to its micro batches in a snake, so the ranks of a step hold
+    about the same tokens (they would wait for each other's longer batches otherwise), while a
+    micro batch still holds pairs of about one length."""
+    make_dataset(tmp_path, translation=GROUPED)
+    for shape in (SHAPES[0], SHAPES[2], SHAPES[4]):
+        ratios = {}
+        for grouping in (False, True):
+            per_rank = []
+            for rank in range(shape["world_size"]):
+                loader = ShardLoader(
+                    str(tmp_path),
+                    "translation",
+                    "train",
+                    rank=rank,
+                    seed=3,
+                    length_grouping=grouping,
+                    **shape,
+                )
+                per_rank.append([sum(pair_lengths(b)) for b in loader])
+            a = shape["grad_accum"]
+            steps = len(per_rank[0]) // a
+            step_tokens = [
+                [sum(rank[s * a : (s + 1) * a]) for rank in per_rank] for s in range(steps)
+            ]
+            ratios[grouping] = [max(t) / min(t) for t in step_tokens]
+        # Steps that straddle two shards mix two groups; the others are balanced to a pair.
+        balanced = sorted(ratios[True])[: len(ratios[True]) - len(GROUPED)]
+        assert max(balanced) < 1.2, (shape, ratios[True])
+        # Better balanced than random batches, which only the law of large numbers evens out.
+        excess = {k: sum(r - 1 for r in v) for k, v in ratios.items()}
+        assert excess[True] < 0.5 * excess[False], (shape, excess)
 
 
 def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
