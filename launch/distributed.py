@@ -277,10 +277,18 @@ def reduce_device() -> torch.device:
 
 def all_reduce_sum_tensor(values: list) -> torch.Tensor:
     """Sum a few scalars over ranks, in float64, leaving the sums where the collective ran (the
-    GPU under NCCL): nothing here makes the host wait for the device. A value is a Python number
-    or a 0-dim tensor on the compute device (a loss). The numbers go over in one host-built
-    tensor and one copy (from page-locked memory, asynchronous); building a device tensor per
-    number instead costs a blocking copy, a full wait for the queued work, each."""
+    GPU under NCCL): nothing here makes the host wait for the device."""
+    tensor = scalars_tensor(values)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def scalars_tensor(values: list) -> torch.Tensor:
+    """A few scalars as one float64 tensor where collectives run. A value is a Python number or
+    a 0-dim tensor on the compute device (a loss). The numbers go over in one host-built tensor
+    and one copy (from page-locked memory, asynchronous); building a device tensor per number
+    instead costs a blocking copy, a full wait for the queued work, each."""
     device = reduce_device()
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
@@ -296,15 +304,12 @@ def all_reduce_sum_tensor(values: list) -> torch.Tensor:
         ]
     )
     from_host = iter(host.split(1))
-    tensor = torch.cat(
+    return torch.cat(
         [
             next(on_device) if isinstance(value, torch.Tensor) else next(from_host)
             for value in values
         ]
     )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
 
 
 def all_reduce_sum(values: list) -> list[float]:

@@ -93,6 +93,12 @@ class Engine:
             hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in params
         ), len(params)
 
+    def reduce_gradients_elsewhere(self) -> None:
+        """ZeRO-0: the trainer all-reduces the gradients itself (`launch.train.reduce`), during
+        the backward; DeepSpeed's reduction after it is turned off."""
+        assert self._engine.zero_optimization_stage() == 0
+        self._engine.enable_backward_allreduce = False
+
     def __call__(self, **batch):
         return self._engine(**batch)
 

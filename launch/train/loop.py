@@ -271,43 +271,49 @@ def train_step(run: Run, batches) -> StepResult | None:
     None, with no step taken, when a stop request cut some rank's wait for its batches short.
 
     The loss is the mean over every scored token of the step, all ranks and micro batches
-    together (fairseq's normalisation; Hugging Face's average_tokens_across_devices): the step's
-    micro batches are taken first, their scored tokens counted and summed over the ranks in one
-    reduction, and each micro batch's mean loss is weighted by its share, n W A / N, before
-    DeepSpeed's backward divides by A and its reduction averages over the W ranks. A mean per
-    micro batch instead would weigh a token of a 32-pair batch of short sentences ten times one
-    of a batch of long ones, which length-grouped batches (`data.length_grouping`) make common.
-    Packed blocks score the same number of tokens in every batch: there the two agree.
+    together (fairseq's normalisation; Hugging Face's average_tokens_across_devices): each micro
+    batch's mean loss is weighted by its scored tokens n, and the gradient divided by the step's
+    N over all ranks. A mean per micro batch instead would weigh a token of a 32-pair batch of
+    short sentences ten times one of a batch of long ones, which length-grouped batches
+    (`data.length_grouping`) make common. Packed blocks score the same number of tokens in every
+    batch: there the two agree.
 
-    Guarded: before the last backward of the step, one reduction over the ranks carries the
-    step's figures, whether any rank's loss is not finite, and whether any rank was asked to
-    stop; so every rank takes the same decision, on the device (the host reads the figures once,
-    after the optimizer step, in the same copy as this rank's own count of NaN, +inf and -inf
-    losses, which `guard_step` gathers only for a skipped step's record). A step to skip (a
-    non-finite loss anywhere, or a loss spike) gets a NaN loss on every rank for that backward:
-    DeepSpeed then finds a non-finite gradient norm, which it all-reduces, and drops the update,
-    the gradients and the schedule's step on every rank (ZeRO 1-3, bf16 and fp16 by their own
-    check; ZeRO-0 fp32 through `launch.optim.AdamW`). The weights after a skipped step are
-    those before it."""
+    Guarded: one reduction over the ranks carries the step's figures, whether any rank's loss is
+    not finite, whether any rank was asked to stop, and each rank's tokens; every rank takes the
+    same decision from them, on the device (the host reads the figures once, after the optimizer
+    step, in the same copy as this rank's own count of NaN, +inf and -inf losses, which
+    `guard_step` gathers only for a skipped step's record). A step to skip (a non-finite loss
+    anywhere, or a loss spike) gets NaN gradients on every rank: DeepSpeed then finds a
+    non-finite gradient norm and drops the update, the gradients and the schedule's step on
+    every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32 through
+    `launch.optim.AdamW`). The weights after a skipped step are those before it.
+
+    Who reduces: with `run.reduction` (ZeRO-0 fp32 on more than one rank) the trainer, in
+    buckets during the last backward, the figures in the last bucket and the division by N and
+    the skip applied to the reduced gradients (`launch.train.reduce`): one collective round per
+    step. Otherwise DeepSpeed reduces the gradients after the backward, so N is summed before the
+    forwards (each weight n A W / N before DeepSpeed divides by A and averages over W) and the
+    figures before the last backward, whose loss a skip makes NaN."""
+    device = run.engine.device
     tokens, flops, flops_llmc, samples = 0, 0.0, 0.0, 0
     # The losses stay on the device until the one reduction of the step: reading each micro
     # batch's loss on the host would wait for the device at every micro batch.
-    loss_sum = finite_scored = torch.zeros((), dtype=torch.float32, device=run.engine.device)
-    # micro batches
-    non_finite_here = torch.zeros(
-        len(NON_FINITE_KINDS), dtype=torch.float32, device=run.engine.device
-    )
+    loss_sum = finite_scored = torch.zeros((), dtype=torch.float32, device=device)
+    non_finite_here = torch.zeros(len(NON_FINITE_KINDS), dtype=torch.float32, device=device)
     taken = _micro_batches(run, batches)
     if taken is None:
         return None
     micro, served = taken
     scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
-    # Summed over the ranks and left on the device, as is every weight made from it below: the
-    # host issues this step's forwards without waiting for the previous step to finish.
-    step_scored = dist.all_reduce_sum_tensor([sum(scored)])[0].to(run.engine.device)
-    share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
+    if run.reduction is None:
+        # Summed over the ranks and left on the device, as is every weight made from it below:
+        # the host issues this step's forwards without waiting for the previous step to finish.
+        step_scored = dist.all_reduce_sum_tensor([sum(scored)])[0].to(device)
+        share = (run.plan.grad_accum * run.denv.world_size) / step_scored.clamp(min=1.0)
+    else:
+        share = torch.ones((), device=device)  # N divides the reduced gradients
     for index, inputs in enumerate(micro):
-        output = run.engine(**run.task.to_device(inputs, run.engine.device))
+        output = run.engine(**run.task.to_device(inputs, device))
         loss = output.loss.detach().float()
         finite = torch.isfinite(loss)
         non_finite_here = (
@@ -326,39 +332,65 @@ def train_step(run: Run, batches) -> StepResult | None:
             run.engine.backward(weighted)
             run.engine.step()
     fillers = run.data.train.stats["epoch_filler_batches"]
-    # The step's figures in one reduction, and the guard's decision taken on the device from
-    # them: the last backward is issued without a wait, the figures read once, after the step.
-    figures = dist.all_reduce_sum_tensor(
-        [
-            loss_sum,
-            finite_scored,
-            non_finite_here.sum(),
-            tokens,
-            flops,
-            flops_llmc,
-            samples,
-            fillers,
-            float(_stop_requested(run)),
-            # each rank's tokens in its own slot: how evenly the step's work was spread
-            *(tokens if r == run.denv.rank else 0 for r in range(run.denv.world_size)),
-        ]
-    ).to(run.engine.device)
+    figures_here = [
+        loss_sum,
+        finite_scored,
+        non_finite_here.sum(),
+        tokens,
+        flops,
+        flops_llmc,
+        samples,
+        fillers,
+        float(_stop_requested(run)),
+        sum(scored),
+        # each rank's tokens in its own slot: how evenly the step's work was spread
+        *(tokens if r == run.denv.rank else 0 for r in range(run.denv.world_size)),
+    ]
     spike_limit = run.guard.spike_limit()
-    skip = (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)  # 0 / 0 is NaN: not a spike
-    weighted = weighted * torch.where(
-        skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted)
-    )
-    # Queued before the backward; read after the step, which has waited past it.
-    on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
-    run.engine.backward(weighted)
+    if run.reduction is None:
+        figures = dist.all_reduce_sum_tensor(figures_here).to(device)
+        skip = _skip(figures, spike_limit)
+        weighted = weighted * torch.where(
+            skip, torch.full_like(weighted, math.nan), torch.ones_like(weighted)
+        )
+        # Queued before the backward; read after the step, which has waited past it.
+        on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
+        run.engine.backward(weighted)
+    else:
+        run.reduction.arm()
+        run.engine.backward(weighted)
+        # per scored token of the step, all ranks: DeepSpeed's backward divided by A already
+        accumulated = float(run.plan.grad_accum)
+        figures = run.reduction.finish(
+            dist.scalars_tensor(figures_here),
+            lambda summed: torch.where(
+                _skip(summed, spike_limit),
+                math.nan,
+                accumulated / summed[9].clamp(min=1.0),
+            ),
+        ).to(device)
+        on_host = HostCopy(torch.cat([figures, non_finite_here.to(figures.dtype)]))
     skipped_before = run.engine.skipped_steps
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before
-    *summed, nan, pos_inf, neg_inf = on_host.values()
-    rank_tokens = summed[9:]
+    return _step_result(run, on_host.values(), served, spike_limit, skipped)
+
+
+def _skip(figures: torch.Tensor, spike_limit: float) -> torch.Tensor:
+    """The guard's decision from the step's summed figures: a non-finite loss on any rank, or a
+    loss spike (0 / 0 is NaN: not a spike)."""
+    return (figures[2] > 0) | (figures[0] / figures[1] > spike_limit)
+
+
+def _step_result(
+    run: Run, values: list[float], served: list, spike_limit: float, skipped: bool
+) -> StepResult:
+    """The step's figures, summed over the ranks, read on the host: the StepResult."""
+    *summed, nan, pos_inf, neg_inf = values
     loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed[
         :9
     ]
+    rank_tokens = summed[10:]
     # per scored token, over the finite batches
     loss = loss_sum / finite_scored if finite_scored else math.nan
     return StepResult(

@@ -25,6 +25,7 @@ from launch.resolve import DatasetHandle, World, resolve
 from launch.stop import StopRequested, stoppable
 from launch.tasks import Task
 from launch.tracking import Tracker, git_commit, new_run_id
+from launch.train import reduce
 from launch.train.guard import Guard
 from launch.train.resume import find_resume, fresh_start, restore, truncate_metrics
 from launch.train.state import Data, Run
@@ -86,6 +87,21 @@ def setup(cfg: TrainConfig) -> Run:
         cfg.guard.spike_window,
     )
     guard.load_state_dict(progress.guard)
+    reduction = None
+    if reduce.applies(
+        cfg.deepspeed.zero_stage,
+        cfg.deepspeed.precision,
+        denv.world_size,
+        cfg.deepspeed.offload_optimizer,
+    ):
+        engine.reduce_gradients_elsewhere()
+        reduction = reduce.BucketedReduction(engine.module)
+        if denv.is_main:
+            print(
+                f"gradients all-reduced during the backward, in {len(reduction.buckets)} "
+                f"buckets of about {reduce.BUCKET_MB:g} MB (launch.train.reduce)",
+                file=sys.stderr,
+            )
     if denv.is_main:
         print(
             f"{cfg.task}: {n_parameters:,} parameters, world {denv.world_size}, global batch "
@@ -112,6 +128,7 @@ def setup(cfg: TrainConfig) -> Run:
         progress.tokens_seen,
         n_parameters,
         dict(progress.tokens_by_source),
+        reduction,
     )
 
 

@@ -12,6 +12,7 @@ from launch.preconditions import TargetSide
 from launch.tasks import Task
 from launch.tracking import Tracker
 from launch.train.guard import Guard
+from launch.train.reduce import BucketedReduction
 from pipeline.load.loader import ShardLoader
 from pipeline.tokenizer import Specials
 
@@ -63,6 +64,8 @@ class Run:
     # Tokens read per source, all ranks, before this process started (from the checkpoint);
     # the train loader counts this process's, this rank's.
     tokens_by_source_before: dict = field(default_factory=dict)
+    # ZeRO-0 fp32 on more than one rank: the gradients reduced during the backward (reduce.py)
+    reduction: BucketedReduction | None = None
 
 
 def data_counters(run: Run) -> dict:

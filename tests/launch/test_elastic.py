@@ -1,7 +1,8 @@
 """Elastic and guarded training with a real DeepSpeed engine under torchrun (CPU, gloo).
 
 Resume on another world size: 2 ranks -> 1 rank with grad_accum doubled -> 2 ranks again, for
-ZeRO 1, 2 and 3, against one uninterrupted 2-rank run; every training sample once per epoch.
+ZeRO 0 (whose gradients the trainer reduces on 2 ranks), 1, 2 and 3, against one uninterrupted
+2-rank run; every training sample once per epoch.
 Guarded steps: a NaN loss on one rank skips the step on both; too many in a row end the job
 with a checkpoint of the last good weights.
 """
@@ -30,7 +31,7 @@ def step_keys(run_dir: Path) -> dict[int, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterrupted_gpt, stage):
     run_dir = tmp_path / "run"
     legs = [(2, ["stop_after_steps=4"]), (1, ["grad_accum=2", "stop_after_steps=8"]), (2, [])]
@@ -51,8 +52,12 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterru
         and "converting it to a universal checkpoint" in outputs[1].stderr
     )
     assert "written by 1 ranks" in outputs[2].stderr
-    # beside the original, which stays
-    assert (run_dir / "checkpoints" / "step_00000004.universal").is_dir()
+    # ZeRO-0 in fp32: the trainer reduces on 2 ranks (launch.train.reduce), DeepSpeed has nothing
+    # to reduce on 1
+    ours = "gradients all-reduced during the backward"
+    assert [ours in output.stderr for output in outputs] == [stage == 0, False, stage == 0]
+    # beside the original, which stays; ZeRO-0's has nothing to convert (launch.deepspeed.universal)
+    assert (run_dir / "checkpoints" / "step_00000004.universal").is_dir() == (stage > 0)
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()
 
     expected, got = losses(uninterrupted_gpt), losses(run_dir)
@@ -280,6 +285,45 @@ def test_a_skipped_step_records_the_losses_that_caused_it(tiny_dataset, tmp_path
         f"step 6: skipped on every rank (loss spike: loss {spike['loss']:.4g} above the limit {limit:.4g})"
         in run.stderr
     )
+
+
+def test_zero0_on_two_ranks_reduced_by_the_trainer_skips_a_nan_and_a_spike(tiny_dataset, tmp_path):
+    """Under ZeRO-0 in fp32 the trainer reduces the gradients (launch.train.reduce) and applies
+    the guard's decision to the reduced ones: both ranks drop the update of a step with a NaN
+    on one rank and of a step whose loss spikes on the other, as DeepSpeed's reduction did."""
+    run_dir = tmp_path / "run"
+    run = run_train(
+        tiny_dataset,
+        run_dir,
+        "max_steps=8",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=10",
+        "grad_accum=2",
+        "deepspeed.zero_stage=0",
+        "guard.spike_factor=50",
+        "guard.spike_warmup_steps=4",
+        "guard.spike_window=4",
+        inject="1:3,0:7*100",
+    )
+    assert "gradients all-reduced during the backward" in run.stderr
+    assert "step 3: skipped on every rank (non-finite loss: nan on rank 1)" in run.stderr
+    assert "step 7: skipped on every rank (loss spike: loss" in run.stderr
+    reasons = [
+        json.loads(line)["reason"]
+        for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()
+    ]
+    assert reasons == ["non-finite loss", "loss spike"]
+
+    def weights(step: int) -> dict:
+        path = run_dir / "checkpoints" / f"step_{step:08d}" / "mp_rank_00_model_states.pt"
+        return torch.load(path, map_location="cpu", weights_only=False)["module"]
+
+    for skipped in (3, 7):
+        assert _same(weights(skipped - 1), weights(skipped))
+        assert not _same(weights(skipped), weights(skipped + 1))
+    assert json.loads((run_dir / "final.json").read_text())["skipped_steps"] == 2
 
 
 def test_too_many_nans_in_a_row_end_the_job_with_a_resumable_checkpoint(tiny_dataset, tmp_path):
