@@ -49,9 +49,11 @@ class LoaderConfig:
     # Needs a dataset prepared with document boundaries (its packed shards hold `doc_starts`).
     document_mask: bool = False
     # Translation: each shard's samples, in their seeded order, are sorted by length and cut into
-    # groups of micro_batch_size, which are then shuffled: a batch holds pairs of about one length,
-    # so it pads little (fairseq's and tensor2tensor's length bucketing, within a shard). The
-    # samples of an epoch are the same; which of them share a batch changes.
+    # groups of one global batch, which are then shuffled, and each group is dealt to the step's
+    # micro batches: a batch holds pairs of about one length, so it pads little (fairseq's and
+    # tensor2tensor's length bucketing, within a shard), and every rank gets about the same
+    # tokens, so none waits long for another. The samples of an epoch are the same; which of
+    # them share a batch changes.
     length_grouping: bool = False
     # Weighted mixture of the dataset's sources for the train split, {source name: weight}
     # (weights are normalized; sources left out are not read). An epoch of the mixture has as
