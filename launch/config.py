@@ -58,12 +58,16 @@ class ScheduleConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 2  # 0, 1, 2 or 3
+    # 0, 1, 2 or 3. 0 on more than one rank: the trainer reduces the gradients during the
+    # backward (launch.train.reduce), the fastest for models whose states fit one device
+    zero_stage: int = 2
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
     offload_params: bool = False  # parameters to CPU (stage 3)
     # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only) | auto: bf16 where this machine
     # multiplies bf16 matrices at least as fast as fp32 ones (a GPU with bf16; a CPU with AMX or
-    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower)
+    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower). bf16 is
+    # DeepSpeed's under ZeRO (bf16 weights, fp32 masters), torch's autocast at stage 0 (fp32
+    # weights and gradients, bf16 matmuls)
     precision: str = "fp32"
     initial_scale_power: int = 16  # fp16 only: the dynamic loss scale starts at 2**this
     # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's

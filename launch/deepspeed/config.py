@@ -42,7 +42,13 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
         if ds.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         config["zero_optimization"] = zero
-    if ds.precision == "bf16":
+    if ds.precision == "bf16" and ds.zero_stage == 0:
+        # Without ZeRO, DeepSpeed's bf16 accumulates the gradients in bf16 (`_bf16_accumulation`);
+        # torch's autocast keeps the weights and gradients in fp32 and runs the matmuls in bf16
+        # (the AMP recipe, which Hugging Face's bf16 uses too), and fp32 gradients are what the
+        # trainer's overlapped reduction sends (`launch.train.reduce`).
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif ds.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif ds.precision == "fp16":
         if not torch.cuda.is_available():
@@ -104,9 +110,10 @@ def _bf16_accumulation(config: dict) -> dict:
     with optimizer offload, its ZeRO optimizer, which keeps an fp32 `grad_accum` per parameter);
     ZeRO-2 and ZeRO-3 accumulate each rank's gradient partition in fp32. Without ZeRO (stage 0)
     it raises NotImplementedError: its bf16 wrapper (FP16_UnfusedOptimizer) accumulates in
-    `param.grad`, in bf16, so stage 0 is left at DeepSpeed's defaults (`Engine` warns when it
-    accumulates), and a user's JSON asking for fp32 there is refused in one line. Values the
-    user's JSON sets are kept. Set for every step count alike (grad_accum 1 too): the optimizer
+    `param.grad`, in bf16; so `deepspeed.precision: bf16` at stage 0 is torch's autocast over
+    fp32 weights instead (`deepspeed_config`), and a user's JSON that enables DeepSpeed's bf16
+    there with fp32 accumulation is refused in one line. Values the user's JSON sets are kept.
+    Set for every step count alike (grad_accum 1 too): the optimizer
     DeepSpeed builds, and so the checkpoint's layout, does not depend on the world size."""
     if config.get("bf16", {}).get("enabled") is not True:
         return config

@@ -41,18 +41,6 @@ class Engine:
         )
         if optimizer is not None and self._engine.global_rank == 0:
             print(self.describe(), file=sys.stderr)
-            accum = self._engine.gradient_accumulation_steps()
-            if (
-                self._engine.bfloat16_enabled()
-                and not self._engine.zero_optimization()
-                and accum > 1
-            ):
-                print(
-                    f"warning: ZeRO-0 in bf16 accumulates the gradients of grad_accum={accum} "
-                    "micro batches in bf16 (DeepSpeed accumulates in fp32 only under ZeRO): set "
-                    "deepspeed.zero_stage=1 or more",
-                    file=sys.stderr,
-                )
 
     @property
     def optimizer_name(self) -> str:
@@ -72,9 +60,14 @@ class Engine:
         reduce = str(self._engine.communication_data_type).removeprefix("torch.")
         groups = getattr(self._engine.basic_optimizer, "param_groups", None) or [{}]
         kernels = " (fused kernel)" if groups[0].get("fused") else ""
+        autocast = (
+            "; forward under torch's autocast to bfloat16, weights in float32"
+            if self.config.get("torch_autocast", {}).get("enabled")
+            else ""
+        )
         return (
             f"optimizer: {self.optimizer_name}{kernels}{inside}{offload}; gradients accumulated in "
-            f"{accum}, reduced in {reduce}"
+            f"{accum}, reduced in {reduce}{autocast}"
         )
 
     @property

@@ -35,10 +35,10 @@ def to_universal(root: str | Path, tag: str) -> tuple[Path, str]:
     What happens, by ZeRO stage and precision:
     - stage 0, fp32: nothing to convert. The module and the whole AdamW state are in
       `mp_rank_00_model_states.pt`, replicated, and load on any world size as they are.
-    - stage 0, bf16: the same. DeepSpeed wraps AdamW in FP16_UnfusedOptimizer with bf16
-      (`_do_optimizer_sanity_check`: its BF16_Optimizer, which partitions, serves only pipeline
-      parallelism and ZeRO-1 with fp32 gradient accumulation); the fp32 masters and moments
-      are whole in that file.
+    - stage 0, bf16: the same: bf16 there is torch's autocast over fp32 weights
+      (`launch.deepspeed.config`), and AdamW is DeepSpeed's optimizer as it is. (DeepSpeed's own
+      bf16 at stage 0, from a user's JSON, wraps AdamW in FP16_UnfusedOptimizer, whose fp32
+      masters and moments are whole in that file too.)
     - stages 1 and 2, fp32 or bf16: converted. Each rank's `*zero_pp_rank_R_*optim_states.pt`
       holds its flat partition of the fp32 masters and moments (ZeRO-1 in bf16: BF16_Optimizer's,
       which accumulates gradients in fp32, `_bf16_accumulation`).

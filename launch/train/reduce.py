@@ -1,4 +1,4 @@
-"""The gradient reduction of ZeRO-0 in fp32 on more than one rank, done by the trainer instead of
+"""The gradient reduction of ZeRO-0 on more than one rank, done by the trainer instead of
 DeepSpeed: in buckets all-reduced while the backward is still running, as DDP does (Li et al.
 2020, "PyTorch Distributed", 3.2.3), with the step's figures in the last bucket.
 
@@ -15,9 +15,10 @@ none at all. `finish` then waits for every bucket, and writes back each gradient
 step's scale, which it computes from the reduced figures (the mean over the step's scored
 tokens; NaN for a step the guard skips, which `launch.optim.AdamW` then drops on every rank).
 
-Used by `launch.train.loop.train_step` when `setup` finds it applies (`applies`): under ZeRO 1-3
-DeepSpeed reduces into its own partitions, and in bf16 DeepSpeed's optimizer copies the gradients
-into fp32 buffers of its own before its reduction.
+Used by `launch.train.loop.train_step` when `setup` finds it applies (`applies`): ZeRO-0's
+gradients are fp32 (in bf16 too, which at stage 0 is torch's autocast over fp32 weights,
+`launch.deepspeed.config`); under ZeRO 1-3 DeepSpeed reduces into its own partitions, and fp16
+(GPU only) keeps DeepSpeed's loss scaling and reduction.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ BUCKET_MB = 4.0  # small enough that the first bucket starts early in a 10 M-par
 
 
 def applies(zero_stage: int, precision: str, world_size: int, offload: bool) -> bool:
-    return zero_stage == 0 and precision == "fp32" and world_size > 1 and not offload
+    """ZeRO-0 with fp32 gradients (fp32, or bf16 as autocast over fp32 weights), on more than
+    one rank, the optimizer on the device."""
+    return zero_stage == 0 and precision in ("fp32", "bf16") and world_size > 1 and not offload
 
 
 class BucketedReduction:

@@ -52,8 +52,8 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterru
         and "converting it to a universal checkpoint" in outputs[1].stderr
     )
     assert "written by 1 ranks" in outputs[2].stderr
-    # ZeRO-0 in fp32: the trainer reduces on 2 ranks (launch.train.reduce), DeepSpeed has nothing
-    # to reduce on 1
+    # ZeRO-0: the trainer reduces on 2 ranks (launch.train.reduce), DeepSpeed has nothing to
+    # reduce on 1
     ours = "gradients all-reduced during the backward"
     assert [ours in output.stderr for output in outputs] == [stage == 0, False, stage == 0]
     # beside the original, which stays; ZeRO-0's has nothing to convert (launch.deepspeed.universal)

@@ -92,10 +92,13 @@ def test_bucketed_reduction_equals_the_sum_of_the_ranks_gradients_scaled(tmp_pat
     [
         (0, "fp32", 2, False, True),
         (0, "fp32", 1, False, False),
-        (0, "bf16", 2, False, False),
+        (0, "bf16", 2, False, True),  # autocast over fp32 weights
+        (0, "fp16", 2, False, False),
         (1, "fp32", 2, False, False),
         (0, "fp32", 2, True, False),
     ],
 )
-def test_it_applies_to_zero0_fp32_on_more_than_one_rank(stage, precision, world, offload, expected):
+def test_it_applies_to_zero0_with_fp32_gradients_on_more_than_one_rank(
+    stage, precision, world, offload, expected
+):
     assert applies(stage, precision, world, offload) is expected

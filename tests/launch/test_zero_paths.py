@@ -22,7 +22,7 @@ def _config(stage: int, precision: str, config_file: str = "") -> dict:
     return deepspeed_config(cfg, BatchPlan(2, 4, 2))
 
 
-def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(tmp_path):
+def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_autocast(tmp_path):
     for stage in (1, 2, 3):
         config = _config(stage, "bf16")
         assert (
@@ -31,8 +31,11 @@ def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(
         )
         # fp32 anyway
         assert not {"data_types", "communication_data_type"} & set(_config(stage, "fp32"))
-    # DeepSpeed has no fp32 accumulation for bf16 without ZeRO (NotImplementedError at initialize).
-    assert not {"data_types", "communication_data_type"} & set(_config(0, "bf16"))
+    # DeepSpeed has no fp32 accumulation for bf16 without ZeRO (NotImplementedError at
+    # initialize): there bf16 is torch's autocast over fp32 weights, not DeepSpeed's bf16.
+    stage0 = _config(0, "bf16")
+    assert not {"data_types", "communication_data_type", "bf16"} & set(stage0)
+    assert stage0["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     user = tmp_path / "ds.json"
     user.write_text(
         json.dumps({"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"})
@@ -42,7 +45,12 @@ def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_left_alone(
         config["data_types"] == {"grad_accum_dtype": "bf16"}
         and config["communication_data_type"] == "bf16"
     )
+    # autocast's gradients are fp32 already; DeepSpeed's own bf16 at stage 0 cannot have them
     user.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
+    assert _config(0, "bf16", str(user))["torch_autocast"]["enabled"]
+    user.write_text(
+        json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    )
     with pytest.raises(UserError) as refused:
         _config(0, "bf16", str(user))
     assert "\n" not in str(refused.value) and "data_types.grad_accum_dtype=fp32" in str(
@@ -93,6 +101,50 @@ def test_bf16_with_grad_accum_trains_under_zero_1_and_its_checkpoint_reads(tiny_
     assert set(saved) <= set(masters) and all(saved[name].dtype == torch.bfloat16 for name in saved)
     assert all(torch.equal(masters[name].bfloat16(), saved[name]) for name in saved)
     assert any(not torch.equal(masters[name], saved[name].float()) for name in saved)
+
+
+@pytest.mark.slow
+def test_bf16_without_zero_is_autocast_over_fp32_weights_reduced_by_the_trainer(
+    tiny_dataset, tmp_path
+):
+    """ZeRO-0 in bf16: fp32 weights and gradients, the forward's matmuls in bf16 (its losses are
+    not fp32's, and close to them), the gradients accumulated in fp32 over grad_accum=2 and
+    reduced by the trainer during the backward (launch.train.reduce)."""
+    import torch
+
+    runs = {}
+    for precision in ("bf16", "fp32"):
+        run_dir = tmp_path / precision
+        runs[precision] = train(
+            "tiny_gpt.yaml",
+            tiny_dataset,
+            run_dir,
+            "max_steps=6",
+            "log_every=1",
+            "eval_every=0",
+            "checkpoint.every_steps=0",
+            "grad_accum=2",
+            "deepspeed.zero_stage=0",
+            f"deepspeed.precision={precision}",
+        )
+    stderr = runs["bf16"].stderr
+    assert (
+        "optimizer: AdamW (fused kernel); gradients accumulated in float32, reduced in float32; "
+        "forward under torch's autocast to bfloat16, weights in float32" in stderr
+    )
+    assert "gradients all-reduced during the backward" in stderr
+    assert "autocast" not in runs["fp32"].stderr
+    bf16, fp32 = (
+        [r["train/loss"] for r in metrics(tmp_path / p) if "train/loss" in r] for p in runs
+    )
+    assert len(bf16) == 6 and bf16 != fp32
+    assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05, (bf16, fp32)
+    saved = torch.load(
+        tmp_path / "bf16" / "checkpoints" / "step_00000006" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )["module"]
+    assert all(tensor.dtype == torch.float32 for tensor in saved.values())
 
 
 PROBE = '''
