@@ -271,14 +271,17 @@ class _Reader:
         g = global_batch_size(e.micro_batch_size, e.grad_accum, e.world_size)
         # Unmixed, the shard's first sample is stream position `start` (its pass is the epoch).
         head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % g
-        by_size = order[np.argsort(sizes[order], kind="stable")]
-        body = by_size[head:]
-        full = len(body) // g
-        groups = body[: full * g].reshape(full, g)[
+        head = min(head, len(order))
+        full = (len(order) - head) // g
+        # The samples of the steps this shard shares with its neighbours stay in their seeded
+        # order: sorted, they would be its shortest and longest, and one rank would get the ones,
+        # the other the others.
+        body = order[head : head + full * g]
+        groups = body[np.argsort(sizes[body], kind="stable")].reshape(full, g)[
             seeded_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
         ]
         return np.concatenate(
-            [by_size[:head], _deal(groups, g // e.micro_batch_size), body[full * g :]]
+            [order[:head], _deal(groups, g // e.micro_batch_size), order[head + full * g :]]
         )
 
     def evict_before(self, keys: list[ShardKey]) -> None:
