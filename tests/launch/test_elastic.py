@@ -8,13 +8,14 @@ with a checkpoint of the last good weights.
 """
 
 import json
+import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from trainruns import ELASTIC_CHAIN, losses, metrics, run_train
+from trainruns import ELASTIC_CHAIN, losses, metrics, run_train, train
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +85,36 @@ def test_resume_on_another_world_size_and_back(tiny_dataset, tmp_path, uninterru
     epoch = [key for step in range(1, 13) for key in keys[step]]
     counts = Counter(epoch)
     assert len(epoch) == 12 * 8 and max(counts.values()) == 1
+
+
+def test_length_grouped_translation_under_zero0_resumes_exactly(tiny_dataset, tmp_path):
+    """The main job's fine-tuning path: length-grouped pairs dealt to the ranks, gradients
+    reduced by the trainer (ZeRO-0, fp32). Stopped after step 4 and resumed on 2 ranks: the
+    uninterrupted run's losses to the bit; resumed on 1 rank with grad_accum doubled: the same
+    samples at every step (one global batch is one group), the losses within the fp32 bound."""
+    common = [
+        "max_steps=8",
+        "log_every=1",
+        "eval_every=0",
+        "checkpoint.every_steps=4",
+        "model.dropout=0.0",
+        "data.length_grouping=true",
+        "deepspeed.zero_stage=0",
+        "deepspeed.precision=fp32",
+    ]
+    straight, stopped, one_rank = (tmp_path / name for name in ("straight", "stopped", "one"))
+    run = train("tiny_translation.yaml", tiny_dataset, straight, *common)
+    assert "gradients all-reduced during the backward" in run.stderr
+    train("tiny_translation.yaml", tiny_dataset, stopped, *common, "stop_after_steps=4")
+    shutil.copytree(stopped, one_rank)
+    train("tiny_translation.yaml", tiny_dataset, stopped, *common)
+    train("tiny_translation.yaml", tiny_dataset, one_rank, *common, "grad_accum=2", nproc=1)
+    expected = losses(straight)
+    assert sorted(expected) == list(range(1, 9))
+    assert losses(stopped) == expected
+    got = losses(one_rank)
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(expected[step], abs=LOSS_TOLERANCE), step
 
 
 def test_a_global_batch_that_does_not_fit_is_refused_with_the_overrides_that_would(
