@@ -548,9 +548,11 @@ def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_pat
     # its micro batches, span the group's few lengths; the steps that straddle two shards keep
     # their seeded order.
     spreads = sorted(max(b) - min(b) for b in grouped[1])
-    assert spreads[len(spreads) // 2] <= 2 and spreads[len(spreads) // 2] < sorted(
-        max(b) - min(b) for b in plain[1]
-    )[len(spreads) // 2]
+    assert (
+        spreads[len(spreads) // 2] <= 2
+        and spreads[len(spreads) // 2]
+        < sorted(max(b) - min(b) for b in plain[1])[len(spreads) // 2]
+    )
 
 
 def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tmp_path):
