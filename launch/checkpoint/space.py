@@ -31,11 +31,13 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
     bytes in fp32, 2 in bf16 or fp16; none under ZeRO-3, where the weights are the fp32 masters'
     partitions), the fp32 master weights (a copy, except in fp32 without ZeRO) and AdamW's two
     fp32 moments. What DeepSpeed writes, less its pickles' overhead (a few percent on a tiny
-    model; tests/launch/test_checkpoint_save.py compares the two)."""
+    model; tests/launch/test_checkpoint_save.py compares the two). bf16 without ZeRO is torch's
+    autocast over fp32 weights (`launch.deepspeed.config`): stored as fp32 is."""
+    fp32_weights = precision == "fp32" or (zero_stage == 0 and precision == "bf16")
     per_parameter = {}
     if zero_stage < 3:
-        per_parameter["weights"] = 4 if precision == "fp32" else 2
-    if zero_stage > 0 or precision != "fp32":
+        per_parameter["weights"] = 4 if fp32_weights else 2
+    if zero_stage > 0 or not fp32_weights:
         per_parameter["fp32 master weights"] = 4
     per_parameter["Adam moments"] = 8
     each = sum(per_parameter.values())

@@ -51,6 +51,16 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs and the next tokens
 
 
+def _as_a_new_process() -> None:
+    """Forget DeepSpeed's module-level record that an engine used torch autocast (stage 0 in bf16,
+    `launch.deepspeed.config`): once set, ZeRO engines built after it in the process reduce their
+    linear layers' gradients in bf16, which a job of one engine never does."""
+    from deepspeed.runtime import torch_autocast
+
+    torch_autocast.TORCH_AUTOCAST_INITIALIZED = False
+    torch_autocast.TORCH_AUTOCAST_DTYPE = None
+
+
 def build(stage: int, precision: str, world_size: int, *, load_universal: bool = False) -> Engine:
     grad_accum = GLOBAL_BATCH // (MICRO * world_size)
     cfg = TrainConfig(
@@ -65,6 +75,7 @@ def build(stage: int, precision: str, world_size: int, *, load_universal: bool =
         ),
     )
     plan = BatchPlan(MICRO, grad_accum, world_size)
+    _as_a_new_process()
     torch.manual_seed(0)
     model = build_model(MODEL)
     optimizer = build_optimizer(model, cfg.optim)
