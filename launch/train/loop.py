@@ -285,10 +285,10 @@ def train_step(run: Run, batches) -> StepResult | None:
     `guard_step` gathers only for a skipped step's record). A step to skip (a non-finite loss
     anywhere, or a loss spike) gets NaN gradients on every rank: DeepSpeed then finds a
     non-finite gradient norm and drops the update, the gradients and the schedule's step on
-    every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 fp32 through
-    `launch.optim.AdamW`). The weights after a skipped step are those before it.
+    every rank (ZeRO 1-3, bf16 and fp16 by their own check; ZeRO-0 in fp32, and in bf16 as
+    autocast, through `launch.optim.AdamW`). The weights after a skipped step are those before it.
 
-    Who reduces: with `run.reduction` (ZeRO-0 fp32 on more than one rank) the trainer, in
+    Who reduces: with `run.reduction` (ZeRO-0 on more than one rank) the trainer, in
     buckets during the last backward, the figures in the last bucket and the division by N and
     the skip applied to the reduced gradients (`launch.train.reduce`): one collective round per
     step. Otherwise DeepSpeed reduces the gradients after the backward, so N is summed before the
