@@ -31,35 +31,49 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW that drops a step whose gradients are not all finite, and says so in
-    `overflow`, the attribute DeepSpeed's engine reads to skip the schedule's step too.
+    """torch's AdamW that clips the gradients to `max_grad_norm` (0: not clipped) and drops a
+    step whose gradients are not all finite, saying so in `overflow`, the attribute DeepSpeed's
+    engine reads to skip the schedule's step too; the norm before clipping is left in
+    `_global_grad_norm`, where the engine looks for it (the trainer logs it).
 
-    DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers drop such steps themselves; under ZeRO-0 in
-    fp32 the engine calls this optimizer directly, with gradients already averaged over the
-    ranks, so every rank takes the same decision (`launch.train.loop.train_step`'s
-    guard relies on it)."""
+    DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers clip and drop such steps themselves; under
+    ZeRO-0 in fp32 (bf16 as autocast too) the engine calls this optimizer directly, with
+    gradients already averaged over the ranks, so every rank takes the same decision
+    (`launch.train.loop.train_step`'s guard relies on it). DeepSpeed's own clipping there
+    (`deepspeed_config` turns it off) computes the norm one tensor at a time and all-reduces it,
+    a collective the step does not need: the gradients are the same on every rank."""
 
     overflow = False
+
+    def __init__(self, *args, max_grad_norm: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        self._global_grad_norm = None
 
     @torch.no_grad()
     def step(self, closure=None):
         grads = [
             p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        self.overflow = bool(grads) and not bool(
-            torch.stack(torch._foreach_norm(grads)).isfinite().all()
-        )
+        if not grads:
+            return super().step(closure)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+        self._global_grad_norm = norm
+        self.overflow = not bool(norm.isfinite())
         if self.overflow:
             return None
+        if self.max_grad_norm > 0:  # DeepSpeed's rule: scaled only when over the limit
+            torch._foreach_mul_(grads, (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         return super().step(closure)
 
 
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, *, skip_non_finite: bool = False, cpu_offload: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW over `parameter_groups`; the step-dropping `AdamW` above with `skip_non_finite`
-    (ZeRO-0, where DeepSpeed has no check of its own; under ZeRO it would only add a pass over
-    the gradients, and DeepSpeed would warn about an optimizer it has not tested).
+    """AdamW over `parameter_groups`; the clipping, step-dropping `AdamW` above with
+    `skip_non_finite` (ZeRO-0, where DeepSpeed has no check of its own; under ZeRO it would only
+    add a pass over the gradients, and DeepSpeed would warn about an optimizer it has not
+    tested), clipping at `cfg.grad_clip`.
 
     `cpu_offload` (ZeRO-Offload of the optimizer, `deepspeed.offload_optimizer`: the fp32 master
     weights and moments live in CPU memory): DeepSpeed's vectorised CPU Adam in AdamW mode
@@ -72,8 +86,12 @@ def build_optimizer(
         from launch.deepspeed.engine import cpu_adam
 
         return cpu_adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    adamw = AdamW if skip_non_finite else torch.optim.AdamW
-    return adamw(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **adamw_kernels(cfg.implementation))
+    kernels = adamw_kernels(cfg.implementation)
+    if skip_non_finite:
+        return AdamW(
+            groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=cfg.grad_clip, **kernels
+        )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **kernels)
 
 
 def adamw_kernels(implementation: str = "auto") -> dict:

@@ -21,7 +21,11 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": cfg.optim.grad_clip,
+        # ZeRO-0 without fp16: `launch.optim.AdamW` clips (DeepSpeed's clipping there all-reduces
+        # a norm that every rank has already)
+        "gradient_clipping": 0.0
+        if ds.zero_stage == 0 and ds.precision != "fp16"
+        else cfg.optim.grad_clip,
         "steps_per_print": 10**9,  # the loop does its own logging
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,

@@ -41,6 +41,36 @@ def test_each_implementation_is_what_torch_is_asked_for():
         ] * 2
 
 
+def test_the_zero_0_optimizer_clips_as_torch_does_and_keeps_the_norm_before_clipping():
+    """ZeRO-0's AdamW (skip_non_finite) clips the gradients itself at optim.grad_clip, as torch's
+    clip_grad_norm_ before torch's AdamW would, and leaves the norm before clipping where
+    DeepSpeed's engine reads it; under the limit the gradients are left as they are; a
+    non-finite gradient drops the step."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        arch="gpt", vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, dropout=0.0
+    )
+    ids = torch.randint(0, 32, (2, 8))
+    for limit in (0.05, 1e6):
+        ours, theirs = build_model(config), build_model(config)
+        theirs.load_state_dict(ours.state_dict())
+        optim = OptimConfig(grad_clip=limit, implementation="for_loop")
+        mine = build_optimizer(ours, optim, skip_non_finite=True)
+        reference = build_optimizer(theirs, optim)
+        for model in (ours, theirs):
+            model(ids, labels=ids).loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), limit)
+        mine.step()
+        reference.step()
+        assert float(mine._global_grad_norm) == pytest.approx(float(norm), rel=1e-6)
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    before = [p.detach().clone() for p in ours.parameters()]
+    next(ours.parameters()).grad.fill_(float("nan"))
+    mine.step()
+    assert mine.overflow and all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+
+
 def test_the_config_refuses_an_unknown_kernel_and_one_beside_offload():
     problems = config_problems(TrainConfig(optim=OptimConfig(implementation="apex")))
     assert problems == ["optim.implementation: 'apex' is not one of auto, fused, foreach, for_loop"]

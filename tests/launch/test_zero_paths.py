@@ -2,6 +2,7 @@
 activation checkpointing under ZeRO-3, 2 ranks under torchrun on CPU. Offload: test_offload.py."""
 
 import json
+import math
 import os
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from trainruns import DROPOUT_ZERO3, metrics, train
 
 from common.configure import UserError
-from launch.config import BatchPlan, DeepSpeedConfig, TrainConfig
+from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, TrainConfig
 
 
 def _config(stage: int, precision: str, config_file: str = "") -> dict:
@@ -35,6 +36,9 @@ def test_bf16_gradients_accumulate_in_fp32_under_zero_and_stage_0_is_autocast(tm
     # initialize): there bf16 is torch's autocast over fp32 weights, not DeepSpeed's bf16.
     stage0 = _config(0, "bf16")
     assert not {"data_types", "communication_data_type", "bf16"} & set(stage0)
+    # launch.optim.AdamW clips there; DeepSpeed clips under ZeRO (and fp16 at stage 0)
+    assert stage0["gradient_clipping"] == _config(0, "fp32")["gradient_clipping"] == 0
+    assert _config(1, "bf16")["gradient_clipping"] == OptimConfig().grad_clip > 0
     assert stage0["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     user = tmp_path / "ds.json"
     user.write_text(
@@ -139,6 +143,10 @@ def test_bf16_without_zero_is_autocast_over_fp32_weights_reduced_by_the_trainer(
     )
     assert len(bf16) == 6 and bf16 != fp32
     assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05, (bf16, fp32)
+    # the norm before clipping, which the optimizer measures (DeepSpeed's clipping is off here)
+    for p in runs:
+        norms = [r["train/grad_norm"] for r in metrics(tmp_path / p) if "train/loss" in r]
+        assert all(math.isfinite(n) and n > 0 for n in norms), (p, norms)
     saved = torch.load(
         tmp_path / "bf16" / "checkpoints" / "step_00000006" / "mp_rank_00_model_states.pt",
         map_location="cpu",
