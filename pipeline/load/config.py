@@ -49,12 +49,17 @@ class LoaderConfig:
     # Needs a dataset prepared with document boundaries (its packed shards hold `doc_starts`).
     document_mask: bool = False
     # Translation: each shard's samples, in their seeded order, are sorted by length and cut into
-    # groups of one global batch, which are then shuffled, and each group is dealt to the step's
-    # micro batches: a batch holds pairs of about one length, so it pads little (fairseq's and
-    # tensor2tensor's length bucketing, within a shard), and every rank gets about the same
-    # tokens, so none waits long for another. The samples of an epoch are the same; which of
-    # them share a batch changes.
+    # bands of 1/length_bands global batch, which are then shuffled, length_bands of them to a
+    # step, and each of the step's rounds (grad_accum) is dealt to the ranks: a batch holds pairs
+    # of about one length, so it pads little (fairseq's and tensor2tensor's length bucketing,
+    # within a shard), and every rank gets about the same tokens, so none waits long for
+    # another. The samples of an epoch are the same; which of them share a batch changes.
     length_grouping: bool = False
+    # Length bands a step draws from (a divisor of the global batch). One band gives every step
+    # pairs of one length (short labels in one, long sentences in the next): 1.7 test BLEU less
+    # at 1,000 steps than two (docs/results.md). Where bands outnumber a step's rounds
+    # (grad_accum), a batch mixes bands and pads to the longest.
+    length_bands: int = 2
     # Weighted mixture of the dataset's sources for the train split, {source name: weight}
     # (weights are normalized; sources left out are not read). An epoch of the mixture has as
     # many samples as the named sources together, a share of them in proportion to its weight:

@@ -85,12 +85,13 @@ class EpochBatches(IterableDataset):
         fields: tuple[str, ...],
         document_mask: bool,
         length_grouping: bool = False,
+        length_bands: int = 1,
         target_specials: Specials | None = None,
     ):
         self.task = task
         # read, decoded
         self.stored_fields, self.fields, self.document_mask = stored_fields, fields, document_mask
-        self.length_grouping = length_grouping
+        self.length_grouping, self.length_bands = length_grouping, length_bands
         self.sources, self.mixed = sources, mixed
         self.seed, self.epoch, self.rank, self.world_size = seed, epoch, rank, world_size
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
@@ -260,15 +261,15 @@ class _Reader:
         return self.permutations[key]
 
     def _grouped(self, key: ShardKey, order: np.ndarray) -> np.ndarray:
-        """`order` sorted by sample size, cut into groups of one global batch aligned to the
-        steps, groups shuffled, and each group dealt to the step's micro batches so that every
-        rank gets about the same tokens (the loader design, 9)."""
+        """`order` sorted by sample size and cut into bands of 1/k global batch (k =
+        `length_bands`), the bands shuffled, k of them to a step, each of the step's rounds dealt
+        to its ranks so that every rank gets about the same tokens (the loader design, 9)."""
         e = self.epoch_batches
         shard = e.shard(key)
         sizes = sample_sizes(shard, e.stored_fields)
         if sizes is None:  # unreadable: `members` skips the shard, whatever its order
             return order
-        g = global_batch_size(e.micro_batch_size, e.grad_accum, e.world_size)
+        g, k = global_batch_size(e.micro_batch_size, e.grad_accum, e.world_size), e.length_bands
         # Unmixed, the shard's first sample is stream position `start` (its pass is the epoch).
         head = 0 if e.mixed else int(-e.source_pass(key[0], key[1])[1][key[2]]) % g
         head = min(head, len(order))
@@ -277,11 +278,16 @@ class _Reader:
         # order: sorted, they would be its shortest and longest, and one rank would get the ones,
         # the other the others.
         body = order[head : head + full * g]
-        groups = body[np.argsort(sizes[body], kind="stable")].reshape(full, g)[
-            seeded_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full)
-        ]
+        bands = body[np.argsort(sizes[body], kind="stable")].reshape(full * k, g // k)
+        steps = bands[
+            seeded_rng(e.seed, key[1], _LENGTH_GROUPS, shard.index).permutation(full * k)
+        ].reshape(full, g)
         return np.concatenate(
-            [order[:head], _deal(groups, g // e.micro_batch_size), order[head + full * g :]]
+            [
+                order[:head],
+                _deal(steps, sizes, e.grad_accum, e.world_size),
+                order[head + full * g :],
+            ]
         )
 
     def evict_before(self, keys: list[ShardKey]) -> None:
@@ -331,13 +337,18 @@ class _Reader:
         return self.loaded[key]
 
 
-def _deal(groups: np.ndarray, slots: int) -> np.ndarray:
-    """Each row (a step's samples, by size) dealt to its `slots` micro batches (slot a W + r is
-    rank r's batch of round a) in a snake: samples 0..slots-1 to slots 0..slots-1, the next
-    `slots` back from the last, and so on, so each micro batch spans the group's sizes and all of
-    them hold about the same tokens; flattened in stream order (slot-major)."""
-    steps, g = groups.shape
-    dealt = groups.reshape(steps, g // slots, slots).copy()
+def _deal(steps: np.ndarray, sizes: np.ndarray, rounds: int, ranks: int) -> np.ndarray:
+    """Each row (a step's samples) cut into its `rounds` in order, each round's samples sorted
+    by size and dealt to its `ranks` micro batches in a snake: samples 0..W-1 to ranks 0..W-1,
+    the next W back from the last, and so on, so each rank's batch spans the round's sizes and
+    all of them hold about the same tokens; flattened in stream order (slot a W + r is rank r's
+    batch of round a)."""
+    n, g = steps.shape
+    per_round = steps.reshape(n * rounds, g // rounds)
+    per_round = np.take_along_axis(
+        per_round, np.argsort(sizes[per_round], axis=1, kind="stable"), axis=1
+    )
+    dealt = per_round.reshape(n * rounds, g // rounds // ranks, ranks).copy()
     dealt[:, 1::2] = dealt[:, 1::2, ::-1]
     return dealt.transpose(0, 2, 1).ravel()
 

@@ -85,6 +85,7 @@ class ShardLoader:
         fetch: remote.FetchConfig | None = None,
         document_mask: bool = False,
         length_grouping: bool = False,
+        length_bands: int = 2,
         manifest: dict | None = None,
     ):
         """`manifest`: the dataset's, already read and checked (`pipeline.format.open_dataset`),
@@ -130,7 +131,7 @@ class ShardLoader:
             manifest, task, document_mask, str(self.data_dir)
         )
         self.document_mask = document_mask
-        self.length_grouping = length_grouping
+        self.length_grouping, self.length_bands = length_grouping, length_bands
 
         self.task, self.split = task, split
         self.micro_batch_size, self.grad_accum, self.rank, self.world_size = (
@@ -193,10 +194,17 @@ class ShardLoader:
             # Samples per epoch of each mixed source: what the weights fix (None: unmixed).
             "mixture": {s.name: s.per_epoch for s in self.sources} if self.mixed else None,
         }
-        # grouping changes which samples share a step; a group is a global batch (already in the
-        # fingerprint), dealt to the ranks (the loader design, 9)
+        # grouping changes which samples share a step: k bands of 1/k global batch (already in
+        # the fingerprint), each round dealt to the ranks (the loader design, 9)
         if length_grouping:
-            self._fingerprint["length_grouping"] = "global batch, dealt"
+            if length_bands < 1 or self.global_batch_size % length_bands:
+                raise UserError(
+                    f"data.length_bands: {length_bands} must be a positive divisor of the global "
+                    f"batch ({self.global_batch_size} samples)"
+                )
+            self._fingerprint["length_grouping"] = (
+                f"{length_bands} length band(s) a step, rounds dealt"
+            )
 
         total = sum(source.per_epoch for source in self.sources)
         self.steps_per_epoch = total // self.global_batch_size
@@ -280,6 +288,7 @@ class ShardLoader:
             fetch=dataset.fetch if dataset else remote.FetchConfig.from_loader_config(cfg),
             document_mask=cfg.document_mask,
             length_grouping=cfg.length_grouping,
+            length_bands=cfg.length_bands,
             manifest=dataset.manifest if dataset else None,
         )
 
@@ -309,6 +318,7 @@ class ShardLoader:
             fields=self.fields,
             document_mask=self.document_mask,
             length_grouping=self.length_grouping,
+            length_bands=self.length_bands,
         )
 
     def _items(self, epoch: int, first: int):

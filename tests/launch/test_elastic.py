@@ -91,7 +91,8 @@ def test_length_grouped_translation_under_zero0_resumes_exactly(tiny_dataset, tm
     """The main job's fine-tuning path: length-grouped pairs dealt to the ranks, gradients
     reduced by the trainer (ZeRO-0, fp32). Stopped after step 4 and resumed on 2 ranks: the
     uninterrupted run's losses to the bit; resumed on 1 rank with grad_accum doubled: the same
-    samples at every step (one global batch is one group), the losses within the fp32 bound."""
+    samples at every step (a step's bands are fractions of the global batch), the losses within
+    the fp32 bound."""
     common = [
         "max_steps=8",
         "log_every=1",

@@ -4,6 +4,7 @@ seeded order, exact resume without decoding what was already seen, corrupt shard
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -528,6 +529,7 @@ def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_pat
                 num_workers=2,
                 seed=3,
                 length_grouping=grouping,
+                length_bands=1,
             ):
                 out[0].append(batch_ids(batch))
                 out[1].append(pair_lengths(batch))
@@ -557,12 +559,17 @@ def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_pat
 
 def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tmp_path):
     make_dataset(tmp_path, translation=GROUPED)
-    kw = dict(task="translation", seed=5, length_grouping=True)
+    kw = dict(task="translation", seed=5, length_grouping=True, length_bands=1)
     reference = steps_of(tmp_path, **SHAPES[0], num_workers=2, **kw)
-    # A group is a global batch: the steps are the same for any world size, accumulation and
-    # micro batch that make it.
+    # A step's bands are fractions of a global batch: the steps are the same for any world size,
+    # accumulation and micro batch that make it, with one band a step or more.
     for shape in SHAPES[1:]:
         assert steps_of(tmp_path, **shape, **kw) == reference
+    two = {**kw, "length_bands": 2}
+    two_bands = steps_of(tmp_path, **SHAPES[0], **two)
+    assert two_bands != reference
+    for shape in SHAPES[1:]:
+        assert steps_of(tmp_path, **shape, **two) == two_bands
     two_ranks = [
         ShardLoader(
             str(tmp_path),
@@ -574,6 +581,7 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
             num_workers=2,
             seed=5,
             length_grouping=True,
+            length_bands=1,
         )
         for r in range(2)
     ]
@@ -582,13 +590,16 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
             if index + 1 == 9:
                 break
     state = json.loads(json.dumps(two_ranks[0].state_dict()))
-    assert state["fingerprint"]["length_grouping"] == "global batch, dealt"
+    assert state["fingerprint"]["length_grouping"] == "1 length band(s) a step, rounds dealt"
     assert steps_of(tmp_path, **SHAPES[1], state=state, **kw) == reference[9:]
-    # Grouping on or off changes which samples share a step: a resume across the change is refused.
-    for grouping, saved in (
-        (False, state),
+    # Grouping on or off, or another number of bands, changes which samples share a step: a
+    # resume across the change is refused.
+    for grouping, bands, saved in (
+        (False, 1, state),
+        (True, 2, state),
         (
             True,
+            1,
             ShardLoader(
                 str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2
             ).state_dict(),
@@ -602,17 +613,18 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
             world_size=2,
             seed=5,
             length_grouping=grouping,
+            length_bands=bands,
         )
         with pytest.raises(UserError, match="length_grouping: saved"):
             other.load_state_dict(saved)
 
 
 def test_length_grouping_gives_every_rank_about_the_same_tokens_each_step(tmp_path):
-    """Each step's group is dealt to its micro batches in a snake, so the ranks of a step hold
-    about the same tokens (they would wait for each other's longer batches otherwise), while a
-    micro batch still holds pairs of about one length."""
+    """Each round of a step is dealt to its micro batches in a snake, so the ranks of a step hold
+    about the same tokens (they would wait for each other's longer batches otherwise), from one
+    length band a step or two."""
     make_dataset(tmp_path, translation=GROUPED)
-    for shape in (SHAPES[0], SHAPES[2], SHAPES[4]):
+    for shape, bands in itertools.product((SHAPES[0], SHAPES[2], SHAPES[4]), (1, 2)):
         ratios = {}
         for grouping in (False, True):
             per_rank = []
@@ -624,6 +636,7 @@ def test_length_grouping_gives_every_rank_about_the_same_tokens_each_step(tmp_pa
                     rank=rank,
                     seed=3,
                     length_grouping=grouping,
+                    length_bands=bands,
                     **shape,
                 )
                 per_rank.append([sum(pair_lengths(b)) for b in loader])
@@ -635,10 +648,56 @@ def test_length_grouping_gives_every_rank_about_the_same_tokens_each_step(tmp_pa
             ratios[grouping] = [max(t) / min(t) for t in step_tokens]
         # Steps that straddle two shards mix two groups; the others are balanced to a pair.
         balanced = sorted(ratios[True])[: len(ratios[True]) - len(GROUPED)]
-        assert max(balanced) < 1.2, (shape, ratios[True])
+        assert max(balanced) < 1.2, (shape, bands, ratios[True])
         # Better balanced than random batches, which only the law of large numbers evens out.
         excess = {k: sum(r - 1 for r in v) for k, v in ratios.items()}
-        assert excess[True] < 0.5 * excess[False], (shape, excess)
+        assert excess[True] < 0.5 * excess[False], (shape, bands, excess)
+
+
+def test_more_length_bands_mix_more_lengths_a_step_and_a_round_keeps_one(tmp_path):
+    """Two bands a step: a step's pairs span two places of the length order, where one band's
+    span one; with two rounds a step (grad_accum 2) each round is one band, so each micro batch
+    still holds pairs of about one length. A band count that does not divide the global batch is
+    refused by name."""
+    make_dataset(tmp_path, translation=GROUPED)
+    spans = {}
+    for bands in (1, 2):
+        per_round, per_step = [], []
+        for loader in [
+            ShardLoader(
+                str(tmp_path),
+                "translation",
+                "train",
+                micro_batch_size=2,
+                grad_accum=2,
+                world_size=2,
+                rank=rank,
+                seed=3,
+                length_grouping=True,
+                length_bands=bands,
+            )
+            for rank in range(2)
+        ]:
+            per_round.append([pair_lengths(b) for b in loader])
+        rounds = [a + b for a, b in zip(*per_round)]  # both ranks' batch of each round
+        per_step = [rounds[i] + rounds[i + 1] for i in range(0, len(rounds), 2)]
+
+        def median_span(groups):
+            return float(np.median([max(g) - min(g) for g in groups]))
+
+        spans[bands] = median_span(rounds), median_span(per_step)
+    assert spans[2][1] > 2 * max(spans[1][1], 1), spans  # a step mixes lengths
+    assert spans[2][0] <= 2 and spans[1][0] <= 2, spans  # a round does not
+    with pytest.raises(UserError, match="data.length_bands: 3 must be a positive divisor"):
+        ShardLoader(
+            str(tmp_path),
+            "translation",
+            "train",
+            micro_batch_size=4,
+            world_size=2,
+            length_grouping=True,
+            length_bands=3,
+        )
 
 
 def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
