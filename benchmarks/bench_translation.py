@@ -33,7 +33,8 @@ the same sacrebleu call. The `key.sub=value` overrides apply to CONFIG, hence to
    as ours (`launch.distributed.set_threads`), no evaluation, no checkpoint, the final model saved
    once. The pairs are `launch.evaluate.read_pairs(DATA, "train")`, shuffled by the Trainer's
    sampler (ours by our loader: the same pairs, another order); with `data.length_grouping`
-   (ours: batches of pairs of about one size, drawn shard by shard) the Trainer's own
+   (ours: each step from `data.length_bands` bands of sizes, drawn shard by shard, dealt evenly
+   to the ranks) the Trainer's own
    `train_sampling_strategy="group_by_length"` (random mega-batches of 50 micro batches, sorted
    by source length, cut into micro batches). Encoded as ours: source + </s>
    (cut to max_seq_len - 1 tokens first, as `launch.decoding.source_ids`), decoder input <s> +
