@@ -85,7 +85,7 @@ class EpochBatches(IterableDataset):
         fields: tuple[str, ...],
         document_mask: bool,
         length_grouping: bool = False,
-        length_bands: int = 1,
+        length_bands: int = 2,
         target_specials: Specials | None = None,
     ):
         self.task = task
