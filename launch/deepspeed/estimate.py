@@ -16,6 +16,7 @@ def estimate_model_state_memory(
     offload_params: bool,
     gpus_per_node: int,
     num_nodes: int,
+    precision: str = "bf16",
 ) -> dict:
     """Bytes of a model's parameters, gradients and Adam states per GPU and per node's CPU under
     ZeRO, by DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` and
@@ -23,8 +24,10 @@ def estimate_model_state_memory(
     a dry run: no engine and no process group, and `model` may live on the meta device.
 
     DeepSpeed counts mixed precision: 16-bit weights and gradients beside fp32 master weights,
-    gradients and Adam moments. It has no estimator for stages 0 and 1: stage 0 is stage 2 on
-    one GPU (nothing split), stage 1 is stage 2 with the 16-bit gradients whole on every GPU.
+    gradients and Adam moments. It has no estimator for stages 0 and 1: stage 1 is stage 2 with
+    the 16-bit gradients whole on every GPU; stage 0 in fp16 is stage 2 on one GPU (nothing
+    split), and stage 0 in fp32 or bf16 (torch's autocast, `launch.deepspeed.config`) keeps no
+    16-bit copies, so our own count: fp32 weights, gradients and two moments, 16 bytes each.
     Returns gpu_bytes, cpu_bytes_per_node, parameters, largest_layer_parameters, estimator."""
     # DeepSpeed's import announces its accelerator on stdout, which a dry run's report owns.
     with contextlib.redirect_stdout(sys.stderr):
@@ -56,7 +59,18 @@ def estimate_model_state_memory(
             parameters, gpus_per_node, num_nodes, cpu_offload=offload_optimizer
         )
         estimator = "deepspeed estimate_zero2_model_states_mem_needs"
-        if zero_stage == 0:
+        if zero_stage == 0 and precision != "fp16":
+            gpu = 16 * parameters
+            estimator = (
+                "our count: fp32 weights, gradients and Adam moments, 16 bytes a parameter, "
+                "nothing split"
+                + (
+                    "; bf16 at stage 0 is torch's autocast, no 16-bit copies"
+                    if precision == "bf16"
+                    else ""
+                )
+            )
+        elif zero_stage == 0:
             gpu = estimate_zero2_model_states_mem_needs(parameters, 1, 1, cpu_offload=False)[1]
             estimator += ", on one GPU (stage 0 splits nothing)"
         elif zero_stage == 1:

@@ -112,6 +112,7 @@ def model_figures(
         cfg.deepspeed.offload_params,
         world.ranks_per_node,
         world.nodes,
+        cfg.deepspeed.precision,
     )
     activations = activation_bytes(
         model_cfg,
@@ -137,8 +138,14 @@ def model_figures(
     report.facts["model states"] = (
         f"ZeRO-{cfg.deepspeed.zero_stage}{_offload(cfg)}: {byte_size(states['gpu_bytes'])} "
         f"per GPU, {byte_size(states['cpu_bytes_per_node'])} CPU per node "
-        f"({states['estimator']}; it counts 16-bit weights and "
-        "gradients beside fp32 master weights and Adam moments)"
+        f"({states['estimator']}"
+        + (
+            ""
+            if states["estimator"].startswith("our count")
+            else "; it counts 16-bit weights and gradients beside fp32 master weights and Adam "
+            "moments"
+        )
+        + ")"
     )
     report.facts["activations"] = (
         f"{byte_size(activations)} (micro batch {plan.micro_batch_size} at {lengths}, "

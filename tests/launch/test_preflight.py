@@ -125,15 +125,18 @@ def test_memory_is_deepspeeds_estimate_for_the_zero_stage():
     largest = max(sum(t.numel() for t in m.parameters(recurse=False)) for m in model.modules())
     gpus = 8
 
-    def gpu(stage, offload_optimizer=False, offload_params=False):
-        return estimate_model_state_memory(model, stage, offload_optimizer, offload_params, 4, 2)[
-            "gpu_bytes"
-        ]
+    def gpu(stage, offload_optimizer=False, offload_params=False, precision="bf16"):
+        return estimate_model_state_memory(
+            model, stage, offload_optimizer, offload_params, 4, 2, precision
+        )["gpu_bytes"]
 
     # DeepSpeed: 16-bit weights whole, 2 + 4 + 4 + 8 bytes of gradients, masters and moments split.
     assert gpu(2) == 2 * p + int(18 * p / gpus)
     assert gpu(1) == gpu(2) + 2 * p - 2 * p // gpus  # 16-bit gradients whole
-    assert gpu(0) == 20 * p
+    # Stage 0: DeepSpeed's fp16 optimizer on one GPU; fp32 and bf16 (torch's autocast) keep fp32
+    # weights, gradients and two moments, no 16-bit copies.
+    assert gpu(0, precision="fp16") == 20 * p
+    assert gpu(0, precision="bf16") == gpu(0, precision="fp32") == 16 * p
     assert gpu(2, offload_optimizer=True) == 2 * p
     assert gpu(3) == 4 * largest + int(18 * p / gpus)
     assert gpu(3, offload_optimizer=True, offload_params=True) == 4 * largest
