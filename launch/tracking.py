@@ -173,6 +173,7 @@ class Tracker:
         parts = [f"step {step}/{max_steps}"]
         for key, fmt in (
             ("train/loss", "loss {:.4f}"),
+            ("train/loss_mean", "mean {:.4f}"),
             ("train/lr", "lr {:.2e}"),
             ("train/grad_norm", "gnorm {:.3f}"),
             ("perf/tokens_per_s", "{:.0f} tok/s"),

@@ -219,6 +219,7 @@ def _train_metrics(run: Run, result: StepResult, grad_norm, window: ThroughputWi
     perf = window.figures()
     metrics = {
         "train/loss": result.loss,
+        "train/loss_mean": perf.pop("train/loss_mean"),
         "train/lr": run.engine.lr,
         "train/grad_norm": float(grad_norm),
         "train/clipped_fraction": perf.pop("train/clipped_fraction"),

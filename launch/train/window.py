@@ -1,7 +1,8 @@
 """The throughput window between two log lines: tokens, samples and FLOPs of the training steps
 alone (evaluation and checkpoints between them would otherwise count as slow training), the
-share of clipped steps, and the figures they give (tokens/s, samples/s, MFU by both counts, and
-how evenly the ranks' tokens were spread: the mean and worst of each step's max/min)."""
+share of clipped steps, the mean of the steps' losses (a step's own loss swings with the lengths
+it drew), and the figures they give (tokens/s, samples/s, MFU by both counts, and how evenly the
+ranks' tokens were spread: the mean and worst of each step's max/min)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class ThroughputWindow:
 
     def reset(self) -> None:
         self.tokens = self.flops = self.flops_llmc = self.samples = self.seconds = 0.0
-        self.clipped = self.steps = 0
+        self.clipped = self.steps = self.losses = 0
+        self.loss_sum = 0.0
         self.balance_sum = self.balance_worst = 0.0
 
     def add(self, result: StepResult, seconds: float, grad_norm) -> None:
@@ -34,6 +36,9 @@ class ThroughputWindow:
         self.flops_llmc += result.flops_llmc
         self.samples += result.samples
         self.steps += 1
+        if math.isfinite(result.loss):  # a step with no finite micro batch has no loss
+            self.loss_sum += result.loss
+            self.losses += 1
         self.balance_sum += result.rank_tokens_max_min
         self.balance_worst = max(self.balance_worst, result.rank_tokens_max_min)
         if self.grad_clip:
@@ -46,6 +51,7 @@ class ThroughputWindow:
         achieved_llmc = self.flops_llmc / elapsed / self.world_size
         out = {
             "train/clipped_fraction": float(self.clipped) / self.steps,
+            "train/loss_mean": self.loss_sum / self.losses if self.losses else float("nan"),
             "perf/tokens_per_s": self.tokens / elapsed,
             "perf/samples_per_s": self.samples / elapsed,
             "perf/mfu": achieved / self.peak if self.is_main else float("nan"),

@@ -112,6 +112,12 @@ def test_length_grouped_translation_under_zero0_resumes_exactly(tiny_dataset, tm
     train("tiny_translation.yaml", tiny_dataset, one_rank, *common, "grad_accum=2", nproc=1)
     expected = losses(straight)
     assert sorted(expected) == list(range(1, 9))
+    # Logged every step, a window's mean loss is that step's.
+    assert all(
+        row["train/loss_mean"] == row["train/loss"]
+        for row in metrics(straight)
+        if "train/loss" in row
+    )
     assert losses(stopped) == expected
     got = losses(one_rank)
     for step in range(5, 9):
