@@ -179,7 +179,7 @@ def pretrain_overrides(cfg: MainConfig, name: str, run_dir: Path) -> list[str]:
         f"data.data_dir={cfg.data_dir}",
         f"run_dir={run_dir}",
         f"max_steps={pretrain_steps(cfg, name)}",
-        f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}",
+        *_zero_stage(cfg, getattr(cfg, f"{name}_overrides")),
         *_wandb_overrides(cfg),
         *getattr(cfg, f"{name}_overrides"),
     ]
@@ -193,11 +193,19 @@ def finetune_overrides(cfg: MainConfig, run_dir: Path, init: dict[str, str]) -> 
         f"data.data_dir={cfg.data_dir}",
         f"run_dir={run_dir}",
         f"max_steps={cfg.finetune_steps}",
-        f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}",
+        *_zero_stage(cfg, cfg.translation_overrides),
         *_wandb_overrides(cfg),
         *cfg.translation_overrides,
         *(f"init.{stack}={directory}" for stack, directory in init.items()),
     ]
+
+
+def _zero_stage(cfg: MainConfig, stage_overrides: list[str]) -> list[str]:
+    """The job's ZeRO stage for a run, unless the stage's own overrides set one (theirs wins,
+    and the command line shows it once)."""
+    if any(o.startswith("deepspeed.zero_stage=") for o in stage_overrides):
+        return []
+    return [f"deepspeed.zero_stage={cfg.deepspeed.zero_stage}"]
 
 
 def _wandb_overrides(cfg: MainConfig) -> list[str]:

@@ -215,3 +215,21 @@ def test_a_signal_to_the_main_job_ends_its_training_stage_with_it(tiny_dataset, 
     run_dir = out / "pretrain-gpt"
     step = json.loads((run_dir / "preempted.json").read_text())["step"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+
+
+def test_a_stage_override_of_the_zero_stage_replaces_the_jobs_own():
+    """configs/main.yaml pretrains at the job's ZeRO-1 and fine-tunes at stage 0 by
+    translation_overrides: each run's command line names its stage once."""
+    from common.configure import load_config
+    from launch.config import MainConfig
+    from launch.main.plan import finetune_overrides, pretrain_overrides
+
+    cfg = load_config(MainConfig, ROOT / "configs" / "main.yaml", [])
+    stages = [
+        [o for o in overrides if o.startswith("deepspeed.zero_stage=")]
+        for overrides in (
+            pretrain_overrides(cfg, "gpt", Path("gpt")),
+            finetune_overrides(cfg, Path("ft"), {}),
+        )
+    ]
+    assert stages == [["deepspeed.zero_stage=1"], ["deepspeed.zero_stage=0"]]
