@@ -3,7 +3,7 @@
     python benchmarks/bench_translation.py [--data data/gettext-en-de] [--config configs/small_translation.yaml]
                                            [--steps 400] [--nproc 2] [--beam 4] [--split test] [--limit N]
                                            [--out runs/bench_translation] [--rounds 1] [--variant NAME:k=v,...]
-                                           [key.sub=value ...]
+                                           [--data-seeds S,S,...] [key.sub=value ...]
 
 Both sides start from random weights, train `--steps` optimizer steps on `--nproc` ranks on the
 dataset's translation train pairs, and are scored on `--split` with the same decoding settings and
@@ -69,17 +69,21 @@ Where Marian necessarily differs from ours (configs/small_translation.yaml), pri
 - the <pad> row of its embeddings is zero and never updated; a zero, untrained output bias buffer;
 - weight decay on every weight but biases and LayerNorms (embeddings too; ours: linear layers'
   matrices only); warmup from lr 0 at the first step (ours (n + 1) / warmup);
-- bf16 as autocast over fp32 weights (ours: DeepSpeed's bf16 weights with fp32 masters); DDP
-  (ours: DeepSpeed ZeRO, `deepspeed.zero_stage` of CONFIG).
+- DDP (ours: DeepSpeed at CONFIG's `deepspeed.zero_stage`; at stage 0 bf16 is autocast over fp32
+  weights as theirs, under ZeRO 1-3 DeepSpeed's bf16 weights with fp32 masters).
 
 `--rounds N` trains every side N times, alternating (ours, each `--variant`, theirs, ours, ...),
 so that a shared machine's drift reaches every side alike; the tokens/s ratio is that of the
 medians, and BLEU is scored on round 1's models only (the rounds train the same from the same
 seed). A `--variant NAME:key=value,...` is one more side of ours with those overrides (e.g.
 another ZeRO stage), timed in every round and reported against ours and theirs.
+`--data-seeds S,...` then trains and scores ours once more per `data.seed` (the sample order;
+weights start from the same `seed`) and prints BLEU/chrF per order with their mean and sd: at
+1,000 steps the order alone moves test BLEU by some 2 points, so one order's BLEU compares two
+sample orders poorly (theirs is trained on its own sampler's one order).
 
 Writes OUT/ours (run, log, eval-SPLIT/), OUT/theirs (log, model/, train.json, eval-SPLIT/ with
-hypotheses and scores), OUT/NAME for each variant, OUT/round-K/ for rounds after the first, and
+hypotheses and scores), OUT/NAME for each variant, OUT/ours-seedS for each extra order, OUT/round-K/ for rounds after the first, and
 OUT/summary.json; all of them are replaced at each run.
 Data: DATA defaults to data/gettext-en-de (made by `make main` or `python -m pipeline.prepare
 configs/prepare_gettext_en_de.yaml`); without it the script says so and exits 2.
@@ -638,6 +642,36 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     return name, overrides
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`1,2,3` -> [1, 2, 3]."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers S,S,...")
+    return seeds
+
+
+def orders_table(orders: dict[int, dict], split: str) -> str:
+    """Ours' scores per data order (data.seed), then their mean and sample standard deviation."""
+    lines = [
+        f"| data.seed | {split} BLEU | {split} chrF | final train loss |",
+        "|---:|---:|---:|---:|",
+    ]
+    for seed, r in orders.items():
+        lines.append(f"| {seed} | {r['bleu']:.1f} | {r['chrf']:.1f} | {r['final_loss']:.3f} |")
+    for label, f in (("mean", statistics.mean), ("sd", statistics.stdev)):
+        if label == "sd" and len(orders) < 2:
+            break
+        lines.append(
+            f"| {label} | {f(r['bleu'] for r in orders.values()):.1f} | "
+            f"{f(r['chrf'] for r in orders.values()):.1f} | "
+            f"{f(r['final_loss'] for r in orders.values()):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(sides: dict[str, dict], split: str) -> str:
     lines = [
         f"| side | steps | train seconds | tokens/s | final train loss | {split} BLEU | {split} chrF |",
@@ -706,6 +740,15 @@ def main(argv: list[str] | None = None) -> int:
         "every round; repeatable (e.g. zero1:deepspeed.zero_stage=1)",
     )
     parser.add_argument(
+        "--data-seeds",
+        type=parse_seeds,
+        default=[],
+        metavar="S,S,...",
+        help="after the rounds, train and score ours once more for each of these data.seed values "
+        "(sample orders; round 1's is CONFIG's), and print the BLEU over them all: at 1,000 steps "
+        "one order's BLEU is a draw some 2 points wide (docs/results.md)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="key.sub=value overrides of CONFIG, for both sides"
     )
     # internal: one rank of theirs
@@ -766,6 +809,11 @@ def main(argv: list[str] | None = None) -> int:
         sides["theirs"] = run_theirs(args, out, scored=k == 1)
         rounds.append(sides)
     first = rounds[0]
+    # Ours again on other sample orders: BLEU at this budget moves with the order alone.
+    orders = {cfg.data.seed: first["ours"]}
+    for seed in (x for x in args.data_seeds if x != cfg.data.seed):
+        shutil.rmtree(args.out / f"ours-seed{seed}", ignore_errors=True)
+        orders[seed] = run_ours(args, args.out, f"ours-seed{seed}", (f"data.seed={seed}",))
     medians = {name: statistics.median(tokens_per_s(r[name]) for r in rounds) for name in first}
     sides = {
         "ours (random/random)": first["ours"],
@@ -810,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Parameters: ours {ours['parameters'] / 1e6:.2f} M, theirs {theirs['parameters'] / 1e6:.2f} M trained "
         f"(sinusoidal positions {'trained' if theirs['positions_trained'] else 'fixed'}). {DIFFERENCES}"
     )
+    if len(orders) > 1:
+        print(f"\nOurs over {len(orders)} sample orders (data.seed; round 1's first):")
+        print(orders_table(orders, args.split))
     print(f"sacrebleu: {ours['signature_bleu']} | {ours['signature_chrf']}")
     if (ours["signature_bleu"], ours["signature_chrf"]) != (
         theirs["signature_bleu"],
@@ -835,6 +886,10 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "median_tokens_per_s": medians,
         "variants": {name: list(extra) for name, extra in variants.items()},
+        "data_orders": {
+            str(seed): {k: r[k] for k in ("bleu", "chrf", "final_loss", "tokens", "seconds")}
+            for seed, r in orders.items()
+        },
         "signature": f"{ours['signature_bleu']} | {ours['signature_chrf']}",
         "marian_config": theirs["marian_config"],
     }
