@@ -51,7 +51,10 @@ def plot_losses(runs: dict[str, Path], path: Path, title: str) -> Path:
     for index, (name, run_dir) in enumerate(runs.items()):
         rows = read_metrics(run_dir)
         colour = f"C{index}"
-        ax.plot(*_series(rows, "train/loss"), color=colour, linewidth=1.2, label=f"{name} train")
+        # The mean over each log line's window where the run logged it (a step's own loss swings
+        # with the lengths it drew); runs from before it, the step's.
+        train = "train/loss_mean" if any("train/loss_mean" in r for r in rows) else "train/loss"
+        ax.plot(*_series(rows, train), color=colour, linewidth=1.2, label=f"{name} train")
         xs, ys = _series(rows, "eval/loss")
         if xs:
             ax.plot(
