@@ -56,9 +56,10 @@ class LoaderConfig:
     # another. The samples of an epoch are the same; which of them share a batch changes.
     length_grouping: bool = False
     # Length bands a step draws from (a divisor of the global batch). One band gives every step
-    # pairs of one length (short labels in one, long sentences in the next): 1.0-1.5 test BLEU
-    # less at 1,000 steps than two (docs/results.md). Where bands outnumber a step's rounds
-    # (grad_accum), a batch mixes bands and pads to the longest.
+    # pairs of one length (short labels in one, long sentences in the next); two keep two lengths
+    # a step, as the older per-rank groups did, and score as well over five sample orders
+    # (docs/results.md). Where bands outnumber a step's rounds (grad_accum), a batch mixes bands
+    # and pads to the longest.
     length_bands: int = 2
     # Weighted mixture of the dataset's sources for the train split, {source name: weight}
     # (weights are normalized; sources left out are not read). An epoch of the mixture has as
