@@ -27,7 +27,7 @@ def estimate_model_state_memory(
     gradients and Adam moments. It has no estimator for stages 0 and 1: stage 1 is stage 2 with
     the 16-bit gradients whole on every GPU; stage 0 in fp16 is stage 2 on one GPU (nothing
     split), and stage 0 in fp32 or bf16 (torch's autocast, `launch.deepspeed.config`) keeps no
-    16-bit copies, so our own count: fp32 weights, gradients and two moments, 16 bytes each.
+    16-bit copies, so our own count: fp32 weights, gradients and two moments, 16 bytes a parameter.
     Returns gpu_bytes, cpu_bytes_per_node, parameters, largest_layer_parameters, estimator."""
     # DeepSpeed's import announces its accelerator on stdout, which a dry run's report owns.
     with contextlib.redirect_stdout(sys.stderr):
