@@ -7,7 +7,10 @@ required value (a field defaulting to OmegaConf's `MISSING`), a value that is no
 (a `!!python/...` tag, which the YAML loader refuses in a file and an override alike; a
 duplicate key, named with its line), a file holding a list rather than keys, a list where the
 schema has a section (or the reverse), or a list item set by its index on the command line
-fails with one line naming the key and where it came from.
+fails with one line naming the key and where it came from. So does a config file that sets no
+key at all (empty, only comments, `{}`, `null`, or only empty sections: it would run the built-in
+defaults, a 23 M-parameter model for training, without a word); a tool run with no file and its
+keys on the command line is not such a file.
 
 Every entry point has the same command-line grammar (`parse_cli`):
 
@@ -45,6 +48,8 @@ from typing import Any, Callable, Sequence, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common.atomic import atomic_write
+
 T = TypeVar("T")
 
 
@@ -54,14 +59,18 @@ class UserError(Exception):
 
 def _describe(err: OmegaConfBaseException, schema: type | None = None) -> str:
     """One line for OmegaConf's error; an unknown key that `schema.RENAMED` lists ({old: new}, a
-    key a release renamed) names its new spelling."""
+    key a release renamed) names its new spelling, one that `schema.RETIRED` lists ({key: why})
+    says why it is gone."""
     key = getattr(err, "full_key", None)
     msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if "not in" in msg and "Key" in msg:
         msg = "unknown key"
         renamed = getattr(schema, "RENAMED", {}).get(key)
+        retired = getattr(schema, "RETIRED", {}).get(key)
         if renamed:
             msg += f" (renamed: {renamed})"
+        elif retired:
+            msg = f"no longer a key: {retired}"
     return f"{key}: {msg}" if key else msg
 
 
@@ -147,10 +156,24 @@ def _list_index(key: str) -> str:
     return key.partition("[")[0] if "[" in key else ""
 
 
+def _sets_nothing(node: DictConfig) -> bool:
+    """Whether a YAML file's mapping sets no value at all: it, and every section in it, is empty
+    (an empty file, only comments, `{}`, `null`, `model: {}`). Merged onto the defaults such a
+    file changes nothing, so what runs is the built-in defaults."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if not (isinstance(child, DictConfig) and not child._is_none() and _sets_nothing(child)):
+            return False
+    return True
+
+
 def load_config(
     schema: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()
 ) -> T:
-    """Build a `schema` instance from defaults, then the YAML at `path`, then `overrides`."""
+    """Build a `schema` instance from defaults, then the YAML at `path`, then `overrides`. A file
+    that sets no key (`_sets_nothing`: empty, only comments, `{}`, `null`, only empty sections)
+    is refused: it would run the built-in defaults without a word. No file at all (`path` None:
+    a tool's keys given on the command line alone) is not."""
     base = OmegaConf.structured(schema)
     if path is not None:
         path = Path(path)
@@ -167,6 +190,12 @@ def load_config(
             raise UserError(f"{path}: not valid YAML: {_yaml_problem(err)}") from err
         if not isinstance(from_file, DictConfig):
             raise UserError(f"{path}: holds a YAML list, not keys and values (key: value lines)")
+        if _sets_nothing(from_file):
+            raise UserError(
+                f"{path}: sets no key (empty, only comments, {{}}, null, or only empty sections); "
+                "refused rather than run on the built-in defaults: write the keys to set in it "
+                "(--help lists them)"
+            )
         _refuse_env(OmegaConf.to_container(from_file, resolve=False), str(path))
         try:
             base = OmegaConf.merge(base, from_file)
@@ -226,8 +255,9 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML beside a run's outputs."""
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    """Write the resolved config as YAML beside a run's outputs, whole or not at all (a full disk
+    leaves the config that was there, not a truncated one)."""
+    atomic_write(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
 CONFIG_SUFFIXES = (".yaml", ".yml")

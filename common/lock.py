@@ -100,10 +100,6 @@ def dir_lock(
                 previous.since,
                 state,
             )
-        elif stale_bytes:
-            logger.warning(
-                "%s: taking over a stale lock whose file %s names no holder", directory, path
-            )
         yield DirLock(directory, path, me, previous, locked=True)
     finally:
         _release(fd, path)
@@ -150,6 +146,14 @@ def _acquire(directory: Path, path: Path, me: Holder) -> tuple[Optional[int], by
             os.close(fd)
             continue
         stale_bytes = os.pread(fd, 4096, 0).strip()
+        if stale_bytes and _parse_holder(stale_bytes) is None:
+            # Not a lock record of ours (which is written in one call): someone's file of that
+            # name, not ours to truncate or delete.
+            os.close(fd)
+            raise UserError(
+                f"cannot lock {directory}: {path} exists and is not a lock file of ours (it names "
+                "no holder); move it away, or delete it if no file of yours has that name"
+            )
         record = (
             json.dumps({"host": me.host, "pid": me.pid, "since": me.since, "what": me.what}) + "\n"
         )

@@ -95,7 +95,7 @@ def average_state_dicts(
     return mean
 
 
-def average(run_dir: str | Path, last: int, out: str | Path, overwrite: bool = False) -> dict:
+def average(run_dir: str | Path, last: int, out: str | Path) -> dict:
     # DeepSpeed is imported by launch/deepspeed/ alone
     from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
@@ -115,7 +115,7 @@ def average(run_dir: str | Path, last: int, out: str | Path, overwrite: bool = F
         raise UserError(
             f"checkpoints {tags[0]}..{tags[-1]} of {run_dir} were trained with different tokenizers"
         )
-    with claiming(out, root.parent, overwrite, what="average"):
+    with claiming(out, root.parent, what="average"):
         states = []
         with meter(len(tags), "average", "checkpoint") as shown:
             for tag in tags:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         AverageConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
     )
-    meta = average(cfg.checkpoint, cfg.last, cfg.out, cfg.overwrite)
+    meta = average(cfg.checkpoint, cfg.last, cfg.out)
     print(
         f"averaged {len(meta['averaged'])} checkpoints of {meta['task']} (last: step "
         f"{meta['step']}) into {cfg.out}"

@@ -492,10 +492,19 @@ class MainConfig:
     wandb_group: str = ""
 
 
+# export's and average's `overwrite` replaced an out that was not an export: a user's files.
+OVERWRITE_RETIRED = (
+    "an earlier export in out is replaced without it, and nothing else ever is (choose another "
+    "out, or move its files away yourself)"
+)
+
+
 @dataclass
 class ExportConfig:
     """A run's checkpoint to plain weights
     (`python -m launch.export checkpoint=RUN_DIR out=DIR`)."""
+
+    RETIRED: ClassVar[dict] = {"overwrite": OVERWRITE_RETIRED}
 
     # a run directory, its checkpoints/ or one step_* checkpoint, of any ZeRO stage
     checkpoint: str = MISSING
@@ -505,9 +514,6 @@ class ExportConfig:
     # encoder-decoder),
     # its fast tokenizer beside the weights
     format: str = "ours"
-    # replace an out that is not an export (a file, a directory holding anything else); an earlier
-    # export is replaced without it, the run directory being read never
-    overwrite: bool = False
 
 
 @dataclass
@@ -516,13 +522,13 @@ class AverageConfig:
     (`python -m launch.average checkpoint=RUN last=N out=DIR`)."""
 
     RENAMED: ClassVar[dict] = {"run_dir": "checkpoint"}
+    RETIRED: ClassVar[dict] = {"overwrite": OVERWRITE_RETIRED}
 
     # a training run directory (its checkpoints/ holds the step_* checkpoints)
     checkpoint: str = MISSING
     # how many of its newest complete checkpoints are averaged (Vaswani et al.: 5 base, 20 big)
     last: int = 5
     out: str = MISSING  # the model directory written, as launch.export writes it
-    overwrite: bool = False  # replace an out that is not an export, as launch.export's overwrite
 
 
 @dataclass

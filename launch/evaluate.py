@@ -60,8 +60,8 @@ from pipeline import remote
 from pipeline.format import (
     FIELDS,
     SPLITS,
+    dataset_tokenizer_difference,
     decode_array,
-    has_target_tokenizer,
     read_manifest,
     shard_entries,
     tokenizer_record,
@@ -132,25 +132,28 @@ def read_pairs(
 
 
 def check_tokenizer(ckpt: Checkpoint, data_dir: str | Path) -> dict:
-    """The dataset's manifest, once its tokenizer is known to be the checkpoint's."""
+    """The dataset's manifest, once each side's tokenizer is known to be the checkpoint's: the same
+    file (sha256), or one that gives the same ids (`format.dataset_tokenizer_difference`)."""
     manifest = read_manifest(data_dir)
     data_sha = (manifest.get("tokenizer") or {}).get("sha256")
-    if data_sha != ckpt.tokenizer_sha256:
+    if data_sha != ckpt.tokenizer_sha256 and (
+        differs := dataset_tokenizer_difference(ckpt.tokenizer_path, data_dir, manifest)
+    ):
         raise UserError(
             f"tokenizer mismatch: {ckpt.path} was trained with tokenizer "
-            f"{ckpt.tokenizer_sha256[:12]}, {data_dir} was prepared with {str(data_sha)[:12]}; "
-            "evaluate on data prepared with the model's tokenizer"
+            f"{ckpt.tokenizer_sha256[:12]}, {data_dir} was prepared with {str(data_sha)[:12]} "
+            f"({differs}); evaluate on data prepared with the model's tokenizer"
         )
-    theirs = (
-        tokenizer_record(manifest, "target")["sha256"] if has_target_tokenizer(manifest) else None
-    )
-    ours = file_sha256(ckpt.target_tokenizer_path) if ckpt.target_tokenizer_path else None
-    if theirs != ours:
+    # The target side's tokenizer on either side: its own (under target/), else the source side's.
+    theirs = tokenizer_record(manifest, "target")["sha256"]
+    ours = file_sha256(ckpt.target_path)
+    if theirs != ours and (
+        differs := dataset_tokenizer_difference(ckpt.target_path, data_dir, manifest, "target")
+    ):
         raise UserError(
             f"tokenizer mismatch: {ckpt.path}'s target side was trained with "
-            f"{(ours or 'the source side')[:12]}, {data_dir}'s targets were encoded with "
-            f"{(theirs or 'the source side')[:12]}; evaluate on data "
-            "prepared with the model's tokenizers"
+            f"{ours[:12]}, {data_dir}'s targets were encoded with {theirs[:12]} ({differs}); "
+            "evaluate on data prepared with the model's tokenizers"
         )
     return manifest
 

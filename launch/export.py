@@ -22,10 +22,10 @@ to a fast tokenizer (`launch.hf_tokenizer`) with tokenizer.model beside it; and 
 model the class cannot compute is refused in one line naming the option, before the weights are
 read.
 
-`out` is replaced only when it is an earlier export or empty, or with `overwrite=true`, and never
-when it is the run directory being read or holds it (`check_out`); it is written under OUT.lock
-as OUT.partial, which a failure removes (`writing`). The run's tokenizer file must be the one its
-checkpoint recorded.
+`out` is replaced only when it is an earlier export or empty, never when it holds anything else or
+is the run directory being read or holds it (`check_out`); it is written under OUT.lock in a
+staging directory of the run's own, which a failure removes (`writing`, `common.outputs`). The
+run's tokenizer file must be the one its checkpoint recorded.
 
 The checkpoint is verified against its integrity.json and read weights-only
 (`launch.deepspeed.safe_load.consolidated_state_dict`): a damaged or partial checkpoint, a universal
@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -57,6 +56,14 @@ from common.configure import (
 )
 from common.hashing import file_sha256
 from common.lock import dir_lock
+from common.outputs import (
+    check_replaceable,
+    clear_leftovers,
+    discard,
+    new_staging,
+    publish,
+    real_output,
+)
 from common.progress import meter
 from common.terminal import leave_terminal
 from common.weights import load_failure
@@ -88,46 +95,21 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, str]:
 
 @contextlib.contextmanager
 def writing(out: str | Path):
-    """A scratch directory beside `out` that becomes `out` only when the block completes, and is
-    removed if it fails (an error, an interrupt); the old `out` stays in place until then."""
-    out = Path(out)
-    partial = out.with_name(out.name + ".partial")
-    _remove(partial)  # left by an export killed outright
-    partial.mkdir(parents=True)
+    """A staging directory of this run's beside `out` that becomes `out` only when the block
+    completes, and is removed if it fails (an error, an interrupt); the old `out` stays in place
+    until then. Called under OUT.lock (`claiming`)."""
+    out = real_output(out, "out")
+    partial = new_staging(out, "export")
     try:
         yield partial
-        _publish(partial, out)
+        publish(partial, out, "export")
     except BaseException:
-        _remove(partial)
+        discard(partial)
         raise
-
-
-def _publish(partial: Path, out: Path) -> None:
-    """Swap the finished `partial` into place as `out`; what `out` held is removed only after."""
-    old = out.with_name(out.name + ".old")
-    _remove(old)
-    if out.exists() or out.is_symlink():
-        out.rename(old)
-    try:
-        partial.rename(out)
-    except BaseException:
-        if (old.exists() or old.is_symlink()) and not out.exists():
-            old.rename(out)
-        raise
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    """Remove a file, a link (not what it points to) or a directory tree, if there."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
 
 
 # What an export writes (ours, or format=hf with its tokenizer and, for a large model, its weights
-# in shards): a directory holding only these, and saying it is an export, is replaced without
-# `overwrite`.
+# in shards): a directory holding only these, and saying it is an export, is replaced; no other.
 EXPORT_NAMES = {
     WEIGHTS,
     CONFIG,
@@ -145,24 +127,31 @@ LOCK_SUFFIX = ".lock"  # OUT.lock, beside `out`: held while an export writes it
 
 
 def is_export(directory: Path) -> bool:
-    """Whether `directory` is an export of ours (`launch.export`, `launch.average`): its
-    provenance.json or config.json says so, and it holds nothing an export does not write."""
-    names = [path.name for path in directory.iterdir()]
-    if not all(name in EXPORT_NAMES or WEIGHT_SHARD.fullmatch(name) for name in names):
-        return False
+    """Whether `directory` is an export of ours (`launch.export`, `launch.average`) and nothing
+    else."""
+    return not foreign_to_export(directory)
+
+
+def foreign_to_export(directory: Path) -> list[str]:
+    """What in `directory` an export did not write: everything, unless its provenance.json or
+    config.json says it is an export; otherwise the names an export never writes."""
+    names = sorted(path.name for path in directory.iterdir())
     for name, key in ((PROVENANCE, "checkpoint"), (CONFIG, "model")):
         try:
             if key in json.loads((directory / name).read_text()):
-                return True
+                break
         except (OSError, ValueError, TypeError):
             continue
-    return False
+    else:
+        return names
+    return [name for name in names if name not in EXPORT_NAMES and not WEIGHT_SHARD.fullmatch(name)]
 
 
-def check_out(out: Path, run_dir: Path, overwrite: bool) -> None:
+def check_out(out: Path, run_dir: Path) -> None:
     """UserError, one line, for an `out` an export must not replace: the run directory being read,
-    a directory inside it or above it, whatever `overwrite` says; without `overwrite`, a file, or
-    a directory holding anything but an export of ours (prepare's rule for its output)."""
+    a directory inside it or above it; a file, or a directory holding anything but an export of
+    ours (`common.outputs.check_replaceable`)."""
+    out = real_output(out, "out")
     target, run = out.resolve(), run_dir.resolve()
     where = "is" if target == run else "is inside" if run in target.parents else "holds"
     if target == run or run in target.parents or target in run.parents:
@@ -170,33 +159,18 @@ def check_out(out: Path, run_dir: Path, overwrite: bool) -> None:
             f"out: {out} {where} the run directory {run_dir} being exported; choose a directory "
             "outside it"
         )
-    if overwrite or not (out.exists() or out.is_symlink()):
-        return
-    if not out.is_dir():
-        raise UserError(
-            f"out: {out} is a file, not a model directory; pass overwrite=true to replace it"
-        )
-    if any(out.iterdir()) and not is_export(out):
-        raise UserError(
-            f"out: {out} exists and is not an export (it holds {_example(out)}); pass "
-            "overwrite=true to replace it"
-        )
-
-
-def _example(directory: Path) -> str:
-    names = sorted(path.name for path in directory.iterdir())
-    foreign = [name for name in names if name not in EXPORT_NAMES] or names
-    return ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    check_replaceable(out, "out", "an export", foreign_to_export, None)
 
 
 @contextlib.contextmanager
-def claiming(out: str | Path, run_dir: Path, overwrite: bool, what: str = "export"):
+def claiming(out: str | Path, run_dir: Path, what: str = "export"):
     """Hold OUT.lock (`common.lock`) while `out` is written, so that a second export into it fails
     at once naming the first; `out` is checked (`check_out`) once the lock is held."""
-    out = Path(out)
-    check_out(out, run_dir, overwrite)  # before anything is written, the lock file included
+    check_out(Path(out), run_dir)  # before anything is written, the lock file included
+    out = real_output(out, "out")
     with dir_lock(out, what=what, lock_file=out.with_name(out.name + LOCK_SUFFIX)):
-        check_out(out, run_dir, overwrite)  # as it is now, no other export writing it
+        clear_leftovers(out)  # what an export killed outright left
+        check_out(out, run_dir)  # as it is now, no other export writing it
         yield
 
 
@@ -402,9 +376,7 @@ def provenance(run: RunCheckpoint) -> dict:
     }
 
 
-def export(
-    checkpoint: str | Path, out: str | Path, format: str = "ours", overwrite: bool = False
-) -> dict:
+def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dict:
     from launch.deepspeed.safe_load import consolidated_state_dict
     from launch.preconditions import check_writable_dir
 
@@ -418,7 +390,7 @@ def export(
         check_hf_exportable(run.config.model)
     record = provenance(run)
     with (
-        claiming(out, run.root.parent, overwrite),
+        claiming(out, run.root.parent),
         # verify and consolidate; write
         meter(2, f"export {run.tag}", "phase") as shown,
     ):
@@ -479,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         ExportConfig, sys.argv[1:] if argv is None else argv, usage=USAGE, config_optional=True
     )
-    record = export(cfg.checkpoint, cfg.out, cfg.format, cfg.overwrite)
+    record = export(cfg.checkpoint, cfg.out, cfg.format)
     print(
         f"exported {record['task']} step {record['step']} from {record['checkpoint']} "
         f"to {cfg.out} ({cfg.format})"
@@ -488,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def interrupt_on_signals() -> None:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, through the clean-up of OUT.partial and OUT.lock;
+    """SIGTERM and SIGHUP unwind like Ctrl-C, through the clean-up of the staging directory and
+    OUT.lock;
     Python's default would end the process on the spot and leave them. For the commands' own
     processes (`__main__`), not for a caller of `main`."""
 

@@ -8,10 +8,11 @@ only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`: dropout, 
 the job's. A `model.*=` override on the command line that contradicts the directory is refused in
 one line; the YAML's model section is a template the directory replaces.
 
-The weights must have been trained with the dataset's tokenizer (`load`): for our exports and
-our HF exports, the same tokenizer.model (sha256); for any other HF directory, its tokenizer must
-give the dataset's SentencePiece ids on a sample (every piece of the vocabulary as text, sentences
-made of them, runs of rare characters for the byte pieces). Otherwise one line names both. A
+The weights must have been trained with the dataset's tokenizer (`check_tokenizer`, from `load`
+and the dry run): the same file (sha256), or one that gives the same ids (its vocabulary, its
+special ids, and its ids on a sample: fixed texts, every piece of the vocabulary as text,
+sentences made of them, runs of rare characters for the byte pieces), as a tokenizer.json that
+transformers saved again does. Otherwise one line names both and the first difference. A
 translation model's stacks can instead be warm-started apart, from a BERT and a GPT, with
 `init.encoder` / `init.decoder` (`model.warm_start`), which `init.model` excludes.
 """
@@ -30,12 +31,12 @@ from launch.export import CONFIG, load_model_dir, read_json, read_model_config
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.config import TRAINING_ONLY_FIELDS
+from pipeline.tokenizer import difference, load_tokenizer, tokenizer_file_in
 
 # A Hugging Face config's special ids may not fit the model's vocabulary (GPT2Config's default
 # 50256 in a smaller one): they stand in these placeholders until the trainer sets the dataset's
 # (launch.resolve.resolve), the directory's tokenizer checked to be the dataset's.
 UNRESOLVED_IDS = dict(pad_id=0, bos_id=0, eos_id=0, mask_id=-1)
-SAMPLE_SENTENCE_PIECES = 12  # pieces per sentence of the tokenizer check's sample
 
 
 def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
@@ -157,71 +158,60 @@ def load(cfg: TrainConfig, dataset_tokenizer: str | Path) -> torch.nn.Module:
 def check_tokenizer(
     directory: str, dataset_tokenizer: str | Path, key: str = "init.model", side: str = ""
 ) -> None:
-    """UserError, one line naming both, unless the directory's tokenizer is the dataset's (`side`:
-    which side's of a translation dataset, "source" or "target", for the message; `key`: the
-    config key that named the directory)."""
+    """UserError, one line naming both and what differs, unless the directory's tokenizer is the
+    dataset's (`dataset_tokenizer`: the dataset's file that fixes its ids; `side`: which side's of
+    a translation dataset, "source" or "target", for the message; `key`: the config key that named
+    the directory).
+
+    A tokenizer is known by the ids it gives (`pipeline.tokenizer.difference`: its vocabulary, its
+    special ids, its ids on a sample), not by its file's bytes: the same sha256 is answer enough,
+    another one is compared by its ids. An export of ours records the sha256 it was trained with;
+    its copy of that tokenizer (the file of that sha256) is what is compared then."""
     dataset_sha256 = file_sha256(dataset_tokenizer)
     whose = f"the dataset's {side} tokenizer" if side else "the dataset's tokenizer"
     if not is_hf_dir(directory):
-        theirs = read_json(Path(directory) / CONFIG).get("tokenizer_sha256")
-        if theirs != dataset_sha256:
-            raise UserError(
-                f"{key}: {directory} was trained with tokenizer sha256 {theirs}, {whose} "
-                f"{dataset_tokenizer} is {dataset_sha256}"
-            )
-        return
+        recorded = read_json(Path(directory) / CONFIG).get("tokenizer_sha256")
+        if recorded == dataset_sha256:
+            return
+        copy = tokenizer_file_in(directory)
+        theirs = None
+        if copy.is_file() and file_sha256(copy) == recorded:
+            theirs = _tokenizer(copy, key, directory, required=False)
+        differs = _difference(dataset_tokenizer, theirs) if theirs is not None else None
+        if theirs is not None and differs is None:
+            return
+        raise UserError(
+            f"{key}: {directory} was trained with another tokenizer (sha256 {recorded}) than "
+            f"{whose} {dataset_tokenizer} ({dataset_sha256})" + (f": {differs}" if differs else "")
+        )
     # The dataset's tokenizer file in the directory (a Hugging Face tokenizer.json it was prepared
-    # from, or the tokenizer.model beside our HF export): the same bytes, or another tokenizer.
+    # from, or the tokenizer.model beside our HF export) if it has one, else its tokenizer.
     same_name = Path(directory) / Path(dataset_tokenizer).name
-    if same_name.is_file():
-        theirs = file_sha256(same_name)
-        if theirs != dataset_sha256:
-            raise UserError(
-                f"{key}: {same_name} has sha256 {theirs}, {whose} {dataset_tokenizer} "
-                f"{dataset_sha256}"
-            )
+    if same_name.is_file() and file_sha256(same_name) == dataset_sha256:
         return
-    text, theirs, ours = first_difference(directory, dataset_tokenizer, key)
-    if text is not None:
+    theirs = _tokenizer(same_name if same_name.is_file() else Path(directory), key, directory)
+    differs = _difference(dataset_tokenizer, theirs)
+    if differs is not None:
         raise UserError(
             f"{key}: the tokenizer of {directory} gives other ids than {whose} "
-            f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {text[:40]!r} -> "
-            f"{theirs[:8]} there, {ours[:8]} here"
+            f"{dataset_tokenizer} (sha256 {dataset_sha256[:12]}): {differs}"
         )
 
 
-def first_difference(
-    directory: str, dataset_tokenizer: str | Path, key: str = "init.model"
-) -> tuple[str | None, list, list]:
-    """The first text of the sample on which the directory's tokenizer and the dataset's disagree
-    (None if none), with both tokenizations; the sample: every piece of the dataset's vocabulary
-    as text (`Tokenizer.vocabulary_texts`), sentences of consecutive ones, and runs of rare
-    characters (for the byte pieces)."""
-    import transformers
-
-    from pipeline.tokenizer import load_tokenizer
-
-    ours = load_tokenizer(dataset_tokenizer)
+def _tokenizer(path: Path, key: str, directory: str, required: bool = True):
+    """The tokenizer at `path` in `directory`; one line if it cannot be read (None, when not
+    `required`: the caller has its own line)."""
     try:
-        hf = transformers.AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as err:
+        return load_tokenizer(path)
+    except UserError as err:
+        if not required:
+            return None
         raise UserError(
-            f"{key}: {directory} has no tokenizer to check against the dataset's: "
-            f"{str(err).splitlines()[0]}"
+            f"{key}: {directory} has no tokenizer to check against the dataset's: {err}"
         ) from None
-    words = ours.vocabulary_texts()
-    sentences = [
-        "".join(words[i : i + SAMPLE_SENTENCE_PIECES])
-        for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)
-    ]
-    # Characters a vocabulary rarely holds, for its byte pieces: private use, Cyrillic, CJK, emoji.
-    rare = [
-        "".join(map(chr, range(start, start + 64)))
-        for start in (0xE000, 0xE040, 0x0400, 0x4E00, 0x1F600)
-    ]
-    sample = words + sentences + rare
-    theirs = hf(sample, add_special_tokens=False)["input_ids"]
-    for text, there, here in zip(sample, theirs, ours.encode_batch(sample)):
-        if there != here:
-            return text, there, here
-    return None, [], []
+
+
+def _difference(dataset_tokenizer: str | Path, theirs) -> str | None:
+    return difference(
+        load_tokenizer(dataset_tokenizer), theirs, ("in the dataset's", "in the directory's")
+    )

@@ -97,11 +97,13 @@ def stop_with_launcher(signum: int, grace_s: float = LAUNCHER_GONE_GRACE_S) -> N
 
     Why the ranks, not the launcher: a signal that torchrun or the deepspeed runner does not handle
     kills it outright, and their code is not ours. torchrun turns SIGTERM, SIGINT, SIGHUP and
-    SIGQUIT into an exception and passes SIGTERM on to its ranks, which stop, but SIGUSR1 (what
-    `scancel --signal=USR1` without `B:` sends, or a `kill -USR1` of the launcher) ends it at once;
-    a wrapper that passed signals on would serve only the jobs started through it. The ranks see
-    their launcher die whatever killed it, so a `kill -9` of the launcher also ends them with a
-    checkpoint, within the grace, rather than without one."""
+    SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE) into an exception and passes the same signal on to
+    each rank's process group, which the ranks take for a stop request (`launch.stop`), then kills
+    them 30 s later; but SIGUSR1 (what `scancel --signal=USR1` without `B:` sends, or a
+    `kill -USR1` of the launcher) and SIGXCPU (its own CPU-time limit) end it at once (SIGXFSZ
+    Python ignores); a wrapper that passed signals on would serve only the jobs started through
+    it. The ranks see their launcher die whatever killed it, so a `kill -9` of the launcher also
+    ends them with a checkpoint, within the grace, rather than without one."""
     global _stop_on_death
     _stop_on_death = (int(signum), grace_s)
     if _pdeathsig:

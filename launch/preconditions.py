@@ -85,8 +85,10 @@ def with_data_tokenizer(
     """The model config with the data's vocabulary size (`model.vocab_size: 0` asks for it) and
     its tokenizer's special ids (`model_ids`; None: a dataset not yet prepared, ids unknown), and
     the problem, in words, when the config names another size: the one rule of the trainer and
-    its dry run. A Seq2Seq's decoder takes `target`'s, when the targets have a tokenizer of
-    their own; the shared fields (and the encoder) stay the source side's."""
+    its dry run. The data's vocabulary is its tokenizer's id range (highest id + 1, as prepare
+    records it), so a model with fewer embedding rows than some id needs is refused here. A
+    Seq2Seq's decoder takes `target`'s, when the targets have a tokenizer of their own; the
+    shared fields (and the encoder) stay the source side's."""
     if specials is not None:
         model_cfg = replace(model_cfg, **model_ids(specials))
     if model_cfg.arch == "seq2seq":
@@ -98,15 +100,20 @@ def with_data_tokenizer(
     if model_cfg.vocab_size != data_vocab and init_model:  # the size is the directory's
         return model_cfg, (
             f"init.model: {init_model} has a vocabulary of {model_cfg.vocab_size}, the tokenizer "
-            f"of {data_dir} {data_vocab} pieces: the dataset was prepared with another tokenizer "
-            f"than the model's (prepare it with tokenizer.path={init_model})"
+            f"of {data_dir} {_id_range(data_vocab)}: the dataset was prepared with another "
+            f"tokenizer than the model's (prepare it with tokenizer.path={init_model})"
         )
     if model_cfg.vocab_size != data_vocab:
         return model_cfg, (
             f"model.vocab_size={model_cfg.vocab_size} but the tokenizer of {data_dir} has "
-            f"{data_vocab} pieces (set model.vocab_size=0 to take it from the data)"
+            f"{_id_range(data_vocab)}: set model.vocab_size=0 to take it from the data"
         )
     return model_cfg, None
+
+
+def _id_range(vocab: int) -> str:
+    """A tokenizer's vocabulary as the model needs it: its id range, not its count of tokens."""
+    return f"a vocabulary of {vocab} (ids 0 to {vocab - 1})"
 
 
 def _stack_vocabularies(
@@ -129,8 +136,8 @@ def _stack_vocabularies(
             side = "source" if stack == "encoder" else "target"
             whose = f"{side} tokenizer" if target is not None else "tokenizer (both sides')"
             return model_cfg, (
-                f"model.{stack}.vocab_size={own} but the {whose} of {data_dir} has {size} pieces: "
-                f"the {stack} was made for another tokenizer"
+                f"model.{stack}.vocab_size={own} but the {whose} of {data_dir} has "
+                f"{_id_range(size)}: the {stack} was made for another tokenizer"
             )
     if target is None:
         return model_cfg, None

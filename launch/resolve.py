@@ -20,7 +20,13 @@ from launch.preconditions import TargetSide, data_fits_model, target_side, with_
 from launch.tasks import TASKS, Task
 from model import ModelConfig
 from pipeline import remote
-from pipeline.format import Dataset, dataset_specials, open_dataset, tokenizer_files
+from pipeline.format import (
+    Dataset,
+    dataset_specials,
+    open_dataset,
+    tokenizer_files,
+    vocabulary_problem,
+)
 from pipeline.tokenizer import Specials
 
 
@@ -127,6 +133,10 @@ def _open(cfg: TrainConfig, problems: list[Problem]) -> DatasetHandle | None:
         problems.append(Problem("data.data_dir", str(err), str(err)))
         return None
     manifest = dataset.manifest
+    # The vocabulary every reader takes is the manifest's: its tokenizer's id range, or the run
+    # would stop at its first batch, every id above the recorded size read as damage.
+    if problem := vocabulary_problem(cfg.data.data_dir, manifest, fetch):
+        problems.append(Problem("data.data_dir", problem, problem))
     return DatasetHandle(
         dataset,
         fetch,

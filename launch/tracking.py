@@ -5,6 +5,8 @@ that a resumed or requeued job continues the same run (gpt-neox #902). Mode, pro
 and group come from the config's `wandb.*` keys, else from W&B's own environment variables
 (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP), else the defaults: offline, under
 `RUN_DIR/wandb/` with no network, to upload later with `wandb sync` (the start line says how).
+A W&B directory that cannot be written (a read-only mount, a full disk) stops the job at its
+start in one line (`check_wandb_dir`), and in wandb.init the same way.
 """
 
 from __future__ import annotations
@@ -88,6 +90,56 @@ def resolve_wandb(cfg, env=None) -> dict:
     return resolved
 
 
+def wandb_dir(run_dir: str | Path) -> Path:
+    """Where W&B writes a run of `run_dir` (`wandb.init(dir=run_dir)`, which wins over
+    WANDB_DIR): RUN_DIR/wandb, or RUN_DIR/.wandb where that exists, as W&B chooses."""
+    run_dir = Path(run_dir)
+    return run_dir / ".wandb" if (run_dir / ".wandb").exists() else run_dir / "wandb"
+
+
+def wandb_storage(directory: Path):
+    """W&B's directory full or unwritable (ENOSPC, EROFS, ...: common.storage) as one line that
+    names it and the ways forward."""
+    from common.storage import storage_errors
+
+    off = "or turn W&B off with wandb.mode=disabled"
+    return storage_errors(
+        f"W&B's directory {directory}",
+        directory,
+        space=f"free some space there, choose a run_dir on another file system, {off}",
+        access=f"make it writable, choose another run_dir (W&B writes in RUN_DIR/wandb), {off}",
+    )
+
+
+def check_wandb_dir(settings, run_dir: str | Path) -> Path | None:
+    """W&B's directory of `run_dir` can be written (made, where it does not exist yet: its
+    nearest existing parent can be written), unless `settings` (WandbConfig, resolved against
+    the environment) turn W&B off; else one line, before anything is built. Trying is the only
+    sure answer, as for run_dir (launch.preconditions.check_writable_dir), and nothing is left:
+    the file tried is an unnamed temporary one. Returns the directory (None: W&B off)."""
+    import tempfile
+
+    from common.configure import UserError
+    from common.storage import existing_ancestor
+
+    if resolve_wandb(settings)["mode"][0] == "disabled":
+        return None
+    directory = wandb_dir(run_dir)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(
+            f"W&B's directory {directory} is a file, not a directory; move it away, or turn W&B "
+            "off with wandb.mode=disabled"
+        )
+    probe = existing_ancestor(directory)
+    with wandb_storage(directory):
+        try:
+            with tempfile.TemporaryFile(dir=probe, prefix=".writable-"):
+                pass
+        except OSError as err:  # named by the directory, not by the file tried
+            raise OSError(err.errno, err.strerror, str(probe)) from err
+    return directory
+
+
 def new_run_id() -> str:
     """A W&B-style run id: 8 lowercase letters and digits."""
     alphabet = string.ascii_lowercase + string.digits
@@ -125,18 +177,20 @@ class Tracker:
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(
-            project=resolved["project"][0],
-            entity=resolved["entity"][0] or None,
-            group=resolved["group"][0] or None,
-            name=settings.name or Path(run_dir).name,
-            tags=list(settings.tags) or None,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            mode=mode,
-            config=config,
-        )
+        # checked at the start (check_wandb_dir); a disk that filled since is said the same way
+        with wandb_storage(wandb_dir(run_dir)):
+            self.run = wandb.init(
+                project=resolved["project"][0],
+                entity=resolved["entity"][0] or None,
+                group=resolved["group"][0] or None,
+                name=settings.name or Path(run_dir).name,
+                tags=list(settings.tags) or None,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                mode=mode,
+                config=config,
+            )
         self.run.summary.update(summary)
         print(self.where(mode, source), file=sys.stderr, flush=True)
 

@@ -13,13 +13,21 @@ import os
 import posixpath
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from common.configure import UserError
 from pipeline import remote
-from pipeline.tokenizer import KINDS, SENTENCEPIECE_FILE, Specials, Tokenizer, tokenizer_from_files
+from pipeline.tokenizer import (
+    KINDS,
+    SENTENCEPIECE_FILE,
+    Specials,
+    Tokenizer,
+    difference,
+    load_tokenizer,
+    tokenizer_from_files,
+)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -124,6 +132,55 @@ def field_vocab(manifest: dict) -> dict[str, int]:
     }
 
 
+def dataset_tokenizer_difference(
+    path: str | os.PathLike,
+    data_dir: str | os.PathLike,
+    manifest: dict,
+    side: str = "source",
+    fetch=None,
+) -> str | None:
+    """None if the tokenizer at `path` (a file, or a directory holding one) is one side's tokenizer
+    of the dataset, else what differs, in words: a tokenizer is known by the ids it gives
+    (`pipeline.tokenizer.difference`), the same file as the manifest records (sha256) being
+    answer enough."""
+    path = Path(path)
+    file = path if path.is_file() else path / posixpath.basename(tokenizer_files(manifest, side)[0])
+    recorded = tokenizer_record(manifest, side)["sha256"]
+    if file.is_file() and hashlib.sha256(file.read_bytes()).hexdigest() == recorded:
+        return None
+    try:
+        theirs = load_tokenizer(path)
+    except UserError as err:
+        return str(err)
+    ours = dataset_tokenizer(data_dir, manifest, fetch, side)
+    return difference(ours, theirs, ("in the dataset's", f"in {path}'s"))
+
+
+def vocabulary_problem(data_dir: str | os.PathLike, manifest: dict, fetch=None) -> str | None:
+    """One line if a side's recorded vocab_size is not its tokenizer's id range (highest id + 1),
+    else None. A Hugging Face tokenizer's ids may have gaps; a dataset whose manifest counted its
+    tokens instead records too small a vocabulary, and every reader would take its shards' higher
+    ids for damage. Only that kind is read (a SentencePiece model's ids have no gaps); a tokenizer
+    that cannot be read is None here, its problem said where it is read."""
+    for side in SIDES[: 1 + has_target_tokenizer(manifest)]:
+        record = tokenizer_record(manifest, side)
+        if record.get("kind") != "hf":
+            continue
+        try:
+            tokenizer = dataset_tokenizer(data_dir, manifest, fetch, side)
+        except (UserError, OSError, remote.FetchError):
+            continue
+        if tokenizer.vocab_size != int(record["vocab_size"]):
+            whose = f"{side} tokenizer" if has_target_tokenizer(manifest) else "tokenizer"
+            return (
+                f"{data_dir}: the manifest records a vocabulary of {record['vocab_size']}, but its "
+                f"{whose}'s ids run to {tokenizer.vocab_size - 1} (a vocabulary of "
+                f"{tokenizer.vocab_size}, its highest id + 1): written by a prepare that counted "
+                "the tokens; prepare it again"
+            )
+    return None
+
+
 def sample_key(bucket: int, index: int) -> str:
     return f"{bucket:04d}_{index:08d}"
 
@@ -197,6 +254,44 @@ def open_dataset(data_dir: str | os.PathLike, fetch=None) -> Dataset:
 def read_manifest(data_dir: str | os.PathLike, fetch=None) -> dict:
     """The checked manifest of the dataset at `data_dir` (`open_dataset`)."""
     return open_dataset(data_dir, fetch).manifest
+
+
+PREPARE_CONFIG = "config.yaml"  # the prepare's resolved configuration, beside the manifest
+
+
+def is_dataset(directory: str | os.PathLike) -> bool:
+    """Whether a local `directory` is a dataset prepare wrote and nothing else: what prepare may
+    replace with `overwrite=true`."""
+    return not foreign_to_dataset(directory)
+
+
+def foreign_to_dataset(directory: str | os.PathLike) -> list[str]:
+    """What in a local `directory` prepare did not write, as paths relative to it (a foreign
+    folder once, not each file in it): everything, without a readable manifest; otherwise what
+    the manifest does not account for (its shards, its tokenizers, the prepare's config.yaml)."""
+    directory = Path(directory)
+    everything = sorted(path.name for path in directory.iterdir())
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        if _manifest_problem(manifest):
+            return everything
+        files = {MANIFEST, PREPARE_CONFIG, *tokenizer_files(manifest)}
+        if has_target_tokenizer(manifest):
+            files.update(tokenizer_files(manifest, "target"))
+        for entry in manifest["datasets"].values():
+            for split in entry["splits"].values():
+                files.update(shard["path"] for shard in split["shards"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return everything
+    folders = {str(parent) for name in files for parent in PurePosixPath(name).parents}
+    foreign: list[str] = []
+    for path in sorted(directory.rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if any(name.startswith(outer + "/") for outer in foreign):
+            continue
+        if name not in (files | folders if path.is_dir() else files):
+            foreign.append(name)
+    return foreign
 
 
 def _manifest_problem(manifest) -> str | None:

@@ -11,6 +11,10 @@ Whatever the kind, a reader never assumes an id: `Specials` holds each role's id
 tokenizer has none) and how a text is framed, and travels in the manifest
 (`Specials.to_manifest` / `from_manifest`). This module and the SentencePiece training are the only
 code that knows the fixed layout (tests/pipeline/test_tokenizer_kinds.py checks it).
+
+A tokenizer's `vocab_size` is its id range, highest id + 1 (a Hugging Face vocabulary's ids may
+have gaps; tests/pipeline/test_tokenizer_ids.py). Two tokenizers are the same when they give the
+same ids (`difference`: vocabulary, special ids, a sample's ids), whatever their files' bytes.
 """
 
 from __future__ import annotations
@@ -153,6 +157,13 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The tokenizer's id range, highest id + 1: what an embedding needs rows for, what every
+        id of the data stays under. Not a count of the tokens, which is less where the ids have
+        gaps (a Hugging Face vocabulary with added tokens above a hole)."""
+        raise NotImplementedError
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every entry of the vocabulary (added tokens included) and its id."""
         raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -239,6 +250,9 @@ class SentencePieceTokenizer(Tokenizer):
     def token(self, token_id: int) -> str:
         return self.processor.id_to_piece(token_id)
 
+    def vocabulary(self) -> dict[str, int]:
+        return {self.processor.id_to_piece(i): i for i in range(self.processor.get_piece_size())}
+
     def vocabulary_texts(self) -> list[str]:
         sp = self.processor
         return [
@@ -315,6 +329,11 @@ class HFTokenizer(Tokenizer):
                 f"{source}: {HF_FILE} is not a Hugging Face tokenizer "
                 f"({str(err).splitlines()[0][:120] if str(err) else type(err).__name__})"
             ) from None
+        # A tokenizer.json saved after a call that truncated or padded keeps those settings
+        # (transformers sets them on the backend for a call and saves them with it): a text's ids
+        # are its whole ids, unpadded, as AutoTokenizer gives them unless asked to cut or pad.
+        self.backend.no_truncation()
+        self.backend.no_padding()
         self.files = {name: files[name] for name in HF_FILES if name in files}
         self.sha256 = hashlib.sha256(files[HF_FILE]).hexdigest()
         config = {}
@@ -324,6 +343,7 @@ class HFTokenizer(Tokenizer):
                     config.update(json.loads(files[name]))
                 except (ValueError, UnicodeDecodeError):
                     raise UserError(f"{source}: {name} is not JSON") from None
+        self._id_range: int | None = None
         self.specials = self._specials(config, source, lang_tags)
 
     def _specials(self, config: dict, source: str, lang_tags) -> Specials:
@@ -372,7 +392,14 @@ class HFTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        # Not get_vocab_size(), a count: a vocabulary's ids may skip values (added tokens placed
+        # above a hole), and every id must index an embedding row.
+        if self._id_range is None:
+            self._id_range = max(self.vocabulary().values(), default=-1) + 1
+        return self._id_range
+
+    def vocabulary(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
@@ -387,7 +414,7 @@ class HFTokenizer(Tokenizer):
         special = set(self.specials.ids)
         texts = (
             self.backend.decode([i], skip_special_tokens=False)
-            for i in range(self.vocab_size)
+            for i in sorted(set(self.vocabulary().values()))  # the ids there are, gaps skipped
             if i not in special
         )
         # a byte-level piece of part of a character decodes to U+FFFD: not a text of its own
@@ -407,6 +434,88 @@ def _frame_of(framed: list[int], plain: list[int]) -> Frame:
         if framed[start : start + len(plain)] == plain:
             return tuple(framed[:start]), tuple(framed[start + len(plain) :])
     return (), ()
+
+
+# What two tokenizers are compared on besides their vocabularies and special ids (`difference`):
+# these texts (prose in a few scripts, digits, code, runs of whitespace), every entry of the first
+# one's vocabulary as text, sentences of SAMPLE_SENTENCE_PIECES consecutive entries, and runs of
+# characters a vocabulary rarely holds (for its byte pieces: private use, Cyrillic, CJK, emoji).
+IDENTITY_TEXTS = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Die kleine Katze öffnet das Fenster, und der alte Hund schläft. Straße, naïve café.",
+    "  two  spaces\tand a tab\nand a new line   ",
+    "def f(x):\n    return x ** 2  # 3.14159, 1,000,000 and 42%",
+    "Ελληνικά, русский, 日本語, 中文, 한국어 🙂",
+    "",
+)
+SAMPLE_SENTENCE_PIECES = 12
+_RARE_RUNS = (0xE000, 0xE040, 0x0400, 0x4E00, 0x1F600)
+
+
+def identity_sample(tokenizer: Tokenizer) -> list[str]:
+    """The texts on which `difference` compares another tokenizer's ids with `tokenizer`'s."""
+    words = tokenizer.vocabulary_texts()
+    sentences = [
+        "".join(words[i : i + SAMPLE_SENTENCE_PIECES])
+        for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)
+    ]
+    rare = ["".join(map(chr, range(start, start + 64))) for start in _RARE_RUNS]
+    return [*IDENTITY_TEXTS, *words, *sentences, *rare]
+
+
+def difference(
+    ours: Tokenizer, theirs: Tokenizer, names: tuple[str, str] = ("here", "there")
+) -> str | None:
+    """None when the two are one tokenizer by the ids they give, else the first thing that differs,
+    in words (`names`: how the line calls `ours` and `theirs`): the vocabulary (each entry's id),
+    the id of each special role both name, the ids of each text of `identity_sample(ours)`.
+
+    A tokenizer is known by its ids, not by its file's bytes: transformers rewrites a
+    tokenizer.json it saves (with the truncation and padding of its last call, in its own layout)
+    without changing an id. Equal hashes of the same kind's file are answer enough for the ids."""
+    here, there = names
+    same_file = ours.kind == theirs.kind and ours.sha256 == theirs.sha256
+    if not same_file:
+        found = _vocabulary_difference(ours.vocabulary(), theirs.vocabulary())
+        if found is not None:
+            token_id, mine, other = found
+            return f"id {token_id} is {_entries(mine)} {here}, {_entries(other)} {there}"
+    for role in ROLES:
+        mine, other = getattr(ours.specials, role), getattr(theirs.specials, role)
+        if mine is not None and other is not None and mine != other:
+            return f"the {role} token is id {mine} {here}, id {other} {there}"
+    if same_file:
+        return None
+    sample = identity_sample(ours)
+    for text, mine, other in zip(sample, ours.encode_batch(sample), theirs.encode_batch(sample)):
+        if mine != other:
+            return f"{text[:40]!r} is {_ids(mine)} {here}, {_ids(other)} {there}"
+    return None
+
+
+def _vocabulary_difference(
+    ours: dict[str, int], theirs: dict[str, int]
+) -> tuple[int, list[str], list[str]] | None:
+    """The lowest id whose entries differ between two vocabularies, with each one's entries."""
+    if ours == theirs:
+        return None
+    by_id: dict[int, tuple[list[str], list[str]]] = {}
+    for side, vocabulary in enumerate((ours, theirs)):
+        for token, token_id in vocabulary.items():
+            by_id.setdefault(token_id, ([], []))[side].append(token)
+    for token_id in sorted(by_id):
+        mine, other = (sorted(entries) for entries in by_id[token_id])
+        if mine != other:
+            return token_id, mine, other
+    return None
+
+
+def _entries(tokens: list[str]) -> str:
+    return " / ".join(repr(token) for token in tokens) if tokens else "no entry"
+
+
+def _ids(ids: list[int]) -> str:
+    return str(ids[:8])[:-1] + ", ...]" if len(ids) > 8 else str(ids)
 
 
 def kind_of(path: str | Path) -> str:
@@ -462,7 +571,3 @@ def load_tokenizer(path: str | Path, lang_tags=()) -> Tokenizer:
     """The tokenizer at `path`: a tokenizer.model, a tokenizer.json, or a directory holding one
     (a Hugging Face tokenizer or model directory, a dataset, a run, an export)."""
     return tokenizer_from_files(read_files(path), str(path), lang_tags)
-
-
-def model_sha256(model_bytes: bytes) -> str:
-    return hashlib.sha256(model_bytes).hexdigest()

@@ -4,7 +4,8 @@ against its manifest.
 Every split must list each shard once with a positive sample count (`pipeline.format`'s rule,
 which the loader enforces); every shard must exist with the recorded size and sha256, read as
 a WebDataset with the recorded sample and token counts and the dataset's fields, every token
-id inside its side's tokenizer's vocabulary, and each tokenizer file must match its recorded hash.
+id inside its side's tokenizer's vocabulary, and each tokenizer file must match its recorded hash
+and its id range (highest id + 1) the recorded vocabulary (`pipeline.format.vocabulary_problem`).
 Each problem is printed on its own line; any problem exits 1.
 """
 
@@ -31,6 +32,7 @@ from pipeline.format import (
     shard_list_problems,
     tokenizer_files,
     tokenizer_record,
+    vocabulary_problem,
 )
 
 USAGE = """usage: python -m pipeline.validate [CONFIG.yaml] data_dir=DIR
@@ -82,6 +84,8 @@ def validate(data_dir: str | Path) -> list[str]:
             problems.append(f"{tokenizer}: missing")
         elif file_sha256(tokenizer) != tokenizer_record(manifest, side)["sha256"]:
             problems.append(f"{tokenizer}: sha256 differs from the manifest")
+    if problem := vocabulary_problem(data_dir, manifest):
+        problems.append(problem)
     listed = sum(
         len(entry["shards"])
         for dataset in manifest["datasets"].values()

@@ -144,17 +144,27 @@ WARNED=0
 
 # SLURM's warning signal (--signal=B:USR1@SECONDS) reaches this shell only: ask the trainer,
 # through its stop file, to checkpoint at the end of the current step. A warning that comes
-# before the run directory is known is passed on as soon as it is.
+# before the run directory is known is passed on as soon as it is. The other catchable signals
+# sent before a kill (`scancel --batch --signal=...`, this shell's own CPU-time or file size
+# limit) are such a warning too, rather than the end of this shell (whose job SLURM would then
+# end, the ranks perhaps killed before their checkpoint, and not requeued). SIGTERM and SIGINT
+# are a cancellation: SLURM sends them to the ranks too, which checkpoint, and no requeue follows.
+WARNING_SIGNALS=(USR1 HUP QUIT XCPU XFSZ)
 on_warning() {
     TRAPPED=1
     WARNED=1
-    log "warning signal: asking the trainer to checkpoint and stop"
+    log "warning signal${1:+ (SIG$1)}: asking the trainer to checkpoint and stop"
     [[ -n $RUN_DIR ]] && touch "$RUN_DIR/STOP"
     return 0
 }
 
 train_job() {
-    trap on_warning USR1
+    local signal
+    for signal in "${WARNING_SIGNALS[@]}"; do
+        # the signal's name expanded now, on purpose
+        # shellcheck disable=SC2064
+        trap "on_warning $signal" "$signal"
+    done
     (($# >= 1)) || die "usage: sbatch [sbatch flags] ${SLURM_JOB_NAME:-pretrain}.sbatch CONFIG.yaml [key.sub=value ...]"
     print_job
     local run_dir nproc head head_addr port status
@@ -186,7 +196,7 @@ train_job() {
         --rdzv_backend=c10d --rdzv_endpoint="$head_addr:$port" --rdzv_id="$SLURM_JOB_ID" --max_restarts=0 \
         -m launch.train "${args[@]}" &
     wait_for_step $! && status=0 || status=$?
-    trap - USR1
+    trap - "${WARNING_SIGNALS[@]}"
 
     if ((status == 0)) && [[ -f $run_dir/preempted.json ]]; then
         log "checkpoint saved at $(cat "$run_dir/preempted.json"): requeueing job $SLURM_JOB_ID"

@@ -6,6 +6,7 @@ and offline W&B records. Also the settings of the runs conftest trains once a se
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from repo import ROOT
@@ -33,6 +34,50 @@ TINY = [
     # ZeRO-3 would keep every tensor of a model this small whole on every rank.
     "deepspeed.zero3_persistence_threshold=0",
 ]
+
+
+# One process, no evaluation or checkpoint: the runs that check what a start refuses or allows
+# (the model's shape is TINY_SHAPE's unless an init.model gives it).
+ONE_PROCESS = [
+    "data.micro_batch_size=4",
+    "data.num_workers=0",
+    "schedule.warmup_steps=1",
+    "eval_every=0",
+    "eval_batches=0",
+    "checkpoint.every_steps=0",
+    "log_every=1",
+    "threads_per_rank=1",
+    "wandb.mode=disabled",
+]
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ARGS` in the repository, one thread, W&B off; whatever its exit status."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def train_one_process(
+    data: Path, run_dir: Path, *overrides: str, shape: bool = True
+) -> subprocess.CompletedProcess:
+    """`launch.train` on configs/tiny_gpt.yaml in one process with ONE_PROCESS (and TINY_SHAPE
+    with `shape`) and `overrides`, whatever its exit status (a dry run: `--dry-run`)."""
+    return run_module(
+        "launch.train",
+        str(ROOT / "configs" / "tiny_gpt.yaml"),
+        f"data.data_dir={data}",
+        f"run_dir={run_dir}",
+        *(TINY_SHAPE if shape else []),
+        *ONE_PROCESS,
+        *overrides,
+    )
 
 
 def train(

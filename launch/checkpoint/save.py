@@ -148,8 +148,10 @@ def save_checkpoint(run: Run) -> Path:
             )
             if k in client_state
         }
-        # what a resume checks before loading (`find_resume`)
+        # what a resume checks before loading (`find_resume`): the network, and every setting
+        # (`launch.train.changes`)
         info["model"] = client_state["config"]["model"]
+        info["config"] = client_state["config"]
         (tag_dir / "client_state.json").write_text(json.dumps(info, indent=1) + "\n")
         return files_on_disk(tag_dir)
 

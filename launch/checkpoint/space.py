@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import re
 from pathlib import Path
 from typing import NamedTuple
 
-from common.storage import byte_size
+from common.storage import byte_size, file_system
 from launch.checkpoint.layout import POINTER, latest_tag
 
 
@@ -45,28 +43,6 @@ def checkpoint_size(parameters: int, zero_stage: int, precision: str) -> tuple[i
     return parameters * each, f"{parameters:,} parameters x {each} bytes: {how}"
 
 
-def file_system(path: str | Path) -> str:
-    """The file system that holds `path`, for a message: "TYPE on MOUNT_POINT" (the mount point
-    alone where /proc/self/mounts does not say)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    mount = path.resolve()
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    kind = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            # The last mount on a directory is the one seen; octal escapes (\040) stand for spaces
-            # and the like.
-            if len(fields) > 2 and re.sub(
-                r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]
-            ) == str(mount):
-                kind = fields[2]
-    return f"{kind} on {mount}" if kind else str(mount)
-
-
 def short_of_space(root: str | Path, tag: str, free: int, need: int, how: str) -> str | None:
     """The line refusing to save checkpoint `root/tag` where its file system has `free` bytes and
     the save needs about `need` (`how`: how that is counted); None where it fits."""
@@ -93,6 +69,22 @@ def save_failed(
             name = Path(name).relative_to(base).as_posix()
             break
     was_free = f" and {byte_size(free)} was free before it" if free is not None else ""
+    if failure.errno == errno.EFBIG:  # the process's file size limit, not its file system
+        from launch.stop import file_size_limit
+
+        latest = latest_tag(root)
+        return (
+            f"checkpoint {tag} not saved: rank {failure.rank} {failure.doing} {name}: "
+            f"{failure.strerror}, past the file size limit (RLIMIT_FSIZE, `ulimit -f`: "
+            f"{file_size_limit()}), which this run's checkpoint files outgrow; the partial {tag} "
+            "is removed and "
+            + (
+                f"{root / POINTER} still names {latest}"
+                if latest
+                else "no checkpoint of this run is complete yet"
+            )
+            + ": raise the limit and start the job again"
+        )
     return (
         f"checkpoint {tag} not saved: the file system of {root} ({file_system(root)}) {said}: rank "
         f"{failure.rank} {failure.doing} {name}: {failure.strerror}; the save needs about "

@@ -16,6 +16,12 @@ from launch.checkpoint import is_universal
 from launch.deepspeed.patches import patch_deepspeed
 from launch.deepspeed.safe_load import checkpoint_globals
 
+# What `launch.optim.build_optimizer` sets in a parameter group from `optim.*` (beta1/beta2, eps,
+# weight_decay, and the kernel of `implementation`), which a checkpoint's optimizer state replaces
+# with the writer's at a load: `Engine.set_hyperparameters` sets them back. The rate is the
+# schedule's (`lr`, `initial_lr`).
+HYPERPARAMETERS = ("betas", "eps", "weight_decay", "fused", "foreach")
+
 
 class Engine:
     """A DeepSpeed engine seen through the few calls the loop makes. Without an optimizer
@@ -191,6 +197,42 @@ class Engine:
         if universal and stage == 3:
             self._repair_zero3_universal_load(checkpoint)
         return client_state or {}
+
+    def hyperparameters(self) -> list[dict]:
+        """Each parameter group's hyperparameters as this job's config built the optimizer
+        (`HYPERPARAMETERS`): taken before `load`, whose optimizer state replaces them with the
+        checkpoint's, to be set back by `set_hyperparameters`."""
+        return [
+            {key: group[key] for key in HYPERPARAMETERS if key in group}
+            for group in self._engine.basic_optimizer.param_groups
+        ]
+
+    def set_hyperparameters(self, hyper: list[dict], lr: float) -> tuple[float, float]:
+        """After `load`: this job's hyperparameters (`hyperparameters()`, taken before it) back in
+        each group, and `lr` the schedule's peak (the LambdaLR's base rates, which the
+        checkpoint's scheduler state replaced), the rate of the next step recomputed from it
+        at the restored step count, as the scheduler's own step computes it (with this job's
+        schedule: the lambda is never saved). Unchanged values give the same floats, so a resume
+        that changes nothing stays exact. Returns the next step's rate before and after."""
+        basic = self._engine.basic_optimizer
+        if len(hyper) != len(basic.param_groups):  # the same optimizer, before and after
+            raise RuntimeError(
+                f"{len(hyper)} parameter groups before the load, {len(basic.param_groups)} after"
+            )
+        before = self.lr
+        for group, values in zip(basic.param_groups, hyper):
+            group.update(values)
+        scheduler = self._engine.lr_scheduler
+        if scheduler is not None:
+            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+            rates = [
+                base_lr * lmbda(scheduler.last_epoch)
+                for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs)
+            ]
+            for group, rate in zip(scheduler.optimizer.param_groups, rates):
+                group["initial_lr"], group["lr"] = lr, rate
+            scheduler._last_lr = list(rates)
+        return before, self.lr
 
     def _repair_zero3_universal_load(self, checkpoint: Path) -> None:
         """Undo two slips of DeepSpeed's ZeRO-3 universal load (`stage3.py`,

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.atomic import atomic_write
 from common.configure import UserError, config_to_dict, parse_cli
 from common.hashing import file_sha256
 from launch.config import LmEvalConfig
@@ -94,9 +95,7 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
             for key in ("results", "versions", "n-shot", "higher_is_better", "n-samples")
         },
     }
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    partial.replace(out)
+    atomic_write(out, json.dumps(record, indent=1, default=str) + "\n")
     print(table(results), flush=True)
     tracker = Tracker(
         enabled=True,
@@ -113,11 +112,16 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
 
 
 def export_tokenizer_sha256(directory: Path, data_dir: str) -> str:
-    """The sha256 of the export's copy of the dataset's tokenizer file (its tokenizer.model or
-    tokenizer.json, whichever the dataset's manifest names), or "missing"."""
-    from pipeline.format import read_manifest, tokenizer_files
+    """The sha256 the export's tokenizer counts as: the dataset's when it is the dataset's
+    tokenizer, by its file or by the ids it gives (`pipeline.format.dataset_tokenizer_difference`);
+    else that of its copy of the dataset's tokenizer file (its tokenizer.model or tokenizer.json,
+    whichever the dataset's manifest names), or "missing"."""
+    from pipeline.format import dataset_tokenizer_difference, read_manifest, tokenizer_files
 
-    mine = directory / tokenizer_files(read_manifest(data_dir))[0]
+    manifest = read_manifest(data_dir)
+    if dataset_tokenizer_difference(directory, data_dir, manifest) is None:
+        return manifest["tokenizer"]["sha256"]
+    mine = directory / tokenizer_files(manifest)[0]
     return file_sha256(mine) if mine.is_file() else "missing"
 
 

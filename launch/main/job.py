@@ -1,6 +1,7 @@
 """The main job's run: `main` -> `main_job` -> each stage as a subprocess of the project's own
 entry points, skipped when its output is complete; a signal to the job stops the stage it runs
-(SIGHUP as SIGTERM); OUT_DIR.lock keeps a second job off the same out_dir."""
+(SIGINT as SIGINT, every other stop signal as SIGTERM); OUT_DIR.lock keeps a second job off the
+same out_dir."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from common.configure import parse_cli, save_config
 from common.lock import dir_lock
 from common.progress import every_s, interval, is_progress_line
 from common.terminal import leave_terminal
+from launch import stop
 from launch.config import MainConfig
 from launch.main.plan import (
     StageClock,
@@ -259,22 +261,39 @@ class StageFailed(Exception):
 
 
 class Stopped(Exception):
-    """SIGTERM, SIGINT or SIGHUP to the main job; `ended` says what became of the stage it ran."""
+    """A stop signal to the main job (STOP_SIGNALS); `ended`: what became of the stage it ran."""
 
     def __init__(self, signum: int, ended: str = ""):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.ended = signum, ended
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Every catchable signal that a scheduler, a shell or the kernel sends before a kill: a rank's.
+STOP_SIGNALS = stop.SIGNALS
+# Sent again by the kernel (past the soft CPU-time limit, once a second; at each write past the
+# file size limit): a repeat is not a second signal, which kills the stage.
+REPEATED_SIGNALS = stop.LIMIT_SIGNALS
+_stopping = False  # a stop signal came
 # how long a stage may take to stop (torchrun gives its ranks 30 s) before it is killed
 STAGE_STOP_S = 60
 
 
 def _on_signal(signum, frame) -> None:
+    global _stopping
+    if signum in REPEATED_SIGNALS and _stopping:
+        return
+    _stopping = True
     if signum == signal.SIGHUP:
         leave_terminal()  # gone: the stop's own lines must not end the job before its stage
     raise Stopped(signum)
+
+
+def stage_signal(signum: int) -> int:
+    """What the stage gets for the main job's stop signal: SIGINT as itself (a second one is "now"
+    to a rank), any other as SIGTERM, which every stage takes for a stop request (prepare cleans
+    up, torchrun passes it on to ranks that checkpoint, export removes OUT.partial); passed on
+    as is, SIGUSR1, SIGXCPU or SIGXFSZ would kill torchrun outright."""
+    return signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
 
 
 def _run(stage: str, command: list[str], log: Path, clock: StageClock) -> None:
@@ -334,14 +353,12 @@ def _last_progress_line(log: Path, tail: int = 1 << 16) -> str:
 
 
 def _stop_stage(stage: str, process: subprocess.Popen, signum: int, log: Path) -> str:
-    """Pass the main job's signal on to the stage (SIGHUP as SIGTERM) and wait for it to end
+    """Pass the main job's signal on to the stage (`stage_signal`) and wait for it to end
     (torchrun passes SIGTERM on to its ranks, which checkpoint; it has no parent-death handling, so
     it would otherwise train on unseen); its process group is killed after STAGE_STOP_S, or at a
     second signal. Returns what became of it, in words."""
     started = time.time()
-    # A hang-up is a stop request as SIGTERM is, which every stage takes for one (prepare cleans
-    # up, torchrun passes it on to ranks that checkpoint, export removes OUT.partial).
-    process.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+    process.send_signal(stage_signal(signum))
     try:
         code = process.wait(timeout=STAGE_STOP_S)
         how = f"ended with it (exit {code})"

@@ -114,17 +114,35 @@ def check_prepare(cfg: MainConfig, problems: list[str]) -> PlannedData | None:
         print(f"  problem: {err}")
         problems.append(f"prepare: prepare_config: {err}")
         return None
+    vocabulary = planned_vocabulary(prepare, problems)
+    if vocabulary is None:
+        return None
     print(
         f"  {sum(files):,} source files; tasks {', '.join(prepare.tasks)}; seq_len "
-        f"{prepare.seq_len}; vocabulary {prepare.tokenizer.vocab_size}"
+        f"{prepare.seq_len}; vocabulary {vocabulary}"
     )
     return PlannedData(
         source=cfg.prepare_config,
-        vocab_size=prepare.tokenizer.vocab_size,
+        vocab_size=vocabulary,
         tasks=tuple(prepare.tasks),
         seq_len=prepare.seq_len,
         max_tokens=prepare.translation.max_tokens,
     )
+
+
+def planned_vocabulary(prepare: PrepareConfig, problems: list[str]) -> int | None:
+    """The vocabulary the prepare stage will record: a given tokenizer's id range (highest id + 1,
+    as prepare records it), else the size asked of the one it trains; None after a problem."""
+    if not prepare.tokenizer.path:
+        return prepare.tokenizer.vocab_size
+    from pipeline.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(prepare.tokenizer.path, prepare.tokenizer.lang_tags).vocab_size
+    except UserError as err:
+        print(f"  problem: tokenizer.path: {err}")
+        problems.append(f"prepare: tokenizer.path: {err}")
+        return None
 
 
 def stage_report(

@@ -20,6 +20,7 @@ from common.configure import (
     parse_cli,
     strip_launcher_args,
 )
+from common.storage import file_system
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
@@ -33,6 +34,7 @@ from launch.preflight.figures import batch_figures, model_figures
 from launch.preflight.report import DataInfo, PlannedData, Report, render
 from launch.resolve import Problem, World, resolve
 from launch.tasks import Task
+from launch.tracking import resolve_wandb, wandb_dir
 from model import ModelConfig
 from model.config import STACKS
 from model.warm_start import SOURCE_CLASSES, architecture_fields
@@ -154,7 +156,9 @@ def preflight(
             model_figures(cfg, task, plan, world, model_cfg, data, report)
         check_deepspeed(cfg, plan, report)
     check_warm_start(cfg, task, model_cfg, data, report)
+    check_init_model(cfg, data, report)
     check_run_dir(cfg, world, report)
+    check_wandb(cfg, report)
     return report
 
 
@@ -216,6 +220,40 @@ def check_warm_start(
             check_source_fits(report, key, what, source, side, model_cfg)
 
 
+def check_init_model(cfg: TrainConfig, data: DataInfo | None, report: Report) -> None:
+    """`init.model`'s tokenizer against the dataset's, as the trainer checks it before it loads
+    the weights (`init_model.check_tokenizer`: the same file, or the same ids). Not when another
+    problem names init.model already (a vocabulary of another size), nor for a dataset at a URL
+    (the trainer checks the fetched file)."""
+    from launch import init_model
+
+    if not cfg.init.model or data is None or remote.is_url(cfg.data.data_dir):
+        return
+    if any(problem.key == "init.model" for problem in report.problems):
+        return
+    local = _local_tokenizer(cfg, "source")
+    if local is None:
+        return  # check_data has said what is wrong with it
+    try:
+        init_model.check_tokenizer(cfg.init.model, local)
+    except UserError as err:
+        report.problem_line(str(err))
+        return
+    report.facts["init.model"] = f"{cfg.init.model}: its tokenizer gives the dataset's ids"
+
+
+def _local_tokenizer(cfg: TrainConfig, text_side: str) -> Path | None:
+    """The local dataset's file that fixes one side's ids; None if it cannot be read."""
+    from pipeline.format import tokenizer_files
+
+    try:
+        manifest = read_manifest(cfg.data.data_dir)
+    except UserError:
+        return None
+    local = Path(cfg.data.data_dir) / tokenizer_files(manifest, text_side)[0]
+    return local if local.is_file() else None
+
+
 def _side_tokenizer(side: str, data: DataInfo | None) -> tuple[str | None, str]:
     """The sha256 of the tokenizer a stack's source must have been trained with (the encoder's:
     the source side's; the decoder's: a target tokenizer of its own, else the
@@ -236,7 +274,6 @@ def _source_from_hf(
     side's special ids, and its tokenizer checked to be that side's (as the trainer checks it)."""
     from launch import init_model
     from launch.preconditions import model_ids
-    from pipeline.format import tokenizer_files
 
     try:
         source = init_model.model_config(str(path))
@@ -247,17 +284,32 @@ def _source_from_hf(
         specials = data.target.specials if side == "decoder" and data.target else data.specials
         if specials is not None:
             source = replace(source, **model_ids(specials))
-        if not remote.is_url(cfg.data.data_dir):
-            manifest = read_manifest(cfg.data.data_dir)
-            text_side = "target" if side == "decoder" else "source"
-            local = Path(cfg.data.data_dir) / tokenizer_files(manifest, text_side)[0]
-            try:
-                init_model.check_tokenizer(
-                    str(path), local, key, text_side if data.target is not None else ""
-                )
-            except UserError as err:
-                report.problem(key, str(err).removeprefix(f"{key}: "))
+        _check_source_tokenizer(key, path, side, cfg, data, report)
     return source
+
+
+def _check_source_tokenizer(
+    key: str, path: Path, side: str, cfg: TrainConfig, data: DataInfo, report: Report
+) -> bool:
+    """A warm-start source's tokenizer against its side's in a local dataset, as the trainer
+    checks it (`init_model.check_tokenizer`); False (a problem reported) if it is another. A
+    dataset at a URL: True, the trainer checks the fetched file."""
+    from launch import init_model
+
+    if remote.is_url(cfg.data.data_dir):
+        return True
+    text_side = "target" if side == "decoder" else "source"
+    local = _local_tokenizer(cfg, text_side)
+    if local is None:
+        return True  # check_data has said what is wrong with it
+    try:
+        init_model.check_tokenizer(
+            str(path), local, key, text_side if data.target is not None else ""
+        )
+    except UserError as err:
+        report.problem(key, str(err).removeprefix(f"{key}: "))
+        return False
+    return True
 
 
 def _source_from_export(
@@ -278,7 +330,10 @@ def _source_from_export(
         return None
     sha256 = meta.get("tokenizer_sha256")
     wanted, whose = _side_tokenizer(side, data)
-    if wanted and sha256 != wanted:
+    if wanted and sha256 != wanted and not remote.is_url(cfg.data.data_dir):
+        # another file: compared by the ids it gives, as the trainer compares it
+        _check_source_tokenizer(key, path, side, cfg, data, report)
+    elif wanted and sha256 != wanted:
         report.problem(
             key,
             f"{path} was trained with another tokenizer (sha256 {str(sha256)[:12]}...) than "
@@ -336,6 +391,42 @@ def check_source_fits(
         )
     else:
         report.facts[key] = f"{what}: {source.arch}, fits the {side}"
+
+
+def check_wandb(cfg: TrainConfig, report: Report) -> None:
+    """W&B's mode is one W&B knows, and, unless it is off, W&B's directory (RUN_DIR/wandb) can be
+    written or made: what the trainer checks before it builds anything
+    (`launch.tracking.check_wandb_dir`), here by permission and mount flags (a dry run writes
+    nothing; `os.access` answers for a read-only mount, root or not)."""
+    try:
+        mode, _ = resolve_wandb(cfg.wandb)["mode"]
+    except UserError as err:
+        report.problem_line(str(err))
+        return
+    if mode == "disabled":
+        return
+    directory = wandb_dir(Path(cfg.run_dir).absolute())
+    if not directory.exists():
+        # made in run_dir by W&B, where run_dir can be written (check_run_dir)
+        report.facts["W&B"] = f"{mode}, in {directory} (to be made)"
+        return
+    if not directory.is_dir():
+        report.problem(
+            "wandb.mode",
+            f"W&B's directory {directory} is a file, not a directory; move it away, or turn W&B "
+            "off with wandb.mode=disabled",
+        )
+        return
+    if os.access(directory, os.W_OK | os.X_OK):
+        report.facts["W&B"] = f"{mode}, in {directory}"
+        return
+    read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    why = f"{file_system(directory)} is mounted read-only" if read_only else "not writable"
+    report.problem(
+        "wandb.mode",
+        f"W&B's directory {directory} cannot be written ({why}); make it writable, choose "
+        "another run_dir (W&B writes in RUN_DIR/wandb), or turn W&B off with wandb.mode=disabled",
+    )
 
 
 def check_run_dir(cfg: TrainConfig, world: World, report: Report) -> None:

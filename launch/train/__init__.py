@@ -7,6 +7,7 @@ The same command runs alone, under `torchrun`, under the `deepspeed` launcher an
     loop.py     main -> train -> fit -> train_step, evaluate: the loop
     setup.py    config, data, model config, process group, engine, run directory and tracker
     resume.py   which checkpoint to resume, restoring it; RNG state, metrics truncation
+    changes.py  what a resumed job changes from its checkpoint's config: applied, or refused
     guard.py    guarded steps: which step is skipped and why; it returns a verdict, the loop saves
     harness.py  lm-evaluation-harness tasks on the model in training, every lm_eval.every steps
     state.py    what the loop carries: Run (the resolved config, engine, data), Progress, Data

@@ -30,6 +30,7 @@ from launch.preconditions import check_writable_dir
 from launch.preflight import checks as preflight
 from launch.stop import StopRequested, stoppable
 from launch.tasks import host_value
+from launch.tracking import check_wandb_dir
 from launch.train import harness
 from launch.train.guard import (
     FP16_OVERFLOW,
@@ -38,7 +39,7 @@ from launch.train.guard import (
     step_sample_keys,
 )
 from launch.train.profiler import StepProfiler
-from launch.train.setup import setup
+from launch.train.setup import run_dir_storage, setup
 from launch.train.state import Run, data_counters
 from launch.train.step_result import StepResult
 from launch.train.window import ThroughputWindow
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig) -> dict:
-    # SIGTERM, SIGINT, SIGUSR1, SIGHUP, RUN_DIR/STOP, the launcher's death: a checkpoint and exit
+    # SIGTERM, SIGINT, SIGUSR1, SIGHUP, SIGQUIT, SIGXCPU, SIGXFSZ, RUN_DIR/STOP, the launcher's
+    # death: a checkpoint and exit
     stop.install(cfg.run_dir)
     # A native crash (an abort in a C++ library, a segfault) prints every thread's Python stack,
     # so the log says where the rank was, not only that it died.
@@ -75,15 +77,16 @@ def train(cfg: TrainConfig) -> dict:
     made = [d for d in (Path(cfg.run_dir), *Path(cfg.run_dir).parents) if not d.exists()]
     check_writable_dir(cfg.run_dir, "run_dir")  # every rank writes its checkpoint partition there
     try:
+        if dist.read_env().is_main:  # W&B runs on rank 0: its directory, before anything is built
+            check_wandb_dir(cfg.wandb, cfg.run_dir)
         # One job per run directory: a second one started on it (the same command twice, a requeue
         # racing a job that has not died) would interleave checkpoints and metrics with the first.
         # Rank 0 holds the lock for the job; on a refusal it exits, and the launcher ends the
         # others.
-        with (
-            dir_lock(cfg.run_dir, what="train")
-            if dist.read_env().is_main
-            else contextlib.nullcontext()
-        ):
+        with contextlib.ExitStack() as held:
+            if dist.read_env().is_main:
+                with run_dir_storage(Path(cfg.run_dir)):  # its record, on a full disk: one line
+                    held.enter_context(dir_lock(cfg.run_dir, what="train"))
             return _train(cfg)
     except BaseException:
         # A job that fails or stops before it writes anything (a bad input, a failure while the
@@ -246,13 +249,16 @@ def _evaluate_if_due(run: Run, stop_at: int) -> tuple[dict, bool]:
 
 def _log_sample_keys(run: Run, result: StepResult) -> None:
     """`data.log_sample_keys`: which samples this step saw on this rank, a line per step."""
-    with open(Path(run.cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl", "a") as fh:
+    keys = Path(run.cfg.run_dir) / f"sample_keys.rank{run.denv.rank}.jsonl"
+    with stop.log_write(), open(keys, "a") as fh:
         fh.write(json.dumps({"step": run.step, "keys": step_sample_keys(run, result)}) + "\n")
 
 
 def stop_for_requeue(run: Run, checkpointer: Checkpointer, last_eval: dict) -> dict:
     """End a job asked to stop, on every rank: the step reached checkpointed (unless it is already,
-    or none was trained), RUN_DIR/preempted.json left for the batch script, one line."""
+    or none was trained), RUN_DIR/preempted.json left for the batch script, one line. A stop
+    that a write past the file size limit asked for (on any rank) ends the job checkpointed, in
+    one error line instead, without preempted.json: a requeued job would meet the same limit."""
     if checkpointer.save_unless_saved(run):
         done = f"checkpoint at step {run.step} saved"
     else:
@@ -260,6 +266,13 @@ def stop_for_requeue(run: Run, checkpointer: Checkpointer, last_eval: dict) -> d
             f"step {run.step} is checkpointed already"
             if run.step
             else "nothing trained, nothing to checkpoint"
+        )
+    if dist.any_rank(stop.past_file_size_limit()):
+        raise UserError(
+            f"a write went past the file size limit (SIGXFSZ; RLIMIT_FSIZE, `ulimit -f`: "
+            f"{stop.file_size_limit()}): {done}; not left for a requeue, which would meet the "
+            "same limit: raise it, or make room under it (metrics.jsonl, the log), and start the "
+            "job again, which resumes from there"
         )
     if run.denv.is_main:
         stop.leave_for_requeue(run.cfg.run_dir, run.step)
@@ -515,10 +528,13 @@ def evaluate(run: Run) -> dict | None:
 
 
 def _log(run: Run, metrics: dict) -> None:
+    """The step's metrics to W&B, the progress line and metrics.jsonl; each write past the file
+    size limit dropped, as a stop request (`stop.log_write`)."""
     if run.denv.is_main:
         run.tracker.log(metrics, step=run.step)
-        run.tracker.progress(run.step, run.cfg.max_steps, metrics)
-        with open(Path(run.cfg.run_dir) / "metrics.jsonl", "a") as fh:
+        with stop.log_write():
+            run.tracker.progress(run.step, run.cfg.max_steps, metrics)
+        with stop.log_write(), open(Path(run.cfg.run_dir) / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps({"step": run.step, **metrics}) + "\n")
 
 

@@ -5,7 +5,6 @@ again. Saving one: `launch.checkpoint.save`."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -13,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.atomic import atomic_write
 from common.configure import UserError, config_to_dict, show
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
 from launch.tracking import read_metrics_rows
+from launch.train import changes
 from launch.train.state import Data, Progress
 from model.config import TRAINING_ONLY_FIELDS
 
@@ -28,7 +29,9 @@ def find_resume(
 ) -> tuple[Path, str] | None:
     """The checkpoint to resume from (rank 0 only), given the newest intact one; refused, from
     its records and before anything loads it, if it was trained with another tokenizer, another
-    network (`_model_misfit`) or another global batch. One written by another number of ranks is
+    network (`_model_misfit`), another global batch, or settings that a resume cannot apply
+    (`launch.train.changes.refusal`; a checkpoint whose client_state.json predates its config is
+    checked by `restore`, after the load). One written by another number of ranks is
     converted to a universal checkpoint beside it: a run resumes on another world size only with
     the same global batch, so that each optimizer step sees the samples it would have seen."""
     if found is None:
@@ -42,6 +45,8 @@ def find_resume(
     world = saved.get("world_size")
     if saved.get("global_batch_size") not in (None, plan.global_batch_size):
         raise UserError(_global_batch_misfit(root / tag, saved, plan))
+    if problem := changes.refusal(root / tag, ckpt.client_info(root, tag).get("config"), cfg):
+        raise UserError(problem)
     if world is None or world == plan.world_size or ckpt.is_universal(root, tag):
         return found
     print(
@@ -129,10 +134,15 @@ def _global_batch_misfit(checkpoint: Path, saved: dict, plan: BatchPlan) -> str:
 
 
 def restore(
-    resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv
+    resume_from: tuple[Path, str], engine: Engine, data: Data, denv: dist.DistEnv, cfg: TrainConfig
 ) -> Progress:
-    """Engine, loader and RNG state from a checkpoint; where the run stands."""
+    """Engine, loader and RNG state from a checkpoint; where the run stands. What this job's
+    config changes from the checkpoint's is applied (`launch.train.changes`), each key said in
+    one line: the optimizer's hyperparameters and the schedule's peak, which the load replaced
+    with the checkpoint's, are set back from `cfg`, and the next step's rate recomputed from them
+    at the restored step; a change that cannot apply is refused in one line."""
     root, tag = resume_from
+    hyper = engine.hyperparameters()  # as `cfg` built the optimizer: the load replaces them
     client = engine.load(root, tag)
     target = data.target.sha256 if data.target is not None else None
     if (
@@ -140,7 +150,11 @@ def restore(
         or client.get("target_tokenizer_sha256") != target
     ):
         raise UserError(_another_tokenizer(root / tag))
-    data.train.load_state_dict(client["loader"])
+    saved_cfg = client.get("config")
+    if problem := changes.refusal(root / tag, saved_cfg, cfg):  # a checkpoint older than its
+        raise UserError(problem)  # client_state.json's config: refused after the load
+    data.train.load_state_dict(client["loader"], saved_data=_saved_data(saved_cfg, cfg))
+    rates = engine.set_hyperparameters(hyper, cfg.optim.lr)
     saved_world = len(client["rng"])
     if saved_world == denv.world_size:
         _set_rng_state(client["rng"][denv.rank])
@@ -149,12 +163,28 @@ def restore(
             int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv
         )
     if denv.is_main:
+        step = int(client["step"])
         change = (
             f" (written by {saved_world} ranks, resumed on {denv.world_size})"
             if saved_world != denv.world_size
             else ""
         )
-        print(f"resumed from {root / tag} at step {client['step']}{change}", file=sys.stderr)
+        print(f"resumed from {root / tag} at step {step}{change}", file=sys.stderr)
+        for line in changes.applied_lines(saved_cfg, cfg, step):
+            print(line, file=sys.stderr)
+        if rates[0] != rates[1]:
+            print(
+                f"resume: learning rate of step {step + 1} {rates[0]:.4g} -> {rates[1]:.4g} "
+                f"(optim.lr {show(cfg.optim.lr)} x the schedule's factor at step {step})",
+                file=sys.stderr,
+            )
+        if data.train.restarted:
+            print(
+                f"resume: data.allow_data_change=true: the train data differs from the "
+                f"checkpoint's ({data.train.restarted}); it is read from its first sample, "
+                f"the weights, optimizer and step {step} carried over",
+                file=sys.stderr,
+            )
     return Progress(
         client["step"],
         client["tokens_seen"],
@@ -162,6 +192,14 @@ def restore(
         client.get("guard", {}),
         client.get("tokens_by_source", {}),
     )
+
+
+def _saved_data(saved_cfg: dict | None, cfg: TrainConfig) -> str:
+    """The data keys the checkpoint read with that differ from this job's, as overrides
+    ("data.data_dir=... data.seed=..."), for the loader's refusal of another stream."""
+    keys = ("data.data_dir", "data.seed", "data.length_grouping", "data.length_bands")
+    differ = {key: old for key, old, _ in changes.differences(saved_cfg, cfg) if key in keys}
+    return " ".join(f"{key}={show(value)}" for key, value in differ.items())
 
 
 def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
@@ -201,7 +239,5 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [row for row in read_metrics_rows(run_dir) if row.get("step", 0) <= step]
     if len(kept) < len(lines):
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(partial, path)
+        atomic_write(path, "".join(json.dumps(row) + "\n" for row in kept))
     return len(lines) - len(kept)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from common.atomic import atomic_copy, atomic_write
 from common.configure import UserError, config_to_dict, save_config
+from common.storage import storage_errors
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
@@ -73,7 +75,9 @@ def setup(cfg: TrainConfig) -> Run:
         load_universal=bool(resume_from) and ckpt.is_universal(*resume_from),
     )
     progress = (
-        restore(resume_from, engine, data, denv) if resume_from else fresh_start(cfg.seed, denv)
+        restore(resume_from, engine, data, denv, cfg)
+        if resume_from
+        else fresh_start(cfg.seed, denv)
     )
     run_id = dist.broadcast_object(progress.run_id or (new_run_id() if denv.is_main else None))
     tracker, peak = open_run_dir(cfg, denv, plan, data, progress.step, run_id, n_parameters, tf32)
@@ -314,8 +318,9 @@ def _warm_start(cfg: TrainConfig, data: Data, is_main: bool) -> torch.nn.Module:
     except WarmStartError as err:
         raise UserError(f"init: {err}") from err
     if is_main:
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run_dir) / "warm_start.txt").write_text(str(report) + "\n")
+        with run_dir_storage(Path(cfg.run_dir)):
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(cfg.run_dir) / "warm_start.txt", str(report) + "\n")
         print(
             f"warm start: {report.summary()} (details in {cfg.run_dir}/warm_start.txt)",
             file=sys.stderr,
@@ -339,13 +344,15 @@ def _pretrained_side(cfg: TrainConfig, data: Data, fetch, side: str, directory: 
     )
     if not Path(directory).is_dir():
         raise UserError(f"{key}: {directory} is not a directory")
-    if not init_model.is_hf_dir(directory):
-        pretrained, meta = load_model_dir(directory)
-        return Pretrained(pretrained.state_dict(), meta["model_config"], meta["tokenizer_sha256"])
-    from model.hf_dir import load_hf_dir
-
+    # Its tokenizer is its side's by the ids it gives (the same file, or the same ids): from here
+    # on it carries that side's sha256, which `warm_start` holds each source to.
     local = local_tokenizer(cfg.data.data_dir, fetch, sha256, name)
     init_model.check_tokenizer(directory, local, key, text_side if data.target else "")
+    if not init_model.is_hf_dir(directory):
+        pretrained, meta = load_model_dir(directory)
+        return Pretrained(pretrained.state_dict(), meta["model_config"], sha256)
+    from model.hf_dir import load_hf_dir
+
     specials = target.specials if target else data.specials
     try:
         model = load_hf_dir(directory, **model_ids(specials))
@@ -374,36 +381,40 @@ def open_run_dir(
     run_dir = Path(cfg.run_dir)
 
     def write_run_dir() -> None:  # rank 0
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dropped = truncate_metrics(run_dir, step)
-        if dropped:
-            print(
-                f"metrics.jsonl: dropped {dropped} rows logged after step "
-                f"{step} by an interrupted job",
-                file=sys.stderr,
-            )
-        save_config(cfg, run_dir / "config.yaml")
-        fetch = data.fetch
-        # The dataset's tokenizer files (through the shard cache when data_dir is a URL), the
-        # one that fixes its ids checked against the manifest's sha256.
-        with stoppable():
-            main, *others = data.tokenizer_files
-            shutil.copyfile(
-                local_tokenizer(cfg.data.data_dir, fetch, data.tokenizer_sha256, main),
-                run_dir / main,
-            )
-            for name in others:
-                local = remote.local_file(remote.join(cfg.data.data_dir, name), fetch)
-                shutil.copyfile(local, run_dir / name)
-            if data.target is not None:  # a translation target's own tokenizer, under target/
-                (run_dir / TARGET_DIR).mkdir(exist_ok=True)
-                for index, name in enumerate(data.target.files):
-                    local = remote.local_file(
-                        remote.join(cfg.data.data_dir, name),
-                        fetch,
-                        sha256=data.target.sha256 if index == 0 else None,
-                    )
-                    shutil.copyfile(local, run_dir / name)
+        # Every file written whole or not at all (common.atomic): a run_dir that fills up, or is
+        # read-only, leaves the files that were there as they were, no truncated tokenizer.model,
+        # and stops every rank with one line (run_dir_storage).
+        with run_dir_storage(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dropped = truncate_metrics(run_dir, step)
+            if dropped:
+                print(
+                    f"metrics.jsonl: dropped {dropped} rows logged after step "
+                    f"{step} by an interrupted job",
+                    file=sys.stderr,
+                )
+            save_config(cfg, run_dir / "config.yaml")
+            fetch = data.fetch
+            # The dataset's tokenizer files (through the shard cache when data_dir is a URL), the
+            # one that fixes its ids checked against the manifest's sha256.
+            with stoppable():
+                main, *others = data.tokenizer_files
+                atomic_copy(
+                    local_tokenizer(cfg.data.data_dir, fetch, data.tokenizer_sha256, main),
+                    run_dir / main,
+                )
+                for name in others:
+                    local = remote.local_file(remote.join(cfg.data.data_dir, name), fetch)
+                    atomic_copy(local, run_dir / name)
+                if data.target is not None:  # a translation target's own tokenizer, in target/
+                    (run_dir / TARGET_DIR).mkdir(exist_ok=True)
+                    for index, name in enumerate(data.target.files):
+                        local = remote.local_file(
+                            remote.join(cfg.data.data_dir, name),
+                            fetch,
+                            sha256=data.target.sha256 if index == 0 else None,
+                        )
+                        atomic_copy(local, run_dir / name)
 
     _on_main(denv, write_run_dir)
     peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
@@ -417,13 +428,30 @@ def open_run_dir(
         "peak_flops_source": peak[1],
         "parameters": n_parameters,
     }
-    tracker = Tracker(
-        enabled=denv.is_main,
-        settings=cfg.wandb,
-        run_dir=run_dir,
-        run_id=run_id,
-        config=config_to_dict(cfg),
-        summary=summary,
-        start_step=step,
+
+    def tracker(enabled: bool) -> Tracker:
+        return Tracker(
+            enabled=enabled,
+            settings=cfg.wandb,
+            run_dir=run_dir,
+            run_id=run_id,
+            config=config_to_dict(cfg),
+            summary=summary,
+            start_step=step,
+        )
+
+    # W&B on rank 0; its refusal (an unwritable W&B directory: one line) stops every rank.
+    started: list[Tracker] = []
+    _on_main(denv, lambda: started.append(tracker(True)))
+    return (started[0] if started else tracker(False)), peak
+
+
+def run_dir_storage(run_dir: Path):
+    """A run_dir whose file system is full or cannot be written (ENOSPC, EDQUOT, EFBIG, EROFS,
+    EACCES) as one line naming the file and what to do (common.storage)."""
+    return storage_errors(
+        f"run_dir={run_dir}",
+        run_dir,
+        space="free some space there, or choose a run_dir on another file system",
+        access="choose a run_dir this user can write",
     )
-    return tracker, peak

@@ -70,6 +70,11 @@ class LoaderConfig:
     # Resume with other mixture weights than the checkpoint's (refused otherwise): the run
     # continues at the same (epoch, sample) position, drawing with the new weights from there.
     allow_mixture_change: bool = False
+    # Resume onto other train data than the checkpoint's loader read (another dataset with the
+    # same tokenizer, another data.seed or length grouping; refused otherwise): the weights,
+    # optimizer, schedule and step carry over, and this data is read from its first sample. No
+    # effect where the data is the checkpoint's.
+    allow_data_change: bool = False
 
 
 def global_batch_size(micro_batch_size: int, grad_accum: int, world_size: int) -> int:

@@ -82,6 +82,7 @@ class ShardLoader:
         pin_memory: bool = False,
         mixture: dict[str, float] | None = None,
         allow_mixture_change: bool = False,
+        allow_data_change: bool = False,
         fetch: remote.FetchConfig | None = None,
         document_mask: bool = False,
         length_grouping: bool = False,
@@ -182,6 +183,10 @@ class ShardLoader:
         self.sources = epoch_sources(by_source, mixture or {}, f"{self.data_dir} {task}/{split}")
         self.mixed = bool(mixture)
         self.allow_mixture_change = allow_mixture_change
+        self.allow_data_change = allow_data_change
+        # what differed from a loader state that `load_state_dict` did not take up, reading this
+        # stream from its first sample instead (allow_data_change); "" if none
+        self.restarted = ""
         listing = json.dumps(
             [[e["path"], int(e["samples"]), e.get("sha256")] for e in entries]
         ).encode()
@@ -285,6 +290,7 @@ class ShardLoader:
             # Only training draws by weight: validation reads every source as it is.
             mixture=dict(cfg.mixture) if split == "train" else None,
             allow_mixture_change=cfg.allow_mixture_change,
+            allow_data_change=cfg.allow_data_change,
             fetch=dataset.fetch if dataset else remote.FetchConfig.from_loader_config(cfg),
             document_mask=cfg.document_mask,
             length_grouping=cfg.length_grouping,
@@ -481,7 +487,13 @@ class ShardLoader:
             "fingerprint": dict(self._fingerprint),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, saved_data: str = "") -> None:
+        """The position of a loader state (`state_dict`). One of another stream (another
+        dataset's shards, data seed, length grouping: the fingerprint, but for the mixture) is
+        refused, naming what differs and `saved_data` (the overrides of the data it read, where
+        the caller knows them); with `allow_data_change` it is not taken up, and this stream is
+        read from its first sample (`restarted` says what differed). Another mixture alone is
+        refused unless `allow_mixture_change`, which keeps the position."""
         version = state.get("version")
         if version in (1, 2):
             raise UserError(
@@ -492,6 +504,14 @@ class ShardLoader:
         if version != STATE_VERSION:
             raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
         saved = state.get("fingerprint", {})
+        differences = [
+            f"{key}: saved {saved.get(key)!r}, now {self._fingerprint.get(key)!r}"
+            for key in sorted(set(self._fingerprint) | set(saved))
+            if saved.get(key) != self._fingerprint.get(key) and key != "mixture"
+        ]
+        if differences and self.allow_data_change:
+            self.restarted = "; ".join(differences)
+            return
         mixture_changed = saved.get("mixture") != self._fingerprint["mixture"]
         if mixture_changed and not self.allow_mixture_change:
             raise UserError(
@@ -501,15 +521,14 @@ class ShardLoader:
                 "data.allow_mixture_change=true to continue from the "
                 "same position with the new weights"
             )
-        differences = [
-            f"{key}: saved {saved.get(key)!r}, now {self._fingerprint.get(key)!r}"
-            for key in sorted(set(self._fingerprint) | set(saved))
-            if saved.get(key) != self._fingerprint.get(key) and key != "mixture"
-        ]
         if differences:
+            as_saved = f" ({saved_data})" if saved_data else ""
             raise UserError(
                 "the loader state does not match this loader, so the batches "
-                "after a resume would differ: " + "; ".join(differences)
+                "after a resume would differ: " + "; ".join(differences) + "; resume on the data "
+                f"it read{as_saved}, or pass data.allow_data_change=true to carry the "
+                "checkpoint's weights, optimizer and step over onto this data, read from its "
+                "first sample"
             )
         epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
         per_batch = self.micro_batch_size * self.world_size
@@ -568,18 +587,19 @@ def _close_workers_at_exit() -> None:
 
 def _worker_lifetime(closing: torch.Tensor, worker_id: int) -> None:
     """A DataLoader worker (its worker_init_fn) lives as long as its loader and its rank, no longer:
-    * it ignores SIGTERM and SIGHUP, which reach every process of a job (torchrun sends them to
-      each rank's process group, SLURM SIGTERM to every process of a step): dead of one mid-batch,
-      a worker takes its rank down ("DataLoader worker is killed by signal") before the rank,
-      which takes them for a stop request, could checkpoint;
+    * it ignores SIGTERM, SIGHUP and SIGQUIT, which reach every process of a job (torchrun sends
+      them to each rank's process group, SLURM SIGTERM to every process of a step): dead of one
+      mid-batch, a worker takes its rank down ("DataLoader worker is killed by signal") before
+      the rank, which takes them for a stop request, could checkpoint (SIGXCPU and SIGXFSZ, which
+      its own limits send it alone, the stop handler it inherits passes on to the rank);
     * a thread ends it WORKER_EXIT_S after its loader is closed, or at once when its rank is gone,
       if it has not ended by itself. Asked to stop, a worker ends between two batches, but one
       blocked in a remote fetch or a retry's back-off (minutes, at the default timeouts) would
       keep its rank, and a stop request, waiting. What it leaves in the shard cache is what a
       killed download leaves, which the next fetch clears (`pipeline.remote`). Exit status 0:
       the DataLoader takes any other for a worker that failed."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_IGN)
     rank = os.getppid()
 
     def leave():

@@ -37,6 +37,10 @@ class SourceConfig:
     target_field: str = ""  # jsonl, parquet: the key (column) of the target text; "" = monolingual
     source_column: int = 0  # tsv: column of the source text (from 0)
     target_column: int = 1  # tsv: column of the target text (from 0)
+    # tsv: how many tab-separated columns every line has; 0 = just those `source_column` and
+    # `target_column` need (2 by default). A line with another count is skipped and counted as
+    # malformed, never read in part: a tab inside a text would shift the columns after it.
+    columns: int = 0
     # Longer monolingual documents are cut into pieces of at most this many characters,
     # so one pathological line never holds a whole file's worth of memory downstream.
     max_doc_chars: int = 20000
@@ -125,8 +129,11 @@ class RayConfig:
 @dataclass
 class PrepareConfig:
     output_dir: str = "data/gettext-en-de"  # the dataset: shards, manifest.json, tokenizer
-    overwrite: bool = False  # replace an existing output_dir (refused otherwise)
-    # keep OUTPUT_DIR.partial after a failed or interrupted run, to debug it
+    # replace an earlier dataset in output_dir (refused otherwise); a directory holding anything
+    # prepare did not write, or the run's own inputs, is never replaced
+    overwrite: bool = False
+    # keep the staging directory (OUTPUT_DIR.partial-TOKEN) after a failed or interrupted run, to
+    # debug it
     keep_partial: bool = False
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block

@@ -7,11 +7,13 @@ for what each task does and `pipeline.format` for what is written. Several sourc
 manifest keeps each source's statistics (`sources.by_source`, `datasets[...].stats_by_source`)
 and each split's per-source counts (`splits[...].sources`).
 
-Everything is built in `OUTPUT_DIR.partial` and moved into place only when complete, so an
-interrupted run never leaves a directory that looks prepared, and an existing dataset is
-replaced only with `overwrite=true`. A run that fails or is interrupted (Ctrl-C, SIGTERM, SIGHUP)
-removes its staging directory (`keep_partial=true` keeps it to debug) and stops the local
-Ray it started. `OUTPUT_DIR.lock` (`common.lock`) is held for the whole run, so a second
+Everything is built in a staging directory of the run's own beside the output,
+`OUTPUT_DIR.partial-TOKEN`, and moved into place only when complete (`common.outputs`), so an
+interrupted run never leaves a directory that looks prepared. An existing dataset is replaced
+only with `overwrite=true`; a directory holding anything prepare did not write, or holding the
+run's own sources or tokenizer, is never replaced. A run that fails or is interrupted (Ctrl-C,
+SIGTERM, SIGHUP) removes its staging directory (`keep_partial=true` keeps it to debug) and stops
+the local Ray it started. `OUTPUT_DIR.lock` (`common.lock`) is held for the whole run, so a second
 prepare of the same output fails at once, naming the first. Before it takes the lock, prepare
 says how much scratch space the scan's bucket files need (`scratch_need`) and stops in one line
 if the output's file system has less free.
@@ -37,16 +39,28 @@ from common.configure import (
     save_config,
 )
 from common.lock import dir_lock
-from common.storage import byte_size, existing_ancestor, free_space
+from common.outputs import (
+    check_inputs_outside,
+    check_replaceable,
+    clear_leftovers,
+    discard,
+    new_staging,
+    publish,
+    real_output,
+)
+from common.storage import byte_size, existing_ancestor, free_space, storage_errors
 from common.terminal import leave_terminal
+from pipeline import remote
 from pipeline.format import (
     DATASET_FOR_TASK,
     FIELDS,
     FORMAT_VERSION,
     MANIFEST,
+    PREPARE_CONFIG,
     SPLITS,
     TARGET_DIR,
     TASKS,
+    foreign_to_dataset,
     shard_sets,
 )
 from pipeline.prepare.config import PrepareConfig
@@ -64,9 +78,8 @@ from pipeline.prepare.train_tokenizer import BottomKSample, train
 from pipeline.prepare.units import Unit, stream_chunks
 from pipeline.tokenizer import (
     Tokenizer,
+    difference,
     load_tokenizer,
-    model_sha256,
-    read_files,
     tokenizer_from_files,
 )
 
@@ -78,7 +91,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     """Run the whole preparation; returns the manifest."""
     check_config(cfg)
     started = time.time()
-    output = Path(cfg.output_dir)
+    output = real_output(cfg.output_dir, "output_dir")
     files, units = [], []
     # Source by source: unit order is source order (the first source keeps a shared text).
     for index, source in enumerate(source_list(cfg)):
@@ -87,6 +100,8 @@ def prepare(cfg: PrepareConfig) -> dict:
         units.extend(
             plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
         )
+    check_inputs_outside(output, "output_dir", prepare_inputs(cfg, files))
+    check_replaceable(output, "output_dir", "prepare", foreign_to_dataset, cfg.overwrite)
     given, target = given_tokenizer(cfg), target_tokenizer(cfg)
     log = (
         (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -97,12 +112,12 @@ def prepare(cfg: PrepareConfig) -> dict:
     where = existing_ancestor(output.absolute().parent)
     free = free_space(where)
     log(
-        f"prepare: {output}.partial/_work needs about {byte_size(need)} ({why}); "
+        f"prepare: {output}.partial-*/_work needs about {byte_size(need)} ({why}); "
         f"{byte_size(free)} free on {where}"
     )
     if need > free:
         raise UserError(
-            f"{output}.partial/_work needs about {byte_size(need)} ({why}), but {where} has "
+            f"{output}.partial-*/_work needs about {byte_size(need)} ({why}), but {where} has "
             f"{byte_size(free)} free; free some space or choose an output_dir on a larger file "
             "system"
         )
@@ -112,7 +127,10 @@ def prepare(cfg: PrepareConfig) -> dict:
     # anyone may contend for it. Taken before the staging directory is touched, since a
     # second run would otherwise delete the first one's work as "left by an interrupted run".
     with dir_lock(output, what="prepare", lock_file=output.with_name(output.name + LOCK_SUFFIX)):
-        staging = _staging_dir(output, cfg.overwrite)
+        # what a run killed outright left; then the output as it is now, no other prepare at it
+        clear_leftovers(output, lambda msg: log(f"prepare: {msg}"))
+        check_replaceable(output, "output_dir", "prepare", foreign_to_dataset, cfg.overwrite)
+        staging = new_staging(output, "prepare")
         try:
             streamed = sum(unit.stream for unit in units)
             log(
@@ -126,7 +144,7 @@ def prepare(cfg: PrepareConfig) -> dict:
             )
             manifest = _build(cfg, files, units, (given, target), staging, started, log)
             _say_peak_memory(manifest, memory, log)
-            _publish(staging, output)
+            publish(staging, output, "prepare")
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
             _discard(staging, cfg.keep_partial, err, log)
             raise
@@ -243,8 +261,10 @@ def target_tokenizer(cfg: PrepareConfig) -> Tokenizer | None:
             f"tokenizer.target_path {cfg.tokenizer.target_path}: translation ends each target with "
             "an eos token, and this tokenizer has none"
         )
-    if tokenizer.sha256 == model_sha256(read_files(cfg.tokenizer.path)[tokenizer.main_file]):
-        return None  # the source side's tokenizer itself: one tokenizer
+    # The source side's tokenizer by the ids it gives (the same file, or one transformers saved
+    # again): one tokenizer.
+    if difference(load_tokenizer(cfg.tokenizer.path), tokenizer) is None:
+        return None
     return tokenizer
 
 
@@ -267,19 +287,20 @@ def check_tokenizer(tokenizer: Tokenizer, cfg: PrepareConfig, where: str) -> Non
         )
 
 
-def _staging_dir(output: Path, overwrite: bool) -> Path:
-    if (output / MANIFEST).exists() and not overwrite:
-        raise UserError(
-            f"{output} is already a prepared dataset; pass overwrite=true to replace it"
-        )
-    if output.exists() and not overwrite and any(output.iterdir()):
-        raise UserError(f"{output} exists and is not empty; pass overwrite=true to replace it")
-    staging = output.with_name(output.name + ".partial")
-    # kept with keep_partial, or left by a run killed outright (kill -9, a lost node)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
+def prepare_inputs(cfg: PrepareConfig, files: list[list[str]]) -> list[tuple[str, str]]:
+    """The local files this run reads, each with the key that names it: what its output must not
+    hold."""
+    inputs = [
+        (f"{source_where(cfg, index)}.paths", path)
+        for index, paths in enumerate(files)
+        for path in paths
+        if not remote.is_url(path)
+    ]
+    for key in ("path", "target_path"):
+        path = getattr(cfg.tokenizer, key)
+        if path and not remote.is_url(path):
+            inputs.append((f"tokenizer.{key}", path))
+    return inputs
 
 
 def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
@@ -289,7 +310,7 @@ def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
         # Printed whatever `progress` says: the user asked for it and needs to know where it is.
         print(f"prepare: {why}; kept {staging} (keep_partial=true)", file=sys.stderr, flush=True)
         return
-    shutil.rmtree(staging, ignore_errors=True)
+    discard(staging)
     log(f"prepare: {why}; removed {staging}")
 
 
@@ -461,7 +482,7 @@ def _build(
         manifest["datasets"][name] = entry
 
     shutil.rmtree(work_dir, ignore_errors=True)
-    save_config(cfg, staging / "config.yaml")
+    save_config(cfg, staging / PREPARE_CONFIG)
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     # A worker's peak resident memory in each stage, for the log: this machine's and this run's,
@@ -585,23 +606,6 @@ def _merge_stats(results: list[dict]) -> dict:
     return dict(sorted(total.items()))
 
 
-def _publish(staging: Path, output: Path) -> None:
-    """Swap the finished staging directory into place; the old output survives until then."""
-    old = output.with_name(output.name + ".old")
-    if output.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        output.rename(old)
-    try:
-        staging.rename(output)
-    except BaseException:
-        if old.exists() and not output.exists():
-            old.rename(output)  # the previous dataset stays in place rather than under .old
-        raise
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def summary(manifest: dict) -> str:
     lines = [f"{'dataset':<12}{'split':<7}{'shards':>7}{'samples':>10}{'tokens':>12}"]
     for name, dataset in manifest["datasets"].items():
@@ -665,10 +669,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _interrupt)
     # the same, and noted for the task loop (ray_runner.INTERRUPTED)
     signal.signal(signal.SIGINT, _interrupt)
-    manifest = prepare(cfg)
+    with output_storage(Path(cfg.output_dir)):
+        manifest = prepare(cfg)
     print(summary(manifest))
     print(f"wrote {cfg.output_dir}/{MANIFEST}")
     return 0
+
+
+def output_storage(output: Path):
+    """A full or unwritable output file system (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES), met by
+    the driver or by a Ray task (`ray_runner.run_tasks` raises a task's as its OSError), as one
+    line naming the path and what to do; by then `prepare` has removed its staging directory,
+    and an existing dataset at `output` is as it was."""
+    return storage_errors(
+        f"output_dir={output}",
+        output,  # and beside it: its staging directory, its lock file
+        space="free some space there, or choose an output_dir on another file system",
+        access="choose an output_dir this user can write",
+    )
 
 
 def _interrupt(signum: int, frame) -> None:

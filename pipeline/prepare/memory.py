@@ -11,7 +11,15 @@ scan task and an encode task hold:
   byte of text);
 - a scan task holds its unit's bytes (a chunk of a compressed file: `unit_bytes`) and the
   tokenizer's sample of its texts, up to `tokenizer.sample_texts` of them (SAMPLE_OVERHEAD bytes
-  each beside the text).
+  each beside the text); and, for a moment, the record it reads as several copies
+  (`record_scan_bytes`): its raw line, the decoded and the cleaned text, the de-duplication
+  key's case-folded and rejoined forms (`units.clean_text`, `units.normalize_key`), and a str
+  object per word in the list `re.sub` builds while it collapses whitespace. That is nothing
+  beside the sample for lines of a few hundred bytes, and the scan's peak for a long one: a
+  single 50 MB line of short words takes about 0.8 GiB (16 times its size) before
+  `max_doc_chars` cuts it. The longest record is the probe's (below): a longer line after the
+  source's first PROBE_BYTES is not seen, and the measured peaks that prepare prints at the end
+  show it.
 
 The number of records is not known before the scan; it is estimated per source from the input's
 decompressed size and the records per byte of a probe: the records of the source's first bytes
@@ -24,6 +32,7 @@ Measured against a real run in docs/results.md#prepares-memory-per-worker.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -44,6 +53,15 @@ ENCODE_BYTES_PER_TEXT_BYTE = 16  # the text, its ids as a list of ints, the pack
 SAMPLE_OVERHEAD = 250  # a sample text's str, tuple, heap and set entries, hash; its copy sent back
 PROBE_BYTES = 4 * MB
 PROBE_UNITS = 8
+# A record being read: LONG_TEXT_COPIES strs of its characters at once beside its raw bytes (the
+# decoded line, the cleaned text, the key's case-folded form, its words' characters and the
+# rejoined key), and WORD_BYTES for each word, a str object of its own (50-80 bytes with the
+# header, in 16-byte blocks) and its two slots in re.sub's list of pieces. On single 20 MB lines
+# (words of ASCII, Latin-1, CJK or emoji characters, CJK without spaces) the scan's term, the
+# sample with it, is 5-24% above the scan task's measured growth; 4x on a line of one-letter
+# words, whose strs Python shares (docs/results.md#prepares-memory-per-worker).
+LONG_TEXT_COPIES = 5
+WORD_BYTES = 96
 
 
 @dataclass
@@ -51,6 +69,16 @@ class SourceProbe:
     records: float  # estimated records of the whole source
     texts_per_record: float  # monolingual texts a record gives (both sides of a pair, cut pieces)
     text_bytes: float  # mean UTF-8 bytes of one such text
+    record_bytes: float = 0.0  # what reading its largest record takes at once (record_scan_bytes)
+
+
+def record_scan_bytes(texts: tuple[str, ...], utf8_bytes: int) -> int:
+    """The memory a scan task holds at once while it reads, cleans and hashes one record of
+    these (cleaned) texts, `utf8_bytes` of them in UTF-8: see LONG_TEXT_COPIES. A str's own size
+    (`sys.getsizeof`) counts its characters at 1, 2 or 4 bytes each, as its widest needs."""
+    chars = sum(sys.getsizeof(text) for text in texts)
+    words = sum(text.count(" ") + 1 for text in texts)
+    return utf8_bytes + LONG_TEXT_COPIES * chars + WORD_BYTES * words
 
 
 def probe_source(
@@ -60,16 +88,20 @@ def probe_source(
     source = source_list(cfg)[index]
     total = sum(decompressed_size(path) for path in files)
     stats: Counter = Counter()
-    records = texts = text_bytes = raw = 0
+    records = texts = text_bytes = raw = largest = 0
     try:
         for unit in _probe_units(units, source):
             raw += _raw_bytes(unit)
             for first, second in read_unit(unit, source, stats):
                 records += 1
-                for text in (first, second) if second is not None else (first,):
+                sides = (first, second) if second is not None else (first,)
+                utf8 = 0
+                for text in sides:
                     for piece in chunk_text(text, source.max_doc_chars):
                         texts += 1
-                        text_bytes += len(piece.encode("utf-8"))
+                        utf8 += len(piece.encode("utf-8"))
+                text_bytes += utf8
+                largest = max(largest, record_scan_bytes(sides, utf8))
             if raw >= PROBE_BYTES:
                 break
     except UserError:
@@ -78,7 +110,9 @@ def probe_source(
         pass
     if not records:
         return SourceProbe(0.0, 1.0, 0.0)
-    return SourceProbe(records * total / max(raw, 1), texts / records, text_bytes / texts)
+    return SourceProbe(
+        records * total / max(raw, 1), texts / records, text_bytes / texts, float(largest)
+    )
 
 
 def _probe_units(units: list[Unit], source) -> list[Unit]:
@@ -167,7 +201,9 @@ def estimate_worker_memory(
         if sampling
         else 0.0
     )
-    scan = held + sample
+    # The sample may be full when the task's largest record comes: the two add up.
+    record = max((p.record_bytes for p in probes), default=0.0)
+    scan = held + sample + record
     peak = BASE_MB * MB + max(encode, scan)
     records = sum(p.records for p in probes)
     if encode >= scan:
@@ -179,10 +215,14 @@ def estimate_worker_memory(
         )
     else:
         remedy = "lower unit_bytes or tokenizer.sample_texts (a scan task holds both)"
+        if record > held + sample:
+            remedy = "cut the input's longest lines (a scan task reads a record whole)"
         why = (
             f"scan: {held / MB:,.0f} MiB of a compressed file's chunk + a tokenizer sample of "
             f"~{min(cfg.tokenizer.sample_texts, task_texts):,.0f} texts"
         )
+        if record >= MB:
+            why += f" + {record / MB:,.0f} MiB while the longest record is read, cleaned and hashed"
     return MemoryEstimate(int(peak), f"{why}, + {BASE_MB} MiB for the worker itself", remedy)
 
 

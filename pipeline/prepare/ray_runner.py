@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sized
 
 from common.configure import UserError
 from common.progress import meter
+from common.storage import storage_refusal
 from pipeline.prepare.config import RayConfig
 
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -136,6 +137,11 @@ def run_tasks(
     pickled into every task. `arguments` may be an iterator (chunks of a file decompressed as
     they are needed): it is drawn from only as tasks are submitted, so at most 2 x
     `num_workers` of its items are held at once.
+
+    A task's UserError is raised as the driver's own; a task's OSError of refused storage (a
+    full or read-only output: `common.storage.storage_refusal`) as a plain OSError with its
+    errno and file, for the caller's `storage_errors` to say in one line; anything else as
+    Ray's RayTaskError, with the task's traceback.
     """
     import ray
 
@@ -172,6 +178,13 @@ def run_tasks(
                     cause = getattr(err, "cause", None)
                     if isinstance(cause, UserError):
                         raise UserError(str(cause.args[0])) from None
+                    if storage_refusal(cause):
+                        # A full or read-only output (ENOSPC, EROFS, ...): raised here as the
+                        # task's plain OSError, errno and file kept, which the driver's
+                        # `storage_errors` says in one line, as it says its own.
+                        raise OSError(
+                            cause.errno, cause.strerror, cause.filename, None, cause.filename2
+                        ) from None
                     raise
                 bar.update(1)
     return results

@@ -92,8 +92,14 @@ def _field_problem(record: dict, name: str, role: str) -> str:
     return ""
 
 
+def tsv_columns(cfg: SourceConfig) -> int:
+    """How many tab-separated columns a tsv line has: `columns`, or just those that
+    `source_column` and `target_column` need."""
+    return cfg.columns or max(cfg.source_column, cfg.target_column) + 1
+
+
 def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    need = max(cfg.source_column, cfg.target_column) + 1
+    want = tsv_columns(cfg)
     for raw in unit_lines(unit):
         text, bad = decode_counting(raw.rstrip(b"\r\n"))
         stats["bad_bytes_replaced"] += bad
@@ -101,8 +107,10 @@ def _read_tsv(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
             continue
         stats["lines"] += 1
         columns = text.split("\t")
-        if len(columns) < need:
-            # By column count: "300 of 300 lines have 1 column" tells a space-separated file.
+        if len(columns) != want:
+            # By column count: "300 of 300 lines have 1 column" tells a space-separated file, "1
+            # of 300 lines have 3 columns" a tab inside a text, whose pair would be cut short or
+            # shifted if read: skipped and counted like a jsonl line that is not JSON.
             _malformed(stats, f"{len(columns)}_columns")
             continue
         yield columns[cfg.source_column], columns[cfg.target_column]
@@ -360,16 +368,31 @@ def describe_skipped(stats: Mapping[str, int], cfg: SourceConfig, *, filtered: b
     )
     if columns:
         need = max(cfg.source_column, cfg.target_column) + 1
+        want = tsv_columns(cfg)
         if len(columns) == 1:
             have = f"have {columns[0][0]} column{'s' if columns[0][0] != 1 else ''}"
         else:
-            have = (
-                f"have fewer than {need} columns ({', '.join(f'{n} with {k}' for k, n in columns)})"
+            than = (
+                "fewer than"
+                if columns[-1][0] < want
+                else "more than"
+                if columns[0][0] > want
+                else "other than"
             )
-        parts.append(
-            f"{sum(n for _, n in columns)} of {lines} lines {have} "
-            f"(source_column={cfg.source_column} and target_column={cfg.target_column} need {need})"
-        )
+            have = f"have {than} {want} columns ({', '.join(f'{n} with {k}' for k, n in columns)})"
+        if cfg.columns:
+            why = f"source.columns={cfg.columns}"
+        else:
+            why = (
+                f"source_column={cfg.source_column} and target_column={cfg.target_column} "
+                f"need {need}"
+            )
+            if columns[-1][0] > want:
+                why += (
+                    ", and a line has exactly that many: a tab inside a text adds one; "
+                    "source.columns=N takes lines of N"
+                )
+        parts.append(f"{sum(n for _, n in columns)} of {lines} lines {have} ({why})")
     undecodable = stats.get("undecodable_dropped", 0)
     if undecodable:
         parts.append(

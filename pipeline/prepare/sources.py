@@ -43,7 +43,8 @@ def source_where(cfg: PrepareConfig, index: int) -> str:
 
 def check_sources(cfg: PrepareConfig) -> None:
     """One-line errors for a mixture of nothing, `source` and `sources` both given, duplicate or
-    unusable names, unknown formats and shares that are not positive numbers."""
+    unusable names, unknown formats, a tsv `columns` too few for its two columns and shares that
+    are not positive numbers."""
     # `source` with its defaults (paths resolved, as in a loaded config) means it was not given.
     if cfg.sources and cfg.source != config_from_dict(PrepareConfig, {}).source:
         raise UserError(
@@ -68,6 +69,13 @@ def check_sources(cfg: PrepareConfig) -> None:
         if not source.tokenizer_share > 0:
             raise UserError(
                 f"{where}.tokenizer_share: must be a positive number, got {source.tokenizer_share}"
+            )
+        need = max(source.source_column, source.target_column) + 1
+        if source.format == "tsv" and (source.columns < 0 or 0 < source.columns < need):
+            raise UserError(
+                f"{where}.columns: {source.columns} is too few for source_column="
+                f"{source.source_column} and target_column={source.target_column} (they need "
+                f"{need} columns; 0 = exactly that many)"
             )
         if not 0 <= source.max_replaced_fraction <= 1:
             raise UserError(

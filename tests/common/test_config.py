@@ -22,14 +22,19 @@ def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
     assert cfg.source.paths == ["/usr/share/locale/de/LC_MESSAGES/*.mo"]  # interpolation resolved
 
 
+# A file that sets a key: one that sets none is refused for that
+# (tests/pipeline/test_input_edges.py).
+SOME_KEY = "seq_len: 64\n"
+
+
 @pytest.mark.parametrize(
     "yaml_text, overrides, expected",
     [
         ("shard:\n  bukets: 3\n", [], "shard.bukets: unknown key"),
         ("seq_len: many\n", [], "seq_len"),
-        ("", ["tokenizer.vocab_sise=10"], "tokenizer.vocab_sise: unknown key"),
-        ("", ["ray.num_workers=two"], "ray.num_workers"),
-        ("", ["seq_len"], "not of the form"),
+        (SOME_KEY, ["tokenizer.vocab_sise=10"], "tokenizer.vocab_sise: unknown key"),
+        (SOME_KEY, ["ray.num_workers=two"], "ray.num_workers"),
+        (SOME_KEY, ["seq_len"], "not of the form"),
         ("seq_len: [1\n", [], "not valid YAML"),
         # A YAML object tag builds nothing, from a file or from the command line alike.
         (
@@ -38,17 +43,17 @@ def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
             "not valid YAML: could not determine a constructor",
         ),
         (
-            "",
+            SOME_KEY,
             ["seq_len=!!python/name:os.system"],
             "seq_len: value '!!python/name:os.system' is not valid YAML: could not determine a constructor",
         ),
         (
-            "",
+            SOME_KEY,
             ["shard.buckets=!!python/object/apply:os.system [echo]"],
             "shard.buckets: value '!!python/object/apply:os.system [echo]' is not valid YAML",
         ),
         (
-            "",
+            SOME_KEY,
             ["seq_len=!!int many"],
             "seq_len: value '!!int many' is not valid YAML: invalid literal",
         ),
@@ -165,7 +170,7 @@ BAD_SHAPES = {
         "found duplicate key seq_len (line 4, column 1; while constructing a mapping at line 1)",
     ),
     "a list index": (
-        "",
+        SOME_KEY,
         ["sources[1].name=x"],
         "sources[1].name: a list's items are not set one by one; give the whole list (sources=[...])",
     ),
@@ -174,7 +179,11 @@ BAD_SHAPES = {
         [],
         "source.paths: a list ([...]) belongs here, not keys and values",
     ),
-    "a list where keys belong": ("", ["tokenizer=[1, 2]"], "tokenizer: keys and values belong"),
+    "a list where keys belong": (
+        SOME_KEY,
+        ["tokenizer=[1, 2]"],
+        "tokenizer: keys and values belong",
+    ),
 }
 
 
@@ -194,7 +203,7 @@ def test_a_config_of_the_wrong_shape_is_one_line_naming_where(tmp_path, case):
 def test_the_entry_points_say_a_wrong_shape_in_one_line(tmp_path, case):
     yaml_text, overrides, expected = BAD_SHAPES[case]
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml_text or f"output_dir: {tmp_path / 'out'}\n")
+    path.write_text(f"output_dir: {tmp_path / 'out'}\n" if yaml_text == SOME_KEY else yaml_text)
     run = subprocess.run(
         [sys.executable, "-m", "pipeline.prepare", str(path), *overrides],
         cwd=ROOT,
@@ -215,12 +224,12 @@ ENV_READS = {
     ),
     "inside a path": ("output_dir: /data/${oc.env:PRETRAIN_TEST_SECRET}/x\n", [], "output_dir"),
     "on the command line": (
-        "",
+        SOME_KEY,
         ["source.paths=[a, '${oc.env:PRETRAIN_TEST_SECRET}']"],
         "source.paths[1]",
     ),
-    "nested": ("", ["output_dir=${oc.decode:${oc.env:PRETRAIN_TEST_SECRET}}"], "output_dir"),
-    "escaped": ("", ["output_dir=\\${oc.env:PRETRAIN_TEST_SECRET}"], "output_dir"),
+    "nested": (SOME_KEY, ["output_dir=${oc.decode:${oc.env:PRETRAIN_TEST_SECRET}}"], "output_dir"),
+    "escaped": (SOME_KEY, ["output_dir=\\${oc.env:PRETRAIN_TEST_SECRET}"], "output_dir"),
 }
 
 

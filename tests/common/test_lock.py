@@ -85,7 +85,7 @@ def test_second_process_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path
     assert not (tmp_path / LOCK_FILE).exists()
 
 
-def test_in_process_contract(tmp_path, caplog):
+def test_in_process_contract(tmp_path):
     with dir_lock(tmp_path / "run", what="train") as lock:
         assert lock.locked and lock.took_over is None and lock.holder.pid == os.getpid()
         assert lock.lock_file == tmp_path / "run" / LOCK_FILE and lock.lock_file.is_file()
@@ -98,12 +98,17 @@ def test_in_process_contract(tmp_path, caplog):
     beside = tmp_path / "data.lock"
     with dir_lock(tmp_path / "data", what="prepare", lock_file=beside) as lock:
         assert beside.is_file() and not (tmp_path / "data").exists()
-    # A stale file that names no holder (torn, or from another tool) is taken over with a warning.
-    beside.write_text("garbage")
-    with caplog.at_level("WARNING", logger="common.lock"):
-        with dir_lock(tmp_path / "data", lock_file=beside) as lock:
-            assert lock.took_over is None
-    assert "names no holder" in caplog.text
+    # A file of that name that names no holder is someone else's (issue 61): refused, untouched.
+    beside.write_text("my notes on the data\n")
+    with pytest.raises(UserError, match="is not a lock file of ours"):
+        with dir_lock(tmp_path / "data", lock_file=beside):
+            pass
+    assert beside.read_text() == "my notes on the data\n"
+    # An empty one (a holder killed between creating and writing it) is taken over.
+    beside.write_text("")
+    with dir_lock(tmp_path / "data", lock_file=beside) as lock:
+        assert lock.took_over is None
+    assert not beside.exists()
 
 
 # Takes the lock, forks a child that outlives it (as a DataLoader worker may), and holds.

@@ -1,6 +1,6 @@
 """The project's commands run as a user runs them: a command line of `launch.train` on a tiny GPT
 (train_command) and a packed shard set for it (packed_data); a command in a process of its own,
-in ENV (run_cli). What a refused command must answer: errorlines."""
+in ENV (run_cli). What a refused command must answer: tests/errorlines.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""What `launch.export` may write to (issue #45, items 1 and 4): `out` is replaced only when it
-is an earlier export of ours or empty, or with overwrite=true; never when it is the run directory
-being read, inside it or above it; a second export into one `out` is refused while the first
-writes it; a failure leaves neither OUT.partial nor OUT.lock; and a tokenizer.model that is not
-the one the checkpoint recorded is refused before anything is written.
+"""What `launch.export` may write to (issue #45, items 1 and 4; issue #61, items 1 and 2): `out`
+is replaced only when it is an earlier export of ours or empty; never when it holds anything else
+(a file, another model, a user's notes: `overwrite` is retired) or is the run directory being read,
+inside it or above it; the names an export uses beside `out` are its run's own (a user's
+OUT.old or OUT.partial survives); a second export into one `out` is refused while the first
+writes it; a failure leaves neither its staging directory nor OUT.lock; and a tokenizer.model that
+is not the one the checkpoint recorded is refused before anything is written.
 
 The checkpoints are conftest's `made_checkpoints` (a tiny GPT, ZeRO-2, two checkpoints); most
 exports run in this process, as its `__main__` runs them (test_checkpoint_integrity.run_export),
@@ -70,13 +72,21 @@ def another_model(out: Path) -> None:
 CASES = {
     "another model's directory": (
         lambda run, tmp: tmp / "theirs",
-        another_model,
-        "is not an export (it holds notes.txt)",
+        lambda out, run: another_model(out),
+        "holds what an export did not write (config.json, model.safetensors, notes.txt)",
+    ),
+    "an export with a user's file in it": (
+        lambda run, tmp: tmp / "exp",
+        lambda out, run: (
+            export(run, out),
+            (out / "thesis.tex").write_text("my thesis\n"),
+        ),
+        "holds what an export did not write (thesis.tex)",
     ),
     "a file": (
         lambda run, tmp: tmp / "model.bin",
-        lambda out: out.write_text("a file"),
-        "is a file, not a model directory",
+        lambda out, run: out.write_text("a file"),
+        "is a file, not a directory an export writes",
     ),
     "the run directory": (lambda run, tmp: run, None, "is the run directory"),
     "its checkpoints": (lambda run, tmp: run / "checkpoints", None, "is inside the run directory"),
@@ -91,17 +101,29 @@ def test_an_out_export_must_not_replace_is_refused_in_one_line_and_left_as_it_wa
     where, make, expected = CASES[case]
     out = where(run_dir, tmp_path)
     if make:
-        make(out)
+        make(out, run_dir)
     before = snapshot(tmp_path)
     assert_one_line_error(export(run_dir, out), f"out: {out} ", expected)
-    assert snapshot(tmp_path) == before  # nothing deleted, nothing left (OUT.partial, OUT.lock)
-    replaced = export(run_dir, out, "overwrite=true")
-    if make:  # told to: replaced by the export
-        assert replaced.returncode == 0, replaced.stderr[-3000:]
-        assert is_export(out) and not (out / "notes.txt").exists()
-    else:  # never the run being read, whatever overwrite says
-        assert_one_line_error(replaced, expected)
-        assert snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before  # nothing deleted, nothing left (staging, OUT.lock)
+    # overwrite=true replaced the first three, a user's files with them; it is no longer a key
+    assert_one_line_error(export(run_dir, out, "overwrite=true"), "overwrite: no longer a key")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_users_backup_beside_out_survives_an_export_replacing_the_earlier_one(run_dir, tmp_path):
+    """Item 2: OUT.old (a user's `cp -r exp exp.old`, with a KEEP.txt) was deleted by the swap,
+    and OUT.partial (a name of the user's too) by the export's start."""
+    out = tmp_path / "exp"
+    assert export(run_dir, out).returncode == 0
+    shutil.copytree(out, tmp_path / "exp.old")
+    (tmp_path / "exp.old" / "KEEP.txt").write_text("keep me\n")
+    (tmp_path / "exp.partial").mkdir()
+    (tmp_path / "exp.partial" / "draft.txt").write_text("a draft\n")
+    beside = {name: snapshot(tmp_path / name) for name in ("exp.old", "exp.partial", run_dir.name)}
+    done = export(run_dir, out)
+    assert done.returncode == 0 and is_export(out), done.stderr[-3000:]
+    assert {name: snapshot(tmp_path / name) for name in beside} == beside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "exp.old", "exp.partial", "stage2"]
 
 
 def test_an_earlier_export_is_replaced_and_a_failed_one_leaves_it_intact(run_dir, tmp_path):
@@ -123,11 +145,12 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 from common.lock import dir_lock
+from common.outputs import new_staging
 out = Path(sys.argv[1])
 with dir_lock(out, what="export", lock_file=out.with_name(out.name + ".lock")):
-    (out.with_name(out.name + ".partial")).mkdir()
-    (out.with_name(out.name + ".partial") / "model.safetensors").write_bytes(b"being written")
-    print("holding", flush=True)
+    staging = new_staging(out, "export")
+    (staging / "model.safetensors").write_bytes(b"being written")
+    print(staging, flush=True)
     time.sleep(600)
 """
 
@@ -144,7 +167,8 @@ def test_a_second_export_into_an_out_being_written_is_refused_naming_the_first(r
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     try:
-        assert first.stdout.readline() == "holding\n"
+        staging = Path(first.stdout.readline().strip())
+        assert staging.parent == tmp_path and staging.name.startswith("export.partial-")
         started = time.monotonic()
         second = subprocess.run(
             [sys.executable, "-m", "launch.export", f"checkpoint={run_dir}", f"out={out}"],
@@ -156,14 +180,12 @@ def test_a_second_export_into_an_out_being_written_is_refused_naming_the_first(r
         assert_one_line_error(second, f"{out} is locked by export pid {first.pid}")
         assert time.monotonic() - started < 60
         # the first one's work untouched
-        assert (tmp_path / "export.partial" / "model.safetensors").read_bytes() == b"being written"
+        assert (staging / "model.safetensors").read_bytes() == b"being written"
         assert not out.exists()
     finally:
         first.kill()
         first.wait()
-    shutil.rmtree(
-        tmp_path / "export.partial"
-    )  # what a killed export leaves: the next one clears it
+    # what the killed export left, marked as its own, the next one clears
     done = export(run_dir, out)
     assert done.returncode == 0 and is_export(out), done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "stage2"]

@@ -230,7 +230,13 @@ BAD = [
         "model.max_seq_len",
         f"need {SEQ_LEN} positions (packed blocks of seq_len {SEQ_LEN})",
     ),
-    ("vocabulary", ["model.vocab_size=1000"], None, "model.vocab_size", f"has {VOCAB_SIZE} pieces"),
+    (
+        "vocabulary",
+        ["model.vocab_size=1000"],
+        None,
+        "model.vocab_size",
+        f"has a vocabulary of {VOCAB_SIZE} (ids 0 to {VOCAB_SIZE - 1})",
+    ),
     ("no dataset", ["data.data_dir={tmp}/nowhere"], None, "data.data_dir", "no manifest.json in"),
     ("no manifest", [], _drop_manifest, "data.data_dir", "no manifest.json"),
     (
