@@ -108,6 +108,12 @@ def new_staging(output: Path, what: str) -> Path:
     return staging
 
 
+def adopt(staging: Path, output: Path, what: str) -> Path:
+    """Take over an earlier run's staging directory (a resume): marked as this run's."""
+    _mark(staging, what, output, STAGING)
+    return staging
+
+
 def publish(staging: Path, output: Path, what: str) -> None:
     """Swap the finished `staging` into place as `output`. The old output is moved aside under a
     name of this run's and removed only once the new one is in place; if the swap fails, the old
@@ -136,17 +142,31 @@ def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def clear_leftovers(output: Path, log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+def staging_dirs(output: Path, role: str = STAGING) -> list[Path]:
+    """The directories beside `output` that carry our marker for it in `role` (an earlier run's
+    staging directories, or the outputs it moved aside)."""
+    found = []
+    for path in sorted(output.parent.glob(f"{_glob_escape(output.name)}.{role}-*")):
+        record = _marker(path)
+        if record and record.get("output") == output.name and record.get("role") == role:
+            found.append(path)
+    return found
+
+
+def clear_leftovers(
+    output: Path, log: Callable[[str], None] = lambda msg: None, spare: Path | None = None
+) -> list[Path]:
     """Under the output's lock: remove the staging and replaced directories that earlier runs
     killed outright (kill -9, a lost node) left beside `output`, each one only if it carries our
     marker for this output; an output such a run had moved aside and not yet replaced is put
-    back first. Returns what was removed."""
-    mine = []
-    for role in (STAGING, REPLACED):
-        for path in sorted(output.parent.glob(f"{_glob_escape(output.name)}.{role}-*")):
-            record = _marker(path)
-            if record and record.get("output") == output.name and record.get("role") == role:
-                mine.append((role, path))
+    back first. `spare`: a staging directory this run goes on from (a prepare's resume), kept.
+    Returns what was removed."""
+    mine = [
+        (role, path)
+        for role in (STAGING, REPLACED)
+        for path in staging_dirs(output, role)
+        if path != spare
+    ]
     if not (output.exists() or output.is_symlink()):
         aside = [path for role, path in mine if role == REPLACED]
         if aside:

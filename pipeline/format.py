@@ -281,6 +281,8 @@ def foreign_to_dataset(directory: str | os.PathLike) -> list[str]:
         for entry in manifest["datasets"].values():
             for split in entry["splits"].values():
                 files.update(shard["path"] for shard in split["shards"])
+        # the curation stages' samples of what they dropped
+        files.update(manifest.get("curation", {}).get("sample_files", []))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return everything
     folders = {str(parent) for name in files for parent in PurePosixPath(name).parents}

@@ -38,6 +38,8 @@ COSTLIEST_FIRST = [
     "launch/test_preflight.py",  # 123
     "test_out_of_space.py",  # about 90, alone, on a loaded machine (not in the aef99cf measurement)
     "pipeline/test_tokenizer_kinds.py",  # 99
+    # 56 alone at load ~2 (not measured in `make test`): three prepares and two stopped ones
+    "pipeline/test_curation.py",
     "test_web_example.py",  # 89
 ]
 

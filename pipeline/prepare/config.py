@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import List
 
 from pipeline.format import TASKS
+from pipeline.prepare.curate.decontaminate import DecontaminationConfig
+from pipeline.prepare.curate.language import LanguageConfig
+from pipeline.prepare.curate.minhash import NearDedupConfig
+from pipeline.prepare.curate.pii import PiiConfig
+from pipeline.prepare.curate.quality import QualityConfig
 
 
 @dataclass
@@ -59,6 +64,17 @@ class SourceConfig:
     # slots go to the others, again in proportion. Within a source the texts are its bottom-k
     # by salted hash, as with one source.
     tokenizer_share: float = 1.0
+    # Curation stages, per record in this order (docs/data.md, "Curation"): language
+    # identification (each side of a pair against its own language), the heuristic quality
+    # rules (documents only), PII replacement. Each counts what it drops per rule and split in
+    # manifest.json and keeps a sample under DATASET/dropped/.
+    language: LanguageConfig = field(default_factory=LanguageConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    pii: PiiConfig = field(default_factory=PiiConfig)
+    # Whether this source's documents take part in `near_dedup` when that stage is enabled.
+    near_dedup: bool = True
+    # Whether this source's training texts are checked by `decontamination` when it is enabled.
+    decontaminate: bool = True
 
 
 @dataclass
@@ -135,6 +151,10 @@ class PrepareConfig:
     # keep the staging directory (OUTPUT_DIR.partial-TOKEN) after a failed or interrupted run, to
     # debug it
     keep_partial: bool = False
+    # a run stopped after its scan (SIGTERM, Ctrl-C, a time limit, kill -9) keeps its staging
+    # directory, and the next run of the same config on the same inputs goes on from its scan,
+    # writing the same bytes as an uninterrupted run; false: every run starts afresh
+    resume: bool = True
     tasks: List[str] = field(default_factory=lambda: list(TASKS))  # the tasks to write shards for
     seq_len: int = 128  # tokens per packed causal_lm / mlm block
     # Bytes of input per scan work unit: larger text, jsonl and tsv files are cut into ranges
@@ -154,4 +174,12 @@ class PrepareConfig:
     shard: ShardConfig = field(default_factory=ShardConfig)
     translation: TranslationFilterConfig = field(default_factory=TranslationFilterConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    # Near-duplicate removal across the whole corpus (MinHash LSH over word n-grams; within
+    # each split: the splits are kept apart by decontamination), one document kept per cluster.
+    near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
+    # Training texts overlapping the valid/test splits or named evaluation files are dropped.
+    decontamination: DecontaminationConfig = field(default_factory=DecontaminationConfig)
+    # Dropped texts kept per rule and source under DATASET/dropped/ (the same ones for any
+    # number of workers); 0 keeps none.
+    dropped_samples: int = 20
     progress: bool = True  # progress bars and log lines on stderr

@@ -40,6 +40,7 @@ from common.configure import (
 )
 from common.lock import dir_lock
 from common.outputs import (
+    adopt,
     check_inputs_outside,
     check_replaceable,
     clear_leftovers,
@@ -63,7 +64,11 @@ from pipeline.format import (
     foreign_to_dataset,
     shard_sets,
 )
+from pipeline.inspect import curation_table
+from pipeline.prepare import curation, resume
 from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.curate.documents import check_curation
+from pipeline.prepare.curate.tally import Tally
 from pipeline.prepare.memory import available_bytes, estimate_worker_memory
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
 from pipeline.prepare.sources import (
@@ -108,29 +113,40 @@ def prepare(cfg: PrepareConfig) -> dict:
         if cfg.progress
         else (lambda msg: None)
     )
-    need, why = scratch_need(cfg, files)
+    # what the tasks run with: near_dedup.partitions chosen from the input size when 0
+    run_cfg = curation.resolved(cfg, sum(decompressed_size(p) for paths in files for p in paths))
     where = existing_ancestor(output.absolute().parent)
     free = free_space(where)
-    log(
-        f"prepare: {output}.partial-*/_work needs about {byte_size(need)} ({why}); "
-        f"{byte_size(free)} free on {where}"
-    )
-    if need > free:
-        raise UserError(
-            f"{output}.partial-*/_work needs about {byte_size(need)} ({why}), but {where} has "
-            f"{byte_size(free)} free; free some space or choose an output_dir on a larger file "
-            "system"
-        )
-    memory = check_memory(cfg, files, units, log)
+    # Checked before the memory estimate reads a byte of the input, and again with the texts it
+    # counts when the near-duplicate stage adds its signatures.
+    check_scratch(output, *scratch_need(run_cfg, files), where, free, log)
+    estimate = estimate_worker_memory(run_cfg, files, units)
+    if run_cfg.near_dedup.enabled:
+        check_scratch(output, *scratch_need(run_cfg, files, estimate.texts), where, free, log)
+    memory = check_memory(run_cfg, estimate, log)
     # The lock file lies beside the output rather than in it or in its staging directory:
     # both are deleted and renamed during a run, and a lock must stay one file for as long as
     # anyone may contend for it. Taken before the staging directory is touched, since a
     # second run would otherwise delete the first one's work as "left by an interrupted run".
     with dir_lock(output, what="prepare", lock_file=output.with_name(output.name + LOCK_SUFFIX)):
+        # a stopped run's staging directory whose scan is done, to go on from
+        print_ = resume.fingerprint(run_cfg, files)
+        previous = resume.resumable(output, print_) if cfg.resume else None
         # what a run killed outright left; then the output as it is now, no other prepare at it
-        clear_leftovers(output, lambda msg: log(f"prepare: {msg}"))
+        clear_leftovers(output, lambda msg: log(f"prepare: {msg}"), spare=previous)
         check_replaceable(output, "output_dir", "prepare", foreign_to_dataset, cfg.overwrite)
-        staging = new_staging(output, "prepare")
+        if previous is not None:
+            staging = adopt(previous, output, "prepare")
+            resume.clear_after_scan(staging)
+            # said whatever `progress` says: a run that skips its scan must say why
+            print(
+                f"prepare: resuming from {staging}: a stopped run of this config on these inputs "
+                "had done its scan",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            staging = new_staging(output, "prepare")
         try:
             streamed = sum(unit.stream for unit in units)
             log(
@@ -142,16 +158,18 @@ def prepare(cfg: PrepareConfig) -> dict:
                 )
                 + f" -> {output} ({cfg.ray.num_workers} Ray workers)"
             )
-            manifest = _build(cfg, files, units, (given, target), staging, started, log)
+            manifest = _build(
+                run_cfg, files, units, (given, target), staging, started, log, cfg, print_
+            )
             _say_peak_memory(manifest, memory, log)
             publish(staging, output, "prepare")
         except BaseException as err:  # KeyboardInterrupt too: Ctrl-C, and SIGTERM (see main)
-            _discard(staging, cfg.keep_partial, err, log)
+            _discard(staging, cfg.keep_partial, err, log, cfg.resume)
             raise
     return manifest
 
 
-def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
+def scratch_need(cfg: PrepareConfig, files: list[list[str]], texts: float = 0.0) -> tuple[int, str]:
     """About how many bytes the scan's bucket files (`OUTPUT_DIR.partial/_work`) take at their
     largest, and how that was counted: each text once per family of buckets it goes to (the
     monolingual texts, and `source TAB target` for translation), at most the input's
@@ -166,15 +184,35 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]]) -> tuple[int, str]:
         text += size
         need += copies * size
         twice = twice or copies == 2
-    return need, f"{byte_size(text)} of decompressed input" + (
+    why = f"{byte_size(text)} of decompressed input" + (
         ", pairs twice: as texts and as pairs" if twice else ""
     )
+    near = cfg.near_dedup
+    if near.enabled and "packed" in shard_sets(cfg.tasks):
+        # each signed text's signature (4 bytes a permutation) and band records (16 bytes a band)
+        signed = int(texts * (near.permutations * 4 + near.bands * 16))
+        need += signed
+        why += f", + {byte_size(signed)} of near-duplicate signatures for ~{texts:,.0f} texts"
+    return need, why
 
 
-def check_memory(cfg: PrepareConfig, files: list[list[str]], units: list[Unit], log) -> int:
+def check_scratch(output: Path, need: int, why: str, where: Path, free: int, log) -> None:
+    """Say how much scratch space the scan needs, and stop in one line when there is less."""
+    log(
+        f"prepare: {output}.partial-*/_work needs about {byte_size(need)} ({why}); "
+        f"{byte_size(free)} free on {where}"
+    )
+    if need > free:
+        raise UserError(
+            f"{output}.partial-*/_work needs about {byte_size(need)} ({why}), but {where} has "
+            f"{byte_size(free)} free; free some space or choose an output_dir on a larger file "
+            "system"
+        )
+
+
+def check_memory(cfg: PrepareConfig, estimate, log) -> int:
     """Say how much memory a Ray worker will need at its peak (`pipeline.prepare.memory`), and
     stop in one line when a local Ray's workers would not have it; returns the estimate."""
-    estimate = estimate_worker_memory(cfg, files, units)
     need = (
         f"each Ray worker needs about {byte_size(estimate.peak_bytes)} at its peak ({estimate.why})"
     )
@@ -209,6 +247,8 @@ def check_config(cfg: PrepareConfig) -> None:
     if unknown or not cfg.tasks:
         raise UserError(f"tasks: {unknown or cfg.tasks} not valid; choose from {', '.join(TASKS)}")
     check_sources(cfg)
+    sources = source_list(cfg)
+    check_curation(cfg, sources, [source_where(cfg, i) for i in range(len(sources))])
     if "translation" in cfg.tasks and not any(is_parallel(source) for source in source_list(cfg)):
         formats = ", ".join(source.format for source in source_list(cfg))
         raise UserError(
@@ -303,9 +343,18 @@ def prepare_inputs(cfg: PrepareConfig, files: list[list[str]]) -> list[tuple[str
     return inputs
 
 
-def _discard(staging: Path, keep: bool, err: BaseException, log) -> None:
-    """After a failure: remove the staging directory, so that failed runs do not pile up."""
+def _discard(staging: Path, keep: bool, err: BaseException, log, resumes: bool = False) -> None:
+    """After a failure: remove the staging directory, so that failed runs do not pile up; after
+    a stop once the scan was done (and `resume`), keep it for the next run to go on from."""
     why = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    if resumes and why == "interrupted" and (staging / "_work" / resume.SCAN_RECORD).is_file():
+        print(
+            f"prepare: interrupted after the scan; kept {staging}: the same command goes on from "
+            "it (resume=false starts afresh)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     if keep:
         # Printed whatever `progress` says: the user asked for it and needs to know where it is.
         print(f"prepare: {why}; kept {staging} (keep_partial=true)", file=sys.stderr, flush=True)
@@ -322,10 +371,14 @@ def _build(
     staging: Path,
     started: float,
     log,
+    user_cfg: PrepareConfig,
+    print_: str,
 ) -> dict:
     """Scan, train the tokenizer (unless given: `given_tokenizers`, the source side's and a
     translation target's own), encode, and write the dataset into `staging`;
-    returns its manifest."""
+    returns its manifest. `cfg` is what the tasks run with (`curation.resolved`), `user_cfg` what
+    the manifest records; `print_` its fingerprint, which a resumed scan must have."""
+    from pipeline.prepare.curate.decisions import Curation
     from pipeline.prepare.ray_runner import ray_session, run_tasks
     from pipeline.prepare.work import encode_splits, scan_units
 
@@ -333,22 +386,31 @@ def _build(
 
     work_dir = staging / "_work"
     with ray_session(cfg.ray):
-        scanned_units: list[Unit] = []  # `units` with each streamed file replaced by its chunks
-        scanned = run_tasks(
-            scan_units,
-            (
-                (batch,)
-                for batch in scan_batches(units, cfg.ray.num_workers, cfg.unit_bytes, scanned_units)
-            ),
-            num_workers=cfg.ray.num_workers,
-            desc="scan",
-            progress=cfg.progress,
-            shared={"cfg": cfg, "work_dir": str(work_dir)},
-        )
-        # one per unit, in unit order
-        scanned = [result for results in scanned for result in results]
+        done = resume.load_scan(work_dir, print_) if work_dir.is_dir() else None
+        if done is not None:
+            units, scanned = done
+            log(f"prepare: scan: resumed, {len(units)} units scanned by the stopped run")
+        else:
+            scanned_units: list[Unit] = []  # `units`, each streamed file replaced by its chunks
+            scanned = run_tasks(
+                scan_units,
+                (
+                    (batch,)
+                    for batch in scan_batches(
+                        units, cfg.ray.num_workers, cfg.unit_bytes, scanned_units
+                    )
+                ),
+                num_workers=cfg.ray.num_workers,
+                desc="scan",
+                progress=cfg.progress,
+                shared={"cfg": cfg, "work_dir": str(work_dir)},
+            )
+            # one per unit, in unit order
+            scanned = [result for results in scanned for result in results]
+            units = scanned_units
+            work_dir.mkdir(exist_ok=True)
+            resume.save_scan(work_dir, print_, units, scanned)
         scan_peak = max((result.get("peak_rss_mb", 0.0) for result in scanned), default=0.0)
-        units = scanned_units
         sources = source_list(cfg)
         by_source = []
         for index, source in enumerate(sources):
@@ -366,6 +428,17 @@ def _build(
                 ) from err
             by_source.append(stats)
         source_stats = _merge_stats([{"stats": stats} for stats in by_source])
+        scan_tallies, languages = curation.scan_curation(cfg, units, scanned)
+        decisions, near_facts, eval_facts = Curation(ngram=cfg.decontamination.ngram), None, None
+        if cfg.near_dedup.enabled and "packed" in shard_sets(cfg.tasks):
+            decisions, near_facts = curation.near_duplicates(
+                cfg, len(units), work_dir, run_tasks, log
+            )
+            decisions.ngram = cfg.decontamination.ngram
+        if cfg.decontamination.enabled:
+            decisions.eval_keys, eval_facts = curation.evaluation_keys(
+                cfg, len(units), work_dir, run_tasks, log
+            )
         sample = None
         if given is None:
             texts, cut = tokenizer_sample(cfg, units, scanned)
@@ -409,6 +482,7 @@ def _build(
                 "tokenizer_files": tokenizer.files,
                 "target_files": target.files if target is not None else None,
                 "cfg": cfg,
+                "curation": decisions,
             },
         )
         # One task per (dataset, bucket) made all its splits; in (dataset, split, bucket) order, as
@@ -418,6 +492,23 @@ def _build(
             key=lambda r: (r["dataset"], SPLITS.index(r["split"]), r["bucket"]),
         )
 
+    encode_tallies = [Tally(cfg.dropped_samples) for _ in sources]
+    near_found: dict = {}
+    for result in encoded:
+        for index, source in enumerate(sources):
+            encode_tallies[index].merge(result["curation"][source.name])
+        near_found.update(result.get("near_found", {}))
+    curated = curation.curation_record(
+        cfg,
+        scan_tallies,
+        encode_tallies,
+        languages,
+        near_facts,
+        near_found,
+        unit_sources,
+        eval_facts,
+        staging,
+    )
     manifest = {
         "format_version": FORMAT_VERSION,
         "tokenizer": {
@@ -426,7 +517,7 @@ def _build(
             **({"sample": sample} if sample else {}),
         },
         **({"target_tokenizer": {**target.info(), "trained": False}} if target is not None else {}),
-        "config": config_to_dict(cfg),
+        "config": config_to_dict(user_cfg),
         "sources": {
             "files": sum(map(len, files)),
             "units": len(units),
@@ -441,6 +532,7 @@ def _build(
                 for index, source in enumerate(sources)
             },
         },
+        "curation": curated,
         "datasets": {},
         "seconds": round(time.time() - started, 1),
     }
@@ -482,7 +574,7 @@ def _build(
         manifest["datasets"][name] = entry
 
     shutil.rmtree(work_dir, ignore_errors=True)
-    save_config(cfg, staging / PREPARE_CONFIG)
+    save_config(user_cfg, staging / PREPARE_CONFIG)
     # Written last: a directory with a manifest is a complete dataset.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     # A worker's peak resident memory in each stage, for the log: this machine's and this run's,
@@ -646,6 +738,9 @@ def summary(manifest: dict) -> str:
             )
     for name, dataset in manifest["datasets"].items():
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dataset["stats"].items()))
+    if manifest["curation"]["by_source"] and any(manifest["curation"]["by_source"].values()):
+        lines.append("curation (samples of each rule's drops: python -m pipeline.inspect DIR):")
+        lines += ["  " + line for line in curation_table(manifest)]
     tok = manifest["tokenizer"]
     target = manifest.get("target_tokenizer")
     lines.append(

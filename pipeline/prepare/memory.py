@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from common.configure import UserError
 from pipeline.format import shard_sets
 from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.curate import minhash
+from pipeline.prepare.curate.neardup import FLUSH_TEXTS
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
 from pipeline.prepare.sources import decompressed_size, source_list
 from pipeline.prepare.units import Unit, stream_chunks
@@ -62,6 +64,11 @@ PROBE_UNITS = 8
 # words, whose strs Python shares (docs/results.md#prepares-memory-per-worker).
 LONG_TEXT_COPIES = 5
 WORD_BYTES = 96
+# Near-duplicates: a batch of texts being signed holds their words' hashes and shingles (numpy,
+# 8 bytes each, a few arrays); a shuffle task verifies VERIFY_EDGES candidate pairs at a time.
+SIGN_BYTES_PER_TEXT_BYTE = 12
+VERIFY_EDGES = 1 << 16
+BYTES_PER_WORD = 5  # of text, for the decontamination keys (one 8-byte n-gram hash a word)
 
 
 @dataclass
@@ -162,6 +169,7 @@ class MemoryEstimate:
     peak_bytes: int  # one worker at its peak
     why: str  # how it was counted, in words
     remedy: str  # what lowers it
+    texts: float = 0.0  # monolingual texts estimated (the near-duplicate stage's scratch space)
 
 
 def estimate_worker_memory(
@@ -204,8 +212,33 @@ def estimate_worker_memory(
     # The sample may be full when the task's largest record comes: the two add up.
     record = max((p.record_bytes for p in probes), default=0.0)
     scan = held + sample + record
-    peak = BASE_MB * MB + max(encode, scan)
     records = sum(p.records for p in probes)
+    near = cfg.near_dedup
+    shuffle = 0.0
+    if near.enabled and mono:
+        longest = max(s.max_doc_chars for s in sources) / 5  # words of the longest piece
+        scan += 2 * near.permutations * 8 * max(minhash.BLOCK_SHINGLES, longest) + (
+            FLUSH_TEXTS * text_bytes * SIGN_BYTES_PER_TEXT_BYTE
+        )
+        shuffle = minhash.memory_per_task(int(mono_texts * near.bands), near.partitions)
+        shuffle += 2 * VERIFY_EDGES * near.permutations * 4  # two signature blocks verified
+        encode += 16 * mono_texts  # the removed ids and the sample's, worst case all
+    if cfg.decontamination.enabled:
+        # the evaluation keys every encode task holds: an 8-byte hash per word of valid and test
+        evaluated = (cfg.split.valid + cfg.split.test) * total + sum(
+            decompressed_size(spec.path) for spec in cfg.decontamination.eval_files
+        )
+        encode += evaluated / BYTES_PER_WORD * 8
+    peak = BASE_MB * MB + max(encode, scan, shuffle)
+    if shuffle > max(encode, scan):
+        return MemoryEstimate(
+            int(peak),
+            f"near-duplicate shuffle: ~{mono_texts * near.bands:,.0f} band records over "
+            f"{near.partitions} partitions, + the verification's signatures, + {BASE_MB} MiB "
+            "for the worker itself",
+            "raise near_dedup.partitions (a shuffle task holds one partition)",
+            mono_texts,
+        )
     if encode >= scan:
         remedy = "raise shard.buckets (the de-duplication set is a bucket's)"
         why = (
@@ -223,7 +256,9 @@ def estimate_worker_memory(
         )
         if record >= MB:
             why += f" + {record / MB:,.0f} MiB while the longest record is read, cleaned and hashed"
-    return MemoryEstimate(int(peak), f"{why}, + {BASE_MB} MiB for the worker itself", remedy)
+    return MemoryEstimate(
+        int(peak), f"{why}, + {BASE_MB} MiB for the worker itself", remedy, mono_texts
+    )
 
 
 def available_bytes() -> int:

@@ -20,7 +20,9 @@ from common.progress import meter
 from common.storage import storage_refusal
 from pipeline.prepare.config import RayConfig
 
-PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+# the repository (this file is pipeline/prepare/ray_runner.py); not pipeline/, whose module names
+# (inspect, format) would hide the standard library's in the workers
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @contextlib.contextmanager

@@ -45,12 +45,12 @@ def _read_text(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record
         if cfg.text_split == "line":
             yield text, None
         elif text.strip():
-            paragraph.append(text)
+            paragraph.append(text.rstrip("\r\n"))
         elif paragraph:
-            yield " ".join(paragraph), None
+            yield "\n".join(paragraph), None
             paragraph = []
     if paragraph:
-        yield " ".join(paragraph), None
+        yield "\n".join(paragraph), None
 
 
 def _malformed(stats: Counter, reason: str) -> None:
@@ -266,14 +266,16 @@ def is_parallel(cfg: SourceConfig) -> bool:
     )
 
 
-def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]:
-    """Cleaned records of one unit; empty and mostly undecodable texts are dropped and counted."""
+def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter, raw: bool = False) -> Iterator:
+    """Cleaned records of one unit; empty and mostly undecodable texts are dropped and counted.
+    `raw`: each record followed by the texts as read, newlines kept (the curation stages judge
+    lines and paragraphs), as `(source, target, raw_source, raw_target)`."""
     parallel = is_parallel(cfg)
     limit = cfg.max_replaced_fraction
     with reading_file(unit.path):
-        for source, target in _READERS[cfg.format](unit, cfg, stats):
-            source = clean_text(source)
-            target = clean_text(target) if target is not None else None
+        for raw_source, raw_target in _READERS[cfg.format](unit, cfg, stats):
+            source = clean_text(raw_source)
+            target = clean_text(raw_target) if raw_target is not None else None
             if not source or (parallel and not target):
                 stats["empty"] += 1
                 continue
@@ -281,7 +283,7 @@ def read_unit(unit: Unit, cfg: SourceConfig, stats: Counter) -> Iterator[Record]
                 stats["undecodable_dropped"] += 1
                 continue
             stats["records"] += 1
-            yield source, target
+            yield (source, target, raw_source, raw_target) if raw else (source, target)
 
 
 def _undecodable(text: str, limit: float) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import resource
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,10 +17,15 @@ import numpy as np
 
 from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, shard_sets, token_dtype
 from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.curate.decisions import Curation, NearDuplicates, decontaminated
+from pipeline.prepare.curate.documents import DocumentStages
+from pipeline.prepare.curate.neardup import Signer
+from pipeline.prepare.curate.tally import Tally
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
+from pipeline.prepare.rss import peak_rss_mb, reset_peak_rss
 from pipeline.prepare.sources import source_list
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces
-from pipeline.prepare.units import Unit, text_hash
+from pipeline.prepare.units import Unit, clean_text, text_hash
 from pipeline.tokenizer import Tokenizer, tokenizer_from_files
 
 MONO, PAIRS = "mono", "pairs"
@@ -44,24 +48,42 @@ def bucket_file(
     return Path(work_dir) / f"u{unit_index:06d}" / f"{family}-{split}-{bucket:04d}.txt"
 
 
+def ids_file(bucket_path: Path) -> Path:
+    """Beside a bucket file, when near-duplicates are removed: each line's document id (uint64,
+    `document_id`), in line order."""
+    return bucket_path.with_suffix(".ids")
+
+
+def document_id(unit_index: int, number: int) -> int:
+    """A monolingual text's id: its unit and its place there, so that ids sort in corpus order
+    (the order that decides which of two copies is kept), whatever the workers."""
+    return (unit_index << 32) | number
+
+
 class _BucketWriters:
-    """Lazily opened append-only bucket files of one unit."""
+    """Lazily opened append-only bucket files of one unit (and their ids files, `with_ids`)."""
 
-    def __init__(self, work_dir: str | Path, unit_index: int):
-        self.work_dir, self.unit_index = work_dir, unit_index
+    def __init__(self, work_dir: str | Path, unit_index: int, with_ids: bool = False):
+        self.work_dir, self.unit_index, self.with_ids = work_dir, unit_index, with_ids
         self.handles: dict[tuple[str, str, int], object] = {}
+        self.ids: dict[tuple[str, str, int], list[int]] = {}
 
-    def write(self, family: str, split: str, bucket: int, record: str) -> None:
+    def write(self, family: str, split: str, bucket: int, record: str, doc: int = -1) -> None:
         key = (family, split, bucket)
         if key not in self.handles:
             path = bucket_file(self.work_dir, self.unit_index, family, split, bucket)
             path.parent.mkdir(parents=True, exist_ok=True)
             self.handles[key] = open(path, "w", encoding="utf-8", newline="\n")
         self.handles[key].write(record + "\n")
+        if self.with_ids and family == MONO:
+            self.ids.setdefault(key, []).append(doc)
 
     def close(self) -> None:
         for handle in self.handles.values():
             handle.close()
+        for key, ids in self.ids.items():
+            path = ids_file(bucket_file(self.work_dir, self.unit_index, *key))
+            np.asarray(ids, dtype=np.uint64).tofile(path)
 
 
 def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) -> dict:
@@ -75,12 +97,32 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
     want_pairs = "translation" in cfg.tasks
     parallel = is_parallel(source_cfg)
     salt, buckets = cfg.split.salt, cfg.shard.buckets
-    writers = _BucketWriters(work_dir, unit_index)
+    tally = Tally(cfg.dropped_samples)
+    stages = DocumentStages(source_cfg, tally)
+    signer = (
+        Signer(cfg.near_dedup, work_dir, unit_index, tally)
+        if want_mono and cfg.near_dedup.enabled
+        else None
+    )
+    signing = signer is not None and source_cfg.near_dedup
+    writers = _BucketWriters(work_dir, unit_index, with_ids=signer is not None)
+    number = 0  # the unit's monolingual texts so far: their ids
     try:
-        for source, target in read_unit(unit, source_cfg, stats):
+        for source, target, raw_source, raw_target in read_unit(unit, source_cfg, stats, raw=True):
             source_key = text_hash(source, salt)
             split = assign_split(source_key, cfg.split.valid, cfg.split.test)
             stats[f"split_{split}"] += 1
+            if stages.active:
+                kept = stages.apply(
+                    [raw_source] if target is None else [raw_source, raw_target], split
+                )
+                if kept is None:
+                    continue
+                source = clean_text(kept[0])
+                target = clean_text(kept[1]) if target is not None else None
+                if not source or (parallel and not target):
+                    stats["empty_after_curation"] += 1
+                    continue
             if want_pairs and parallel:
                 pair_bucket = text_hash(source + "\t" + target, salt) % buckets
                 writers.write(PAIRS, split, pair_bucket, source + "\t" + target)
@@ -96,11 +138,24 @@ def scan_unit(unit_index: int, unit: Unit, cfg: PrepareConfig, work_dir: str) ->
                             sample.add(text_hash(part, salt + "tok"), part, len(parts) > 1)
                     if want_mono:
                         key = source_key if piece is source else text_hash(piece, salt)
-                        writers.write(MONO, split, key % buckets, piece)
+                        doc = document_id(unit_index, number)
+                        number += 1
+                        writers.write(MONO, split, key % buckets, piece, doc)
+                        if signing:
+                            signer.add(doc, piece, split)
+        if signer is not None:
+            signer.finish()
     finally:
         writers.close()
     return {
         "stats": dict(stats),
+        "curation": tally.to_dict(),
+        "languages": [[side, code, n] for (side, code), n in sorted(stages.languages.items())],
+        # seconds per curation stage, for the benchmarks (not the manifest)
+        "stage_seconds": {
+            **stages.seconds,
+            **({"near_dedup.sign": signer.seconds} if signer is not None else {}),
+        },
         "sample": sample.items(),
         "sample_cut": sample.cut_keys(),
         "peak_rss_mb": peak_rss_mb(),
@@ -142,37 +197,6 @@ def _cpu_noted(results: list[dict], cpu_started: float) -> list[dict]:
     return results
 
 
-def reset_peak_rss() -> None:
-    """Start a task's peak-memory count afresh (Linux: VmHWM is reset by writing 5 to
-    /proc/self/clear_refs), so that a Ray worker's figure is the task's, not its earlier tasks'.
-    Freed heap is handed back to the system first (glibc's malloc_trim), or the earlier tasks'
-    high-water mark would stay resident and count again."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory since `reset_peak_rss` (or since it started, where
-    that cannot be reset); for benchmarks, not the manifest."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def unique_chunks(
     work_dir: str,
     unit_sources: list[int],
@@ -181,13 +205,16 @@ def unique_chunks(
     bucket: int,
     stats: list[Counter],
     size: int = ENCODE_CHUNK,
+    near: NearDuplicates | None = None,
 ) -> Iterator[tuple[int, list[str]]]:
     """The distinct records of one bucket, in unit order, as (source index, texts): runs of at
     most `size` consecutive records of one source, each record's first occurrence only; a
     duplicate is counted for the source that loses it. Records are told apart by a 64-bit hash
     (a collision, about n**2 / 2**65 for n records, would drop a record as a duplicate, the same
     one in every run). Read a megabyte of lines at a time and decoded a run at a time: per-line
-    Python work is the encode stage's cost beside the tokenizer's."""
+    Python work is the encode stage's cost beside the tokenizer's. `near`: a first occurrence
+    whose id the near-duplicate stage removed is dropped too (its exact copies stay counted as
+    duplicates), counted as `near_duplicates_dropped`."""
     seen: set[bytes] = set()
     blake2b = hashlib.blake2b
     current, kept = -1, []  # the source of the run being gathered, its lines
@@ -199,21 +226,36 @@ def unique_chunks(
             if kept:
                 yield current, _texts(kept)
             current, kept = source, []
-        dropped = 0
+        dropped, near_dropped = 0, 0
+        ids = np.fromfile(ids_file(path), dtype=np.uint64) if near is not None else None
+        line_number = 0
         with open(path, "rb") as fh:
             while lines := fh.readlines(1 << 20):
                 digests = [blake2b(line, digest_size=8).digest() for line in lines]
-                for line, digest in zip(lines, digests):
+                if ids is not None:
+                    these = ids[line_number : line_number + len(lines)]
+                    line_number += len(lines)
+                    gone = np.isin(these, near.removed)
+                    for at in np.flatnonzero(np.isin(these, near.wanted)).tolist():
+                        near.found[int(these[at])] = [split, lines[at][:-1].decode("utf-8")]
+                else:
+                    gone = None
+                for at, (line, digest) in enumerate(zip(lines, digests)):
                     if digest in seen:
                         dropped += 1
                         continue
                     seen.add(digest)
+                    if gone is not None and gone[at]:
+                        near_dropped += 1
+                        continue
                     kept.append(line)
                 while len(kept) >= size:
                     yield source, _texts(kept[:size])
                     del kept[:size]
         if dropped:
             stats[source]["duplicates_dropped"] += dropped
+        if near_dropped:
+            stats[source]["near_duplicates_dropped"] += near_dropped
     if kept:
         yield current, _texts(kept)
 
@@ -305,9 +347,11 @@ def encode_bucket(
     tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
     target_files: dict[str, bytes] | None = None,
+    curation: Curation | None = None,
 ) -> dict:
     """Stage 2 for one (dataset, split, bucket): returns its shard records and statistics, per
-    source. `target_files`: translation targets' own tokenizer (None: the one tokenizer's)."""
+    source. `target_files`: translation targets' own tokenizer (None: the one tokenizer's);
+    `curation`: what the near-duplicate and decontamination stages drop here."""
     started = time.perf_counter()
     tokenizer = _tokenizer(tokenizer_files, tuple(cfg.tokenizer.lang_tags))
     target = _tokenizer(target_files, ()) if target_files else tokenizer
@@ -322,7 +366,15 @@ def encode_bucket(
         for name in names
     ]
     family = MONO if dataset == "packed" else PAIRS
-    chunks = unique_chunks(work_dir, unit_sources, family, split, bucket, stats)
+    curation = curation or Curation()
+    near = curation.near_duplicates() if family == MONO else None
+    tallies = [Tally(cfg.dropped_samples) for _ in names]
+    checked = [
+        split == "train" and bool(curation.eval_keys) and source.decontaminate
+        for source in source_list(cfg)
+    ]
+    chunks = unique_chunks(work_dir, unit_sources, family, split, bucket, stats, near=near)
+    checking = 0.0  # seconds spent on decontamination, for the benchmarks
     try:
         if dataset == "packed":
             packers = [
@@ -330,12 +382,24 @@ def encode_bucket(
                 for sequence in sequences
             ]
             for source, texts in chunks:
+                if checked[source]:
+                    started_check = time.perf_counter()
+                    texts = decontaminated(texts, curation, tallies[source], split)
+                    checking += time.perf_counter() - started_check
+                    if not texts:
+                        continue
                 stats[source]["documents"] += len(texts)
                 packers[source].add(tokenizer.encode_batch(texts), stats[source])
             for packer, source_stats in zip(packers, stats):
                 packer.finish(source_stats)
         else:
             for source, texts in chunks:
+                if checked[source]:
+                    started_check = time.perf_counter()
+                    texts = decontaminated(texts, curation, tallies[source], split, pairs=True)
+                    checking += time.perf_counter() - started_check
+                    if not texts:
+                        continue
                 pairs = [text.split("\t", 1) for text in texts]
                 columns = _filter_pairs(pairs, (tokenizer, target), cfg, dtype, stats[source])
                 sequences[source].write(columns)
@@ -348,8 +412,11 @@ def encode_bucket(
             sequence.abort()
         raise
     total: Counter = Counter()
-    for source_stats in stats:
+    for source_stats, tally in zip(stats, tallies):
         total.update(source_stats)
+        tally.count(
+            "near_dedup.near_duplicate", split, source_stats.get("near_duplicates_dropped", 0)
+        )
     return {
         "dataset": dataset,
         "split": split,
@@ -357,7 +424,10 @@ def encode_bucket(
         "shards": shards,
         "stats": dict(total),
         "source_stats": {name: dict(s) for name, s in zip(names, stats)},
+        "curation": {name: tally.to_dict() for name, tally in zip(names, tallies)},
+        "near_found": near.found if near is not None else {},
         "seconds": time.perf_counter() - started,
+        "decontamination_seconds": checking,
         "peak_rss_mb": peak_rss_mb(),
     }
 
@@ -371,6 +441,7 @@ def encode_splits(
     tokenizer_files: dict[str, bytes],
     cfg: PrepareConfig,
     target_files: dict[str, bytes] | None = None,
+    curation: Curation | None = None,
 ) -> list[dict]:
     """`encode_bucket` for every split of one (dataset, bucket), in SPLITS order: one Ray task
     rather than three, since valid and test buckets are small and a task costs milliseconds."""
@@ -388,6 +459,7 @@ def encode_splits(
                 tokenizer_files,
                 cfg,
                 target_files,
+                curation,
             )
             for split in SPLITS
         ],

@@ -1,0 +1,2 @@
+"""Curation stages of pipeline.prepare: language identification, quality filters, PII,
+near-duplicates, decontamination."""
