@@ -40,6 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 PY = sys.executable
 
 BOILERPLATE = [
@@ -205,6 +206,8 @@ def main() -> int:
         loss = loss_on(export, ids)
         rows.append((name, train_tokens(data), loss))
         print(f"{name}: loss {loss:.4f}", flush=True)
+    from bench_near_dup import cpu_name
+
     from pipeline.inspect import curation_table
 
     print()
@@ -220,16 +223,6 @@ def main() -> int:
     for line in curation_table(manifest):
         print("  " + line)
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

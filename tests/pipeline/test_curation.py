@@ -58,13 +58,6 @@ decontamination:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2)
-    yield head
-    head.stop()
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("curated")
     planted = write_corpus(root)

@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 
 import pytest
-from corpora import RayHead, prepare_args, run_prepare, synthetic_pairs
+from corpora import prepare_args, run_prepare, synthetic_pairs
 from errorlines import assert_one_error_line
 from repo import ROOT
 from sourcecfg import source_cfg
@@ -168,13 +168,6 @@ def test_source_columns_fewer_than_the_columns_named_is_refused():
     )
     with pytest.raises(UserError, match=r"^source\.columns: 2 is too few for .* need 3 columns"):
         check_sources(cfg)
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2)
-    yield head
-    head.stop()
 
 
 def test_prepare_counts_a_three_column_line_and_says_so(tmp_path, ray_head):

@@ -8,17 +8,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
-from corpora import RayHead, prepare_args, run_prepare, synthetic_pairs, write_tsv
+from corpora import prepare_args, run_prepare, synthetic_pairs, write_tsv
 
 from pipeline.format import MANIFEST
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2)
-    yield head
-    head.stop()
 
 
 def snapshot(directory: Path) -> dict:

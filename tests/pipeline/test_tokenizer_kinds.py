@@ -26,13 +26,6 @@ TASKS = HF_LAYOUT_TASKS  # what conftest's hf_layout_data prepared each layout's
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2)
-    yield head
-    head.stop()
-
-
-@pytest.fixture(scope="module")
 def corpus(hf_layout_corpus) -> Path:
     return hf_layout_corpus
 

@@ -90,27 +90,39 @@ class Signer:
 
 
 class SignatureStore:
-    """Signature rows by text id, read from the units' files as a shuffle task needs them."""
+    """Signature rows by text id, read from the units' `sig.bin` as a shuffle task needs them:
+    row by row with pread, not through a memory map, whose touched pages would count in the
+    task's resident memory (a map of every unit's signatures is the size of the corpus's)."""
 
     def __init__(self, work_dir: str, permutations: int, dtype):
-        self.work_dir, self.permutations, self.dtype = work_dir, permutations, dtype
-        self._units: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.work_dir, self.permutations = work_dir, permutations
+        self.dtype = np.dtype(dtype)
+        self.row_bytes = permutations * self.dtype.itemsize
+        self._ids: dict[int, np.ndarray] = {}
 
-    def _unit(self, unit_index: int) -> tuple[np.ndarray, np.ndarray]:
-        if unit_index not in self._units:
-            sig_path, ids_path = signature_files(self.work_dir, unit_index)
-            ids = np.fromfile(ids_path, dtype=np.uint64)
-            rows = np.memmap(sig_path, dtype=self.dtype, mode="r").reshape(-1, self.permutations)
-            self._units[unit_index] = (ids, rows)
-        return self._units[unit_index]
+    def _unit_ids(self, unit_index: int) -> np.ndarray:
+        if unit_index not in self._ids:
+            self._ids[unit_index] = np.fromfile(
+                signature_files(self.work_dir, unit_index)[1], dtype=np.uint64
+            )
+        return self._ids[unit_index]
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty((len(ids), self.permutations), dtype=self.dtype)
         units = (ids >> np.uint64(32)).astype(np.int64)
         for unit_index in np.unique(units).tolist():
             at = np.flatnonzero(units == unit_index)
-            unit_ids, rows = self._unit(unit_index)
-            out[at] = rows[np.searchsorted(unit_ids, ids[at])]
+            rows = np.searchsorted(self._unit_ids(unit_index), ids[at])
+            wanted, where = np.unique(rows, return_inverse=True)
+            block = np.empty((len(wanted), self.permutations), dtype=self.dtype)
+            fd = os.open(signature_files(self.work_dir, unit_index)[0], os.O_RDONLY)
+            try:
+                for position, row in enumerate(wanted.tolist()):
+                    data = os.pread(fd, self.row_bytes, row * self.row_bytes)
+                    block[position] = np.frombuffer(data, dtype=self.dtype)
+            finally:
+                os.close(fd)
+            out[at] = block[where]
         return out
 
 
