@@ -95,7 +95,10 @@ def write_corpora(work: Path, seed: int = 0) -> dict:
             for _ in range(max(1, len(words) // 20)):
                 words[rng.randrange(len(words))] = rng.choice(vocab)
             noisy.append(" ".join(words))
-    noisy += [rng.choice(BOILERPLATE) for _ in range(len(clean) // 10)]
+    # each page's boilerplate with its own page number, so exact de-duplication leaves it
+    noisy += [
+        f"{rng.choice(BOILERPLATE)}\nPage {rng.randint(1, 10**6)}" for _ in range(len(clean) // 10)
+    ]
     noisy += rng.sample(other, min(len(other), len(clean) // 4))
     rng.shuffle(noisy)
     for name, docs in (("clean", clean), ("noisy", noisy), ("heldout", evaluation)):
