@@ -64,9 +64,14 @@ PROBE_UNITS = 8
 # words, whose strs Python shares (docs/results.md#prepares-memory-per-worker).
 LONG_TEXT_COPIES = 5
 WORD_BYTES = 96
-# Near-duplicates: a batch of texts being signed holds their words' hashes and shingles (numpy,
-# 8 bytes each, a few arrays); a shuffle task verifies VERIFY_EDGES candidate pairs at a time.
-SIGN_BYTES_PER_TEXT_BYTE = 12
+# Near-duplicates: a batch of texts being signed holds their bytes' prefix hashes and powers and
+# their shingles (numpy, 8 bytes each): 40 bytes per byte of text measured for the arrays alone,
+# 80 counted with what the allocator keeps of them (a 1 GB corpus's scan tasks peaked at 397 MiB:
+# docs/results.md#curation-at-scale); a shuffle task verifies VERIFY_EDGES candidate pairs at a
+# time. Decontamination hashes a chunk of ENCODE_CHUNK texts in the encode the same way (29
+# bytes per byte measured, 64 counted).
+SIGN_BYTES_PER_TEXT_BYTE = 80
+DECONTAMINATE_BYTES_PER_TEXT_BYTE = 64
 VERIFY_EDGES = 1 << 16
 BYTES_PER_WORD = 5  # of text, for the decontamination keys (one 8-byte n-gram hash a word)
 
@@ -229,6 +234,7 @@ def estimate_worker_memory(
             decompressed_size(spec.path) for spec in cfg.decontamination.eval_files
         )
         encode += evaluated / BYTES_PER_WORD * 8
+        encode += ENCODE_CHUNK * text_bytes * DECONTAMINATE_BYTES_PER_TEXT_BYTE
     peak = BASE_MB * MB + max(encode, scan, shuffle)
     if shuffle > max(encode, scan):
         return MemoryEstimate(
