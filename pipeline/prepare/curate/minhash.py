@@ -121,16 +121,6 @@ def candidate_probability(similarity: float, bands: int, rows: int) -> float:
     return 1.0 - (1.0 - similarity**rows) ** bands
 
 
-def verify_probability(similarity: float, permutations: int, threshold: float) -> float:
-    """P(the estimated similarity of a pair at exact Jaccard `similarity` reaches `threshold`):
-    the number of equal signature values is Binomial(permutations, similarity)."""
-    need = math.ceil(threshold * permutations - 1e-9)
-    return sum(
-        math.comb(permutations, k) * similarity**k * (1 - similarity) ** (permutations - k)
-        for k in range(need, permutations + 1)
-    )
-
-
 def describe(cfg: NearDedupConfig) -> str:
     """One line: the parameters, the LSH threshold (1/b)^(1/r) and P(candidate) at some Jaccards."""
     b, r = cfg.bands, cfg.rows
