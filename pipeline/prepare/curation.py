@@ -27,7 +27,7 @@ from pipeline.prepare.curate.decontaminate import (
     origin_name,
     read_eval_file,
 )
-from pipeline.prepare.curate.neardup import SignatureStore, shuffle_partition
+from pipeline.prepare.curate.neardup import SketchStore, shuffle_partition
 from pipeline.prepare.curate.tally import Tally
 from pipeline.prepare.rss import peak_rss_mb, reset_peak_rss
 from pipeline.prepare.sources import source_list
@@ -68,8 +68,8 @@ def near_duplicates(
     edges = [r["edges"] for r in results if len(r["edges"])]
     edges = np.unique(np.concatenate(edges), axis=0) if edges else np.empty((0, 2), np.uint64)
     # a text joined only through a chain is removed only beside a kept text it is itself like
-    store = SignatureStore(str(work_dir), near.permutations, np.uint32)
-    removed, partners = minhash.clusters(edges, store.lookup, near)
+    store = SketchStore(str(work_dir))
+    removed, partners = minhash.clusters(edges, store.similarity, near)
     order = np.argsort(removed)
     removed, partners = removed[order], partners[order]
     facts = {

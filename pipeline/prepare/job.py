@@ -67,9 +67,10 @@ from pipeline.format import (
 from pipeline.inspect import curation_table
 from pipeline.prepare import curation, resume
 from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.curate import minhash
 from pipeline.prepare.curate.documents import check_curation
 from pipeline.prepare.curate.tally import Tally
-from pipeline.prepare.memory import available_bytes, estimate_worker_memory
+from pipeline.prepare.memory import BYTES_PER_WORD, available_bytes, estimate_worker_memory
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
 from pipeline.prepare.sources import (
     check_sources,
@@ -189,10 +190,15 @@ def scratch_need(cfg: PrepareConfig, files: list[list[str]], texts: float = 0.0)
     )
     near = cfg.near_dedup
     if near.enabled and "packed" in shard_sets(cfg.tasks):
-        # each signed text's signature (4 bytes a permutation) and band records (16 bytes a band)
-        signed = int(texts * (near.permutations * 4 + near.bands * 16))
+        # each signed text's band records (16 bytes a band) and sketch: 4 bytes a shingle (about a
+        # word of BYTES_PER_WORD bytes), at most minhash.SKETCH, + 16 of id and end
+        sketch = min(text / BYTES_PER_WORD * 4, texts * minhash.SKETCH * 4) + texts * 16
+        signed = int(texts * near.bands * 16 + sketch)
         need += signed
-        why += f", + {byte_size(signed)} of near-duplicate signatures for ~{texts:,.0f} texts"
+        why += (
+            f", + {byte_size(signed)} of near-duplicate band records and sketches for "
+            f"~{texts:,.0f} texts"
+        )
     return need, why
 
 

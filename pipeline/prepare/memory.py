@@ -68,11 +68,13 @@ WORD_BYTES = 96
 # their shingles (numpy, 8 bytes each): 40 bytes per byte of text measured for the arrays alone,
 # 80 counted with what the allocator keeps of them (a 1 GB corpus's scan tasks peaked at 397 MiB:
 # docs/results.md#curation-at-scale); a shuffle task verifies VERIFY_EDGES candidate pairs at a
-# time. Decontamination hashes a chunk of ENCODE_CHUNK texts in the encode the same way (29
+# time (`minhash.verify`'s chunk), holding their two texts' sketches. Decontamination hashes a
+# chunk of ENCODE_CHUNK texts in the encode the same way (29
 # bytes per byte measured, 64 counted).
 SIGN_BYTES_PER_TEXT_BYTE = 80
 DECONTAMINATE_BYTES_PER_TEXT_BYTE = 64
-VERIFY_EDGES = 1 << 16
+VERIFY_EDGES = minhash.VERIFY_CHUNK
+SKETCH_OBJECT_BYTES = 200  # a numpy array's header and its place in a dict
 BYTES_PER_WORD = 5  # of text, for the decontamination keys (one 8-byte n-gram hash a word)
 
 
@@ -226,7 +228,8 @@ def estimate_worker_memory(
             FLUSH_TEXTS * text_bytes * SIGN_BYTES_PER_TEXT_BYTE
         )
         shuffle = minhash.memory_per_task(int(mono_texts * near.bands), near.partitions)
-        shuffle += 2 * VERIFY_EDGES * near.permutations * 4  # two signature blocks verified
+        # the sketches of VERIFY_EDGES pairs verified at a time, each in a numpy array of its own
+        shuffle += 2 * VERIFY_EDGES * (minhash.SKETCH * 4 + SKETCH_OBJECT_BYTES)
         encode += 16 * mono_texts  # the removed ids and the sample's, worst case all
     if cfg.decontamination.enabled:
         # the evaluation keys every encode task holds: an 8-byte hash per word of valid and test
@@ -240,7 +243,7 @@ def estimate_worker_memory(
         return MemoryEstimate(
             int(peak),
             f"near-duplicate shuffle: ~{mono_texts * near.bands:,.0f} band records over "
-            f"{near.partitions} partitions, + the verification's signatures, + {BASE_MB} MiB "
+            f"{near.partitions} partitions, + the verification's sketches, + {BASE_MB} MiB "
             "for the worker itself",
             "raise near_dedup.partitions (a shuffle task holds one partition)",
             mono_texts,

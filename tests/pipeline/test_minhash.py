@@ -141,10 +141,19 @@ def test_candidate_pairs_from_partition_files(tmp_path):
     mh.write_band_records(lambda p: tmp_path / f"b{p}.bin", keys[2:], ids[2:], 2)
     edges = [mh.candidate_pairs(sorted(tmp_path.glob(f"?{p}.bin"))) for p in range(2)]
     got = np.concatenate(edges).tolist()
-    # key 5: 10, 20, 40 -> (10,20), (10,40); key 9: 20, 30, 40 -> (20,30), (20,40)
-    assert sorted(map(tuple, got)) == [(10, 20), (10, 40), (20, 30), (20, 40)]
+    # key 5: 10, 20, 40 and key 9: 20, 30, 40, every pair of each (small buckets)
+    assert sorted(map(tuple, got)) == [(10, 20), (10, 40), (20, 30), (20, 40), (30, 40)]
+    # the most joined text is kept (20 and 40 have three partners: the first of them)
     removed, kept = mh.clusters(np.array(got, dtype=np.uint64))
-    assert removed.tolist() == [20, 30, 40] and kept.tolist() == [10, 10, 10]
+    assert removed.tolist() == [10, 30, 40] and kept.tolist() == [20, 20, 20]
+
+
+def test_a_big_bucket_is_joined_as_a_star(tmp_path):
+    n = mh.SMALL_BUCKET + 3
+    ids = np.arange(100, 100 + n, dtype=np.uint64)
+    mh.write_band_records(lambda p: tmp_path / "a.bin", np.full((n, 1), 7, np.uint64), ids, 1)
+    got = mh.candidate_pairs([tmp_path / "a.bin"]).tolist()
+    assert got == [[100, int(i)] for i in ids[1:]]
 
 
 def test_verify_drops_low_similarity_candidate():
@@ -153,10 +162,31 @@ def test_verify_drops_low_similarity_candidate():
     a = words(300, rng)
     near = " ".join(w if i % 60 else "zz" for i, w in enumerate(a))
     far = " ".join(w if i % 4 else "zz" for i, w in enumerate(a))
-    sigs = mh.signatures([" ".join(a), near, far], cfg)
+    store = sketched([" ".join(a), near, far], cfg)
     edges = np.array([[0, 1], [0, 2]], dtype=np.uint64)
-    kept = mh.verify(edges, lambda ids: sigs[ids.astype(np.int64)], cfg)
-    assert kept.tolist() == [[0, 1]]
+    assert mh.verify(edges, store.similarity, cfg).tolist() == [[0, 1]]
+
+
+def sketched(texts, cfg):
+    hashes, offsets, _ = mh.shingle_hashes(texts, cfg.ngram)
+    return mh.Sketches(np.arange(len(texts), dtype=np.uint64), *mh.sketches(hashes, offsets))
+
+
+def test_sketch_similarity_exact_when_whole_and_close_when_cut():
+    cfg = NearDedupConfig()
+    rng = random.Random(8)
+    for n, frac in ((300, 0.03), (900, 0.05), (5000, 0.03), (5000, 0.06)):
+        base = words(n, rng)
+        copy = [rng.choice(["zz1", "zz2", "zz3"]) if rng.random() < frac else w for w in base]
+        a, b = " ".join(base), " ".join(copy)
+        j = exact_jaccard(a, b)
+        store = sketched([a, b], cfg)
+        got = float(store.similarity(np.array([0]), np.array([1]))[0])
+        if n - cfg.ngram + 1 <= mh.SKETCH:  # both sets whole: exact (no 32-bit collision here)
+            assert got == pytest.approx(j, abs=1e-12), (n, j, got)
+        else:
+            assert len(store.get(0)) == mh.SKETCH
+            assert abs(got - j) <= 4 * math.sqrt(j * (1 - j) / mh.SKETCH), (n, j, got)
 
 
 def test_sizing_helpers_and_describe():
@@ -188,14 +218,18 @@ def test_check_refuses(key, value):
 
 def test_clusters_keep_a_document_joined_only_through_a_chain():
     cfg = NearDedupConfig()
-    rng = np.random.default_rng(6)
-    sigs = rng.integers(0, 1 << 32, size=(3, 256), dtype=np.uint32)
-    sigs[1] = sigs[0]
-    sigs[1, :40] += 1  # 0 ~ 1 at 0.84
-    sigs[2] = sigs[1]
-    sigs[2, 40:80] += 1  # 1 ~ 2 at 0.84, 0 ~ 2 at 0.69
-    edges = np.array([[0, 1], [1, 2]], dtype=np.uint64)
+    # a path 0 - 1 - 2 - 3: 1 and 2 have two partners each, so 1 (the first) is kept; 0 and 2 are
+    # like it, 3 only through 2
+    sims = {(0, 1): 0.84, (1, 2): 0.84, (2, 3): 0.84, (0, 2): 0.7, (1, 3): 0.69, (0, 3): 0.5}
+
+    def similarity(a, b):
+        return np.array([sims[tuple(sorted((int(x), int(y))))] for x, y in zip(a, b)])
+
+    edges = np.array([[0, 1], [1, 2], [2, 3]], dtype=np.uint64)
     removed, kept = mh.clusters(edges)
-    assert removed.tolist() == [1, 2] and kept.tolist() == [0, 0]
-    removed, kept = mh.clusters(edges, lambda ids: sigs[ids.astype(np.int64)], cfg)
-    assert removed.tolist() == [1] and kept.tolist() == [0]
+    assert removed.tolist() == [0, 2, 3] and kept.tolist() == [1, 1, 1]
+    removed, kept = mh.clusters(edges, similarity, cfg)
+    assert removed.tolist() == [0, 2] and kept.tolist() == [1, 1]
+    sims[(1, 3)] = 0.75  # within CHAIN_MARGIN of the threshold: removed beside 1
+    removed, kept = mh.clusters(edges, similarity, cfg)
+    assert removed.tolist() == [0, 2, 3] and kept.tolist() == [1, 1, 1]

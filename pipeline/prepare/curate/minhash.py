@@ -8,13 +8,14 @@ shuffle partition), with an output that does not depend on how the work was spli
    appends (key, id) records to one file per shuffle partition (`partition_of`). The unit's
    signatures are stored too (a .npy file) for step 3.
 2. per partition: `candidate_pairs` reads every unit's file of that partition and joins the
-   documents that share a band key (star edges from the smallest id of each key). Such a task
+   documents that share a band key (every pair of a small bucket, a star in a big one). Such a task
    holds its partition's records only: `choose_partitions` and `memory_per_task` size that.
 3. `verify` keeps the candidate edges whose similarity estimated from the full signatures (the
    fraction of equal values) reaches `threshold`: LSH is permissive (recall), verification gives
    the precision. `clusters` takes the connected components of the verified edges and keeps the
-   smallest id of each (the first in corpus order); the others are removed, except a member that
-   is itself unlike every kept member (joined only through a chain), which is kept.
+   member with the most edges of each (ties: the smallest id, the first in corpus order); the
+   others are removed, except a member that is itself unlike every kept member (joined only
+   through a chain), which is kept.
 
 Document ids are the caller's global uint64 ids, whose numeric order is the corpus order.
 Text normalization: casefold, every run of characters that are not letters or digits (punctuation,
@@ -55,6 +56,15 @@ _NGRAM_MULT = np.array(
     [(0x9E3779B97F4A7C15 * (2 * k + 1) + 0x632BE59BD9B4E019 * k) & _MASK64 | 1 for k in range(64)],
     dtype=np.uint64,
 )
+# Values a text keeps for verification: the smallest of its shingle hashes' top 32 bits (a
+# bottom-k sketch; the whole set when it has fewer shingles). A pair's Jaccard is exact when both
+# are whole, else estimated with a standard deviation near sqrt(J(1-J)/SKETCH): 0.011 at 0.85,
+# where 256 signature values would give 0.022.
+SKETCH = 1024
+# A band bucket of at most this many documents is paired all with all, a bigger one as a star.
+SMALL_BUCKET = 8
+# Candidate pairs verified at a time (their sketches held together).
+VERIFY_CHUNK = 4096
 # Shingles hashed per block of the min-hash (a block's (shingles, K) uint64 array: ~8 MiB at K 256).
 BLOCK_SHINGLES = 4096
 
@@ -281,6 +291,62 @@ def similarity(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
     return (np.asarray(sig_a) == np.asarray(sig_b)).mean(axis=-1)
 
 
+def sketches(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each text's bottom-SKETCH sketch: its shingle hashes' distinct top 32 bits, ascending, the
+    SKETCH smallest. Returns (values uint32, all texts' in one array; ends int64 (N,): text i's are
+    values[ends[i-1]:ends[i]])."""
+    n = len(offsets) - 1
+    doc = np.repeat(np.arange(n), np.diff(offsets))
+    top = (hashes >> _U64(32)).astype(np.uint32)
+    order = np.lexsort((top, doc))
+    doc, top = doc[order], top[order]
+    fresh = np.ones(len(top), dtype=bool)
+    fresh[1:] = (doc[1:] != doc[:-1]) | (top[1:] != top[:-1])
+    doc, top = doc[fresh], top[fresh]
+    rank = np.arange(len(doc)) - np.searchsorted(doc, np.arange(n))[doc]
+    doc, top = doc[rank < SKETCH], top[rank < SKETCH]
+    return top, np.cumsum(np.bincount(doc, minlength=n)).astype(np.int64)
+
+
+def sketch_similarity(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard similarity of two texts from their sketches: below the largest value of a full
+    (possibly cut) sketch both are whole, so the share of shared values among the union's there is
+    a uniform sample's (the whole sets' when neither was cut)."""
+    cut = min(
+        int(a[-1]) if len(a) >= SKETCH else 1 << 32, int(b[-1]) if len(b) >= SKETCH else 1 << 32
+    )
+    a = a[: np.searchsorted(a, cut, side="right")]
+    b = b[: np.searchsorted(b, cut, side="right")]
+    if len(a) + len(b) == 0:
+        return 0.0
+    shared = len(np.intersect1d(a, b, assume_unique=True))
+    return shared / (len(a) + len(b) - shared)
+
+
+class Sketches:
+    """Sketches of texts held in memory, by the caller's id (`near_duplicates_local`, tests)."""
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray, ends: np.ndarray):
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.order, self.values = np.asarray(ids)[order], order, values
+        self.starts = np.concatenate(([0], ends[:-1]))
+        self.ends = ends
+
+    def get(self, doc: int) -> np.ndarray:
+        row = self.order[np.searchsorted(self.ids, doc)]
+        return self.values[self.starts[row] : self.ends[row]]
+
+    def similarity(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return pair_similarity(a, b, self.get)
+
+
+def pair_similarity(a: np.ndarray, b: np.ndarray, get: Callable[[int], np.ndarray]) -> np.ndarray:
+    """`sketch_similarity` of each pair (a[i], b[i]) of ids, sketches fetched by `get(id)`."""
+    return np.array(
+        [sketch_similarity(get(x), get(y)) for x, y in zip(a.tolist(), b.tolist())], dtype=float
+    )
+
+
 # ---------------------------------------------------------------------------- LSH and shuffle
 
 
@@ -351,9 +417,11 @@ def candidate_pairs(paths: Sequence[Path]) -> np.ndarray:
     unique and sorted.
 
     Reads every unit's record file of the partition, sorts the records by (key, id) and, for each
-    key that more than one document has, joins its first (smallest) id to each of the others (star
-    edges: enough for the connected components). The task holds this partition's records only,
-    about TASK_BYTES_PER_RECORD bytes each at its peak (`memory_per_task`)."""
+    key that more than one document has, pairs every two of its documents when they are at most
+    SMALL_BUCKET (a cluster's copies: verification cuts some pairs, so each must be tried), else
+    joins its first (smallest) id to each of the others (star edges, linear in a big bucket of
+    copies of one text). The task holds this partition's records only, about
+    TASK_BYTES_PER_RECORD bytes each at its peak (`memory_per_task`)."""
     rec = read_band_records(paths)
     if len(rec) == 0:
         return np.zeros((0, 2), dtype=np.uint64)
@@ -365,49 +433,58 @@ def candidate_pairs(paths: Sequence[Path]) -> np.ndarray:
     group = np.cumsum(new) - 1
     first = ids[new][group]
     pick = ~new & (ids != first)
-    return _unique_edges(np.stack((first[pick], ids[pick]), axis=1))
+    edges = [np.stack((first[pick], ids[pick]), axis=1)]
+    size = np.bincount(group)[group]
+    small = np.flatnonzero((size > 2) & (size <= SMALL_BUCKET))
+    for step in range(1, SMALL_BUCKET):
+        small = small[small + step < len(ids)]
+        small = small[group[small + step] == group[small]]
+        if len(small) == 0:
+            break
+        pair = np.stack((ids[small], ids[small + step]), axis=1)
+        edges.append(pair[pair[:, 0] != pair[:, 1]])
+    return _unique_edges(np.concatenate(edges))
+
+
+Similarity = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (ids, ids) -> Jaccard of each pair
 
 
 def verify(
-    edges: np.ndarray,
-    signature_lookup: Callable[[np.ndarray], np.ndarray],
-    cfg: NearDedupConfig,
-    chunk: int = 1 << 16,
+    edges: np.ndarray, similarity: Similarity, cfg: NearDedupConfig, chunk: int = VERIFY_CHUNK
 ) -> np.ndarray:
-    """The edges whose estimated similarity (share of equal signature values) is >= threshold.
-
-    `signature_lookup(ids)` returns the signature rows of those uint64 ids, in their order."""
+    """The edges whose similarity (`similarity(first ids, second ids)`: the texts' sketches', or
+    any other measure) is >= threshold."""
     edges = np.asarray(edges, dtype=np.uint64).reshape(-1, 2)
     keep = np.zeros(len(edges), dtype=bool)
-    need = math.ceil(cfg.threshold * cfg.permutations - 1e-9)  # equal values to reach it
     for lo in range(0, len(edges), chunk):
         part = edges[lo : lo + chunk]
-        a = signature_lookup(part[:, 0])
-        b = signature_lookup(part[:, 1])
-        keep[lo : lo + chunk] = (np.asarray(a) == np.asarray(b)).sum(axis=1) >= need
+        keep[lo : lo + chunk] = similarity(part[:, 0], part[:, 1]) >= cfg.threshold - 1e-12
     return edges[keep]
 
 
 def clusters(
-    edges: np.ndarray,
-    signature_lookup: Callable[[np.ndarray], np.ndarray] | None = None,
-    cfg: NearDedupConfig | None = None,
+    edges: np.ndarray, similarity: Similarity | None = None, cfg: NearDedupConfig | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Connected components of `edges`; in each the smallest id (the first in corpus order) is
-    kept, every other member removed. Returns (removed ids ascending, the kept partner of each),
-    both uint64.
+    """Connected components of `edges`; in each one member is kept, every other removed. Returns
+    (removed ids ascending, the kept partner of each), both uint64.
 
-    With `signature_lookup` and `cfg`, a member whose own estimated similarity with the kept id is
-    below `threshold` - CHAIN_MARGIN (joined only through a chain: A~B, B~C, A kept, C far from
-    A) is reconsidered in id order: it is removed with the first kept member of its component it
-    is itself that similar to, or else kept (a chain must not remove a document unlike every kept
-    one). The result still depends on the edges only, not on how the work was split."""
+    The kept member is the one with the most distinct edges (the text the cluster is built around:
+    an original beside its copies), ties to the smallest id (the first in corpus order), so that
+    most members are removed beside a text they are themselves like. With `similarity` and `cfg`,
+    a member whose own similarity with the kept one is below `threshold` - CHAIN_MARGIN (joined
+    only through a chain: A~B, B~C, A kept, C far from A) is reconsidered in id order: it is
+    removed with the first kept member of its component it is itself that similar to, or else
+    kept (a chain must not remove a document unlike every kept one). The result depends on the
+    edges only, not on how the work was split."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     edges = np.asarray(edges, dtype=np.uint64).reshape(-1, 2)
+    edges = edges[edges[:, 0] != edges[:, 1]]
     if len(edges) == 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+    # One row per pair whatever partitions or bands found it, so degrees count distinct partners.
+    edges = np.unique(np.sort(edges, axis=1), axis=0)
     nodes, inverse = np.unique(edges, return_inverse=True)
     inverse = inverse.reshape(-1, 2)
     n = len(nodes)
@@ -415,29 +492,27 @@ def clusters(
         (np.ones(len(inverse), dtype=np.int8), (inverse[:, 0], inverse[:, 1])), shape=(n, n)
     ).tocsr()
     _, labels = connected_components(graph, directed=False)
-    # nodes is ascending, so a component's first node in that order is its smallest id.
-    _, root_index = np.unique(labels, return_index=True)
-    root = root_index[labels]
+    degree = np.bincount(inverse.ravel(), minlength=n)
+    # Per component, the node of highest degree; nodes is ascending, so ties go to the smallest id.
+    order = np.lexsort((np.arange(n), -degree, labels))
+    first = np.ones(n, dtype=bool)
+    first[1:] = labels[order][1:] != labels[order][:-1]
+    root_of_label = np.empty(labels.max() + 1, dtype=np.int64)
+    root_of_label[labels[order][first]] = order[first]
+    root = root_of_label[labels]
     removed = np.flatnonzero(root != np.arange(n))
     removed_ids, partner = nodes[removed], nodes[root[removed]]
-    if signature_lookup is None or cfg is None or len(removed) == 0:
+    if similarity is None or cfg is None or len(removed) == 0:
         return removed_ids, partner
-    need = math.ceil((cfg.threshold - CHAIN_MARGIN) * cfg.permutations - 1e-9)
-    direct = np.ones(len(removed), dtype=bool)
-    for lo in range(0, len(removed), 1 << 16):
-        a = signature_lookup(removed_ids[lo : lo + (1 << 16)])
-        b = signature_lookup(partner[lo : lo + (1 << 16)])
-        direct[lo : lo + (1 << 16)] = (np.asarray(a) == np.asarray(b)).sum(axis=1) >= need
+    floor = cfg.threshold - CHAIN_MARGIN - 1e-12
+    direct = similarity(removed_ids, partner) >= floor
     keep = np.ones(len(removed), dtype=bool)
     kept_of: dict[int, list[int]] = {}
     for i in np.flatnonzero(~direct):  # ascending ids
         doc = removed_ids[i : i + 1]
         kept = kept_of.setdefault(int(labels[removed[i]]), [int(partner[i])])
-        sims = (
-            np.asarray(signature_lookup(np.array(kept, dtype=np.uint64)))
-            == np.asarray(signature_lookup(doc))
-        ).sum(axis=1)
-        hit = np.flatnonzero(sims >= need)
+        sims = similarity(np.repeat(doc, len(kept)), np.array(kept, dtype=np.uint64))
+        hit = np.flatnonzero(sims >= floor)
         if len(hit):
             partner[i] = kept[hit[0]]
         else:
@@ -484,13 +559,17 @@ def near_duplicates_local(
         partitions = cfg.partitions or choose_partitions(n * cfg.bands)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    table = np.empty((n, cfg.permutations), dtype=np.uint32)
     skipped = 0
+    values, ends, done = [], [], 0
     bounds = np.linspace(0, n, units + 1).astype(int)
     for u in range(units):
         lo, hi = bounds[u], bounds[u + 1]
-        sigs, signed = sign(texts[lo:hi], cfg)
-        table[lo:hi] = sigs
+        hashes, offsets, words = shingle_hashes(texts[lo:hi], cfg.ngram)
+        sigs, signed = minhash(hashes, offsets, cfg), words >= cfg.min_words
+        unit_values, unit_ends = sketches(hashes, offsets)
+        values.append(unit_values)
+        ends.append(unit_ends + done)
+        done += len(unit_values)
         skipped += int((~signed).sum())
         keys = band_keys(sigs[signed], cfg)
         write_band_records(
@@ -500,10 +579,6 @@ def near_duplicates_local(
         candidate_pairs(sorted(workdir.glob(f"part{p:05d}.u*.bin"))) for p in range(partitions)
     ]
     all_edges = _unique_edges(np.concatenate(edges)) if edges else np.zeros((0, 2), np.uint64)
-    order = np.argsort(ids)
-
-    def lookup(want: np.ndarray) -> np.ndarray:
-        return table[order[np.searchsorted(ids, want, sorter=order)]]
-
-    removed, kept = clusters(verify(all_edges, lookup, cfg), lookup, cfg)
+    store = Sketches(ids, np.concatenate(values), np.concatenate(ends))
+    removed, kept = clusters(verify(all_edges, store.similarity, cfg), store.similarity, cfg)
     return removed, kept, skipped

@@ -1,10 +1,10 @@
 """The near-duplicate stage's work files and tasks (`minhash` holds the arithmetic):
 
 scan (per unit): each monolingual text signed, its band keys appended to one file per partition
-(`lsh-PPPP.bin`) and its signature to `sig.bin` -> shuffle (a Ray task per partition): the
-records of one partition from every unit, grouped by key into candidate pairs, each verified by
-the similarity its signatures estimate -> driver: clusters joined, the first text of each (in
-corpus order) kept -> encode: the others dropped as their lines are read.
+(`lsh-PPPP.bin`) and its sketch (`minhash.sketches`) to `sketch.bin` -> shuffle (a Ray task per
+partition): the records of one partition from every unit, grouped by key into candidate pairs,
+each verified by the Jaccard similarity of the two texts' sketches -> driver: clusters joined,
+one text of each kept (`minhash.clusters`) -> encode: the others dropped as their lines are read.
 
 A text's band keys carry its split, so clusters never cross splits: a training text close to a
 test text is decontamination's to drop, and the test split keeps its own.
@@ -35,10 +35,11 @@ def partition_file(work_dir: str | Path, unit_index: int, partition: int) -> Pat
     return unit_dir(work_dir, unit_index) / f"lsh-{partition:04d}.bin"
 
 
-def signature_files(work_dir: str | Path, unit_index: int) -> tuple[Path, Path]:
-    """A unit's signatures (rows of uint32, in the order signed) and their text ids (uint64)."""
+def sketch_files(work_dir: str | Path, unit_index: int) -> tuple[Path, Path, Path]:
+    """A unit's sketches: their values (uint32, in the order signed), each text's id (uint64) and
+    the end of its values (uint64, counted from the unit's first)."""
     folder = unit_dir(work_dir, unit_index)
-    return folder / "sig.bin", folder / "sig-ids.bin"
+    return folder / "sketch.bin", folder / "sketch-ids.bin", folder / "sketch-ends.bin"
 
 
 _SPLIT_SALT = [np.uint64(0x9E3779B97F4A7C15 * (i + 1) % 2**64) for i in range(len(SPLITS))]
@@ -52,6 +53,7 @@ class Signer:
         self.partitions = cfg.partitions
         self.pending: list[tuple[int, str, str]] = []
         self.seconds = 0.0  # spent signing and writing, for the benchmarks
+        self.values_written = 0  # sketch values in this unit's sketch.bin so far
 
     def add(self, doc: int, text: str, split: str) -> None:
         if len(text.split()) < self.cfg.min_words:
@@ -70,7 +72,12 @@ class Signer:
         started = time.perf_counter()
         ids = np.array([doc for doc, _, _ in self.pending], dtype=np.uint64)
         splits = np.array([SPLITS.index(split) for _, _, split in self.pending])
-        signatures = minhash.signatures([text for _, text, _ in self.pending], self.cfg)
+        hashes, offsets, _ = minhash.shingle_hashes(
+            [text for _, text, _ in self.pending], self.cfg.ngram
+        )
+        signatures = minhash.minhash(hashes, offsets, self.cfg)
+        values, ends = minhash.sketches(hashes, offsets)
+        del hashes, offsets
         keys = minhash.band_keys(signatures, self.cfg)  # (N, bands)
         with np.errstate(over="ignore"):
             salt = np.array(_SPLIT_SALT, dtype=np.uint64)[splits]
@@ -80,50 +87,55 @@ class Signer:
         minhash.write_band_records(
             lambda p: partition_file(self.work_dir, self.unit_index, p), keys, ids, self.partitions
         )
-        sig_path, ids_path = signature_files(self.work_dir, self.unit_index)
-        with open(sig_path, "ab") as fh:
-            np.ascontiguousarray(signatures).tofile(fh)
-        with open(ids_path, "ab") as fh:
-            ids.tofile(fh)
+        for path, array in zip(
+            sketch_files(self.work_dir, self.unit_index),
+            (values, ids, (ends + self.values_written).astype(np.uint64)),
+        ):
+            with open(path, "ab") as fh:
+                np.ascontiguousarray(array).tofile(fh)
+        self.values_written += len(values)
         self.pending = []
         self.seconds += time.perf_counter() - started
 
 
-class SignatureStore:
-    """Signature rows by text id, read from the units' `sig.bin` as a shuffle task needs them:
-    row by row with pread, not through a memory map, whose touched pages would count in the
-    task's resident memory (a map of every unit's signatures is the size of the corpus's)."""
+class SketchStore:
+    """Texts' sketches by id, read from the units' `sketch.bin` as a task needs them: with pread,
+    not through a memory map, whose touched pages would count in the task's resident memory."""
 
-    def __init__(self, work_dir: str, permutations: int, dtype):
-        self.work_dir, self.permutations = work_dir, permutations
-        self.dtype = np.dtype(dtype)
-        self.row_bytes = permutations * self.dtype.itemsize
-        self._ids: dict[int, np.ndarray] = {}
+    def __init__(self, work_dir: str):
+        self.work_dir = work_dir
+        self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _unit_ids(self, unit_index: int) -> np.ndarray:
-        if unit_index not in self._ids:
-            self._ids[unit_index] = np.fromfile(
-                signature_files(self.work_dir, unit_index)[1], dtype=np.uint64
-            )
-        return self._ids[unit_index]
+    def _unit_index(self, unit_index: int) -> tuple[np.ndarray, np.ndarray]:
+        if unit_index not in self._index:
+            _, ids_path, ends_path = sketch_files(self.work_dir, unit_index)
+            ends = np.fromfile(ends_path, dtype=np.uint64).astype(np.int64)
+            self._index[unit_index] = (np.fromfile(ids_path, dtype=np.uint64), ends)
+        return self._index[unit_index]
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        out = np.empty((len(ids), self.permutations), dtype=self.dtype)
+    def fetch(self, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """The sketch of each of `ids`, by id."""
+        out: dict[int, np.ndarray] = {}
+        ids = np.unique(np.asarray(ids, dtype=np.uint64))
         units = (ids >> np.uint64(32)).astype(np.int64)
         for unit_index in np.unique(units).tolist():
-            at = np.flatnonzero(units == unit_index)
-            rows = np.searchsorted(self._unit_ids(unit_index), ids[at])
-            wanted, where = np.unique(rows, return_inverse=True)
-            block = np.empty((len(wanted), self.permutations), dtype=self.dtype)
-            fd = os.open(signature_files(self.work_dir, unit_index)[0], os.O_RDONLY)
+            wanted = ids[units == unit_index]
+            unit_ids, ends = self._unit_index(unit_index)
+            rows = np.searchsorted(unit_ids, wanted)
+            fd = os.open(sketch_files(self.work_dir, unit_index)[0], os.O_RDONLY)
             try:
-                for position, row in enumerate(wanted.tolist()):
-                    data = os.pread(fd, self.row_bytes, row * self.row_bytes)
-                    block[position] = np.frombuffer(data, dtype=self.dtype)
+                for doc, row in zip(wanted.tolist(), rows.tolist()):
+                    start = int(ends[row - 1]) if row else 0
+                    data = os.pread(fd, 4 * (int(ends[row]) - start), 4 * start)
+                    out[doc] = np.frombuffer(data, dtype=np.uint32)
             finally:
                 os.close(fd)
-            out[at] = block[where]
         return out
+
+    def similarity(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """`minhash.sketch_similarity` of each pair (a[i], b[i])."""
+        held = self.fetch(np.concatenate((a, b)))
+        return minhash.pair_similarity(np.asarray(a), np.asarray(b), held.__getitem__)
 
 
 def shuffle_partition(partition: int, n_units: int, work_dir: str, cfg: NearDedupConfig) -> dict:
@@ -133,8 +145,8 @@ def shuffle_partition(partition: int, n_units: int, work_dir: str, cfg: NearDedu
     cpu = time.process_time()
     paths = [partition_file(work_dir, u, partition) for u in range(n_units)]
     candidates = minhash.candidate_pairs([p for p in paths if p.is_file()])
-    store = SignatureStore(work_dir, cfg.bands * cfg.rows, np.uint32)
-    verified = minhash.verify(candidates, store.lookup, cfg) if len(candidates) else candidates
+    store = SketchStore(work_dir)
+    verified = minhash.verify(candidates, store.similarity, cfg) if len(candidates) else candidates
     return {
         "partition": partition,
         "candidates": int(len(candidates)),
