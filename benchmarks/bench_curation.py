@@ -26,6 +26,7 @@ whether the shards of the three runs are byte-identical.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -135,7 +136,12 @@ def run(config: Path, out: Path, workers: int, extra: list[str]) -> dict:
     from pipeline.prepare.config import PrepareConfig
     from pipeline.prepare.job import prepare
     from pipeline.prepare.memory import estimate_worker_memory
-    from pipeline.prepare.sources import expand_paths, plan_units, source_list
+    from pipeline.prepare.sources import (
+        expand_paths,
+        plan_units,
+        planned_unit_bytes,
+        source_list,
+    )
 
     cfg = load_config(
         PrepareConfig,
@@ -144,14 +150,14 @@ def run(config: Path, out: Path, workers: int, extra: list[str]) -> dict:
         + extra,
     )
     files = [expand_paths(s) for s in source_list(cfg)]
+    total = sum(os.path.getsize(p) for f in files for p in f)
+    unit_bytes = planned_unit_bytes(cfg.unit_bytes, total)  # as prepare plans them
     units = [
-        u
-        for i, f in enumerate(files)
-        for u in plan_units(f, source_list(cfg)[i], cfg.unit_bytes, i)
+        u for i, f in enumerate(files) for u in plan_units(f, source_list(cfg)[i], unit_bytes, i)
     ]
     from pipeline.prepare import curation
 
-    run_cfg = curation.resolved(cfg, sum(os.path.getsize(p) for f in files for p in f))
+    run_cfg = dataclasses.replace(curation.resolved(cfg, total), unit_bytes=unit_bytes)
     estimate = estimate_worker_memory(run_cfg, files, units)
     timings: dict = {}
     stage_cpu: Counter = Counter()
@@ -190,6 +196,7 @@ def run(config: Path, out: Path, workers: int, extra: list[str]) -> dict:
         "tokens": manifest["datasets"]["packed"]["splits"]["train"]["tokens"],
         "partitions": run_cfg.near_dedup.partitions,
         "units": len(units),
+        "unit_bytes": unit_bytes,
     }
 
 
@@ -221,8 +228,8 @@ def main() -> int:
     tokenizer = [f"tokenizer.path={work / 'two' / 'tokenizer.model'}"]
     one = run(config, work / "one", 1, tokenizer)
     print(f"1 worker: {one['timings']['wall']:.0f} s", flush=True)
-    small = run(config, work / "small-units", 2, tokenizer + ["unit_bytes=16777216"])
-    print(f"2 workers, 16 MiB units: {small['timings']['wall']:.0f} s", flush=True)
+    small = run(config, work / "small-units", 2, tokenizer + ["unit_bytes=4194304"])
+    print(f"2 workers, 4 MiB units: {small['timings']['wall']:.0f} s", flush=True)
 
     from bench_near_dup import cpu_name
 
@@ -230,7 +237,7 @@ def main() -> int:
     print()
     print(
         f"machine: {os.cpu_count()} cores, {cpu}; corpus {size_mb:,.0f} MiB, {two['units']} units "
-        f"(64 MiB), near_dedup.partitions {two['partitions']}"
+        f"({two['unit_bytes'] / MB:.1f} MiB), near_dedup.partitions {two['partitions']}"
     )
     stages = ["scan", "near-dup shuffle", "decontamination keys", "encode"]
     print(f"\n{'stage':<28}{'MiB in':>9}{'task s':>9}{'MiB/s/worker':>14}")
@@ -261,7 +268,7 @@ def main() -> int:
     same = two["digests"] == one["digests"] == small["digests"]
     digest = hashlib.sha256(json.dumps(two["digests"], sort_keys=True).encode()).hexdigest()[:16]
     print(
-        f"shards identical for 2 workers, 1 worker and 16 MiB units: {same} "
+        f"shards identical for 2 workers, 1 worker and 4 MiB units: {same} "
         f"({len(two['digests'])} shards, digest {digest}); train tokens {two['tokens']:,}"
     )
     print("\ncuration (2 workers):")

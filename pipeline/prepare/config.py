@@ -160,7 +160,9 @@ class PrepareConfig:
     # Bytes of input per scan work unit: larger text, jsonl and tsv files are cut into ranges
     # of this size; compressed ones (.gz, .zst) larger than this are decompressed by the driver
     # and handed to the workers in chunks of this many decompressed bytes. Parquet files are
-    # cut into runs of row groups of about this size. The output never depends on it.
+    # cut into runs of row groups of about this size. The most: inputs under 64 units of it are
+    # cut into 64 (units of 8 MiB at least), so the last scan tasks are small. The output never
+    # depends on it.
     unit_bytes: int = 64 << 20
     source: SourceConfig = field(default_factory=SourceConfig)
     # Several sources in one prepare, each with its own `name`, format, paths and fields (the

@@ -77,6 +77,7 @@ from pipeline.prepare.sources import (
     decompressed_size,
     expand_paths,
     plan_units,
+    planned_unit_bytes,
     source_list,
     source_where,
 )
@@ -98,14 +99,14 @@ def prepare(cfg: PrepareConfig) -> dict:
     check_config(cfg)
     started = time.time()
     output = real_output(cfg.output_dir, "output_dir")
-    files, units = [], []
+    sources = source_list(cfg)
+    files = [expand_paths(source, source_where(cfg, i)) for i, source in enumerate(sources)]
+    total_bytes = sum(decompressed_size(p) for paths in files for p in paths)
+    unit_bytes = planned_unit_bytes(cfg.unit_bytes, total_bytes)
+    units = []
     # Source by source: unit order is source order (the first source keeps a shared text).
-    for index, source in enumerate(source_list(cfg)):
-        source_files = expand_paths(source, source_where(cfg, index))
-        files.append(source_files)
-        units.extend(
-            plan_units(source_files, source, cfg.unit_bytes, index, source_where(cfg, index))
-        )
+    for index, (source, source_files) in enumerate(zip(sources, files)):
+        units.extend(plan_units(source_files, source, unit_bytes, index, source_where(cfg, index)))
     check_inputs_outside(output, "output_dir", prepare_inputs(cfg, files))
     check_replaceable(output, "output_dir", "prepare", foreign_to_dataset, cfg.overwrite)
     given, target = given_tokenizer(cfg), target_tokenizer(cfg)
@@ -114,8 +115,9 @@ def prepare(cfg: PrepareConfig) -> dict:
         if cfg.progress
         else (lambda msg: None)
     )
-    # what the tasks run with: near_dedup.partitions chosen from the input size when 0
-    run_cfg = curation.resolved(cfg, sum(decompressed_size(p) for paths in files for p in paths))
+    # what the tasks run with: near_dedup.partitions chosen from the input size when 0, the unit
+    # size planned
+    run_cfg = dataclasses.replace(curation.resolved(cfg, total_bytes), unit_bytes=unit_bytes)
     where = existing_ancestor(output.absolute().parent)
     free = free_space(where)
     # Checked before the memory estimate reads a byte of the input, and again with the texts it
@@ -598,12 +600,16 @@ SCAN_TASKS_PER_WORKER = 4  # small units are batched into about this many scan t
 def scan_batches(
     units: list[Unit], num_workers: int, unit_bytes: int, numbered: list[Unit] | None = None
 ) -> Iterator[list[tuple[int, Unit]]]:
-    """Consecutive units grouped into scan tasks of about equal input bytes: enough tasks to keep
-    the workers busy to the end, few enough that scheduling does not dominate small files. A
-    `stream` unit is decompressed here, as its tasks are wanted, into chunks of `unit_bytes`,
-    a task each; units are numbered as they come, and appended to `numbered` without their data."""
+    """Consecutive units grouped into scan tasks: about total / (SCAN_TASKS_PER_WORKER x workers)
+    bytes each at first, then a share of what is left (remaining / (2 x workers), down to one
+    unit), so the last tasks are small and the workers finish together; few enough tasks that
+    scheduling does not dominate small files. A `stream` unit is decompressed here, as its tasks
+    are wanted, into chunks of `unit_bytes`, a task each; units are numbered as they come, and
+    appended to `numbered` without their data."""
     sizes = [_unit_bytes(unit) for unit in units]
-    target = sum(sizes) / max(1, SCAN_TASKS_PER_WORKER * num_workers)
+    workers = max(1, num_workers)
+    remaining = sum(sizes)
+    most = remaining / (SCAN_TASKS_PER_WORKER * workers)
     current: list[tuple[int, Unit]] = []
     load, index = 0, 0
     numbered = [] if numbered is None else numbered
@@ -616,11 +622,15 @@ def scan_batches(
                 numbered.append(dataclasses.replace(chunk, data=None))
                 yield [(index, chunk)]
                 index += 1
+            remaining -= size
             continue
+        if not current:
+            target = min(most, remaining / (2 * workers))
         current.append((index, unit))
         numbered.append(unit)
         index += 1
         load += size
+        remaining -= size
         if load >= target:
             yield current
             current, load = [], 0

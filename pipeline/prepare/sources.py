@@ -253,6 +253,18 @@ COMPRESSED = (".gz", ".zst")
 UNREAD_COMPRESSION = (".xz", ".bz2", ".lzma", ".lz4", ".zip", ".7z")
 
 
+# Inputs are cut into at least this many units (down to MIN_UNIT_BYTES each), so that the last
+# scan tasks are small and no worker is left alone with a big one at the end.
+UNITS_WANTED = 64
+MIN_UNIT_BYTES = 8 << 20
+
+
+def planned_unit_bytes(unit_bytes: int, total: int) -> int:
+    """The unit size the plan uses: `unit_bytes` (the most), less for inputs under UNITS_WANTED
+    units of it; chosen from the inputs' size alone, so the plan is the same for any workers."""
+    return min(unit_bytes, max(MIN_UNIT_BYTES, -(-total // UNITS_WANTED)))
+
+
 def plan_units(
     files: list[str], cfg: SourceConfig, chunk_bytes: int, source: int = 0, where: str = "source"
 ) -> list[Unit]:

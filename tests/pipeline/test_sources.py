@@ -604,3 +604,24 @@ def test_legacy_source_is_a_list_of_one_named_default():
     assert [s.format for s in source_list(cfg)] == ["text"] and source_list(cfg)[
         0
     ].name == "default"
+
+
+def test_units_shrink_for_small_inputs_and_the_last_scan_tasks_are_small(tmp_path):
+    from pipeline.prepare.job import scan_batches
+    from pipeline.prepare.sources import MIN_UNIT_BYTES, UNITS_WANTED, planned_unit_bytes
+
+    mib = 1 << 20
+    assert planned_unit_bytes(64 * mib, 1000 * mib) == -(-1000 * mib // UNITS_WANTED)
+    assert planned_unit_bytes(64 * mib, 100 * mib) == MIN_UNIT_BYTES
+    assert planned_unit_bytes(64 * mib, 100_000 * mib) == 64 * mib
+    assert planned_unit_bytes(4096, 1000 * mib) == 4096  # the given size is the most
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b'{"text": "x"}\n' * 4000)  # 64,000 bytes
+    units = plan_units([str(path)], source_cfg(paths=f"[{path}]", format="jsonl"), 1000)
+    assert len(units) > 40
+    batches = list(scan_batches(units, 2, 1000))
+    sizes = [len(batch) for batch in batches]
+    assert [i for batch in batches for i, _ in batch] == list(range(len(units)))  # each once
+    # a quarter of a worker's share first, then smaller and smaller, one unit at the end
+    assert sizes[0] >= len(units) // 8 and sizes == sorted(sizes, reverse=True)
+    assert sizes[-3:] == [1, 1, 1]
