@@ -36,6 +36,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from common.cgroup import memory_left
 from common.configure import UserError
 from pipeline.format import shard_sets
 from pipeline.prepare.config import PrepareConfig
@@ -271,7 +272,10 @@ def estimate_worker_memory(
 
 
 def available_bytes() -> int:
-    """The memory this machine can still give processes (psutil's `available`)."""
+    """The memory this machine can still give processes (psutil's `available`), or less: what
+    this process's cgroup can (a SLURM job's `--mem`, a container's limit)."""
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    machine = int(psutil.virtual_memory().available)
+    group = memory_left()
+    return machine if group is None else min(machine, group)

@@ -140,7 +140,7 @@ def describe(cfg: NearDedupConfig) -> str:
     return (
         f"near-dedup: {cfg.ngram}-word shingles, {b} bands x {r} rows = {b * r} permutations, "
         f"LSH threshold (1/b)^(1/r) = {(1 / b) ** (1 / r):.3f}, P(candidate) at Jaccard {probs}; "
-        f"verified at estimated Jaccard >= {cfg.threshold:g}"
+        f"pairs verified at Jaccard >= {cfg.threshold:g} of their texts' {SKETCH}-value sketches"
     )
 
 
