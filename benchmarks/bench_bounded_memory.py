@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--limit-mb", type=int, default=1400, help="the cgroup's memory limit")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("overrides", nargs="*", help="prepare's key=value overrides")
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -102,6 +103,7 @@ def main() -> None:
                 f"output_dir={out}",
                 "overwrite=true",
                 f"ray.num_workers={args.workers}",
+                *args.overrides,
             ],
             cwd=Path(__file__).resolve().parent.parent,
             # the child joins the group before it runs: Ray's processes are its children
@@ -112,12 +114,14 @@ def main() -> None:
         wall = time.perf_counter() - started
         facts = group_facts(group, version)
     finally:
-        for _ in range(50):  # Ray's last processes leave the group as they exit
+        for _ in range(300):  # Ray's last processes leave the group as they exit
             try:
                 group.rmdir()
                 break
             except OSError:
                 time.sleep(0.2)
+        else:
+            print(f"warning: {group} still has processes: remove it with rmdir when they end")
     said = [
         line
         for line in done.stderr.splitlines()
@@ -132,8 +136,9 @@ def main() -> None:
     )
     print(f"prepare exit status {done.returncode}, {wall:,.0f} s")
     print(
-        f"group peak {facts['peak_mb']:,.0f} MiB; limit reached {facts['limit_hits']:,} times "
-        f"(page cache reclaimed); processes killed for memory: {facts['oom_kills']}"
+        f"group peak {facts['peak_mb']:,.0f} MiB (page cache included, reclaimed at the limit); "
+        f"allocations refused at the limit {facts['limit_hits']:,}; processes killed for memory: "
+        f"{facts['oom_kills']}"
     )
     for line in said:
         print(line)

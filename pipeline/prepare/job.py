@@ -70,7 +70,13 @@ from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.curate import minhash
 from pipeline.prepare.curate.documents import check_curation
 from pipeline.prepare.curate.tally import Tally
-from pipeline.prepare.memory import BYTES_PER_WORD, available_bytes, estimate_worker_memory
+from pipeline.prepare.memory import (
+    BASE_MB,
+    BYTES_PER_WORD,
+    MB,
+    available_bytes,
+    estimate_worker_memory,
+)
 from pipeline.prepare.readers import check_usable, describe_skipped, is_parallel
 from pipeline.prepare.sources import (
     check_sources,
@@ -228,16 +234,28 @@ def check_memory(cfg: PrepareConfig, estimate, log) -> int:
         log(f"prepare: {need}; not checked here: the workers run on the nodes of {cfg.ray.address}")
         return estimate.peak_bytes
     available = available_bytes()
-    each = available // cfg.ray.num_workers if cfg.ray.num_workers > 0 else available
+    # the driver and Ray's own processes first (with the tokenizer's training, if any)
+    rest = max(0, available - estimate.head_bytes)
+    each = rest // cfg.ray.num_workers if cfg.ray.num_workers > 0 else rest
+    head = f"{byte_size(estimate.head_bytes)} of it for the driver and Ray's own processes"
     if estimate.peak_bytes > each:
         raise UserError(
             f"{need}, but this machine has {byte_size(available)} available for "
-            f"ray.num_workers={cfg.ray.num_workers} ({byte_size(each)} each); {estimate.remedy}, "
-            "or lower ray.num_workers"
+            f"ray.num_workers={cfg.ray.num_workers} ({head}, {byte_size(each)} for each worker); "
+            f"{estimate.remedy}, or lower ray.num_workers"
+        )
+    # between the scan and the encode the driver trains the tokenizer beside idle workers
+    training = estimate.head_bytes + estimate.train_bytes + cfg.ray.num_workers * BASE_MB * MB
+    if estimate.train_bytes and training > available:
+        raise UserError(
+            f"training the tokenizer on its sample needs about {byte_size(estimate.train_bytes)} "
+            f"in the driver, beside Ray's processes and {cfg.ray.num_workers} idle workers: "
+            f"{byte_size(training)} in all, but this machine has {byte_size(available)} "
+            "available; lower tokenizer.sample_texts, or give tokenizer.path"
         )
     log(
-        f"prepare: {need}; {byte_size(available)} available, {byte_size(each)} for each of "
-        f"{cfg.ray.num_workers}"
+        f"prepare: {need}; {byte_size(available)} available, {head}, {byte_size(each)} for each "
+        f"of {cfg.ray.num_workers}"
     )
     return estimate.peak_bytes
 

@@ -1,5 +1,5 @@
 """How much memory one Ray worker of a prepare needs at its peak, estimated from the plan before
-Ray starts, and the check against what this machine can give each worker.
+Ray starts, and the check against what this machine (or its cgroup, if less) can give each worker.
 
 A worker runs one task at a time, so its peak is its own resident size plus the larger of what a
 scan task and an encode task hold:
@@ -51,6 +51,13 @@ SCAN_TASKS_PER_WORKER = 4  # as `job.scan_batches` groups units
 
 MB = 1 << 20
 BASE_MB = 180  # a worker with the prepare code, Ray, SentencePiece and numpy loaded, no task run
+# Beside the workers, on the driver's machine: the driver (151 MiB of anonymous memory) and a
+# local Ray's own processes (dashboard and its agents, monitors, GCS, raylet, two idle workers:
+# 447 MiB), measured on a 0.2 GB prepare (docs/results.md#a-corpus-larger-than-memory); and, while
+# the driver trains the tokenizer, SentencePiece's trainer: TRAIN_BYTES_PER_SAMPLE_BYTE per byte
+# of its sample (575 MiB more for 20,000 texts of 1.2 KB: 23 measured).
+HEAD_MB = 600
+TRAIN_BYTES_PER_SAMPLE_BYTE = 26
 SEEN_BYTES = 100  # a distinct record in the de-duplication set: a bytes object and its slots
 ENCODE_BYTES_PER_TEXT_BYTE = 16  # the text, its ids as a list of ints, the packed stream
 SAMPLE_OVERHEAD = 250  # a sample text's str, tuple, heap and set entries, hash; its copy sent back
@@ -178,6 +185,10 @@ class MemoryEstimate:
     why: str  # how it was counted, in words
     remedy: str  # what lowers it
     texts: float = 0.0  # monolingual texts estimated (the near-duplicate stage's scratch space)
+    # the driver and a local Ray's own processes beside the workers, and what the driver's
+    # tokenizer training adds (while the workers are idle, between the scan and the encode)
+    head_bytes: int = HEAD_MB * MB
+    train_bytes: int = 0
 
 
 def estimate_worker_memory(
@@ -222,12 +233,13 @@ def estimate_worker_memory(
     scan = held + sample + record
     records = sum(p.records for p in probes)
     near = cfg.near_dedup
-    shuffle = 0.0
+    shuffle = signing = 0.0
     if near.enabled and mono:
         longest = max(s.max_doc_chars for s in sources) / 5  # words of the longest piece
-        scan += 2 * near.permutations * 8 * max(minhash.BLOCK_SHINGLES, longest) + (
+        signing = 2 * near.permutations * 8 * max(minhash.BLOCK_SHINGLES, longest) + (
             FLUSH_TEXTS * text_bytes * SIGN_BYTES_PER_TEXT_BYTE
         )
+        scan += signing
         shuffle = minhash.memory_per_task(int(mono_texts * near.bands), near.partitions)
         # the sketches of VERIFY_EDGES pairs verified at a time, each in a numpy array of its own
         shuffle += 2 * VERIFY_EDGES * (minhash.SKETCH * 4 + SKETCH_OBJECT_BYTES)
@@ -240,6 +252,8 @@ def estimate_worker_memory(
         encode += evaluated / BYTES_PER_WORD * 8
         encode += ENCODE_CHUNK * text_bytes * DECONTAMINATE_BYTES_PER_TEXT_BYTE
     peak = BASE_MB * MB + max(encode, scan, shuffle)
+    sample_bytes = min(cfg.tokenizer.sample_texts * text_bytes, total) if sampling else 0
+    training = int(sample_bytes * TRAIN_BYTES_PER_SAMPLE_BYTE)
     if shuffle > max(encode, scan):
         return MemoryEstimate(
             int(peak),
@@ -248,6 +262,7 @@ def estimate_worker_memory(
             "for the worker itself",
             "raise near_dedup.partitions (a shuffle task holds one partition)",
             mono_texts,
+            train_bytes=training,
         )
     if encode >= scan:
         remedy = "raise shard.buckets (the de-duplication set is a bucket's)"
@@ -260,14 +275,20 @@ def estimate_worker_memory(
         remedy = "lower unit_bytes or tokenizer.sample_texts (a scan task holds both)"
         if record > held + sample:
             remedy = "cut the input's longest lines (a scan task reads a record whole)"
-        why = (
-            f"scan: {held / MB:,.0f} MiB of a compressed file's chunk + a tokenizer sample of "
-            f"~{min(cfg.tokenizer.sample_texts, task_texts):,.0f} texts"
-        )
+        why = f"scan: {held / MB:,.0f} MiB of a compressed file's chunk"
+        if sampling:
+            texts = min(cfg.tokenizer.sample_texts, task_texts)
+            why += f" + a tokenizer sample of ~{texts:,.0f} texts"
         if record >= MB:
             why += f" + {record / MB:,.0f} MiB while the longest record is read, cleaned and hashed"
+        if signing:
+            why += f" + {signing / MB:,.0f} MiB signing {FLUSH_TEXTS} texts for near-duplicates"
     return MemoryEstimate(
-        int(peak), f"{why}, + {BASE_MB} MiB for the worker itself", remedy, mono_texts
+        int(peak),
+        f"{why}, + {BASE_MB} MiB for the worker itself",
+        remedy,
+        mono_texts,
+        train_bytes=training,
     )
 
 

@@ -255,6 +255,13 @@ def test_the_estimate_of_many_short_lines_is_as_before(tmp_path):
     assert memory.probe_source(cfg, 0, [str(path)], units).record_bytes < 4096
     got = estimate(path, "source.format=text", "tasks=[causal_lm]")
     assert "longest record" not in got.why
+    # beside the workers: the driver and Ray's processes, and the trainer on the sample by hand
+    # (a sample of every text: the file holds fewer than tokenizer.sample_texts)
+    by_hand = path.stat().st_size * memory.TRAIN_BYTES_PER_SAMPLE_BYTE
+    assert 20_000 < PrepareConfig().tokenizer.sample_texts
+    assert got.train_bytes == pytest.approx(by_hand) and got.head_bytes == memory.HEAD_MB << 20
+    given = estimate(path, "source.format=text", "tasks=[causal_lm]", f"tokenizer.path={path}")
+    assert given.train_bytes == 0
 
 
 def one_line_in_train(size: int) -> tuple[str, str]:
