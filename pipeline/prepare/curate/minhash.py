@@ -72,7 +72,7 @@ BLOCK_SHINGLES = 4096
 @dataclass
 class NearDedupConfig:
     # Remove near-duplicate documents across the whole corpus (MinHash over word n-grams, LSH
-    # bands, every candidate pair verified on its full signatures).
+    # bands, every candidate pair verified by the Jaccard of the two texts' sketches).
     enabled: bool = False
     # Words per shingle. A document with fewer words has one shingle of all its words.
     ngram: int = 5
@@ -83,7 +83,8 @@ class NearDedupConfig:
     # probability 0.85, at 0.8 0.997, at 0.85 and above > 0.9999.
     rows: int = 8
     # Jaccard similarity (of the documents' n-gram sets) from which two documents are
-    # near-duplicates: a candidate pair is kept when the share of equal signature values reaches it.
+    # near-duplicates: a candidate pair is kept when its texts' Jaccard reaches it (exact for texts
+    # of up to 1,024 shingles, estimated from 1,024 values of each above).
     threshold: float = 0.8
     # Seed of the hash permutations: the same on every worker and every run that is compared.
     seed: int = 1234
