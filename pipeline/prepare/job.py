@@ -234,7 +234,7 @@ def check_memory(cfg: PrepareConfig, estimate, log) -> int:
         log(f"prepare: {need}; not checked here: the workers run on the nodes of {cfg.ray.address}")
         return estimate.peak_bytes
     available = available_bytes()
-    # the driver and Ray's own processes first (with the tokenizer's training, if any)
+    # the driver and Ray's own processes first; the workers share the rest
     rest = max(0, available - estimate.head_bytes)
     each = rest // cfg.ray.num_workers if cfg.ray.num_workers > 0 else rest
     head = f"{byte_size(estimate.head_bytes)} of it for the driver and Ray's own processes"

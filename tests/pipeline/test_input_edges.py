@@ -308,3 +308,27 @@ def test_a_prepare_of_one_long_line_peaks_below_its_estimate(tmp_path):
     assert estimated < 2 * max(scan, encode), peaks  # an estimate, not a blanket
     (said,) = [line for line in run.stderr.splitlines() if "each Ray worker needs about" in line]
     assert "while the longest record is read, cleaned and hashed" in said
+
+
+def test_the_memory_check_keeps_the_driver_s_share_and_refuses_a_training_that_does_not_fit(
+    monkeypatch,
+):
+    """Workers share what is left after the driver and Ray's own processes; the tokenizer's
+    training runs beside idle workers and is checked on its own, each refusal one line."""
+    from pipeline.prepare import job
+
+    mib = 1 << 20
+    cfg = load_config(PrepareConfig, None, ["source.paths=[x]", "ray.num_workers=2"])
+    monkeypatch.setattr(job, "available_bytes", lambda: 2000 * mib)
+    head = memory.HEAD_MB * mib
+    fits = memory.MemoryEstimate(((2000 * mib - head) // 2), "w", "r", train_bytes=0)
+    assert job.check_memory(cfg, fits, lambda msg: None) == fits.peak_bytes
+    over = memory.MemoryEstimate(fits.peak_bytes + mib, "w", "lower it", train_bytes=0)
+    with pytest.raises(UserError, match=r"available for ray.num_workers=2 \(.* of it for the "):
+        job.check_memory(cfg, over, lambda msg: None)
+    idle = 2 * memory.BASE_MB * mib
+    training = memory.MemoryEstimate(300 * mib, "w", "r", train_bytes=2000 * mib - head - idle)
+    assert job.check_memory(cfg, training, lambda msg: None) == 300 * mib
+    training.train_bytes += mib
+    with pytest.raises(UserError, match=r"^training the tokenizer on its sample needs about "):
+        job.check_memory(cfg, training, lambda msg: None)
