@@ -134,6 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     from launch.optim import build_optimizer, build_scheduler
     from launch.train.setup import compile_model
     from model import build_model, hf
+    from model.hf_decoders import gpt_to_hf_decoder
     from model.loss import IGNORE_INDEX
 
     shape = dict(SHAPES[args.shape])
@@ -177,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
     for compiled in args.compile.split(","):
         suffix = COMPILED if compiled == "on" else ""
         ours = copy.deepcopy(initial)
-        convert = {"gpt": hf.gpt_to_hf, "bert": hf.bert_to_hf, "llama": hf.gpt_to_llama}
+        convert = {"gpt": hf.gpt_to_hf, "bert": hf.bert_to_hf, "llama": gpt_to_hf_decoder}
         theirs = convert[args.arch](ours)
         if args.arch == "bert":
             # BERT's token-type table (one type, zeros after conversion) is a bias ours does not

@@ -1,12 +1,12 @@
 """`init.model=DIR`: a run that starts from exported weights instead of random ones.
 
 DIR is one of our exports (`launch.export`) or a directory in Hugging Face's format (ours,
-`format=hf`, or any `save_pretrained` one on disk): a GPT-2 or Llama for causal_lm, a BERT for
-mlm, a BERT + GPT-2 EncoderDecoderModel for translation. The run starts at step 0 with a fresh
-optimizer and schedule; its model config is the directory's (`resolve`), except the fields that
-only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`: dropout, ...), which stay
-the job's. A `model.*=` override on the command line that contradicts the directory is refused in
-one line; the YAML's model section is a template the directory replaces.
+`format=hf`, or any `save_pretrained` one on disk): a GPT-2, Llama, Qwen2.5, Qwen3, Mistral or OLMo
+2 for causal_lm, a BERT for mlm, a BERT + GPT-2 EncoderDecoderModel for translation. The run starts
+at step 0 with a fresh optimizer and schedule; its model config is the directory's (`resolve`),
+except the fields that only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`:
+dropout, ...), which stay the job's. A `model.*=` override on the command line that contradicts the
+directory is refused in one line; the YAML's model section is a template the directory replaces.
 
 The weights must have been trained with the dataset's tokenizer (`check_tokenizer`, from `load`
 and the dry run): the same file (sha256), or one that gives the same ids (its vocabulary, its
@@ -115,12 +115,13 @@ def model_config(directory: str) -> ModelConfig:
         return read_model_config(Path(directory))[1]
     import transformers
 
-    from model.hf import config_from_hf_bert, config_from_hf_gpt2, config_from_hf_llama
+    from model.hf import config_from_hf_bert, config_from_hf_gpt2
+    from model.hf_decoders import FAMILIES, config_from_hf_decoder
     from model.hf_seq2seq import config_from_hf_encoder_decoder
 
     readers = {
         "gpt2": config_from_hf_gpt2,
-        "llama": config_from_hf_llama,
+        **{name: config_from_hf_decoder for name in FAMILIES},
         "bert": config_from_hf_bert,
         "encoder-decoder": config_from_hf_encoder_decoder,
     }
@@ -128,7 +129,8 @@ def model_config(directory: str) -> ModelConfig:
     if hf_config.model_type not in readers:
         raise UserError(
             f"init.model: {directory} holds a Hugging Face {hf_config.model_type} model; GPT-2, "
-            "Llama, BERT and BERT + GPT-2 encoder-decoder directories start a run"
+            "Llama, Qwen2.5, Qwen3, Mistral, OLMo 2, BERT and BERT + GPT-2 encoder-decoder "
+            "directories start a run"
         )
     try:
         return readers[hf_config.model_type](hf_config, **UNRESOLVED_IDS)

@@ -18,15 +18,23 @@ from model.positions import rotate
 
 
 def self_attention_mask(
-    key_mask: Optional[Tensor], q_len: int, k_len: int, causal: bool, device: torch.device
+    key_mask: Optional[Tensor],
+    q_len: int,
+    k_len: int,
+    causal: bool,
+    device: torch.device,
+    window: int = 0,
 ) -> tuple[Optional[Tensor], bool]:
     """The (attn_mask, is_causal) pair for SDPA, True = may attend.
 
     `key_mask` (B, k_len) is 1 for real tokens, 0 for padding; the last `q_len` keys are the
-    queries' own positions (the rest are cached). Returns None with is_causal=True when SDPA's
-    built-in causal mask is exact, because fused kernels run fastest without an explicit mask.
+    queries' own positions (the rest are cached). `window` > 0 (causal only): a query sees its
+    own key and the window - 1 before it, no earlier one. Returns None with is_causal=True when
+    SDPA's built-in causal mask is exact, because fused kernels run fastest without an explicit
+    mask.
     """
-    if key_mask is None:
+    windowed = causal and 0 < window < k_len
+    if key_mask is None and not windowed:
         if not causal or q_len == 1:
             return None, False
         if q_len == k_len:
@@ -36,6 +44,8 @@ def self_attention_mask(
         # Bottom-right aligned: query i sits at key position k_len - q_len + i.
         # (T, S)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+        if windowed:
+            mask = mask.triu(k_len - q_len - window + 1)
     if key_mask is not None:
         keys = key_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
         mask = keys if mask is None else keys & mask  # (B, 1, T, S)
@@ -43,23 +53,29 @@ def self_attention_mask(
 
 
 def document_attention_mask(
-    document_ids: Tensor, key_mask: Optional[Tensor], causal: bool
+    document_ids: Tensor, key_mask: Optional[Tensor], causal: bool, window: int = 0
 ) -> Tensor:
     """The (B, 1, T, T) SDPA mask, True = may attend, that keeps each token within its document.
 
     `document_ids` (B, T) numbers the documents of each row (contiguous runs of one id);
-    `key_mask` (B, T) is 1 for real tokens, 0 for padding. Causal: a token also sees no later one.
+    `key_mask` (B, T) is 1 for real tokens, 0 for padding. Causal: a token also sees no later one,
+    and with `window` > 0 none more than window - 1 before it.
     """
     mask = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
     if causal:
         T = document_ids.shape[1]
-        mask = mask & torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+        lower = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+        if 0 < window < T:
+            lower = lower.triu(1 - window)
+        mask = mask & lower
     if key_mask is not None:
         mask = mask & key_mask.bool()[:, None, :]
     return _never_empty(mask[:, None])  # (B, 1, T, T)
 
 
-def document_block_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal: bool) -> Any:
+def document_block_mask(
+    document_ids: Tensor, key_mask: Optional[Tensor], causal: bool, window: int = 0
+) -> Any:
     """`document_attention_mask` as a FlexAttention BlockMask: the same rule, evaluated per
     (query, key) pair, from which FlexAttention learns which blocks of the score
     matrix it may skip."""
@@ -72,6 +88,8 @@ def document_block_mask(document_ids: Tensor, key_mask: Optional[Tensor], causal
         allowed = document_ids[b, q] == document_ids[b, kv]
         if causal:
             allowed = allowed & (q >= kv)
+            if window > 0:
+                allowed = allowed & (q - kv < window)
         if keys is not None:
             allowed = allowed & keys[b, kv]
         return allowed
@@ -247,20 +265,41 @@ class Attention(nn.Module):
     (grouped-query attention, Ainslie et al. 2023): the k and v projections, and the decoding
     cache, shrink by that factor. Rotary positions, when given, rotate the queries and keys of
     self-attention only: a cross-attention key is a source position, whose distance from a target
-    position means nothing, and the encoder has put its own positions into the memory already."""
+    position means nothing, and the encoder has put its own positions into the memory already.
+
+    `head_dim` (0: d_model / n_heads) sets each head's width apart from d_model, as Qwen3 and
+    Mistral do; `qkv_bias` gives q, k and v biases where `bias` gives none (Qwen2.5); `qk_norm`
+    RMS-normalises queries and keys before their rotation, per head ("head", Qwen3) or over a
+    projection's whole output ("projection", OLMo 2), against logits that grow without bound."""
 
     def __init__(
-        self, d_model: int, n_heads: int, dropout: float, n_kv_heads: int = 0, bias: bool = True
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float,
+        n_kv_heads: int = 0,
+        bias: bool = True,
+        *,
+        head_dim: int = 0,
+        qkv_bias: bool = False,
+        qk_norm: str = "none",
+        eps: float = 1e-6,
     ):
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        width, kv_width = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, width, bias=bias or qkv_bias)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=bias or qkv_bias)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=bias or qkv_bias)
+        self.out_proj = nn.Linear(width, d_model, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            sizes = (self.head_dim,) * 2 if qk_norm == "head" else (width, kv_width)
+            self.q_norm = nn.RMSNorm(sizes[0], eps=eps)
+            self.k_norm = nn.RMSNorm(sizes[1], eps=eps)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         B, T, _ = x.shape
@@ -278,10 +317,20 @@ class Attention(nn.Module):
         """`mask`: an SDPA mask (True = may attend), or a FlexAttention BlockMask (a document
         mask on CUDA); `rotary`: the (cos, sin) of the queries' positions (`Rotary`),
         self-attention only."""
-        B, T, C = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
+        B, T, _ = x.shape
+        q = self.q_proj(x)  # (B, T, H * Dh)
+        if self.qk_norm == "projection":
+            q = self.q_norm(q)
+        q = self._heads(q, self.n_heads)  # (B, H, T, Dh)
+        if self.qk_norm == "head":
+            q = self.q_norm(q)
         if memory is None:
-            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            k = self.k_proj(x)  # (B, T, Hkv * Dh)
+            if self.qk_norm == "projection":
+                k = self.k_norm(k)
+            k = self._heads(k, self.n_kv_heads)  # (B, Hkv, T, Dh)
+            if self.qk_norm == "head":
+                k = self.k_norm(k)
             v = self._heads(self.v_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
             if rotary is not None:
                 q, k = rotate(q, *rotary), rotate(k, *rotary)  # the cache keeps keys rotated
@@ -303,4 +352,4 @@ class Attention(nn.Module):
         else:
             # (B, H, T, Dh)
             y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)

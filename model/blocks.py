@@ -63,6 +63,21 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
+def make_attention(cfg: ModelConfig, self_attention: bool = True) -> Attention:
+    """A block's attention layer; query/key norms on self-attention only (`Attention`)."""
+    return Attention(
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.dropout,
+        cfg.kv_heads,
+        cfg.bias,
+        head_dim=cfg.head_dim,
+        qkv_bias=cfg.qkv_bias,
+        qk_norm=cfg.qk_norm if self_attention else "none",
+        eps=cfg.layer_norm_eps,
+    )
+
+
 def make_mlp(cfg: ModelConfig) -> nn.Module:
     if cfg.activation in GATED_ACTIVATIONS:
         return GatedMLP(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias)
@@ -102,20 +117,23 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Self-attention and MLP sublayers, each a residual branch with its own norm."""
+    """Self-attention and MLP sublayers, each a residual branch with its own norm: before the
+    sublayer (pre), after the sum (post), or on the sublayer's output (post_branch, OLMo 2)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pre_norm = cfg.norm_position == "pre"
+        self.norm_position = cfg.norm_position
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.kv_heads, cfg.bias)
+        self.attn = make_attention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp = make_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
-        if self.pre_norm:
+        if self.norm_position == "pre":
             return x + self.drop(sublayer(norm(x)))
+        if self.norm_position == "post_branch":
+            return x + self.drop(norm(sublayer(x)))
         return norm(x + self.drop(sublayer(x)))
 
     def residual_projections(self) -> List[nn.Linear]:
@@ -145,7 +163,7 @@ class DecoderBlock(Block):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.cross_attn_norm = make_norm(cfg)
-        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.kv_heads, cfg.bias)
+        self.cross_attn = make_attention(cfg, self_attention=False)
 
     def residual_projections(self) -> List[nn.Linear]:
         return super().residual_projections() + [self.cross_attn.out_proj]
@@ -250,7 +268,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.causal = causal
         self.cross_attention = cross_attention
-        self.pre_norm = cfg.norm_position == "pre"
+        # The stream is never renormalised between blocks (pre, post_branch): one norm at the end.
+        self.pre_norm = cfg.norm_position != "post"
         self.embed = Embeddings(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block = DecoderBlock if cross_attention else Block
@@ -258,7 +277,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg)
         # Rotary positions: one (cos, sin) table for every block's self-attention.
         self.rotary = (
-            Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta)
             if cfg.positions == "rope"
             else None
         )
@@ -343,7 +362,7 @@ class Transformer(nn.Module):
         x = self.drop(x)
         if document_ids is None:
             mask, is_causal = self_attention_mask(
-                attention_mask, T, past + T, self.causal, x.device
+                attention_mask, T, past + T, self.causal, x.device, self.cfg.sliding_window
             )
             self.attention_kernel = "sdpa"
         else:
@@ -351,7 +370,8 @@ class Transformer(nn.Module):
             make_mask = (
                 document_block_mask if kernel == "flex_attention" else document_attention_mask
             )
-            mask, is_causal = make_mask(document_ids, attention_mask, self.causal), False
+            mask = make_mask(document_ids, attention_mask, self.causal, self.cfg.sliding_window)
+            is_causal = False
             self.attention_kernel = f"{kernel} (document mask)"
         cross = (memory, padding_mask(memory_mask)) if self.cross_attention else ()
         for i, block in enumerate(self.blocks):
@@ -370,15 +390,15 @@ class Transformer(nn.Module):
                 f"document_attention={self.document_attention!r}: expected "
                 "auto, sdpa or flex_attention"
             )
-        head_dim = self.cfg.d_model // self.cfg.n_heads
+        head_dim = self.cfg.head_size
         if (
             self.document_attention == "flex_attention"
             and device.type == "cuda"
             and head_dim < FLEX_MIN_HEAD_DIM
         ):
             raise ValueError(
-                f"document_attention=flex_attention: heads of {head_dim} dimensions (d_model / "
-                f"n_heads); FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}"
+                f"document_attention=flex_attention: heads of {head_dim} dimensions; "
+                f"FlexAttention's CUDA kernel takes at least {FLEX_MIN_HEAD_DIM}"
             )
         if self.document_attention != "auto":
             return self.document_attention

@@ -21,9 +21,15 @@ ARCHS = ("gpt", "bert", "seq2seq")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu") + GATED_ACTIVATIONS
 NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
+NORM_POSITIONS = ("pre", "post", "post_branch")
+# Query/key norms: none, RMSNorm over each head's dims (Qwen3), or over each projection's whole
+# output, all heads at once (OLMo 2).
+QK_NORMS = ("none", "head", "projection")
 POSITIONS = ("learned", "sinusoidal", "rope")
 STACKS = ("encoder", "decoder")
+# The Hugging Face decoder families a GPT exports as (`model.hf_decoders`); "": the one its
+# options call for.
+FAMILIES = ("", "llama", "qwen2", "qwen3", "mistral", "olmo2")
 # A gated MLP's default width is rounded up to a multiple of this (Llama's `multiple_of`).
 GATED_D_FF_MULTIPLE = 256
 
@@ -77,6 +83,9 @@ class ModelConfig:
     # Key/value heads, each shared by n_heads / n_kv_heads query heads (grouped-query attention,
     # Ainslie et al. 2023); 0 = n_heads (multi-head attention). Must divide n_heads.
     n_kv_heads: int = 0
+    # Dimensions of each attention head; 0 = d_model / n_heads. Qwen3 and Mistral set it apart:
+    # queries are then n_heads * head_dim wide, whatever d_model.
+    head_dim: int = 0
     # MLP width; 0 = 4 * d_model, or for swiglu/geglu 2/3 of that rounded up to a multiple of 256
     # (Llama's rule; filled in when the config is made)
     d_ff: int = 0
@@ -87,8 +96,9 @@ class ModelConfig:
     # and gelu(x W) * (x V) (Shazeer 2020), as in Llama and ModernBERT
     activation: str = "gelu"
     # pre: x + f(norm(x)) with a final norm after the last block (GPT-2);
-    # post: norm(x + f(x)) with a norm after the embeddings instead (BERT, Vaswani et al.).
-    # Pre-LN stacks also get GPT-2's 1/sqrt(number of residual branches) scaling of the
+    # post: norm(x + f(x)) with a norm after the embeddings instead (BERT, Vaswani et al.);
+    # post_branch: x + norm(f(x)), the norm on each branch's output, a final norm as pre's (OLMo 2).
+    # pre and post_branch stacks also get GPT-2's 1/sqrt(number of residual branches) scaling of the
     # residual projections at init: post-LN renormalises every branch, so BERT has none.
     norm_position: str = "pre"
     # layernorm | rmsnorm (Zhang & Sennrich 2019, as in Llama): every norm of the model
@@ -100,6 +110,17 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm or RMSNorm)
     # biases in the linear layers and LayerNorms; false: none anywhere (Llama, ModernBERT)
     bias: bool = True
+    # biases on the query, key and value projections even where bias is false (Qwen2.5)
+    qkv_bias: bool = False
+    # none | head (RMSNorm over each head's queries and keys, Qwen3) | projection (over the
+    # whole query and key projections, OLMo 2); before rotary positions, eps layer_norm_eps
+    qk_norm: str = "none"
+    # Causal self-attention sees the last sliding_window keys only, its own included (Mistral);
+    # 0: all of them. Applies with document masks and in generation with the cache alike.
+    sliding_window: int = 0
+    # The Hugging Face class a format=hf export writes: llama | qwen2 | qwen3 | mistral | olmo2,
+    # set by init.model from such a directory; "": the one the options call for. Computes nothing.
+    family: str = ""
     # recompute each block in the backward pass to save memory
     activation_checkpointing: bool = False
     label_smoothing: float = 0.1  # seq2seq only
@@ -140,8 +161,14 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Each attention head's dimensions: head_dim, or d_model / n_heads where that is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """The query projection's outputs (and the output projection's inputs): n_heads heads."""
+        return self.n_heads * self.head_size
 
     def for_stack(self, stack: str) -> "ModelConfig":
         """The flat config of a Seq2Seq's `encoder` or `decoder` stack, overrides applied
@@ -218,8 +245,9 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
         )
 
     _check(cfg.n_heads > 0, f"{named('n_heads')}: must be positive")
+    _check(cfg.head_dim >= 0, f"head_dim={cfg.head_dim}: must be >= 0 (0 = d_model / n_heads)")
     _check(
-        cfg.d_model % cfg.n_heads == 0,
+        cfg.head_dim > 0 or cfg.d_model % cfg.n_heads == 0,
         f"d_model={cfg.d_model} is not divisible by {named('n_heads')}",
     )
     _check(
@@ -237,6 +265,21 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
     )
     _check(cfg.norm in NORMS, f"{named('norm')}: expected one of {NORMS}")
     _check(cfg.layer_norm_eps > 0, f"{named('layer_norm_eps')}: must be positive")
+    _check(cfg.qk_norm in QK_NORMS, f"qk_norm={cfg.qk_norm!r}: expected one of {QK_NORMS}")
+    _check(cfg.sliding_window >= 0, f"sliding_window={cfg.sliding_window}: must be >= 0")
+    _check(
+        cfg.sliding_window == 0 or cfg.arch == "gpt",
+        f"sliding_window={cfg.sliding_window}: only a causal arch=gpt model has one",
+    )
+    _check(cfg.family in FAMILIES, f"family={cfg.family!r}: expected one of {FAMILIES[1:]} or ''")
+    _check(
+        cfg.family == "" or cfg.arch == "gpt",
+        f"family={cfg.family!r}: only arch=gpt models are of a decoder family",
+    )
+    _check(
+        cfg.norm_position != "post_branch" or cfg.arch == "gpt",
+        "norm_position='post_branch': only arch=gpt takes it",
+    )
     if cfg.positions == "sinusoidal":
         _check(
             cfg.d_model % 2 == 0,
@@ -244,8 +287,8 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
         )
     if cfg.positions == "rope":
         _check(
-            cfg.head_dim % 2 == 0,
-            f"d_model={cfg.d_model} / {named('n_heads')}: heads of {cfg.head_dim} "
+            cfg.head_size % 2 == 0,
+            f"d_model={cfg.d_model} / {named('n_heads')}: heads of {cfg.head_size} "
             "dimensions; rotary positions turn pairs of them, so the number must be even",
         )
         _check(cfg.rope_theta > 0, f"{named('rope_theta')}: must be positive")

@@ -15,12 +15,13 @@ def _block_params(cfg: ModelConfig) -> int:
 
 
 def _attention_params(cfg: ModelConfig) -> int:
-    """q and out (d x d each), k and v (d x d_kv each)."""
-    return 2 * cfg.d_model**2 + 2 * cfg.d_model * _kv_dim(cfg)
+    """q and out (d x d_q each, d_q = n_heads x head dims, d unless head_dim is set), k and v
+    (d x d_kv each)."""
+    return 2 * cfg.d_model * cfg.attention_width + 2 * cfg.d_model * _kv_dim(cfg)
 
 
 def _kv_dim(cfg: ModelConfig) -> int:
-    return cfg.kv_heads * cfg.head_dim
+    return cfg.kv_heads * cfg.head_size
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -50,8 +51,13 @@ def training_flops(
         T, L = seq_len, cfg.n_layers
         if cfg.arch == "bert" and scored is not None:
             head = d * d + d * cfg.vocab_size
-            return 6 * (matmul_params(cfg) - head) * T + 6 * head * scored + 12 * L * T * T * d
-        return 6 * matmul_params(cfg) * T + 12 * L * T * T * d
+            return (
+                6 * (matmul_params(cfg) - head) * T
+                + 6 * head * scored
+                + 12 * L * T * T * cfg.attention_width
+            )
+        d_q = cfg.attention_width  # the scores and their weighted sum run at this width
+        return 6 * matmul_params(cfg) * T + 12 * L * T * T * d_q
     S, T = seq_len, tgt_len
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
     encoder = 6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * d

@@ -1,5 +1,5 @@
-"""Conversion between our GPT / BERT and Hugging Face's GPT2LMHeadModel / BertForMaskedLM, and
-between our Llama-style GPT and LlamaForCausalLM.
+"""Conversion between our GPT / BERT and Hugging Face's GPT2LMHeadModel / BertForMaskedLM (the
+Llama-shaped decoders: `model.hf_decoders`).
 
 The design and its reasons: docs/design.md#modelhfpy.
 """
@@ -65,7 +65,7 @@ def _activation_from_hf(name: str) -> str:
     return ACTIVATION_FROM_HF[name]
 
 
-def _require(cfg: ModelConfig, reference: str, **wanted) -> None:
+def require(cfg: ModelConfig, reference: str, **wanted) -> None:
     for name, value in wanted.items():
         if getattr(cfg, name) != value:
             raise ValueError(
@@ -76,7 +76,7 @@ def _require(cfg: ModelConfig, reference: str, **wanted) -> None:
 
 def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
     """GPT-2's and BERT's conventions (the module docstring)."""
-    _require(
+    require(
         cfg,
         arch,
         arch=arch,
@@ -85,7 +85,15 @@ def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
         norm="layernorm",
         bias=True,
         tie_embeddings=True,
+        qkv_bias=False,
+        qk_norm="none",
+        sliding_window=0,
+        family="",
     )
+    if cfg.head_size * cfg.n_heads != cfg.d_model:
+        raise ValueError(
+            f"head_dim={cfg.head_dim}: Hugging Face's {arch} has heads of d_model / n_heads"
+        )
     if cfg.kv_heads != cfg.n_heads:
         raise ValueError(
             f"n_kv_heads={cfg.n_kv_heads}: Hugging Face's {arch} has a "
@@ -97,7 +105,7 @@ def _require_classic(cfg: ModelConfig, arch: str, norm_position: str) -> None:
         )
 
 
-def _special_ids(hf_config) -> dict:
+def special_ids(hf_config) -> dict:
     names = {"pad_id": "pad_token_id", "bos_id": "bos_token_id", "eos_id": "eos_token_id"}
     values = {ours: getattr(hf_config, theirs, None) for ours, theirs in names.items()}
     return {name: value for name, value in values.items() if value is not None}
@@ -134,7 +142,7 @@ def config_from_hf_gpt2(hf_config, **overrides) -> ModelConfig:
         positions="learned",
         layer_norm_eps=hf_config.layer_norm_epsilon,
         init_std=hf_config.initializer_range,
-        **_special_ids(hf_config),
+        **special_ids(hf_config),
     )
     return dataclasses.replace(cfg, **overrides).validate()
 
@@ -257,7 +265,7 @@ def config_from_hf_bert(hf_config, **overrides) -> ModelConfig:
         positions="learned",
         layer_norm_eps=hf_config.layer_norm_eps,
         init_std=hf_config.initializer_range,
-        **_special_ids(hf_config),
+        **special_ids(hf_config),
     )
     return dataclasses.replace(cfg, **overrides).validate()
 
@@ -333,151 +341,4 @@ def bert_to_hf(model: BERT):
 
     hf_model = BertForMaskedLM(hf_bert_config(model.cfg))
     hf_model.load_state_dict(bert_state_dict_to_hf(model.state_dict(), model.cfg.n_layers))
-    return hf_model
-
-
-# --- GPT <-> LlamaForCausalLM ------------------------------------------------------------------
-
-LLAMA_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn.q_proj": "self_attn.q_proj",
-    "attn.k_proj": "self_attn.k_proj",
-    "attn.v_proj": "self_attn.v_proj",
-    "attn.out_proj": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "mlp.proj": "mlp.down_proj",
-}
-LLAMA_CONVENTIONS = dict(
-    arch="gpt", norm_position="pre", positions="rope", norm="rmsnorm", activation="swiglu"
-)
-
-
-def _llama_rope_theta(hf_config) -> float:
-    """The rotary base of a LlamaConfig, refusing the scaled variants (Llama 3.1's, YaRN, ...)."""
-    params = getattr(hf_config, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": hf_config.rope_theta,
-    }
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"LlamaConfig rope_type={params['rope_type']!r} is not supported "
-            "(plain rotary positions only)"
-        )
-    return float(params["rope_theta"])
-
-
-def config_from_hf_llama(hf_config, **overrides) -> ModelConfig:
-    """Our Llama-style GPT config for a `LlamaConfig`; `overrides` applied last (special ids:
-    Meta's 1 and 2 only fit its own vocabulary, so pass bos_id=..., eos_id=... for any other).
-    Llama's only dropout is attention_dropout; it becomes our one `dropout`."""
-    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    for name, ok in (
-        ("hidden_act", "silu"),
-        ("mlp_bias", hf_config.attention_bias),
-        ("head_dim", head_dim),
-        ("pretraining_tp", 1),
-    ):
-        if getattr(hf_config, name, ok) not in (ok, None):
-            raise ValueError(f"LlamaConfig.{name}={getattr(hf_config, name)!r} is not supported")
-    kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
-    cfg = ModelConfig(
-        **LLAMA_CONVENTIONS,
-        vocab_size=hf_config.vocab_size,
-        d_model=hf_config.hidden_size,
-        n_layers=hf_config.num_hidden_layers,
-        n_heads=hf_config.num_attention_heads,
-        n_kv_heads=0 if kv_heads == hf_config.num_attention_heads else kv_heads,
-        d_ff=hf_config.intermediate_size,
-        max_seq_len=hf_config.max_position_embeddings,
-        dropout=float(hf_config.attention_dropout or 0.0),
-        rope_theta=_llama_rope_theta(hf_config),
-        layer_norm_eps=hf_config.rms_norm_eps,
-        bias=bool(hf_config.attention_bias),
-        tie_embeddings=bool(hf_config.tie_word_embeddings),
-        init_std=hf_config.initializer_range,
-        **_special_ids(hf_config),
-    )
-    return dataclasses.replace(cfg, **overrides).validate()
-
-
-def hf_llama_config(cfg: ModelConfig):
-    """A `LlamaConfig` for our Llama-style GPT config (`LLAMA_CONVENTIONS`)."""
-    from transformers import LlamaConfig
-
-    _require(cfg, "Llama", **LLAMA_CONVENTIONS)
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.layer_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        attention_bias=cfg.bias,
-        mlp_bias=cfg.bias,
-        attention_dropout=cfg.dropout,
-        tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=cfg.bos_id,
-        eos_token_id=cfg.eos_id,
-        pad_token_id=cfg.pad_id,
-    )
-
-
-def gpt_state_dict_from_llama(hf: Mapping[str, Tensor], n_layers: int) -> StateDict:
-    """A LlamaForCausalLM state dict in our GPT's keys and layout."""
-    ours = {
-        "embed.tok.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
-    }
-    for i in range(n_layers):
-        theirs, mine = f"model.layers.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for our_name, hf_name in LLAMA_LAYER.items():
-                if f"{theirs}{hf_name}.{kind}" in hf:
-                    ours[f"{mine}{our_name}.{kind}"] = hf[f"{theirs}{hf_name}.{kind}"]
-            if f"{theirs}mlp.gate_proj.{kind}" in hf:
-                gate, up = hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"]
-                # (2 d_ff, ...): the gate first
-                ours[f"{mine}mlp.fc.{kind}"] = torch.cat([gate, up])
-    return {k: v.contiguous() for k, v in ours.items()}
-
-
-def gpt_state_dict_to_llama(ours: Mapping[str, Tensor], n_layers: int) -> StateDict:
-    """Our Llama-style GPT state dict in LlamaForCausalLM's keys and layout."""
-    hf = {
-        "model.embed_tokens.weight": ours["embed.tok.weight"],
-        "model.norm.weight": ours["norm.weight"],
-        "lm_head.weight": ours["lm_head.weight"],
-    }
-    for i in range(n_layers):
-        theirs, mine = f"model.layers.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for our_name, hf_name in LLAMA_LAYER.items():
-                if f"{mine}{our_name}.{kind}" in ours:
-                    hf[f"{theirs}{hf_name}.{kind}"] = ours[f"{mine}{our_name}.{kind}"]
-            if f"{mine}mlp.fc.{kind}" in ours:
-                gate, up = ours[f"{mine}mlp.fc.{kind}"].chunk(2)
-                hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"] = gate, up
-    return {k: v.contiguous() for k, v in hf.items()}
-
-
-def gpt_from_llama(hf_model, **overrides) -> GPT:
-    """Our GPT with the weights of a `LlamaForCausalLM`."""
-    cfg = config_from_hf_llama(hf_model.config, **overrides)
-    model = GPT(cfg)
-    model.load_state_dict(gpt_state_dict_from_llama(hf_model.state_dict(), cfg.n_layers))
-    return model
-
-
-def gpt_to_llama(model: GPT):
-    """A `LlamaForCausalLM` with the weights of our Llama-style GPT."""
-    from transformers import LlamaForCausalLM
-
-    hf_model = LlamaForCausalLM(hf_llama_config(model.cfg))
-    hf_model.load_state_dict(gpt_state_dict_to_llama(model.state_dict(), model.cfg.n_layers))
     return hf_model

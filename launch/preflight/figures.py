@@ -205,7 +205,7 @@ def activation_bytes(
     mask = 1 if model_cfg.dropout > 0 else 0
 
     def stack(cfg: ModelConfig, tokens: float, memory_tokens: float = 0.0) -> float:
-        d, d_kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+        d, d_kv = cfg.d_model, cfg.kv_heads * cfg.head_size
         hidden = (4 if cfg.activation in GATED_ACTIVATIONS else 2) * cfg.d_ff
         per_token = element * (5 * d + 2 * d_kv + 2 * d + hidden) + mask * 2 * d
         if memory_tokens:  # a decoder stack: cross-attention too

@@ -79,7 +79,7 @@ def test_llama_gpt_compiled_under_zero3_resumes_on_one_rank_and_exports(tiny_dat
     )
     assert run.returncode == 0, run.stderr[-3000:]
     from launch.export import load_model_dir
-    from model.hf import gpt_to_llama
+    from model.hf_decoders import gpt_to_hf_decoder
 
     model, meta = load_model_dir(out)  # strictly: every key of the Llama shape, nothing else
     assert meta["step"] == 8 and model.cfg.positions == "rope" and model.cfg.n_kv_heads == 1
@@ -87,7 +87,7 @@ def test_llama_gpt_compiled_under_zero3_resumes_on_one_rank_and_exports(tiny_dat
         "lm_head.weight" in model.state_dict()
         and model.lm_head.weight is not model.embed.tok.weight
     )
-    llama = gpt_to_llama(model).eval()
+    llama = gpt_to_hf_decoder(model).eval()
     x = torch.randint(5, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(llama(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)

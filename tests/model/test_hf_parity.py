@@ -5,6 +5,8 @@ generates the same tokens greedily with its cache as LlamaForCausalLM does with 
 rotary BERT is checked against ModernBERT's own layers (see that test for why not against
 ModernBertForMaskedLM as a whole)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,14 +18,16 @@ from model.hf import (  # noqa: E402
     bert_to_hf,
     config_from_hf_bert,
     config_from_hf_gpt2,
-    config_from_hf_llama,
     gpt_from_hf,
-    gpt_from_llama,
     gpt_to_hf,
-    gpt_to_llama,
     hf_bert_config,
     hf_gpt2_config,
-    hf_llama_config,
+)
+from model.hf_decoders import (  # noqa: E402
+    config_from_hf_decoder,
+    gpt_from_hf_decoder,
+    gpt_to_hf_decoder,
+    hf_decoder_config,
 )
 
 V = 64
@@ -224,7 +228,7 @@ def hf_llama(request):
 
 
 def test_llama_into_ours(hf_llama):
-    ours = gpt_from_llama(hf_llama).eval()
+    ours = gpt_from_hf_decoder(hf_llama).eval()
     cfg = ours.cfg
     assert (cfg.positions, cfg.norm, cfg.activation, cfg.rope_theta, cfg.layer_norm_eps) == (
         "rope",
@@ -278,7 +282,7 @@ def test_ours_into_llama(bias, tie):
             )
         )
     )
-    hf = gpt_to_llama(ours).eval()
+    hf = gpt_to_hf_decoder(ours).eval()
     assert (
         hf.config.attention_bias == hf.config.mlp_bias == bias
         and hf.config.tie_word_embeddings == tie
@@ -286,14 +290,14 @@ def test_ours_into_llama(bias, tie):
     x = ids(2, 12, seed=1)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x).logits, rtol=1e-5, atol=ATOL)
-    assert gpt_from_llama(hf).cfg == ours.cfg
+    assert gpt_from_hf_decoder(hf).cfg == dataclasses.replace(ours.cfg, family="llama")
 
 
 def test_llama_greedy_generation_with_the_cache_equals_token_for_token(hf_llama):
     """Our cache (rotated keys of the key/value heads only) against Hugging Face's, prompts
     left-padded to one length: Hugging Face counts positions from each row's first real token
     as we do."""
-    ours = gpt_from_llama(hf_llama).eval()
+    ours = gpt_from_hf_decoder(hf_llama).eval()
     prompts = ids(3, 7, seed=4)
     mask = torch.ones_like(prompts)
     mask[1, :3] = 0
@@ -306,15 +310,17 @@ def test_llama_greedy_generation_with_the_cache_equals_token_for_token(hf_llama)
 
 def test_llama_config_translation_refuses_other_conventions():
     with pytest.raises(ValueError, match="positions='rope'"):
-        hf_llama_config(ModelConfig(arch="gpt", vocab_size=V, norm="rmsnorm", activation="swiglu"))
+        hf_decoder_config(
+            ModelConfig(arch="gpt", vocab_size=V, norm="rmsnorm", activation="swiglu")
+        )
     with pytest.raises(ValueError, match="norm='rmsnorm'"):
-        hf_llama_config(
+        hf_decoder_config(
             ModelConfig(arch="gpt", vocab_size=V, positions="rope", activation="swiglu")
         )
     with pytest.raises(ValueError, match="hidden_act"):
-        config_from_hf_llama(transformers.LlamaConfig(vocab_size=V, hidden_act="gelu"))
+        config_from_hf_decoder(transformers.LlamaConfig(vocab_size=V, hidden_act="gelu"))
     with pytest.raises(ValueError, match="rope_type='linear'"):
-        config_from_hf_llama(
+        config_from_hf_decoder(
             transformers.LlamaConfig(
                 vocab_size=V,
                 rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
