@@ -239,7 +239,13 @@ def check_init_model(cfg: TrainConfig, data: DataInfo | None, report: Report) ->
     except UserError as err:
         report.problem_line(str(err))
         return
-    report.facts["init.model"] = f"{cfg.init.model}: its tokenizer gives the dataset's ids"
+    read = ""
+    if cfg.model.family:  # the decoder family the directory's config named
+        from model.hf_decoders import FAMILIES
+
+        family = FAMILIES[cfg.model.family]
+        read = f"a {family.name} model ({family.model_class}); "
+    report.facts["init.model"] = f"{cfg.init.model}: {read}its tokenizer gives the dataset's ids"
 
 
 def _local_tokenizer(cfg: TrainConfig, text_side: str) -> Path | None:

@@ -81,8 +81,18 @@ def test_a_good_config_passes_with_its_figures(data, tmp_path, capsys):
     assert f"epochs in max_steps:  {cfg.max_steps / 7:,.2f}" in out
 
 
-@pytest.mark.parametrize("config", ["llama_small.yaml", "llama_gpu_small.yaml"])
-def test_the_llama_configs_pass_with_their_figures(data, tmp_path, capsys, config):
+@pytest.mark.parametrize(
+    "config",
+    [
+        "llama_small.yaml",
+        "llama_gpu_small.yaml",
+        "qwen2_small.yaml",
+        "qwen3_small.yaml",
+        "mistral_small.yaml",
+        "olmo2_small.yaml",
+    ],
+)
+def test_the_decoder_family_configs_pass_with_their_figures(data, tmp_path, capsys, config):
     code, out, problems = dry_run(args(data, tmp_path, config=config), capsys)
     assert code == 0 and problems == [], out
     cfg = load_config(TrainConfig, ROOT / "configs" / config, args(data, tmp_path)[1:])
