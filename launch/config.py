@@ -121,10 +121,9 @@ class InitConfig:
 
     encoder: str = ""  # translation: exported BERT (or GPT) directory; "" = random
     decoder: str = ""  # translation: exported GPT (or BERT) directory; "" = random
-    # an export of ours, or a Hugging Face directory (GPT-2/Llama, BERT, BERT + GPT-2
-    # encoder-decoder), of the
-    # task's model; the model config is the directory's; step 0, fresh optimizer. "" = random (or
-    # encoder/decoder)
+    # an export of ours, or a Hugging Face directory (GPT-2, Llama, Qwen2.5, Qwen3, Mistral,
+    # OLMo 2, BERT, BERT + GPT-2 encoder-decoder) of the task's model; the model config is the
+    # directory's; step 0, fresh optimizer. "" = random (or encoder/decoder)
     model: str = ""
 
 
@@ -510,9 +509,8 @@ class ExportConfig:
     checkpoint: str = MISSING
     # the model directory written: model.safetensors, config.json, tokenizer.model, provenance.json
     out: str = MISSING
-    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, BERT or a BERT + GPT-2
-    # encoder-decoder),
-    # its fast tokenizer beside the weights
+    # ours | hf: Hugging Face's save_pretrained layout (GPT-2, Llama, Qwen2.5, Qwen3, Mistral,
+    # OLMo 2, BERT or a BERT + GPT-2 encoder-decoder), its fast tokenizer beside the weights
     format: str = "ours"
 
 

@@ -60,11 +60,15 @@ def training_flops(
         return 6 * matmul_params(cfg) * T + 12 * L * T * T * d_q
     S, T = seq_len, tgt_len
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
-    encoder = 6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * d
+    encoder = (
+        6 * enc.n_layers * _block_params(enc) * S + 12 * enc.n_layers * S * S * enc.attention_width
+    )
     # cross: q, out
-    per_target_token = dec.n_layers * (_block_params(dec) + 2 * d * d) + d * dec.vocab_size
+    per_target_token = (
+        dec.n_layers * (_block_params(dec) + 2 * d * dec.attention_width) + d * dec.vocab_size
+    )
     memory_kv = dec.n_layers * 2 * d * _kv_dim(dec) * S  # cross: k, v of the memory
-    attention = 12 * dec.n_layers * (T + S) * T * d
+    attention = 12 * dec.n_layers * (T + S) * T * dec.attention_width
     return encoder + 6 * per_target_token * T + 6 * memory_kv + attention
 
 

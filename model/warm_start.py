@@ -24,7 +24,7 @@ SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
 ARCHITECTURE_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm",
     "norm_position", "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id",
-    "eos_id", "mask_id",
+    "eos_id", "mask_id", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
 )  # fmt: skip
 # A stack's vocabulary: its size and special ids, the stack's own when the sides' tokenizers differ.
 VOCABULARY_FIELDS = ("vocab_size", "pad_id", "bos_id", "eos_id", "mask_id")
@@ -139,6 +139,7 @@ def seq2seq_config(
         n_decoder_layers=(decoder or base).n_layers,
         max_seq_len=max(c.max_seq_len for c in sources) if sources else base.max_seq_len,
         tie_embeddings=(decoder or base).tie_embeddings,
+        family="",  # a translation model is of no decoder family
         encoder=stack(encoder),
         decoder=stack(decoder),
     )

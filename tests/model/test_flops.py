@@ -123,11 +123,14 @@ def test_llama_shape_hand_count():
     )
 
 
+@pytest.mark.parametrize("head_dim", [0, 8])
 @pytest.mark.parametrize("arch", ["gpt", "bert", "seq2seq"])
-def test_formula_equals_torch_flop_counter_in_the_llama_shape(arch):
+def test_formula_equals_torch_flop_counter_in_the_llama_shape(arch, head_dim):
     """Rotary positions, RMSNorm, SwiGLU, 2 key/value heads of 4 (SDPA's math path counts the
-    grouped heads' attention as the full one), no biases, untied output layer."""
+    grouped heads' attention as the full one), no biases, untied output layer; with head_dim 8,
+    Qwen3's heads wider than d_model / n_heads (queries 32 wide against d_model 16)."""
     cfg = ModelConfig(
+        head_dim=head_dim,
         arch=arch,
         vocab_size=50,
         d_model=16,
