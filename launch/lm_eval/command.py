@@ -147,7 +147,9 @@ def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
         )
         raise UserError(f"format={fmt}: the export in {directory} is {what}")
     arch = config["model"].get("arch") if found == "ours" else config.get("model_type")
-    if arch not in ("gpt", "gpt2", "llama"):
+    from model.hf_decoders import FAMILIES
+
+    if arch not in ("gpt", "gpt2", *FAMILIES):
         raise UserError(
             f"{directory} holds a {arch} model; lm_eval scores a GPT (a causal language model)"
         )

@@ -291,3 +291,20 @@ def test_what_we_do_not_compute_is_refused_in_one_line(
     assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
     assert message in errors[0] and str(directory) in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_lm_eval_scores_a_family_export_through_transformers(continued, hf_layout_data, tmp_path):
+    """lm-eval's own HFLM over the OLMo 2 export (format=hf): a family lm-eval loads by itself."""
+    pytest.importorskip("lm_eval")
+    scores = tmp_path / "scores.json"
+    run = command(
+        "launch.lm_eval",
+        f"checkpoint={continued['olmo2']['hf']}",
+        f"data_dir={hf_layout_data['gpt2']}",
+        "limit=20",
+        f"out={scores}",
+        "wandb.mode=disabled",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads(scores.read_text())["metrics"]
+    assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
