@@ -150,8 +150,9 @@ def test_export_loads_with_auto_classes_and_gives_our_logits(kind, tokenizer, tm
     if kind == "translation":
         for stack in ("encoder", "decoder"):
             assert back.cfg.for_stack(stack) == ours.cfg.for_stack(stack)
-    else:
-        assert back.cfg == ours.cfg
+    else:  # a Llama directory read back names its family, which ours left to its options
+        assert back.cfg == dataclasses.replace(ours.cfg, family=back.cfg.family)
+        assert back.cfg.family == ("llama" if kind == "llama" else "")
     assert (logits(back, kind, ids, mask, decoder_ids) - expected)[real].abs().max().item() < ATOL
 
 
