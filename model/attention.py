@@ -305,6 +305,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, Dh)
 
+    def _normed_heads(self, x: Tensor, proj: nn.Linear, norm: str, n: int) -> Tensor:
+        """x projected into n heads (B, n, T, Dh), with the query/key norm `norm` ("q_norm",
+        "k_norm") over the whole projection or over each head, as `qk_norm` says."""
+        y = proj(x)  # (B, T, n * Dh)
+        if self.qk_norm == "projection":
+            y = getattr(self, norm)(y)
+        y = self._heads(y, n)
+        return getattr(self, norm)(y) if self.qk_norm == "head" else y
+
     def forward(
         self,
         x: Tensor,
@@ -318,19 +327,9 @@ class Attention(nn.Module):
         mask on CUDA); `rotary`: the (cos, sin) of the queries' positions (`Rotary`),
         self-attention only."""
         B, T, _ = x.shape
-        q = self.q_proj(x)  # (B, T, H * Dh)
-        if self.qk_norm == "projection":
-            q = self.q_norm(q)
-        q = self._heads(q, self.n_heads)  # (B, H, T, Dh)
-        if self.qk_norm == "head":
-            q = self.q_norm(q)
+        q = self._normed_heads(x, self.q_proj, "q_norm", self.n_heads)  # (B, H, T, Dh)
         if memory is None:
-            k = self.k_proj(x)  # (B, T, Hkv * Dh)
-            if self.qk_norm == "projection":
-                k = self.k_norm(k)
-            k = self._heads(k, self.n_kv_heads)  # (B, Hkv, T, Dh)
-            if self.qk_norm == "head":
-                k = self.k_norm(k)
+            k = self._normed_heads(x, self.k_proj, "k_norm", self.n_kv_heads)  # (B, Hkv, T, Dh)
             v = self._heads(self.v_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
             if rotary is not None:
                 q, k = rotate(q, *rotary), rotate(k, *rotary)  # the cache keeps keys rotated

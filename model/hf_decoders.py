@@ -237,8 +237,34 @@ def hf_decoder_config(cfg: ModelConfig):
     )
 
 
-def _layer_keys(family: Family) -> dict:
-    return {**DECODER_LAYER, **family.norms}
+def _key_pairs(n_layers: int, family: Family) -> list[tuple[str, str]]:
+    """(our key, theirs) of every weight and bias that converts as it is; the LM head and the
+    gated MLP's halves aside."""
+    pairs = [
+        ("embed.tok.weight", "model.embed_tokens.weight"),
+        ("norm.weight", "model.norm.weight"),
+    ]
+    for i in range(n_layers):
+        for ours, theirs in {**DECODER_LAYER, **family.norms}.items():
+            for kind in ("weight", "bias"):
+                pairs.append((f"blocks.{i}.{ours}.{kind}", f"model.layers.{i}.{theirs}.{kind}"))
+    return pairs
+
+
+def _gate_up(n_layers: int) -> list[tuple[str, str, str]]:
+    """(our mlp.fc key, their gate_proj key, their up_proj key): our fc is gate over up."""
+    triples = []
+    for i in range(n_layers):
+        theirs = f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            triples.append(
+                (
+                    f"blocks.{i}.mlp.fc.{kind}",
+                    f"{theirs}gate_proj.{kind}",
+                    f"{theirs}up_proj.{kind}",
+                )
+            )
+    return triples
 
 
 def gpt_state_dict_from_hf_decoder(
@@ -246,24 +272,13 @@ def gpt_state_dict_from_hf_decoder(
 ) -> StateDict:
     """A decoder family's state dict in our GPT's keys and layout. A weight of theirs that finds
     no place in ours is refused (ValueError naming it) rather than dropped."""
-    ours = {
-        "embed.tok.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
-    }
-    used = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    for i in range(n_layers):
-        theirs, mine = f"model.layers.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for our_name, hf_name in _layer_keys(family).items():
-                if f"{theirs}{hf_name}.{kind}" in hf:
-                    ours[f"{mine}{our_name}.{kind}"] = hf[f"{theirs}{hf_name}.{kind}"]
-                    used.add(f"{theirs}{hf_name}.{kind}")
-            if f"{theirs}mlp.gate_proj.{kind}" in hf:
-                gate, up = hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"]
-                # (2 d_ff, ...): the gate first
-                ours[f"{mine}mlp.fc.{kind}"] = torch.cat([gate, up])
-                used.update({f"{theirs}mlp.gate_proj.{kind}", f"{theirs}mlp.up_proj.{kind}"})
+    ours = {mine: hf[theirs] for mine, theirs in _key_pairs(n_layers, family) if theirs in hf}
+    ours["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    used = {theirs for _, theirs in _key_pairs(n_layers, family)} | {"lm_head.weight"}
+    for fc, gate, up in _gate_up(n_layers):
+        if gate in hf:
+            ours[fc] = torch.cat([hf[gate], hf[up]])  # (2 d_ff, ...)
+        used.update({gate, up})
     unplaced = sorted(set(hf) - used - {"model.rotary_emb.inv_freq"})
     if unplaced:
         raise ValueError(
@@ -277,20 +292,11 @@ def gpt_state_dict_to_hf_decoder(
     ours: Mapping[str, Tensor], n_layers: int, family: Family
 ) -> StateDict:
     """Our GPT's state dict in its family's keys and layout."""
-    hf = {
-        "model.embed_tokens.weight": ours["embed.tok.weight"],
-        "model.norm.weight": ours["norm.weight"],
-        "lm_head.weight": ours["lm_head.weight"],
-    }
-    for i in range(n_layers):
-        theirs, mine = f"model.layers.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for our_name, hf_name in _layer_keys(family).items():
-                if f"{mine}{our_name}.{kind}" in ours:
-                    hf[f"{theirs}{hf_name}.{kind}"] = ours[f"{mine}{our_name}.{kind}"]
-            if f"{mine}mlp.fc.{kind}" in ours:
-                gate, up = ours[f"{mine}mlp.fc.{kind}"].chunk(2)
-                hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"] = gate, up
+    hf = {theirs: ours[mine] for mine, theirs in _key_pairs(n_layers, family) if mine in ours}
+    hf["lm_head.weight"] = ours["lm_head.weight"]
+    for fc, gate, up in _gate_up(n_layers):
+        if fc in ours:
+            hf[gate], hf[up] = ours[fc].chunk(2)
     return {k: v.contiguous() for k, v in hf.items()}
 
 

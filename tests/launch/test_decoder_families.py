@@ -9,13 +9,8 @@ window (8) is shorter than the blocks (32) and than prompt plus continuation: wi
 transformers' own loss on that batch is another. A rope scaling we do
 not compute and a bias layout we do not know are refused in one line before anything is written."""
 
-import contextlib
-import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -24,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from repo import ROOT  # noqa: E402
+from continuing import export_here, first_batch, lm_eval_metrics, train_from  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,31 +32,7 @@ FAMILIES = {
     "olmo2": ("Olmo2", "gpt2", {}),
 }
 STEPS = 20
-RUN = [
-    "data.micro_batch_size=4",
-    "data.num_workers=0",
-    "schedule.warmup_steps=2",
-    "eval_every=0",
-    "eval_batches=0",
-    "wandb.mode=disabled",
-    "threads_per_rank=1",
-    "checkpoint.every_steps=0",
-    "log_every=1",
-    "model.dropout=0.0",
-]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def command(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def save_family(directory: Path, family: str, layout_dir: Path, **overrides) -> Path:
@@ -98,21 +69,6 @@ def family_dirs(hf_layouts, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def export_here(*argv: str) -> tuple[int, str]:
-    """`python -m launch.export ARGV` in this process, as its `__main__` runs it."""
-    from common.configure import run_main
-    from launch.export import main
-
-    stderr = io.StringIO()
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(stderr),
-        pytest.raises(SystemExit) as exited,
-    ):
-        run_main(lambda: main(list(argv)))
-    return exited.value.code, stderr.getvalue()
-
-
 @pytest.fixture(scope="module")
 def continued(family_dirs, hf_layout_data, tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{family: {"run": 20 steps from its directory, "ours"/"hf": that run exported}}."""
@@ -120,14 +76,12 @@ def continued(family_dirs, hf_layout_data, tmp_path_factory) -> dict[str, dict[s
     out = {}
     for family, directory in family_dirs.items():
         run_dir = top / family / "run"
-        run = command(
-            "launch.train",
-            str(ROOT / "configs" / "tiny_gpt.yaml"),
-            f"data.data_dir={hf_layout_data[FAMILIES[family][1]]}",
-            f"run_dir={run_dir}",
-            f"init.model={directory}",
+        run = train_from(
+            directory,
+            "tiny_gpt.yaml",
+            hf_layout_data[FAMILIES[family][1]],
+            run_dir,
             f"max_steps={STEPS}",
-            *RUN,
         )
         assert run.returncode == 0, run.stderr[-4000:]
         out[family] = {"run": run_dir}
@@ -140,17 +94,6 @@ def continued(family_dirs, hf_layout_data, tmp_path_factory) -> dict[str, dict[s
     return out
 
 
-def first_batch(run_dir: Path) -> dict:
-    from common.configure import load_config
-    from launch.config import TrainConfig
-    from launch.tasks import TASKS
-    from pipeline.load.loader import ShardLoader
-
-    cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    loader = ShardLoader.from_config(cfg.data, "causal_lm", "train", rank=0, world_size=1)
-    return TASKS["causal_lm"].model_inputs(next(iter(loader)))
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
@@ -159,7 +102,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step0_loss_is_transformers_loss_and_the_run_learns(family, family_dirs, continued):
     run_dir = continued[family]["run"]
-    inputs = first_batch(run_dir)
+    inputs = first_batch(run_dir, "causal_lm")
     model = transformers.AutoModelForCausalLM.from_pretrained(family_dirs[family]).eval()
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     with torch.no_grad():
@@ -244,14 +187,8 @@ def test_the_hf_export_gives_our_logits_and_greedy_continuations(family, continu
 
 
 def test_the_dry_run_names_the_family_it_read(family_dirs, hf_layout_data, tmp_path):
-    run = command(
-        "launch.train",
-        str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={hf_layout_data['gpt2']}",
-        f"run_dir={tmp_path / 'run'}",
-        f"init.model={family_dirs['qwen3']}",
-        *RUN,
-        "--dry-run",
+    run = train_from(
+        family_dirs["qwen3"], "tiny_gpt.yaml", hf_layout_data["gpt2"], tmp_path / "run", "--dry-run"
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "a Qwen3 model (Qwen3ForCausalLM); its tokenizer gives the dataset's ids" in run.stdout
@@ -278,14 +215,8 @@ def test_what_we_do_not_compute_is_refused_in_one_line(
 ):
     layout = FAMILIES[family][1]
     directory = save_family(tmp_path / family, family, hf_layouts[layout], **overrides)
-    run = command(
-        "launch.train",
-        str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={hf_layout_data[layout]}",
-        f"run_dir={tmp_path / 'run'}",
-        f"init.model={directory}",
-        "max_steps=1",
-        *RUN,
+    run = train_from(
+        directory, "tiny_gpt.yaml", hf_layout_data[layout], tmp_path / "run", "max_steps=1"
     )
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
@@ -296,15 +227,7 @@ def test_what_we_do_not_compute_is_refused_in_one_line(
 def test_lm_eval_scores_a_family_export_through_transformers(continued, hf_layout_data, tmp_path):
     """lm-eval's own HFLM over the OLMo 2 export (format=hf): a family lm-eval loads by itself."""
     pytest.importorskip("lm_eval")
-    scores = tmp_path / "scores.json"
-    run = command(
-        "launch.lm_eval",
-        f"checkpoint={continued['olmo2']['hf']}",
-        f"data_dir={hf_layout_data['gpt2']}",
-        "limit=20",
-        f"out={scores}",
-        "wandb.mode=disabled",
+    metrics = lm_eval_metrics(
+        continued["olmo2"]["hf"], hf_layout_data["gpt2"], tmp_path / "scores.json"
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    metrics = json.loads(scores.read_text())["metrics"]
     assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1

@@ -6,9 +6,6 @@ carries the same tokenizer files (AutoTokenizer gives the same ids) and the trai
 lm-eval's own command scores the causal ones; a model of another tokenizer is refused in one line."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,36 +13,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from repo import ROOT  # noqa: E402
+from continuing import export_here, first_batch, lm_eval_metrics, train_from  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 TASK = {"gpt2": "causal_lm", "llama": "causal_lm", "bert": "mlm"}
 CONFIG = {"causal_lm": "tiny_gpt.yaml", "mlm": "tiny_bert.yaml"}
-RUN = [
-    "data.micro_batch_size=4",
-    "data.num_workers=0",
-    "schedule.warmup_steps=2",
-    "eval_every=0",
-    "eval_batches=0",
-    "wandb.mode=disabled",
-    "threads_per_rank=1",
-    "checkpoint.every_steps=0",
-    "log_every=1",
-    "model.dropout=0.0",
-]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-
-
-def command(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -57,38 +30,11 @@ def continued(hf_layouts, hf_layout_data, tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for layout, directory in hf_layouts.items():
         runs[layout] = top / layout
-        run = command(
-            "launch.train",
-            str(ROOT / "configs" / CONFIG[TASK[layout]]),
-            f"data.data_dir={hf_layout_data[layout]}",
-            f"run_dir={runs[layout]}",
-            f"init.model={directory}",
-            "max_steps=3",
-            *RUN,
+        run = train_from(
+            directory, CONFIG[TASK[layout]], hf_layout_data[layout], runs[layout], "max_steps=3"
         )
         assert run.returncode == 0, run.stderr[-4000:]
     return runs
-
-
-def export_here(*argv: str) -> tuple[int, str]:
-    """`python -m launch.export ARGV` run in this process, as its `__main__` runs it (`run_main`):
-    the exit status and stderr, without a Python, torch and transformers start per export (6.5 s
-    of the 6.7 s an export took in its own process on the 2-core EPYC). The `-m` wiring itself is
-    test_cli's."""
-    import contextlib
-    import io
-
-    from common.configure import run_main
-    from launch.export import main
-
-    stderr = io.StringIO()
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(stderr),
-        pytest.raises(SystemExit) as exited,
-    ):
-        run_main(lambda: main(list(argv)))
-    return exited.value.code, stderr.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +49,6 @@ def exported(continued, tmp_path_factory) -> dict[str, dict[str, Path]]:
             code, stderr = export_here(f"checkpoint={run_dir}", f"out={directory}", f"format={fmt}")
             assert code == 0, stderr[-3000:]
     return out
-
-
-def first_batch(run_dir: Path, task: str) -> dict:
-    from common.configure import load_config
-    from launch.config import TrainConfig
-    from launch.tasks import TASKS
-    from pipeline.load.loader import ShardLoader
-
-    cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    loader = ShardLoader.from_config(cfg.data, task, "train", rank=0, world_size=1)
-    return TASKS[task].model_inputs(next(iter(loader)))
 
 
 def first_loss(run_dir: Path) -> float:
@@ -171,30 +106,15 @@ def test_the_export_carries_the_tokenizer_and_the_trained_model(layout, hf_layou
 def test_lm_eval_scores_the_continued_model(layout, exported, hf_layout_data, tmp_path):
     pytest.importorskip("lm_eval")
     export = exported[layout]["ours"]
-    scores = tmp_path / "scores.json"
-    run = command(
-        "launch.lm_eval",
-        f"checkpoint={export}",
-        f"data_dir={hf_layout_data[layout]}",
-        "limit=20",
-        f"out={scores}",
-        "wandb.mode=disabled",
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    metrics = json.loads(scores.read_text())["metrics"]
+    metrics = lm_eval_metrics(export, hf_layout_data[layout], tmp_path / "scores.json")
     assert metrics["lm_eval/cloze/perplexity"] > 1 and 0 <= metrics["lm_eval/choice/acc"] <= 1
 
 
 def test_a_model_of_another_tokenizer_is_refused_in_one_line(hf_layouts, hf_layout_data, tmp_path):
-    run = command(
-        "launch.train",
-        str(ROOT / "configs" / "tiny_gpt.yaml"),
-        f"data.data_dir={hf_layout_data['gpt2']}",
-        f"run_dir={tmp_path / 'run'}",
-        f"init.model={hf_layouts['llama']}",
+    run = train_from(
+        hf_layouts["llama"], "tiny_gpt.yaml", hf_layout_data["gpt2"], tmp_path / "run",
         "max_steps=1",
-        *RUN,
-    )
+    )  # fmt: skip
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
     # GPT-2's and Llama's vocabularies differ in size: that is found first, before any weight loads
