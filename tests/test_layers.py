@@ -16,6 +16,8 @@ _x`): what other modules use is public.
 In tests/, no file imports a test module (`test_*`) or conftest (pytest loads it as a plugin; a
 module import would be a second copy): what test files share is in conftest's fixtures and in
 helper modules that are not test files (tests/repo.py, tests/trainruns.py, ...).
+
+`launch.checkpoint` (the checkpoint's record, its save and restore) never imports `launch.train`.
 """
 
 import ast
@@ -144,6 +146,20 @@ def test_no_import_cycle():
 
 def test_no_layer_imports_a_higher_one():
     assert upward_imports(import_graph()) == []
+
+
+def test_the_checkpoint_package_never_imports_the_trainer():
+    """launch/checkpoint/ owns the record and its save and restore; the trainer builds the record
+    (`launch.train.state.checkpoint_state`) and applies what is restored, never the reverse."""
+    graph = import_graph()
+    found = [
+        f"{name} imports {target}"
+        for name, targets in sorted(graph.items())
+        if name == "launch.checkpoint" or name.startswith("launch.checkpoint.")
+        for target in sorted(targets)
+        if target == "launch.train" or target.startswith("launch.train.")
+    ]
+    assert not found, found
 
 
 def test_the_data_rooms_meet_only_at_the_shared_modules():

@@ -6,14 +6,18 @@ save fits, when a run saves and the save itself.
     integrity.py  integrity.json: written at a save, verified at a resume (the newest intact
                   checkpoint) and by every reader; checkpoints older than it
     space.py      what a save needs, and the one line for a save its file system cannot hold
+    state.py      `CheckpointState`: the record beside the tensors, typed and versioned, in its
+                  two on-disk forms; the random streams it keeps
     save.py       when a run saves (`Checkpointer`) and the save, on every rank
+    restore.py    the engine's load and the record read back (`load_state`)
 
-Callers use the names below (`from launch import checkpoint as ckpt`), and `space` and `save` by
-their modules: `save` runs with the engine and the process group, so that importing this package
-(export, the dry run, the DeepSpeed glue) loads neither DeepSpeed nor torch.distributed
-(tests/launch/test_checkpoint_integrity.py). The two DeepSpeed calls of a checkpoint stay in its
-glue, the only importer of deepspeed: the engine's write (`launch.deepspeed.engine.Engine.save`)
-and the conversion to another world size (`launch.deepspeed.universal`).
+Callers use the names below (`from launch import checkpoint as ckpt`), and `space`, `state`, `save`
+and `restore` by their modules: `save` and `restore` run with the engine and the process group, so
+that importing this package (export, the dry run, the DeepSpeed glue) loads neither DeepSpeed nor
+torch.distributed (tests/launch/test_checkpoint_integrity.py). The two DeepSpeed calls of a
+checkpoint stay in its glue, the only importer of deepspeed: the engine's write
+(`launch.deepspeed.engine.Engine.save`) and the conversion to another world size
+(`launch.deepspeed.universal`).
 """
 
 from launch.checkpoint.integrity import (

@@ -40,7 +40,7 @@ from launch.train.guard import (
 )
 from launch.train.profiler import StepProfiler
 from launch.train.setup import run_dir_storage, setup
-from launch.train.state import Run, data_counters
+from launch.train.state import Run, data_counters, make_checkpointer
 from launch.train.step_result import StepResult
 from launch.train.window import ThroughputWindow
 from model import attention_kernels, llmc_flops_per_token
@@ -149,7 +149,7 @@ def fit(run: Run) -> dict:
     )
     last_eval: dict = {}
     start, stop_at = run.step, min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
-    checkpointer = Checkpointer(cfg.checkpoint.every_steps, stop_at, last_saved=run.step)
+    checkpointer = make_checkpointer(run, stop_at)
     profiler = StepProfiler(run)
     while run.step < stop_at:
         profiler.before_step()
@@ -172,9 +172,9 @@ def fit(run: Run) -> dict:
         if stopped or (result.stop and run.step < stop_at):
             profiler.close()
             return stop_for_requeue(run, checkpointer, last_eval)
-        checkpointer.maybe_save(run)
+        checkpointer.maybe_save(run.step)
     profiler.close()  # the run ended inside the profiled steps: what was profiled
-    checkpointer.ensure_final(run)
+    checkpointer.ensure_final(run.step)
     return {
         "step": run.step,
         "tokens_seen": run.tokens_seen,
@@ -207,7 +207,7 @@ def _after_step(
     window.add(result, time.perf_counter() - step_start, grad_norm)
     metrics, verdict = guard_step(run, result)
     if verdict:
-        checkpointer.save(run)
+        checkpointer.save()
         raise UserError(verdict)
     if cfg.data.log_sample_keys:
         _log_sample_keys(run, result)
@@ -259,7 +259,7 @@ def stop_for_requeue(run: Run, checkpointer: Checkpointer, last_eval: dict) -> d
     or none was trained), RUN_DIR/preempted.json left for the batch script, one line. A stop
     that a write past the file size limit asked for (on any rank) ends the job checkpointed, in
     one error line instead, without preempted.json: a requeued job would meet the same limit."""
-    if checkpointer.save_unless_saved(run):
+    if checkpointer.save_unless_saved(run.step):
         done = f"checkpoint at step {run.step} saved"
     else:
         done = (

@@ -1,6 +1,7 @@
 """Resuming a training run: which checkpoint a job resumes from (refused in one line when it
-does not fit the job), restoring it; the RNG state, and the metrics rows a resumed job logs
-again. Saving one: `launch.checkpoint.save`."""
+does not fit the job), and what the trainer makes of the record `launch.checkpoint.restore`
+reads back (its settings' changes, the loader, the random streams); the metrics rows a resumed
+job logs again. Saving one: `launch.checkpoint.save`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from common.atomic import atomic_write
 from common.configure import UserError, config_to_dict, show
 from launch import checkpoint as ckpt
 from launch import distributed as dist
+from launch.checkpoint.restore import load_state
+from launch.checkpoint.state import set_rng_state
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
 from launch.tracking import read_metrics_rows
@@ -143,34 +146,28 @@ def restore(
     at the restored step; a change that cannot apply is refused in one line."""
     root, tag = resume_from
     hyper = engine.hyperparameters()  # as `cfg` built the optimizer: the load replaces them
-    client = engine.load(root, tag)
+    saved = load_state(engine, root, tag)
     target = data.target.sha256 if data.target is not None else None
-    if (
-        client.get("tokenizer_sha256") != data.tokenizer_sha256
-        or client.get("target_tokenizer_sha256") != target
-    ):
+    if saved.tokenizer_sha256 != data.tokenizer_sha256 or saved.target_tokenizer_sha256 != target:
         raise UserError(_another_tokenizer(root / tag))
-    saved_cfg = client.get("config")
-    if problem := changes.refusal(root / tag, saved_cfg, cfg):  # a checkpoint older than its
+    if problem := changes.refusal(root / tag, saved.config, cfg):  # a checkpoint older than its
         raise UserError(problem)  # client_state.json's config: refused after the load
-    data.train.load_state_dict(client["loader"], saved_data=_saved_data(saved_cfg, cfg))
+    data.train.load_state_dict(saved.loader, saved_data=_saved_data(saved.config, cfg))
     rates = engine.set_hyperparameters(hyper, cfg.optim.lr)
-    saved_world = len(client["rng"])
+    saved_world = len(saved.rng)
     if saved_world == denv.world_size:
-        _set_rng_state(client["rng"][denv.rank])
+        set_rng_state(saved.rng[denv.rank])
     else:  # no rank's random streams carry over to another world size: new ones, from the step
-        fresh_start(
-            int(client["step"]) * 1_000_003 + int(client.get("config", {}).get("seed", 0)), denv
-        )
+        fresh_start(saved.step * 1_000_003 + int((saved.config or {}).get("seed", 0)), denv)
     if denv.is_main:
-        step = int(client["step"])
+        step = saved.step
         change = (
             f" (written by {saved_world} ranks, resumed on {denv.world_size})"
             if saved_world != denv.world_size
             else ""
         )
         print(f"resumed from {root / tag} at step {step}{change}", file=sys.stderr)
-        for line in changes.applied_lines(saved_cfg, cfg, step):
+        for line in changes.applied_lines(saved.config, cfg, step):
             print(line, file=sys.stderr)
         if rates[0] != rates[1]:
             print(
@@ -186,11 +183,7 @@ def restore(
                 file=sys.stderr,
             )
     return Progress(
-        client["step"],
-        client["tokens_seen"],
-        client.get("wandb_run_id"),
-        client.get("guard", {}),
-        client.get("tokens_by_source", {}),
+        saved.step, saved.tokens_seen, saved.wandb_run_id, saved.guard, saved.tokens_by_source
     )
 
 
@@ -207,26 +200,6 @@ def fresh_start(seed: int, denv: dist.DistEnv) -> Progress:
     np.random.seed(seed + denv.rank)
     random.seed(seed + denv.rank)
     return Progress()
-
-
-def rng_state() -> dict:
-    """This rank's random streams, as a checkpoint records them (`restore` sets them back)."""
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.configure import config_to_dict
 from launch import distributed as dist
+from launch.checkpoint.save import Checkpointer, SaveTarget
+from launch.checkpoint.state import CheckpointState, rng_state
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.engine import Engine
 from launch.preconditions import TargetSide
@@ -100,3 +103,47 @@ def tokens_by_source(run: Run) -> dict[str, int]:
         name: int(run.tokens_by_source_before.get(name, 0) + total)
         for name, total in zip(names, totals)
     }
+
+
+def checkpoint_state(run: Run) -> CheckpointState:
+    """The run's record at the step it reached, for a checkpoint (a collective: every rank's
+    random streams, the tokens read per source)."""
+    return CheckpointState(
+        step=run.step,
+        tokens_seen=run.tokens_seen,
+        loader=run.data.train.state_dict(),
+        rng=dist.all_gather_object(rng_state()),
+        config=config_to_dict(run.cfg),
+        tokenizer_sha256=run.data.tokenizer_sha256,
+        wandb_run_id=run.run_id,
+        world_size=run.denv.world_size,
+        global_batch_size=run.plan.global_batch_size,
+        micro_batch_size=run.plan.micro_batch_size,
+        grad_accum=run.plan.grad_accum,
+        guard=run.guard.state_dict(),
+        tokens_by_source=tokens_by_source(run),
+        dataset=dataset_record(run),
+        target_tokenizer_sha256=run.data.target.sha256 if run.data.target is not None else None,
+    )
+
+
+def make_checkpointer(run: Run, stop_at: int) -> Checkpointer:
+    """The run's Checkpointer: its engine, run directory and sizes, its record
+    (`checkpoint_state`) and the tracker's hook; `stop_at`: the job's last step."""
+    target = SaveTarget(
+        run.cfg.run_dir,
+        run.cfg.checkpoint.keep_last,
+        run.n_parameters,
+        run.cfg.deepspeed.zero_stage,
+        run.cfg.deepspeed.precision,
+    )
+    return Checkpointer(
+        run.engine,
+        target,
+        run.denv,
+        lambda: checkpoint_state(run),
+        run.tracker.checkpointed,
+        every_steps=run.cfg.checkpoint.every_steps,
+        stop_at=stop_at,
+        last_saved=run.step,
+    )

@@ -48,12 +48,9 @@ def make(out: Path) -> None:
     checkpoints/step_1 and step_2 with client_state.json, the pointer on step_2) but without
     integrity.json, which the tests add as the trainer would; reference_step_2.pt: the module's
     weights at step 2."""
-    import random
-
-    import numpy as np
-
     from common.configure import config_to_dict, save_config
     from launch import distributed
+    from launch.checkpoint.state import CheckpointState, rng_state
     from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
     from launch.deepspeed.config import deepspeed_config
     from launch.deepspeed.engine import Engine
@@ -100,30 +97,22 @@ def make(out: Path) -> None:
             output = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
             engine.backward(output.loss)
             engine.step()
-            rng = {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            }
-            client = {
-                "step": step,
-                "tokens_seen": 32 * step,
-                "loader": {"version": 3, "epoch": 0, "samples_consumed": 2 * step},
-                "rng": [rng],
-                "config": config_to_dict(cfg),
-                "tokenizer_sha256": file_sha256(run_dir / "tokenizer.model"),
-                "wandb_run_id": "abc",
-                "world_size": 1,
-                "global_batch_size": 2,
-                "micro_batch_size": 2,
-                "grad_accum": 1,
-            }
-            engine.save(root, tag, client)  # as launch.checkpoint.save's save_checkpoint
-            info = {
-                key: client[key]
-                for key in ("step", "tokens_seen", "tokenizer_sha256", "world_size")
-            }
-            (root / tag / "client_state.json").write_text(json.dumps(info) + "\n")
+            state = CheckpointState(
+                step=step,
+                tokens_seen=32 * step,
+                loader={"version": 3, "epoch": 0, "samples_consumed": 2 * step},
+                rng=[rng_state()],
+                config=config_to_dict(cfg),
+                tokenizer_sha256=file_sha256(run_dir / "tokenizer.model"),
+                wandb_run_id="abc",
+                world_size=1,
+                global_batch_size=2,
+                micro_batch_size=2,
+                grad_accum=1,
+            )
+            # as launch.checkpoint.save's save_checkpoint, but integrity.json (the tests add it)
+            engine.save(root, tag, state.client_state())
+            (root / tag / "client_state.json").write_text(json.dumps(state.listing()) + "\n")
             ckpt.move_pointer(root, tag)
         weights = {
             name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()
