@@ -156,9 +156,7 @@ def save_checkpoint(
         return files_on_disk(tag_dir)
 
     # One listing, rank 0's, so that every rank computes the same shares.
-    share = hashing_shares(part(listed, "writing", main_only=True)[0], denv.world_size)[
-        denv.rank
-    ]
+    share = hashing_shares(part(listed, "writing", main_only=True)[0], denv.world_size)[denv.rank]
     hashed = part(lambda: hash_files(tag_dir, share), "hashing")
 
     def recorded() -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 from common.configure import UserError, load_config
 from launch.config import MainConfig, TrainConfig
 from launch.main import plan as job
-from launch.metrics import resolve_precision
 from launch.preflight.checks import check_source_fits, preflight
 from launch.preflight.report import PlannedData, Report, render
+from launch.run_config import training_config
 from model.config import STACKS
 from pipeline.format import MANIFEST
 from pipeline.prepare.config import PrepareConfig
@@ -152,7 +152,8 @@ def stage_report(
     on `nproc` ranks."""
     print(f"== {stage}: python -m launch.train {config} {' '.join(overrides)} ({cfg.nproc} ranks)")
     try:
-        train_cfg = resolve_precision(load_config(TrainConfig, config, overrides))
+        # the trainer's own route: init.model among the overrides gives the directory's model
+        train_cfg = training_config(load_config(TrainConfig, config, overrides), overrides)
     except UserError as err:
         report = Report()
         report.problem_line(str(err))

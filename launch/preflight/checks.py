@@ -28,7 +28,6 @@ from launch.deepspeed.config import deepspeed_config
 from launch.export import CONFIG as EXPORT_CONFIG
 from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.init_model import is_hf_dir
-from launch.metrics import resolve_precision
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
 from launch.preflight.report import DataInfo, PlannedData, Report, render
@@ -57,11 +56,11 @@ def main_dry_run(argv: list[str]) -> int:
     """`launch.train`'s `--dry-run`: argv is its command line without that flag
     (CONFIG.yaml [key.sub=value ...], plus this module's own flags anywhere). Prints the report;
     returns 2 if it found a problem, else 0."""
-    from launch import init_model
+    from launch.run_config import training_config
 
     options, rest = _split_flags(strip_launcher_args(argv))
     # As the run resolves it: init.model's directory gives the model config (a misfit: one line).
-    cfg = resolve_precision(init_model.resolve(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:]))
+    cfg = training_config(parse_cli(TrainConfig, rest, usage=USAGE), rest[1:])
     report = preflight(
         cfg, world_size=options["world_size"], ranks_per_node=options["ranks_per_node"]
     )

@@ -25,7 +25,7 @@ from launch import distributed as dist
 from launch import stop
 from launch.checkpoint.save import Checkpointer
 from launch.config import TrainConfig
-from launch.metrics import memory_mb, resolve_precision
+from launch.metrics import memory_mb
 from launch.preconditions import check_writable_dir
 from launch.preflight import checks as preflight
 from launch.stop import StopRequested, stoppable
@@ -58,12 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:  # report the run and every problem; start nothing
         return preflight.main_dry_run([arg for arg in argv if arg != "--dry-run"])
-    from launch import init_model
+    from launch.run_config import training_config
 
-    # init.model=DIR: the model config is the directory's (command-line model.* overrides checked
-    # against it).
-    cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
-    train(resolve_precision(cfg))
+    train(training_config(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:]))
     return 0
 
 

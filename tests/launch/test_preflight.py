@@ -732,6 +732,51 @@ def test_every_main_config_passes_the_chain_dry_run(composed_data, tmp_path, cap
             assert f"init.{side} <- {name}:" in out and f"fits the {side}" in out, out
 
 
+def test_the_chain_dry_run_takes_a_stages_init_model_as_its_training_would(
+    composed_data, tmp_path, capsys
+):
+    """A pretraining stage continued from a directory (`gpt_overrides=[init.model=DIR]`) is
+    checked with the directory's model, as `launch.train` builds it: here an export of ours
+    narrower than tiny_gpt.yaml, which the translation decoder it warm-starts no longer fits."""
+    from common.configure import config_to_dict
+    from common.hashing import file_sha256
+    from model import ModelConfig
+    from pipeline.tokenizer import tokenizer_file_in
+
+    export = tmp_path / "export"
+    export.mkdir()
+    narrow = ModelConfig(
+        arch="gpt", vocab_size=VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4, max_seq_len=128
+    )
+    (export / "config.json").write_text(
+        json.dumps(
+            {
+                "model": config_to_dict(narrow),
+                "tokenizer_sha256": file_sha256(tokenizer_file_in(composed_data)),
+            }
+        )
+    )
+    code, out = main_dry_run_of(
+        [
+            str(ROOT / "configs" / "main.yaml"),
+            f"data_dir={composed_data}",
+            f"out_dir={tmp_path / 'out'}",
+            "wandb_mode=disabled",
+            "gpt_config=configs/tiny_gpt.yaml",
+            "bert_config=configs/tiny_bert.yaml",
+            "translation_config=configs/tiny_translation.yaml",
+            f"gpt_overrides=[init.model={export}]",
+        ],
+        capsys,
+    )
+    assert code == 2, out
+    parameters = sum(p.numel() for p in build_model(narrow).parameters())
+    pretrain_gpt = out[out.index("== pretrain gpt") : out.index("== fine-tune")]
+    assert f"parameters:           {parameters:,}" in pretrain_gpt, pretrain_gpt
+    assert "decoder has d_model=64" in out and "d_model=32" in out, out
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_mismatched_warm_start_pair_is_reported_with_its_key_and_every_other_problem(
     composed_data, tmp_path, capsys
 ):
