@@ -157,7 +157,7 @@ def blocks(data: Path) -> np.ndarray:
 def loss_on(export: Path, ids: np.ndarray) -> float:
     import torch
 
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
     from launch.tasks import TASKS
 
     torch.set_num_threads(2)

@@ -1,6 +1,6 @@
 """One line for a weights file that would not load (a truncated safetensors file, a torch pickle
 the weights-only unpickler refuses), for every reader of weights: `launch.deepspeed.safe_load`
-for checkpoints, `launch.export.load_model_dir` and `model.hf_dir.load_hf_dir` for exported
+for checkpoints, `launch.model_dir.load_model_dir` and `model.hf_dir.load_hf_dir` for exported
 directories. torch's own refusal is 48 lines that end by suggesting `weights_only=False`."""
 
 from __future__ import annotations

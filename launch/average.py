@@ -1,14 +1,14 @@
 """`python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR`: the mean of a
 run's last N checkpoints.
 
-Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1: the base
-model averages the last 5 checkpoints, the big one the last 20). The run's last N complete
-checkpoints (oldest first, none newer than the one the `latest` pointer names: a save that
-never finished is not a checkpoint) are each turned into plain fp32 weights by the function
-export uses (`launch.deepspeed.safe_load.consolidated_state_dict`: verified, weights-only, any ZeRO
-stage), averaged elementwise (`average_state_dicts`), and written by `launch.export.save_model_dir`:
-`out` is an exported model directory like any other, which `launch.evaluate`, `launch.translate` and
-warm starts read unchanged. Exports store fp32, so the mean is stored as computed.
+Checkpoint averaging as in "Attention Is All You Need" (Vaswani et al. 2017, 6.1: the base model
+averages the last 5 checkpoints, the big one the last 20). The run's last N complete checkpoints
+(oldest first, none newer than the one the `latest` pointer names: a save that never finished is
+not a checkpoint) are each turned into plain fp32 weights by the function export uses
+(`launch.deepspeed.safe_load.consolidated_state_dict`: verified, weights-only, any ZeRO stage),
+averaged elementwise (`average_state_dicts`), and written by `launch.model_dir.save_model_dir`:
+`out` is an exported model directory like any other, which `launch.evaluate`, `launch.translate`
+and warm starts read unchanged. Exports store fp32, so the mean is stored as computed.
 
 A command of its own rather than an option of `launch.export`: export takes one checkpoint
 (a run, a checkpoints/ or a step_* directory), averaging takes a run and a count, and the
@@ -38,10 +38,9 @@ from launch.export import (
     claiming,
     interrupt_on_signals,
     provenance,
-    read_json,
     read_run_checkpoint,
-    save_model_dir,
 )
+from launch.model_dir import read_json, save_model_dir
 
 USAGE = """usage: python -m launch.average [CONFIG.yaml] checkpoint=RUN last=N out=DIR
 

@@ -24,14 +24,8 @@ import torch
 from common.configure import UserError, load_config
 from common.hashing import file_sha256
 from launch.config import TrainConfig
-from launch.export import (
-    CONFIG,
-    WEIGHTS,
-    load_model_dir,
-    read_model_config,
-    read_run_checkpoint,
-    target_tokenizer_in,
-)
+from launch.export import read_run_checkpoint, target_tokenizer_in
+from launch.model_dir import CONFIG, WEIGHTS, load_model_dir, read_model_config
 from model import ModelConfig, Seq2Seq, build_model
 from pipeline.tokenizer import Specials, load_tokenizer, tokenizer_file_in
 

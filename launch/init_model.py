@@ -27,7 +27,7 @@ import torch
 from common.configure import UserError, show
 from common.hashing import file_sha256
 from launch.config import TrainConfig
-from launch.export import CONFIG, load_model_dir, read_json, read_model_config
+from launch.model_dir import CONFIG, load_model_dir, read_json, read_model_config
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.config import TRAINING_ONLY_FIELDS

@@ -131,7 +131,7 @@ def export_format(directory: Path, fmt: str) -> tuple[str, dict]:
     not the directory's."""
     if fmt not in FORMATS:
         raise UserError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
-    from launch.export import CONFIG, PROVENANCE, read_json
+    from launch.model_dir import CONFIG, PROVENANCE, read_json
     from pipeline.tokenizer import tokenizer_file_in
 
     config_file = directory / CONFIG

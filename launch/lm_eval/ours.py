@@ -57,7 +57,7 @@ class OurLM(TemplateLM):
     @classmethod
     def from_export(cls, directory: str | Path, **kwargs) -> "OurLM":
         """The GPT of an exported directory with the tokenizer beside it."""
-        from launch.export import load_model_dir
+        from launch.model_dir import load_model_dir
 
         model, _ = load_model_dir(directory)
         return cls(model, directory, **kwargs)

@@ -25,9 +25,9 @@ from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.config import deepspeed_config
-from launch.export import CONFIG as EXPORT_CONFIG
-from launch.export import WEIGHTS as EXPORT_WEIGHTS
 from launch.init_model import is_hf_dir
+from launch.model_dir import CONFIG as EXPORT_CONFIG
+from launch.model_dir import WEIGHTS as EXPORT_WEIGHTS
 from launch.preflight.data import check_data, planned_data
 from launch.preflight.figures import batch_figures, model_figures
 from launch.preflight.report import DataInfo, PlannedData, Report, render

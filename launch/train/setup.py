@@ -332,7 +332,7 @@ def _pretrained_side(cfg: TrainConfig, data: Data, fetch, side: str, directory: 
     """One stack's source: an export of ours, or a Hugging Face directory whose tokenizer gives
     the ids of its side's tokenizer in the dataset (its special ids become that tokenizer's)."""
     from launch import init_model
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
     from launch.preconditions import model_ids
 
     key, text_side = f"init.{side}", ("source" if side == "encoder" else "target")

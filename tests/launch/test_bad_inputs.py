@@ -105,7 +105,7 @@ def broken_models(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
     """Exports over the tiny dataset's tokenizer whose weights do not load: ours (a GPT and a
     translation model) with model.safetensors cut in half, and a GPT-2 in Hugging Face's layout
     whose only weights are a pytorch_model.bin holding a planted payload."""
-    from launch.export import save_hf_dir, save_model_dir
+    from launch.model_dir import save_hf_dir, save_model_dir
 
     top = tmp_path_factory.mktemp("broken-models")
     tokenizer = tiny_dataset / SENTENCEPIECE_FILE
@@ -178,7 +178,7 @@ def test_weights_that_do_not_load_are_one_line(broken_models, tiny_dataset, tmp_
 
 def translation_model_dir(directory: Path, tokenizer: Path) -> ModelConfig:
     """An exported translation model over shardtools' vocabulary, trained on nothing."""
-    from launch.export import save_model_dir
+    from launch.model_dir import save_model_dir
 
     cfg = ModelConfig(
         arch="seq2seq", vocab_size=VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2, max_seq_len=16

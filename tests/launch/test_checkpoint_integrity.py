@@ -434,7 +434,7 @@ def test_export_of_a_partial_checkpoint_directory_is_one_line_and_exit_2(made, t
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_export_reads_the_engine_weights(made, tmp_path, stage):
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
 
     run_dir = run_copy(made, stage, tmp_path)
     result = run_export(run_dir, tmp_path / "out")
@@ -522,12 +522,12 @@ def test_the_weights_only_load_itself_refuses_a_payload(
 
 
 def test_exported_directories_are_read_without_unpickling(tmp_path, monkeypatch):
-    """evaluate and translate (launch.decoding) and warm start (launch.export.load_model_dir) read
+    """evaluate and translate (launch.decoding) and warm start (launch.model_dir.load_model_dir) read
     model.safetensors and config.json only."""
     import pickle
 
     from launch import decoding
-    from launch.export import load_model_dir, save_model_dir
+    from launch.model_dir import load_model_dir, save_model_dir
     from model import ModelConfig, build_model
 
     tokenizer = tmp_path / "tokenizer.model"

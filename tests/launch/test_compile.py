@@ -215,7 +215,7 @@ def test_compiled_zero3_training_matches_eager_and_its_checkpoint_resumes_and_ex
     # The compiled run's checkpoint exports with the eager run's keys and (nearly) its weights.
     from safetensors.torch import load_file
 
-    from launch.export import WEIGHTS, load_model_dir
+    from launch.model_dir import WEIGHTS, load_model_dir
 
     exported = {}
     for name, run_dir in (("eager", eager), ("compiled", compiled)):

@@ -157,7 +157,7 @@ PROMPTS = [
 def test_the_hf_export_gives_our_logits_and_greedy_continuations(family, continued):
     """transformers alone on the export (AutoTokenizer, AutoModelForCausalLM, `generate`)
     against our own export of the same run, loaded by us."""
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
 
     out = continued[family]["hf"]
     assert json.loads((out / "config.json").read_text())["model_type"] == family

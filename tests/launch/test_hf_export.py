@@ -20,7 +20,7 @@ from repo import ROOT  # noqa: E402
 from common.configure import save_config  # noqa: E402
 from common.hashing import file_sha256  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
-from launch.export import PROVENANCE, save_hf_dir  # noqa: E402
+from launch.model_dir import PROVENANCE, save_hf_dir  # noqa: E402
 from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
@@ -272,7 +272,7 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
     from common.configure import UserError
     from launch import init_model
     from launch.config import InitConfig
-    from launch.export import save_model_dir
+    from launch.model_dir import save_model_dir
 
     out = tmp_path / fmt
     ours = made("translation", load_tokenizer(tokenizer).vocab_size)

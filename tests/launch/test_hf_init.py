@@ -128,7 +128,7 @@ def test_both_exports_carry_one_provenance_record(pretrained, tiny_dataset):
 
 
 def test_hugging_face_export_of_a_run_gives_our_logits_and_ids(pretrained, tiny_dataset):
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
     from pipeline.tokenizer import load_tokenizer
 
     run_dir, ours_dir, hf_dir = pretrained
@@ -149,7 +149,7 @@ def test_hugging_face_export_of_a_run_gives_our_logits_and_ids(pretrained, tiny_
 
 
 def test_continued_pretraining_from_our_export_resumes_the_loss(pretrained, tiny_dataset, tmp_path):
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
 
     run_dir, ours_dir, _ = pretrained
     resumed = tmp_path / "continued"

@@ -85,7 +85,7 @@ def test_the_export_carries_the_tokenizer_and_the_trained_model(layout, hf_layou
     after = transformers.AutoTokenizer.from_pretrained(out)
     assert after(texts)["input_ids"] == before(texts)["input_ids"]
 
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
 
     ours, _ = load_model_dir(exported[layout]["ours"])
     auto = (

@@ -78,7 +78,7 @@ def test_llama_gpt_compiled_under_zero3_resumes_on_one_rank_and_exports(tiny_dat
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
     from model.hf_decoders import gpt_to_hf_decoder
 
     model, meta = load_model_dir(out)  # strictly: every key of the Llama shape, nothing else

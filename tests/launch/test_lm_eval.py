@@ -22,10 +22,10 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from repo import ROOT  # noqa: E402
 
 from common.configure import UserError  # noqa: E402
-from launch.export import save_hf_dir, save_model_dir  # noqa: E402
 from launch.lm_eval.command import load_lm  # noqa: E402
 from launch.lm_eval.ours import OurLM  # noqa: E402
 from launch.lm_eval.tasks import build_docs, held_out_texts  # noqa: E402
+from launch.model_dir import save_hf_dir, save_model_dir  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.format import read_manifest  # noqa: E402
 from pipeline.tokenizer import (

@@ -21,7 +21,7 @@ from shardtools import VOCAB_SIZE, save_manifest
 from common.configure import load_config
 from launch.config import MainConfig, TrainConfig
 from launch.deepspeed.estimate import estimate_model_state_memory
-from launch.export import save_model_dir
+from launch.model_dir import save_model_dir
 from model import build_model
 from pipeline.tokenizer import SENTENCEPIECE_FILE
 

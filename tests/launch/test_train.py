@@ -150,7 +150,7 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    from launch.export import load_model_dir
+    from launch.model_dir import load_model_dir
     from launch.tasks import TASKS
     from pipeline.load.loader import ShardLoader
 

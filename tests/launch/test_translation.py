@@ -114,7 +114,7 @@ def test_scores_and_signatures():
 
 def _export_random_model(out: Path, tokenizer: Path) -> None:
     """A random tiny Seq2Seq exported with `tokenizer` (no training needed to be refused)."""
-    from launch.export import save_model_dir
+    from launch.model_dir import save_model_dir
     from model import ModelConfig, build_model
 
     sp_vocab = _vocab_size(tokenizer)

@@ -218,7 +218,7 @@ def _losses(run_dir: Path) -> dict:
 @pytest.mark.slow
 def test_zero3_resume_and_export_keep_one_tensor(tiny_dataset, tmp_path):
     from launch.deepspeed.safe_load import consolidated_state_dict
-    from launch.export import load_model_dir, save_model_dir
+    from launch.model_dir import load_model_dir, save_model_dir
 
     # Warm-start sources exported in the test, shaped like the run's stacks (trainruns.TINY).
     vocab = json.loads((tiny_dataset / "manifest.json").read_text())["tokenizer"]["vocab_size"]
