@@ -16,7 +16,7 @@ config) under a one-rank process group (NCCL on a GPU, gloo on the CPU), and tra
 random token ids made into model inputs by the trainer's own `launch.tasks` code (packed
 blocks: no padding, so the attention mask is dropped on the host and SDPA takes its fused
 causal path). Every micro batch is forward, backward and `engine.step()`, as in
-`launch.train.loop.train_step`; `--warmup` optimizer steps are run first and not timed, then
+`launch.train.step.train_step`; `--warmup` optimizer steps are run first and not timed, then
 `--steps` optimizer steps (x grad_accum micro batches) between two device synchronisations.
 
 Figures, one row per (vocabulary, stage):
@@ -228,7 +228,7 @@ def _train(
 
     def micro_batches(count: int) -> torch.Tensor | None:
         loss = None  # none run (--warmup 0)
-        # as launch.train.loop.train_step: forward, backward, step per micro batch
+        # as launch.train.step.train_step: forward, backward, step per micro batch
         for index in range(count):
             loss = engine(**on_device[index % len(on_device)]).loss
             engine.backward(loss)

@@ -5,7 +5,7 @@ enters, and how often it returns to a file it had left.
 
 Trains a tiny model for 4 steps in one process (world 1) and traces, with `sys.settrace`, two
 walks through the project's own modules (common/, pipeline/, model/, launch/):
-- the config's: from `launch.train.loop.main`'s start to the first step (parsing, resolution,
+- the config's: from `launch.train.cli.main`'s start to the first step (parsing, resolution,
   the data, the model, the engine, the run directory);
 - the step's: the second pass of `fit`'s loop, from the second `train_step` to the third (the
   step, the guard, the throughput window, the log line, the checkpoint's cadence); the first
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import shutil
 
+    from launch.train import cli as train_cli
     from launch.train import loop
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     sys.settrace(config_walk.tracer)
     try:
-        loop.main(cli)
+        train_cli.main(cli)
     finally:
         sys.settrace(None)
         shutil.rmtree(args.run_dir, ignore_errors=True)

@@ -111,7 +111,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from launch import distributed as dist
     from launch import launcher
-    from launch.train.loop import main
+    from launch.train.cli import main
 
     install(StepClock(skip), out)
     launcher.die_with_parent()

@@ -39,7 +39,7 @@ class AdamW(torch.optim.AdamW):
     DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers clip and drop such steps themselves; under
     ZeRO-0 in fp32 (bf16 as autocast too) the engine calls this optimizer directly, with
     gradients already averaged over the ranks, so every rank takes the same decision
-    (`launch.train.loop.train_step`'s guard relies on it). DeepSpeed's own clipping there
+    (`launch.train.step.train_step`'s guard relies on it). DeepSpeed's own clipping there
     (`deepspeed_config` turns it off) computes the norm one tensor at a time and all-reduces it,
     a collective the step does not need: the gradients are the same on every rank."""
 

@@ -222,7 +222,7 @@ def _watch_stop_file(run_dir: Path) -> None:
     """While the main thread has waited for data over a second, look for RUN_DIR/STOP every
     second, and deliver it as SIGUSR1 to the main thread, whose wait that cuts short. Every rank
     looks, since the one waiting may not be rank 0; between such waits rank 0 alone looks, once a
-    step (`launch.train.loop.train_step`), and the ranks agree on it there."""
+    step (`launch.train.step.train_step`), and the ranks agree on it there."""
     while True:
         time.sleep(WATCH_INTERVAL_S)
         since = _waiting_since

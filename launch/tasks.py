@@ -116,7 +116,7 @@ def host_value(tensor: torch.Tensor) -> float | int | bool:
     """The number in a 0-dim tensor on the host (made from a loader batch), read without waiting
     for any device; refused for a device tensor, whose read would wait for its queued work. The
     training step's figures from the device are read once per step
-    (`launch.train.loop.train_step`)."""
+    (`launch.train.step.train_step`)."""
     if tensor.device.type != "cpu":
         raise ValueError(
             f"host_value: a {tensor.device.type} tensor: reading it would wait for the device"

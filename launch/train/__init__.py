@@ -4,7 +4,10 @@ mlm and translation.
 The same command runs alone, under `torchrun`, under the `deepspeed` launcher and under `srun`
 (see `launch.distributed`). Read it top-down, in the order a batch meets it:
 
-    loop.py     main -> train -> fit -> train_step, evaluate: the loop
+    cli.py      the command line: the dry run, or a training job
+    loop.py     train -> fit: the job around the loop, and the loop
+    step.py     train_step: one optimizer step over the micro batches, guarded
+    evaluation.py  evaluate: the valid split's figures
     setup.py    config, data, model config, process group, engine, run directory and tracker
     resume.py   which checkpoint to resume, restoring it; RNG state, metrics truncation
     changes.py  what a resumed job changes from its checkpoint's config: applied, or refused

@@ -1,5 +1,5 @@
 """Guarded steps: a step whose loss is not finite on some rank, or spikes above the recent
-losses, is skipped on every rank (`launch.train.loop.train_step` takes the decision on the
+losses, is skipped on every rank (`launch.train.step.train_step` takes the decision on the
 device); here the record of each skip and the verdict when too many come in a row."""
 
 from __future__ import annotations

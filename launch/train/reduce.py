@@ -15,7 +15,7 @@ none at all. `finish` then waits for every bucket, and writes back each gradient
 step's scale, which it computes from the reduced figures (the mean over the step's scored
 tokens; NaN for a step the guard skips, which `launch.optim.AdamW` then drops on every rank).
 
-Used by `launch.train.loop.train_step` when `setup` finds it applies (`applies`): ZeRO-0's
+Used by `launch.train.step.train_step` when `setup` finds it applies (`applies`): ZeRO-0's
 gradients are fp32 (in bf16 too, which at stage 0 is torch's autocast over fp32 weights,
 `launch.deepspeed.config`); under ZeRO 1-3 DeepSpeed reduces into its own partitions, and fp16
 (GPU only) keeps DeepSpeed's loss scaling and reduction.

@@ -1,4 +1,4 @@
-"""What one optimizer step produced (`launch.train.loop.train_step`), summed over the ranks where
+"""What one optimizer step produced (`launch.train.step.train_step`), summed over the ranks where
 it is a count: what the guard judges and records, and the throughput window adds up."""
 
 from __future__ import annotations

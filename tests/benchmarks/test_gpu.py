@@ -416,7 +416,7 @@ def test_loader_pins_its_batches(task, num_workers, tmp_path):
 @gpu
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
-    """What launch.train.loop.train_step copies with non_blocking=True (`Task.to_device` of
+    """What launch.train.step.train_step copies with non_blocking=True (`Task.to_device` of
     `Task.model_inputs` of a pinned loader batch) is page-locked, so no copy waits: the labels
     (and BERT's scored_index), made on the host after the loader pinned the batch, are pinned
     by to_device. Every host-to-device `Tensor.to` is watched through a TorchFunctionMode."""

@@ -52,7 +52,7 @@ def install(faults: dict[tuple[int, int], float]) -> None:
 if __name__ == "__main__":
     from launch import distributed as dist
     from launch import launcher
-    from launch.train.loop import main
+    from launch.train.cli import main
 
     install(parse(os.environ.get("INJECT_LOSS", "")))
     launcher.die_with_parent()

@@ -22,7 +22,7 @@ from launch import distributed as dist  # noqa: E402
 from launch import init_model  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
 from launch.metrics import resolve_precision  # noqa: E402
-from launch.train.loop import USAGE  # noqa: E402
+from launch.train.cli import USAGE  # noqa: E402
 from launch.train.setup import setup  # noqa: E402
 
 

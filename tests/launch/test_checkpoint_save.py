@@ -423,7 +423,7 @@ if __name__ == "__main__":
 
     if os.environ.get("FILL_AT"):  # a rank of launch.train, as `python -m launch.train` runs it
         fill_at(*map(int, os.environ["FILL_AT"].split(":")))
-        from launch.train.loop import main
+        from launch.train.cli import main
 
         launcher.die_with_parent()
         distributed.run_rank(main)
