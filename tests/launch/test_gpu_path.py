@@ -177,6 +177,7 @@ def test_pinned_batches_are_asked_for_only_with_cuda():
 MFU_DRIVER = """
 import sys, time
 import launch.checkpoint.save as checkpoint_save
+import launch.train.cli as cli
 import launch.train.loop as train
 
 real = train.evaluate
@@ -185,11 +186,11 @@ def slow_evaluate(run):
     return real(run)
 train.evaluate = slow_evaluate
 real_save = checkpoint_save.save_checkpoint  # what the loop's Checkpointer calls
-def slow_save(run):
+def slow_save(*args):
     time.sleep(0.5)
-    return real_save(run)
+    return real_save(*args)
 checkpoint_save.save_checkpoint = slow_save
-sys.exit(train.main(sys.argv[1:]))
+sys.exit(cli.main(sys.argv[1:]))
 """
 
 
