@@ -157,7 +157,7 @@ def run(config: Path, out: Path, workers: int, extra: list[str]) -> dict:
     ]
     from pipeline.prepare import curation
 
-    run_cfg = dataclasses.replace(curation.resolved(cfg, total), unit_bytes=unit_bytes)
+    run_cfg = dataclasses.replace(curation.partitions_sized(cfg, total), unit_bytes=unit_bytes)
     estimate = estimate_worker_memory(run_cfg, files, units)
     timings: dict = {}
     stage_cpu: Counter = Counter()

@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import launch.distributed as dist
-    from launch.config import BatchPlan, resolved_compile_scope
+    from launch.config import BatchPlan, compile_scope_for
     from launch.deepspeed.config import deepspeed_config
     from launch.deepspeed.engine import Engine
     from launch.metrics import measure_gemm_flops, peak_flops
@@ -187,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
             theirs.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
         if suffix:
             # as launch.train does
-            compile_model(ours, resolved_compile_scope(cfg, cuda))
+            compile_model(ours, compile_scope_for(cfg, cuda))
             theirs.compile()  # what their users would do: the whole model, in place
         models["ours" + suffix], models["hf" + suffix] = ours, theirs
     plan = BatchPlan(cfg.data.micro_batch_size, cfg.grad_accum, denv.world_size)
@@ -273,7 +273,7 @@ def worker(args: argparse.Namespace) -> None:
             "peaks": peaks,
             "hf_class": type(theirs).__name__,
             "hf_attention": getattr(theirs.config, "_attn_implementation", None),
-            "compile_scope": resolved_compile_scope(cfg, cuda),
+            "compile_scope": compile_scope_for(cfg, cuda),
             "zero_stage": cfg.deepspeed.zero_stage,
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "peak_source": peak_flops(cfg.deepspeed.precision)[1] if cuda else "measured GEMM",

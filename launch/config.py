@@ -29,7 +29,7 @@ DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 # optim.implementation (launch.optim.adamw_kernels)
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
-COMPILE_SCOPES = ("auto", "model", "blocks")  # compile_scope (`resolved_compile_scope`)
+COMPILE_SCOPES = ("auto", "model", "blocks")  # compile_scope (`compile_scope_for`)
 
 
 @dataclass
@@ -86,7 +86,7 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     """Weights & Biases. A key set here wins over its environment variable, which wins over the
-    default (`launch.tracking.resolve_wandb`), so that `WANDB_MODE=online sbatch ...` works with
+    default (`launch.tracking.wandb_settings`), so that `WANDB_MODE=online sbatch ...` works with
     the shipped configs, which leave these unset."""
 
     mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else offline
@@ -235,7 +235,7 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
     return BatchPlan(micro, accum, world_size)
 
 
-def resolved_compile_scope(cfg: TrainConfig, cuda: bool) -> str:
+def compile_scope_for(cfg: TrainConfig, cuda: bool) -> str:
     """What `compile: true` compiles for this run, `compile_scope` with auto resolved: 'model' or
     'blocks'. auto stays at blocks on a GPU, where the whole-model graph (the loss's GEMMs with a
     float32 output inside it) has not yet been run (docs/design.md#what-compile-compiles)."""
@@ -263,10 +263,10 @@ def check_config(cfg: TrainConfig) -> Task:
 
 def _wandb_check(wandb: WandbConfig) -> tuple[bool, str]:
     """The W&B mode as the run would take it (the key, else WANDB_MODE): one W&B knows."""
-    from launch.tracking import resolve_wandb
+    from launch.tracking import wandb_settings
 
     try:
-        resolve_wandb(wandb)
+        wandb_settings(wandb)
         return True, ""
     except UserError as err:
         return False, str(err)

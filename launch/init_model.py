@@ -3,10 +3,11 @@
 DIR is one of our exports (`launch.export`) or a directory in Hugging Face's format (ours,
 `format=hf`, or any `save_pretrained` one on disk): a GPT-2, Llama, Qwen2.5, Qwen3, Mistral or OLMo
 2 for causal_lm, a BERT for mlm, a BERT + GPT-2 EncoderDecoderModel for translation. The run starts
-at step 0 with a fresh optimizer and schedule; its model config is the directory's (`resolve`),
-except the fields that only change how a network trains (`model.config.TRAINING_ONLY_FIELDS`:
-dropout, ...), which stay the job's. A `model.*=` override on the command line that contradicts the
-directory is refused in one line; the YAML's model section is a template the directory replaces.
+at step 0 with a fresh optimizer and schedule; its model config is the directory's
+(`with_directory_model`), except the fields that only change how a network trains
+(`model.config.TRAINING_ONLY_FIELDS`: dropout, ...), which stay the job's. A `model.*=` override on
+the command line that contradicts the directory is refused in one line; the YAML's model section is
+a template the directory replaces.
 
 The weights must have been trained with the dataset's tokenizer (`check_tokenizer`, from `load`
 and the dry run): the same file (sha256), or one that gives the same ids (its vocabulary, its
@@ -39,7 +40,7 @@ from pipeline.tokenizer import difference, load_tokenizer, tokenizer_file_in
 UNRESOLVED_IDS = dict(pad_id=0, bos_id=0, eos_id=0, mask_id=-1)
 
 
-def resolve(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
+def with_directory_model(cfg: TrainConfig, argv: list[str]) -> TrainConfig:
     """The job's config with `init.model`'s model config; `argv`: the command line's overrides."""
     if not cfg.init.model:
         return cfg
@@ -139,7 +140,7 @@ def model_config(directory: str) -> ModelConfig:
 
 
 def load(cfg: TrainConfig, dataset_tokenizer: str | Path) -> torch.nn.Module:
-    """The model of `cfg.model` (resolved by `resolve`) holding init.model's weights, once its
+    """The model of `cfg.model` (`with_directory_model`'s) holding init.model's weights, once its
     tokenizer is found to be the dataset's (`dataset_tokenizer`, the dataset's tokenizer.model)."""
     directory = cfg.init.model
     check_tokenizer(directory, dataset_tokenizer)

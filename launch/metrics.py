@@ -93,39 +93,6 @@ def peak_flops(precision: str, tf32: bool = False) -> tuple[float, str]:
     return cpu_gemm_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
-def choose_precision() -> tuple[str, str]:
-    """What `deepspeed.precision: auto` is on this machine, and why: bf16 on a GPU that computes
-    it, fp32 on one that does not; on a CPU, bf16 where its measured bf16 GEMMs are at least as
-    fast as its fp32 ones (AMX: several times faster), else fp32 (AVX2 alone: ~50x slower)."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        if torch.cuda.is_bf16_supported():
-            return "bf16", f"{name} computes bf16"
-        return "fp32", f"{name} has no bf16"
-    bf16, _ = cpu_gemm_peak(torch.bfloat16)
-    fp32, _ = cpu_gemm_peak(torch.float32)
-    return (
-        "bf16" if bf16 >= fp32 else "fp32",
-        f"this CPU's GEMMs, measured: bf16 {bf16 / 1e9:.1f}, fp32 {fp32 / 1e9:.1f} GFLOP/s",
-    )
-
-
-def resolve_precision(cfg, quiet: bool = False):
-    """The training config with `deepspeed.precision: auto` replaced by this machine's choice
-    (`choose_precision`), said once on stderr (by rank 0); any other value is kept."""
-    if cfg.deepspeed.precision != "auto":
-        return cfg
-    import dataclasses
-    import sys
-
-    precision, why = choose_precision()
-    if not quiet and os.environ.get("RANK", "0") == "0":
-        print(f"deepspeed.precision: auto -> {precision} ({why})", file=sys.stderr, flush=True)
-    return dataclasses.replace(
-        cfg, deepspeed=dataclasses.replace(cfg.deepspeed, precision=precision)
-    )
-
-
 def cpu_gemm_peak_file() -> Path:
     return Path(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),

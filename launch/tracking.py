@@ -68,7 +68,7 @@ WANDB_SETTINGS = (
 )
 
 
-def resolve_wandb(cfg, env=None) -> dict:
+def wandb_settings(cfg, env=None) -> dict:
     """{setting: (value, where it came from)} for mode, project, entity and group: the config's
     key (`wandb.mode=...`), else the environment variable, else the default. A mode that W&B does
     not know, from either, is the user's error, in one line."""
@@ -122,7 +122,7 @@ def check_wandb_dir(settings, run_dir: str | Path) -> Path | None:
     from common.configure import UserError
     from common.storage import existing_ancestor
 
-    if resolve_wandb(settings)["mode"][0] == "disabled":
+    if wandb_settings(settings)["mode"][0] == "disabled":
         return None
     directory = wandb_dir(run_dir)
     if directory.exists() and not directory.is_dir():
@@ -169,7 +169,7 @@ class Tracker:
         self.saved: tuple[int, float] | None = None  # the last checkpoint's step and time
         if not enabled:
             return
-        resolved = resolve_wandb(settings)
+        resolved = wandb_settings(settings)
         mode, source = resolved["mode"]
         if mode == "disabled":
             print(f"W&B: disabled ({source})", file=sys.stderr, flush=True)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 def lm_eval_scores(cfg: LmEvalConfig) -> dict:
     """Check the inputs, score, write `out`, print the table, log to W&B; the results written."""
     from launch.preconditions import check_writable_dir
-    from launch.tracking import Tracker, new_run_id, resolve_wandb
+    from launch.tracking import Tracker, new_run_id, wandb_settings
 
     names = check_tasks(cfg.tasks)
     if cfg.split not in ("valid", "test"):
@@ -50,7 +50,7 @@ def lm_eval_scores(cfg: LmEvalConfig) -> dict:
             if cfg.limit < 0
             else "micro_batch_size: must be positive"
         )
-    resolve_wandb(cfg.wandb)  # a mode W&B does not know: one line, now
+    wandb_settings(cfg.wandb)  # a mode W&B does not know: one line, now
     directory = Path(cfg.checkpoint)
     fmt, meta = export_format(directory, cfg.format)
     data_dir = cfg.data_dir or (meta.get("dataset") or {}).get("data_dir") or ""

@@ -33,7 +33,7 @@ from launch.preflight.figures import batch_figures, model_figures
 from launch.preflight.report import DataInfo, PlannedData, Report, render
 from launch.resolve import Problem, World, resolve
 from launch.tasks import Task
-from launch.tracking import resolve_wandb, wandb_dir
+from launch.tracking import wandb_dir, wandb_settings
 from model import ModelConfig
 from model.config import STACKS
 from model.warm_start import SOURCE_CLASSES, architecture_fields
@@ -117,7 +117,7 @@ def preflight(
     group or an engine, then check what was resolved; every problem listed, not only the first.
     `planned`: the dataset a prepare stage will make, taken for `data.data_dir` while that does
     not exist."""
-    world = resolve_world(world_size, ranks_per_node)
+    world = world_from_flags(world_size, ranks_per_node)
     resolved, problems = resolve(
         cfg, world, planned_vocab=planned.vocab_size if planned is not None else None
     )
@@ -161,7 +161,7 @@ def preflight(
     return report
 
 
-def resolve_world(world_size: int | None, ranks_per_node: int | None) -> World:
+def world_from_flags(world_size: int | None, ranks_per_node: int | None) -> World:
     """The world the job would have: `--world-size`, else the environment's."""
     if world_size is not None:
         return World(world_size, min(ranks_per_node or 1, world_size), "--world-size")
@@ -404,7 +404,7 @@ def check_wandb(cfg: TrainConfig, report: Report) -> None:
     (`launch.tracking.check_wandb_dir`), here by permission and mount flags (a dry run writes
     nothing; `os.access` answers for a read-only mount, root or not)."""
     try:
-        mode, _ = resolve_wandb(cfg.wandb)["mode"]
+        mode, _ = wandb_settings(cfg.wandb)["mode"]
     except UserError as err:
         report.problem_line(str(err))
         return

@@ -234,9 +234,9 @@ def build_engine(
     )
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps, cfg.model.d_model)
     if cfg.compile:
-        from launch.config import resolved_compile_scope
+        from launch.config import compile_scope_for
 
-        compile_model(model, resolved_compile_scope(cfg, torch.cuda.is_available()))
+        compile_model(model, compile_scope_for(cfg, torch.cuda.is_available()))
     return Engine(
         model, optimizer, scheduler, deepspeed_config(cfg, plan, load_universal=load_universal)
     ), n_parameters

@@ -40,7 +40,7 @@ DROPPED_DIR = "dropped"  # DATASET/dropped/SOURCE/RULE.jsonl: samples of what ea
 BAND_RECORD_BYTES = 16
 
 
-def resolved(cfg: PrepareConfig, input_bytes: int) -> PrepareConfig:
+def partitions_sized(cfg: PrepareConfig, input_bytes: int) -> PrepareConfig:
     """The config the tasks run with: `near_dedup.partitions` chosen from the input size when 0
     (the output never depends on it)."""
     near = cfg.near_dedup

@@ -123,7 +123,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     )
     # what the tasks run with: near_dedup.partitions chosen from the input size when 0, the unit
     # size planned
-    run_cfg = dataclasses.replace(curation.resolved(cfg, total_bytes), unit_bytes=unit_bytes)
+    run_cfg = dataclasses.replace(
+        curation.partitions_sized(cfg, total_bytes), unit_bytes=unit_bytes
+    )
     where = existing_ancestor(output.absolute().parent)
     free = free_space(where)
     # Checked before the memory estimate reads a byte of the input, and again with the texts it

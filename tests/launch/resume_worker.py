@@ -19,17 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.configure import parse_cli, run_main  # noqa: E402
 from launch import distributed as dist  # noqa: E402
-from launch import init_model  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
-from launch.metrics import resolve_precision  # noqa: E402
+from launch.run_config import training_config  # noqa: E402
 from launch.train.cli import USAGE  # noqa: E402
 from launch.train.setup import setup  # noqa: E402
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    cfg = init_model.resolve(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:])
-    run = setup(resolve_precision(cfg))
+    run = setup(training_config(parse_cli(TrainConfig, argv, usage=USAGE), argv[1:]))
     try:
         groups = run.engine._engine.basic_optimizer.param_groups
         print(

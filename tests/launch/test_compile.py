@@ -72,21 +72,21 @@ def test_compile_scope_auto_is_the_whole_model_where_shapes_are_fixed_and_parame
     task, stage, cuda, expected
 ):
     from common.configure import load_config
-    from launch.config import TrainConfig, resolved_compile_scope
+    from launch.config import TrainConfig, compile_scope_for
 
     cfg = load_config(
         TrainConfig,
         ROOT / "configs" / "tiny_gpt.yaml",
         [f"task={task}", f"deepspeed.zero_stage={stage}"],
     )
-    assert cfg.compile_scope == "auto" and resolved_compile_scope(cfg, cuda) == expected
+    assert cfg.compile_scope == "auto" and compile_scope_for(cfg, cuda) == expected
     for scope in ("model", "blocks"):
         cfg = load_config(
             TrainConfig,
             ROOT / "configs" / "tiny_gpt.yaml",
             [f"task={task}", f"compile_scope={scope}"],
         )
-        assert resolved_compile_scope(cfg, cuda) == scope
+        assert compile_scope_for(cfg, cuda) == scope
 
 
 def test_compile_scope_problems_are_named():

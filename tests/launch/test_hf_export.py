@@ -292,7 +292,9 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
         ),
         init=InitConfig(model=str(out)),
     )
-    cfg = init_model.resolve(job, ["model.label_smoothing=0.2", "model.encoder.norm_position=post"])
+    cfg = init_model.with_directory_model(
+        job, ["model.label_smoothing=0.2", "model.encoder.norm_position=post"]
+    )
     # the special ids are the dataset's tokenizer's, as the trainer sets them at start
     from launch.preconditions import with_data_tokenizer
 
@@ -312,13 +314,13 @@ def test_init_model_reads_a_translation_export(fmt, tokenizer, tmp_path):
         assert torch.equal(started.eval()(src, None, src).logits, ours(src, None, src).logits)
     contradiction = r"has model.decoder.norm_position=pre; the override model.decoder.norm_position=post contradicts"
     with pytest.raises(UserError, match=contradiction):
-        init_model.resolve(
+        init_model.with_directory_model(
             dataclasses.replace(
                 job, model=dataclasses.replace(job.model, decoder=StackConfig(norm_position="post"))
             ),
             ["model.decoder.norm_position=post"],
         )
     with pytest.raises(UserError, match="give one or the other"):
-        init_model.resolve(
+        init_model.with_directory_model(
             dataclasses.replace(job, init=InitConfig(model=str(out), encoder=str(out))), []
         )

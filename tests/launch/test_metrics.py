@@ -68,6 +68,7 @@ def test_auto_precision_is_the_faster_gemm_of_this_cpu(monkeypatch, bf16, fp32, 
     """`deepspeed.precision: auto` on a CPU: bf16 where its GEMMs are at least as fast as fp32's
     (an AMX Xeon), fp32 where not (an AVX2 EPYC: 0.4 against 42 GFLOP/s); said once on stderr.
     The CPU's figures stand in for the measurement; the real one is tested above."""
+    from launch import run_config
     from launch.config import TrainConfig
 
     peaks = {torch.bfloat16: bf16, torch.float32: fp32}
@@ -75,7 +76,7 @@ def test_auto_precision_is_the_faster_gemm_of_this_cpu(monkeypatch, bf16, fp32, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = TrainConfig()
     cfg.deepspeed.precision = "auto"
-    assert metrics.resolve_precision(cfg).deepspeed.precision == chosen
+    assert run_config.with_precision_chosen(cfg).deepspeed.precision == chosen
     assert f"deepspeed.precision: auto -> {chosen} (this CPU's GEMMs" in capsys.readouterr().err
     cfg.deepspeed.precision = "bf16"  # a value given is kept, whatever the machine
-    assert metrics.resolve_precision(cfg).deepspeed.precision == "bf16"
+    assert run_config.with_precision_chosen(cfg).deepspeed.precision == "bf16"

@@ -13,7 +13,7 @@ from trainruns import TINY
 from common.configure import UserError
 from launch.config import MainConfig, WandbConfig
 from launch.main.plan import wandb_group
-from launch.tracking import resolve_wandb
+from launch.tracking import wandb_settings
 
 WANDB_VARIABLES = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP")
 
@@ -36,13 +36,13 @@ def test_the_config_key_wins_over_the_environment_which_wins_over_the_default(
         "entity": ("lab", "other-lab"),
         "group": ("sweep-1", "sweep-2"),
     }[key]
-    assert resolve_wandb(WandbConfig(), {})[key] == (default, "default")
-    assert resolve_wandb(WandbConfig(), {variable: given[1]})[key] == (given[1], variable)
-    assert resolve_wandb(WandbConfig(**{key: given[0]}), {variable: given[1]})[key] == (
+    assert wandb_settings(WandbConfig(), {})[key] == (default, "default")
+    assert wandb_settings(WandbConfig(), {variable: given[1]})[key] == (given[1], variable)
+    assert wandb_settings(WandbConfig(**{key: given[0]}), {variable: given[1]})[key] == (
         given[0],
         f"wandb.{key}",
     )
-    assert resolve_wandb(WandbConfig(**{key: given[0]}), {})[key] == (given[0], f"wandb.{key}")
+    assert wandb_settings(WandbConfig(**{key: given[0]}), {})[key] == (given[0], f"wandb.{key}")
 
 
 def test_the_shipped_configs_leave_the_wandb_settings_to_the_environment():
@@ -58,17 +58,17 @@ def test_the_shipped_configs_leave_the_wandb_settings_to_the_environment():
 
 
 def test_w_and_b_s_own_mode_names_are_taken_and_others_refused():
-    assert resolve_wandb(WandbConfig(), {"WANDB_MODE": "dryrun"})["mode"] == (
+    assert wandb_settings(WandbConfig(), {"WANDB_MODE": "dryrun"})["mode"] == (
         "offline",
         "WANDB_MODE",
     )
-    assert resolve_wandb(WandbConfig(), {"WANDB_MODE": "run"})["mode"] == ("online", "WANDB_MODE")
+    assert wandb_settings(WandbConfig(), {"WANDB_MODE": "run"})["mode"] == ("online", "WANDB_MODE")
     with pytest.raises(
         UserError, match=r"^WANDB_MODE=ofline: W&B's mode is one of online, offline or disabled$"
     ):
-        resolve_wandb(WandbConfig(), {"WANDB_MODE": "ofline"})
+        wandb_settings(WandbConfig(), {"WANDB_MODE": "ofline"})
     with pytest.raises(UserError, match=r"^wandb.mode=onlin: "):
-        resolve_wandb(WandbConfig(mode="onlin"), {"WANDB_MODE": "offline"})
+        wandb_settings(WandbConfig(mode="onlin"), {"WANDB_MODE": "offline"})
 
 
 def train_with_env(
