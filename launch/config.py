@@ -272,23 +272,6 @@ def _wandb_check(wandb: WandbConfig) -> tuple[bool, str]:
         return False, str(err)
 
 
-def _lm_eval_check(lm_eval: LmEvalTrainConfig) -> tuple[bool, str]:
-    """lm-eval installed, and the tasks and split ours."""
-    import importlib.util
-
-    if importlib.util.find_spec("lm_eval") is None:
-        return False, "lm_eval.every: needs lm-eval (pip install -e '.[hf]')"
-    if lm_eval.split not in ("valid", "test"):
-        return False, f"lm_eval.split: {lm_eval.split!r} is not valid or test"
-    from launch.lm_eval.tasks import check_tasks
-
-    try:
-        check_tasks(lm_eval.tasks)
-        return True, ""
-    except UserError as err:
-        return False, f"lm_eval.{err}"
-
-
 def _optim_checks(optim: OptimConfig) -> list[tuple[bool, str]]:
     """AdamW's ranges, which torch checks only as the optimizer is built (after the process group
     is up, in a traceback); NaN fails every comparison, so each is refused here too."""
@@ -418,7 +401,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                 f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}",
             )
         )
-        checks.append(_lm_eval_check(cfg.lm_eval))
     return [message for ok, message in checks if not ok]
 
 

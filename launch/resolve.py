@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.configure import UserError
 from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
+from launch.lm_eval.tasks import training_problem
 from launch.preconditions import TargetSide, data_fits_model, target_side, with_data_tokenizer
 from launch.tasks import TASKS, Task
 from model import ModelConfig
@@ -101,6 +102,10 @@ def resolve(
     """`cfg` resolved for `world` (see the module's docstring). `planned_vocab`: the vocabulary of
     a dataset a prepare stage will make, taken while a local `data.data_dir` does not exist."""
     problems = [Problem.from_line(line) for line in config_problems(cfg)]
+    if cfg.task == "causal_lm":  # config_problems names lm_eval.every on another task
+        lm_eval = cfg.lm_eval
+        if problem := training_problem(lm_eval.every, lm_eval.tasks, lm_eval.split):
+            problems.append(Problem.from_line(problem))
     task = TASKS.get(cfg.task)
     plan = None
     if cfg.data.micro_batch_size > 0 and cfg.grad_accum > 0:

@@ -51,6 +51,25 @@ def check_tasks(names) -> list[str]:
     return names
 
 
+def training_problem(every: int, tasks, split: str) -> str | None:
+    """What stops a training run from scoring `lm_eval.every` steps (lm-eval missing, a task or
+    split not ours), one line naming its key; None if nothing does. Asked by the resolution route
+    (`launch.resolve.resolve`) of a causal_lm run with lm_eval.every set."""
+    import importlib.util
+
+    if not every:
+        return None
+    if importlib.util.find_spec("lm_eval") is None:
+        return "lm_eval.every: needs lm-eval (pip install -e '.[hf]')"
+    if split not in ("valid", "test"):
+        return f"lm_eval.split: {split!r} is not valid or test"
+    try:
+        check_tasks(tasks)
+    except UserError as err:
+        return f"lm_eval.{err}"
+    return None
+
+
 def held_out_texts(
     data_dir: str | Path, split: str, tokenizer_sha256: str | None = None
 ) -> list[str]:

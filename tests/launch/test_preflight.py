@@ -312,6 +312,13 @@ BAD = [
         "file not found",
     ),
     (
+        "lm-eval task not ours",
+        ["lm_eval.every=2", "lm_eval.tasks=[hellaswag]"],
+        None,
+        "lm_eval.tasks",
+        "'hellaswag' is not one of cloze, choice",
+    ),
+    (
         "mixture of a source the data lacks",
         ["data.mixture.docs=1.0"],
         None,
@@ -347,6 +354,7 @@ RESOLVED = [
     "vocabulary",
     "no dataset",
     "no manifest",
+    "lm-eval task not ours",
 ]
 
 
