@@ -4,12 +4,11 @@ checked, nothing started.
 Before a job that runs for days is queued: every stage's config resolved with the overrides the
 main job would pass it (`launch.main`'s own functions make both), and each problem a stage would
 meet, all at once. The prepare stage: its config and its sources' files (or the dataset, if it
-exists: the job would skip the stage). Each training run: `launch.preflight` on the job's world
-of `nproc` ranks, against the dataset, or against what the prepare config will make
+exists: the job would skip the stage). Each training run: `launch.preflight` on the job's world of
+`nproc` ranks, against the dataset, or against what the prepare config will make
 (`preflight.PlannedData`). Each warm start: the pretraining run's model, the one its export will
-hold, against the translation model's stack it fills (`preflight.check_source_fits`, the
-fields `model.warm_start` requires equal). Exit 2 if any problem, else 0; nothing is written.
-"""
+hold, against the translation model's stack it fills (`launch.preflight.sources.check_source_fits`,
+the fields `model.warm_start` requires equal). Exit 2 if any problem, else 0; nothing is written."""
 
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ from pathlib import Path
 from common.configure import UserError, load_config
 from launch.config import MainConfig, TrainConfig
 from launch.main import plan as job
-from launch.preflight.checks import check_source_fits, preflight
+from launch.preflight.checks import preflight
 from launch.preflight.report import PlannedData, Report, render
+from launch.preflight.sources import check_source_fits
 from launch.run_config import training_config
 from model.config import STACKS
 from pipeline.format import MANIFEST

@@ -34,7 +34,8 @@ from launch.train.guard import (
     step_sample_keys,
 )
 from launch.train.profiler import StepProfiler
-from launch.train.setup import run_dir_storage, setup
+from launch.train.run_dir import run_dir_storage
+from launch.train.setup import setup
 from launch.train.state import Run, data_counters, make_checkpointer
 from launch.train.step import train_step
 from launch.train.step_result import StepResult

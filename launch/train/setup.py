@@ -12,29 +12,29 @@ from pathlib import Path
 
 import torch
 
-from common.atomic import atomic_copy, atomic_write
-from common.configure import UserError, config_to_dict, save_config
-from common.storage import storage_errors
+from common.atomic import atomic_write
+from common.configure import UserError
 from launch import checkpoint as ckpt
 from launch import distributed as dist
 from launch.config import BatchPlan, TrainConfig
 from launch.deepspeed.config import deepspeed_config
 from launch.deepspeed.engine import Engine
-from launch.metrics import peak_flops, set_fp32_matmul
+from launch.metrics import set_fp32_matmul
 from launch.optim import build_optimizer, build_scheduler
 from launch.preconditions import local_tokenizer
 from launch.resolve import DatasetHandle, World, resolve
-from launch.stop import StopRequested, stoppable
+from launch.stop import stoppable
 from launch.tasks import Task
-from launch.tracking import Tracker, git_commit, new_run_id
+from launch.tracking import new_run_id
 from launch.train import reduce
 from launch.train.guard import Guard
-from launch.train.resume import find_resume, fresh_start, restore, truncate_metrics
+from launch.train.resume import find_resume, fresh_start, restore
+from launch.train.run_dir import on_main, open_run_dir, run_dir_storage
 from launch.train.state import Data, Run
 from model import Pretrained, build_model
 from model.warm_start import WarmStartError, warm_start
 from pipeline import remote
-from pipeline.format import TARGET_DIR, ManifestError
+from pipeline.format import ManifestError
 from pipeline.load.epoch import describe_mixture
 from pipeline.load.loader import ShardLoader
 
@@ -57,7 +57,7 @@ def setup(cfg: TrainConfig) -> Run:
     tf32 = set_fp32_matmul(cfg.tf32)  # before any GEMM: the peak measurement, compilation, training
     # The newest checkpoint that every rank finds intact (sizes and checksums written at save),
     # then, if another world size wrote it, its universal copy.
-    candidates = _on_main(denv, lambda: ckpt.resume_candidates(cfg.resume, cfg.run_dir))
+    candidates = on_main(denv, lambda: ckpt.resume_candidates(cfg.resume, cfg.run_dir))
     intact = ckpt.choose_resume(
         cfg.resume,
         candidates,
@@ -65,7 +65,7 @@ def setup(cfg: TrainConfig) -> Run:
         dist.all_gather_object,
         report=denv.is_main,
     )
-    resume_from = _on_main(denv, lambda: find_resume(intact, cfg, plan, data.tokenizer_sha256))
+    resume_from = on_main(denv, lambda: find_resume(intact, cfg, plan, data.tokenizer_sha256))
     engine, n_parameters = build_engine(
         cfg,
         task,
@@ -134,26 +134,6 @@ def setup(cfg: TrainConfig) -> Run:
         dict(progress.tokens_by_source),
         reduction,
     )
-
-
-def _on_main(denv: dist.DistEnv, work):
-    """`work()` on rank 0, its result (or its UserError or StopRequested, raised on every rank)
-    broadcast: a refusal on rank 0 alone would leave the other ranks waiting at
-    the next collective."""
-    outcome = None
-    if denv.is_main:
-        try:
-            outcome = ("ok", work())
-        except UserError as err:
-            outcome = ("error", str(err))
-        except StopRequested as request:
-            outcome = ("stop", str(request))
-    kind, value = dist.broadcast_object(outcome)
-    if kind == "error":
-        raise UserError(value)
-    if kind == "stop":
-        raise StopRequested(value)
-    return value
 
 
 def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv, handle: DatasetHandle) -> Data:
@@ -364,94 +344,3 @@ def _pretrained_side(cfg: TrainConfig, data: Data, fetch, side: str, directory: 
             "stack starts from a BERT or a GPT"
         )
     return Pretrained(model.state_dict(), model.cfg, sha256)
-
-
-def open_run_dir(
-    cfg: TrainConfig,
-    denv: dist.DistEnv,
-    plan: BatchPlan,
-    data: Data,
-    step: int,
-    run_id: str,
-    n_parameters: int,
-    tf32: bool = False,
-) -> tuple[Tracker, tuple[float, str]]:
-    """RUN_DIR's config, tokenizer and metrics (rows after `step` dropped), and the W&B run;
-    the peak FLOP/s that MFU is measured against (TF32's for fp32 when `tf32`: it is in use)."""
-    run_dir = Path(cfg.run_dir)
-
-    def write_run_dir() -> None:  # rank 0
-        # Every file written whole or not at all (common.atomic): a run_dir that fills up, or is
-        # read-only, leaves the files that were there as they were, no truncated tokenizer.model,
-        # and stops every rank with one line (run_dir_storage).
-        with run_dir_storage(run_dir):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            dropped = truncate_metrics(run_dir, step)
-            if dropped:
-                print(
-                    f"metrics.jsonl: dropped {dropped} rows logged after step "
-                    f"{step} by an interrupted job",
-                    file=sys.stderr,
-                )
-            save_config(cfg, run_dir / "config.yaml")
-            fetch = data.fetch
-            # The dataset's tokenizer files (through the shard cache when data_dir is a URL), the
-            # one that fixes its ids checked against the manifest's sha256.
-            with stoppable():
-                main, *others = data.tokenizer_files
-                atomic_copy(
-                    local_tokenizer(cfg.data.data_dir, fetch, data.tokenizer_sha256, main),
-                    run_dir / main,
-                )
-                for name in others:
-                    local = remote.local_file(remote.join(cfg.data.data_dir, name), fetch)
-                    atomic_copy(local, run_dir / name)
-                if data.target is not None:  # a translation target's own tokenizer, in target/
-                    (run_dir / TARGET_DIR).mkdir(exist_ok=True)
-                    for index, name in enumerate(data.target.files):
-                        local = remote.local_file(
-                            remote.join(cfg.data.data_dir, name),
-                            fetch,
-                            sha256=data.target.sha256 if index == 0 else None,
-                        )
-                        atomic_copy(local, run_dir / name)
-
-    _on_main(denv, write_run_dir)
-    peak = peak_flops(cfg.deepspeed.precision, tf32=tf32) if denv.is_main else (float("nan"), "")
-    summary = {
-        "git_commit": git_commit(),
-        "data_manifest_sha256": data.manifest_sha256,
-        "tokenizer_sha256": data.tokenizer_sha256,
-        "world_size": denv.world_size,
-        "global_batch_size": plan.global_batch_size,
-        "peak_flops": peak[0],
-        "peak_flops_source": peak[1],
-        "parameters": n_parameters,
-    }
-
-    def tracker(enabled: bool) -> Tracker:
-        return Tracker(
-            enabled=enabled,
-            settings=cfg.wandb,
-            run_dir=run_dir,
-            run_id=run_id,
-            config=config_to_dict(cfg),
-            summary=summary,
-            start_step=step,
-        )
-
-    # W&B on rank 0; its refusal (an unwritable W&B directory: one line) stops every rank.
-    started: list[Tracker] = []
-    _on_main(denv, lambda: started.append(tracker(True)))
-    return (started[0] if started else tracker(False)), peak
-
-
-def run_dir_storage(run_dir: Path):
-    """A run_dir whose file system is full or cannot be written (ENOSPC, EDQUOT, EFBIG, EROFS,
-    EACCES) as one line naming the file and what to do (common.storage)."""
-    return storage_errors(
-        f"run_dir={run_dir}",
-        run_dir,
-        space="free some space there, or choose a run_dir on another file system",
-        access="choose a run_dir this user can write",
-    )
