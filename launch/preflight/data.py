@@ -14,7 +14,7 @@ from launch.resolve import DatasetHandle
 from launch.tasks import Task
 from pipeline import remote
 from pipeline.format import ManifestError, shard_entries
-from pipeline.load.epoch import DEFAULT_SOURCE
+from pipeline.load.mixture import DEFAULT_SOURCE
 
 
 def check_data(

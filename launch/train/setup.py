@@ -35,8 +35,8 @@ from model import Pretrained, build_model
 from model.warm_start import WarmStartError, warm_start
 from pipeline import remote
 from pipeline.format import ManifestError
-from pipeline.load.epoch import describe_mixture
 from pipeline.load.loader import ShardLoader
+from pipeline.load.mixture import describe_mixture
 
 
 def setup(cfg: TrainConfig) -> Run:

@@ -1,47 +1,31 @@
-"""Which samples make batch j of a rank, and when: the epoch's order as a pure function of
-(seed, epoch, global batch, micro batch, world size, rank, j), mixtures of sources, length
-groups, and reading the shards a batch touches. `pipeline.load.loader.ShardLoader` hands these
-batches out and keeps the state that resumes them.
+"""Which samples make batch j of a rank, and when: the epoch's order as a pure function of (seed,
+epoch, global batch, micro batch, world size, rank, j), mixtures of sources, length groups, and
+reading the shards a batch touches (the sources of a mixture: `pipeline.load.mixture`).
+`pipeline.load.loader.ShardLoader` hands these batches out and keeps the state that resumes
+them.
 
 The design and its reasons: docs/design.md#pipelineloadloaderpy.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from common.configure import UserError
 from pipeline import remote
 from pipeline.format import is_token_field
 from pipeline.load.collate import MLMMasking, pack
 from pipeline.load.config import global_batch_size
+from pipeline.load.mixture import Source
 from pipeline.load.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
 from pipeline.tokenizer import Specials
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.
 _SHARD_ORDER, _SAMPLE_ORDER, _MLM_MASK, FILLER, _MIXTURE, _LENGTH_GROUPS = 1, 2, 3, 4, 5, 6
-
-
-DEFAULT_SOURCE = "default"  # the source of shard records that name none (one-source datasets)
-
-
-@dataclass(frozen=True)
-class Source:
-    """One source's shards (manifest order) and what it gives each epoch of the stream."""
-
-    name: str
-    tag: int  # keeps its shard orders apart from the other sources' (a hash of the name)
-    shards: tuple[Shard, ...]
-    samples: int  # N_s, in its shards
-    per_epoch: int  # n_s: its samples in one epoch (N_s unmixed)
 
 
 def rank_epoch(spec: dict, epoch: int, first_batch: int) -> EpochBatches:
@@ -362,87 +346,6 @@ def _new_events() -> dict:
         "bad_samples": [],
         "tokens_by_source": {},
     }
-
-
-def epoch_sources(
-    by_source: dict[str, list[Shard]], mixture: dict[str, float], where: str
-) -> tuple[Source, ...]:
-    """The sources an epoch draws from: unmixed, one holding every shard in manifest order;
-    mixed, the named ones, each with its share of the epoch (see `mixture_shares`)."""
-    if not mixture:
-        shards = tuple(
-            sorted(
-                (shard for shards in by_source.values() for shard in shards), key=lambda s: s.index
-            )
-        )
-        total = sum(shard.samples for shard in shards)
-        return (
-            Source(
-                DEFAULT_SOURCE if len(by_source) != 1 else next(iter(by_source)),
-                0,
-                shards,
-                total,
-                total,
-            ),
-        )
-    unknown = [name for name in mixture if name not in by_source]
-    if unknown:
-        raise UserError(
-            f"data.mixture: {where} has no source {unknown[0]!r}; its sources: "
-            f"{', '.join(sorted(by_source))}"
-        )
-    for name, weight in mixture.items():
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise UserError(
-                f"data.mixture.{name}: a weight must be a positive number, got {weight!r}"
-            )
-    sizes = {name: sum(shard.samples for shard in by_source[name]) for name in mixture}
-    empty = [name for name, size in sizes.items() if size == 0]
-    if empty:
-        raise UserError(f"data.mixture: source {empty[0]!r} has no samples in {where}")
-    shares = mixture_shares(sizes, mixture)
-    return tuple(
-        Source(name, _name_tag(name), tuple(by_source[name]), sizes[name], shares[name])
-        for name in mixture
-    )
-
-
-def mixture_shares(sizes: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
-    """Samples per epoch of each source: the epoch has as many samples as the sources together,
-    divided in proportion to the weights, rounded by largest remainder (ties to the earlier
-    name in `weights`), so the counts add up exactly."""
-    total, weight_sum = sum(sizes.values()), sum(weights.values())
-    exact = {name: total * weight / weight_sum for name, weight in weights.items()}
-    shares = {name: int(math.floor(value)) for name, value in exact.items()}
-    names = list(weights)
-    by_remainder = sorted(
-        names, key=lambda name: (-(exact[name] - shares[name]), names.index(name))
-    )
-    for name in by_remainder[: total - sum(shares.values())]:
-        shares[name] += 1
-    return shares
-
-
-def describe_mixture(sources: tuple[Source, ...]) -> str:
-    total = sum(source.per_epoch for source in sources)
-    return ", ".join(
-        f"{s.name} {s.per_epoch / total:.3f} ({s.per_epoch} of {total} samples per epoch, "
-        f"{s.per_epoch / s.samples:.2f} passes over its {s.samples})"
-        for s in sources
-    )
-
-
-def describe_shares(per_epoch: dict[str, int] | None) -> str:
-    if not per_epoch:
-        return "every source as it is (no mixture)"
-    total = sum(per_epoch.values())
-    return (
-        "{" + ", ".join(f"{name}: {count / total:.3f}" for name, count in per_epoch.items()) + "}"
-    )
-
-
-def _name_tag(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def seeded_rng(*key: int) -> np.random.Generator:

@@ -33,15 +33,12 @@ from pipeline.format import (
 )
 from pipeline.load.collate import MLMMasking, unpack
 from pipeline.load.config import LoaderConfig, global_batch_size
-from pipeline.load.epoch import (
+from pipeline.load.epoch import FILLER, EpochBatches, rank_epoch, seeded_rng
+from pipeline.load.mixture import (
     DEFAULT_SOURCE,
-    FILLER,
-    EpochBatches,
     describe_mixture,
     describe_shares,
     epoch_sources,
-    rank_epoch,
-    seeded_rng,
 )
 from pipeline.load.shards import Shard, sample_fields
 

@@ -12,8 +12,8 @@ import pytest
 
 from common.configure import UserError
 from pipeline.format import FIELDS, sample_key, shard_name, write_shard
-from pipeline.load.epoch import mixture_shares
 from pipeline.load.loader import ShardLoader
+from pipeline.load.mixture import mixture_shares
 from pipeline.tokenizer import sentencepiece_specials
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
 
