@@ -1,4 +1,4 @@
-"""Tiny prepared datasets for tests: real shards written with `pipeline.format.write_shard`.
+"""Tiny prepared datasets for tests: real shards written with `pipeline.shard_tar.write_shard`.
 
 Packed samples carry their id in the first token (`FIRST_ID + id`), so a test can tell which
 samples a batch holds; the rest are random non-special ids with an `</s>` now and then, as in
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.format import FORMAT_VERSION, MANIFEST, sample_key, shard_name, write_shard
+from pipeline.format import FORMAT_VERSION, MANIFEST, sample_key, shard_name
+from pipeline.shard_tar import write_shard
 from pipeline.tokenizer import sentencepiece_specials
 
 SP = sentencepiece_specials()  # the project's SentencePiece layout

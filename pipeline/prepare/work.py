@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline.format import SPLITS, ShardWriter, sample_key, shard_name, shard_sets, token_dtype
+from pipeline.format import SPLITS, sample_key, shard_name, shard_sets, token_dtype
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.curate.decisions import Curation, NearDuplicates, decontaminated
 from pipeline.prepare.curate.documents import DocumentStages
@@ -26,6 +26,7 @@ from pipeline.prepare.rss import peak_rss_mb, reset_peak_rss
 from pipeline.prepare.sources import source_list
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces
 from pipeline.prepare.units import Unit, clean_text, text_hash
+from pipeline.shard_tar import ShardWriter
 from pipeline.tokenizer import Tokenizer, tokenizer_from_files
 
 MONO, PAIRS = "mono", "pairs"

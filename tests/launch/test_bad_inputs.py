@@ -22,7 +22,8 @@ from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
 from common.hashing import file_sha256
 from launch.config import TrainConfig, config_problems
 from model import ModelConfig, build_model
-from pipeline.format import sample_key, write_shard
+from pipeline.format import sample_key
+from pipeline.shard_tar import write_shard
 from pipeline.tokenizer import SENTENCEPIECE_FILE
 
 # ----------------------------------------------------------------------------- item 4, training

@@ -311,8 +311,9 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
     written before doc_starts) whose samples also hold doc_starts, listed in the manifest."""
     import json
 
-    from pipeline.format import decode_array, write_shard
+    from pipeline.format import decode_array
     from pipeline.load.shards import Shard, read_shard
+    from pipeline.shard_tar import write_shard
     from pipeline.tokenizer import sentencepiece_specials
 
     eos = sentencepiece_specials().eos

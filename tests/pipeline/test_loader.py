@@ -18,10 +18,11 @@ import torch
 from batches import UNEVEN, assert_same_batches
 
 from common.configure import UserError
-from pipeline.format import BATCH_FIELDS, write_shard
+from pipeline.format import BATCH_FIELDS
 from pipeline.load import epoch as epoch_module  # where a batch reads its shards
 from pipeline.load.config import LoaderConfig
 from pipeline.load.loader import ShardLoader
+from pipeline.shard_tar import write_shard
 from pipeline.tokenizer import sentencepiece_specials
 from tests.shardtools import (
     FIRST_ID,

@@ -546,8 +546,9 @@ def test_shard_writer_writes_what_webdataset_tarwriter_writes_and_scan_tar_vouch
     translation samples and an empty shard; the sha256 taken while writing is the file's."""
     import io
 
-    from pipeline.format import encode_array, write_shard
+    from pipeline.format import encode_array
     from pipeline.load.shards import scan_tar
+    from pipeline.shard_tar import write_shard
 
     rng = np.random.default_rng(0)
     packed = [
