@@ -17,10 +17,14 @@ import argparse
 import ast
 import io
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from importgraph import runtime_nodes  # noqa: E402
+
 PACKAGES = ("common", "pipeline", "model", "launch")
 FILE_LIMIT = 450
 # (importer prefix, imported prefix): ties that should not exist
@@ -53,18 +57,6 @@ def sources(rev: str | None) -> dict[str, str]:
 def module_of(path: str) -> str:
     parts = Path(path).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def runtime_nodes(tree: ast.AST):
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
 
 
 def shape(files: dict[str, str]) -> dict:

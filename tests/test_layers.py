@@ -23,6 +23,8 @@ helper modules that are not test files (tests/repo.py, tests/trainruns.py, ...).
 import ast
 from pathlib import Path
 
+from importgraph import runtime_nodes
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "pipeline", "model", "launch")
 # What each package may import of the others.
@@ -39,22 +41,6 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of `tree` except those under `if TYPE_CHECKING:`."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if (
-                isinstance(child, ast.If)
-                and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING"
-            ):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
-
-
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """{module: the project modules it imports}, for every module of PACKAGES under `root`."""
     files = {
@@ -66,7 +52,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
