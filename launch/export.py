@@ -52,6 +52,7 @@ from common.configure import (
 )
 from common.hashing import file_sha256
 from common.lock import dir_lock
+from common.optional import need
 from common.outputs import (
     check_replaceable,
     clear_leftovers,
@@ -238,6 +239,7 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "ours") -> dic
     run = read_run_checkpoint(checkpoint)
     check_tokenizer(run)
     if format == "hf":
+        need("transformers", "format=hf")
         check_hf_exportable(run.config.model)
     record = provenance(run)
     with (

@@ -27,6 +27,7 @@ import torch
 
 from common.configure import UserError, show
 from common.hashing import file_sha256
+from common.optional import need
 from launch.config import TrainConfig
 from launch.model_dir import CONFIG, load_model_dir, read_json, read_model_config
 from launch.tasks import TASKS
@@ -114,7 +115,7 @@ def model_config(directory: str) -> ModelConfig:
         raise UserError(f"init.model: {directory} is not a directory")
     if not is_hf_dir(directory):
         return read_model_config(Path(directory))[1]
-    import transformers
+    transformers = need("transformers", f"init.model={directory} (a Hugging Face directory)")
 
     from model.hf import config_from_hf_bert, config_from_hf_gpt2
     from model.hf_decoders import FAMILIES, config_from_hf_decoder

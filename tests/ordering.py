@@ -37,6 +37,9 @@ COSTLIEST_FIRST = [
     "launch/test_llama_train.py",  # 136
     # 49 alone at load ~1 (not measured in `make test`): four 20-step runs, eight exports
     "launch/test_decoder_families.py",
+    # 33 alone at load ~1 (not measured in `make test`): a prepare and a tiny run without
+    # transformers
+    "launch/test_optional_packages.py",
     "launch/test_preflight.py",  # 123
     "test_out_of_space.py",  # about 90, alone, on a loaded machine (not in the aef99cf measurement)
     "pipeline/test_tokenizer_kinds.py",  # 99
