@@ -129,7 +129,7 @@ def resolve_config(args: argparse.Namespace):
     from common.configure import load_config
     from launch.config import TrainConfig, check_config
     from launch.preconditions import with_data_tokenizer
-    from pipeline.tokenizer import Specials
+    from pipeline.specials import Specials
 
     cfg = load_config(
         TrainConfig,

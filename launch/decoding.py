@@ -27,7 +27,8 @@ from launch.config import TrainConfig
 from launch.export import read_run_checkpoint, target_tokenizer_in
 from launch.model_dir import CONFIG, WEIGHTS, load_model_dir, read_model_config
 from model import ModelConfig, Seq2Seq, build_model
-from pipeline.tokenizer import Specials, load_tokenizer, tokenizer_file_in
+from pipeline.specials import Specials
+from pipeline.tokenizer import load_tokenizer, tokenizer_file_in
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 `AutoTokenizer.from_pretrained(DIR)` then encodes as `SentencePieceProcessor.encode` does, plus
 the frame training put around the model's inputs when asked (`frame`: a translation source's
 `text </s>`, as `tokenizer(text)` adds it by default), decodes as `decode` does, and names our
-reserved ids (`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens.
+reserved ids (`pipeline.specials.SENTENCEPIECE_SPECIALS`) as its pad/unk/bos/eos/mask/sep tokens.
 Each step SentencePiece takes is rebuilt with the `tokenizers` library (its own character map, its
 whitespace rules, one lattice per text, pieces text never produces kept out of the lattice, byte
 fallback), which is what the generic conversions get wrong (transformers #25316, #28370): see
@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, SentencePieceTokenizer
+from pipeline.specials import SENTENCEPIECE_SPECIALS
+from pipeline.tokenizer import SentencePieceTokenizer
 
 # Score of the pieces text never produces: below any path of real pieces (each scores above -100
 # per character in a model of a few million pieces at most), above -inf so the lattice stays finite.

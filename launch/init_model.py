@@ -33,7 +33,8 @@ from launch.model_dir import CONFIG, load_model_dir, read_json, read_model_confi
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.config import TRAINING_ONLY_FIELDS
-from pipeline.tokenizer import difference, load_tokenizer, tokenizer_file_in
+from pipeline.tokenizer import load_tokenizer, tokenizer_file_in
+from pipeline.tokenizer_identity import difference
 
 # A Hugging Face config's special ids may not fit the model's vocabulary (GPT2Config's default
 # 50256 in a smaller one): they stand in these placeholders until the trainer sets the dataset's
@@ -167,10 +168,10 @@ def check_tokenizer(
     a translation dataset, "source" or "target", for the message; `key`: the config key that named
     the directory).
 
-    A tokenizer is known by the ids it gives (`pipeline.tokenizer.difference`: its vocabulary, its
-    special ids, its ids on a sample), not by its file's bytes: the same sha256 is answer enough,
-    another one is compared by its ids. An export of ours records the sha256 it was trained with;
-    its copy of that tokenizer (the file of that sha256) is what is compared then."""
+    A tokenizer is known by the ids it gives (`pipeline.tokenizer_identity.difference`: its
+    vocabulary, its special ids, its ids on a sample), not by its file's bytes: the same sha256 is
+    answer enough, another one is compared by its ids. An export of ours records the sha256 it was
+    trained with; its copy of that tokenizer (the file of that sha256) is what is compared then."""
     dataset_sha256 = file_sha256(dataset_tokenizer)
     whose = f"the dataset's {side} tokenizer" if side else "the dataset's tokenizer"
     if not is_hf_dir(directory):

@@ -35,7 +35,7 @@ from pipeline.format import (
 )
 from pipeline.load.collate import pack, unpack
 from pipeline.load.shards import Shard, ShardError, read_shard, stored_fields
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 TRAINING_SPLITS = ("train", "valid")  # what the trainer reads; test stays for evaluation
 

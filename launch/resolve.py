@@ -28,7 +28,7 @@ from pipeline.format import (
     tokenizer_files,
     vocabulary_problem,
 )
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,15 @@ import numpy as np
 
 from common.configure import UserError
 from pipeline import remote
+from pipeline.specials import Specials
 from pipeline.tokenizer import (
     KINDS,
     SENTENCEPIECE_FILE,
-    Specials,
     Tokenizer,
-    difference,
     load_tokenizer,
     tokenizer_from_files,
 )
+from pipeline.tokenizer_identity import difference
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -140,7 +140,7 @@ def dataset_tokenizer_difference(
 ) -> str | None:
     """None if the tokenizer at `path` (a file, or a directory holding one) is one side's tokenizer
     of the dataset, else what differs, in words: a tokenizer is known by the ids it gives
-    (`pipeline.tokenizer.difference`), the same file as the manifest records (sha256) being
+    (`pipeline.tokenizer_identity.difference`), the same file as the manifest records (sha256) being
     answer enough."""
     path = Path(path)
     file = path if path.is_file() else path / posixpath.basename(tokenizer_files(manifest, side)[0])

@@ -14,18 +14,19 @@ code that knows the fixed layout (tests/pipeline/test_tokenizer_kinds.py checks 
 
 A tokenizer's `vocab_size` is its id range, highest id + 1 (a Hugging Face vocabulary's ids may
 have gaps; tests/pipeline/test_tokenizer_ids.py). Two tokenizers are the same when they give the
-same ids (`difference`: vocabulary, special ids, a sample's ids), whatever their files' bytes.
+same ids (`pipeline.tokenizer_identity.difference`: vocabulary, special ids, a sample's ids),
+whatever their files' bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from common.configure import UserError
+from pipeline.specials import ROLES, SENTENCEPIECE_SPECIALS, Frame, Specials, sentencepiece_specials
 
 KINDS = ("sentencepiece", "hf")
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -33,118 +34,6 @@ HF_FILE = "tokenizer.json"
 # What of a Hugging Face tokenizer directory travels with it (the ids are tokenizer.json's; the
 # other two name its special tokens and its class).
 HF_FILES = (HF_FILE, "tokenizer_config.json", "special_tokens_map.json")
-# The roles a special token plays, in the order of the SentencePiece layout's ids.
-ROLES = ("pad", "unk", "bos", "eos", "mask", "sep")
-# The SentencePiece kind's reserved pieces, ids 0-5 in ROLES' order.
-SENTENCEPIECE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>", "<sep>")
-
-Frame = tuple[tuple[int, ...], tuple[int, ...]]  # (ids before a text, ids after it)
-
-
-@dataclass(frozen=True)
-class Specials:
-    """A tokenizer's special tokens: each role's id (None: the tokenizer has none), every special
-    id (never masked, never drawn as MLM's random replacement), the language tags, and the frames
-    the pipeline puts around a text: a pretraining document, a translation source and target.
-
-    The rules for what a tokenizer lacks: no pad (GPT-2) -> `pad_id` is another special id, which
-    no loss reads (padding is masked out of attention and labels by length, never by id); no mask
-    -> MLM is refused (`require`); no bos -> a document is framed as the tokenizer's own
-    post-processor frames a text, with eos after it (GPT-2: `text <|endoftext|>`), and a target
-    starts with eos (GPT-2's decoder start)."""
-
-    pad: int | None = None
-    unk: int | None = None
-    bos: int | None = None
-    eos: int | None = None
-    mask: int | None = None
-    sep: int | None = None
-    ids: tuple[int, ...] = ()
-    lang_tags: dict[str, int] = field(default_factory=dict)
-    document: Frame = ((), ())
-    source: Frame = ((), ())
-    target: Frame = ((), ())
-
-    @property
-    def pad_id(self) -> int:
-        """The id padding is written with: the pad token, else the first other special id."""
-        for value in (self.pad, self.eos, self.unk, *self.ids):
-            if value is not None:
-                return value
-        return 0
-
-    @property
-    def document_end(self) -> int:
-        """The last token of a packed document (ours </s>, GPT-2's <|endoftext|>, BERT's [SEP])."""
-        _, after = self.document
-        return after[-1] if after else self.require("eos", "the end of a document")
-
-    @property
-    def document_prefix(self) -> int:
-        """The token a document's first token follows in packed data: the last of the tokenizer's
-        document prefix (Llama's <s>), else the previous document's end."""
-        before, _ = self.document
-        return before[-1] if before else self.document_end
-
-    def require(self, role: str, why: str) -> int:
-        value = getattr(self, role)
-        if value is None:
-            raise UserError(f"the tokenizer has no {role} token, which {why} needs")
-        return value
-
-    def to_manifest(self) -> dict:
-        return {
-            **{role: getattr(self, role) for role in ROLES},
-            "ids": list(self.ids),
-            "lang_tags": dict(self.lang_tags),
-            "frames": {
-                name: [list(before), list(after)]
-                for name, (before, after) in (
-                    ("document", self.document),
-                    ("source", self.source),
-                    ("target", self.target),
-                )
-            },
-        }
-
-    @classmethod
-    def from_manifest(cls, info: dict) -> Specials:
-        """From a manifest's `tokenizer` entry; one written before the entry held `specials`
-        (a SentencePiece dataset of the fixed layout) gets that layout."""
-        entry = info.get("specials")
-        if entry is None:
-            return sentencepiece_specials(dict(info.get("lang_tags", {})))
-        frames = entry.get("frames", {})
-        return cls(
-            **{role: entry.get(role) for role in ROLES},
-            ids=tuple(entry.get("ids", ())),
-            lang_tags=dict(entry.get("lang_tags", {})),
-            **{
-                name: (tuple(frames[name][0]), tuple(frames[name][1]))
-                for name in ("document", "source", "target")
-                if name in frames
-            },
-        )
-
-
-def sentencepiece_specials(lang_tags: dict[str, int] | None = None) -> Specials:
-    """The fixed layout of the project's SentencePiece models: a document and a source end with
-    </s>, a target is `<s> text </s>`."""
-    pad, unk, bos, eos, mask, sep = range(len(SENTENCEPIECE_SPECIALS))
-    tags = dict(lang_tags or {})
-    return Specials(
-        pad=pad,
-        unk=unk,
-        bos=bos,
-        eos=eos,
-        mask=mask,
-        sep=sep,
-        ids=tuple(sorted({pad, unk, bos, eos, mask, sep, *tags.values()})),
-        lang_tags=tags,
-        document=((), (eos,)),
-        source=((), (eos,)),
-        target=((bos,), (eos,)),
-    )
 
 
 class Tokenizer:
@@ -434,88 +323,6 @@ def _frame_of(framed: list[int], plain: list[int]) -> Frame:
         if framed[start : start + len(plain)] == plain:
             return tuple(framed[:start]), tuple(framed[start + len(plain) :])
     return (), ()
-
-
-# What two tokenizers are compared on besides their vocabularies and special ids (`difference`):
-# these texts (prose in a few scripts, digits, code, runs of whitespace), every entry of the first
-# one's vocabulary as text, sentences of SAMPLE_SENTENCE_PIECES consecutive entries, and runs of
-# characters a vocabulary rarely holds (for its byte pieces: private use, Cyrillic, CJK, emoji).
-IDENTITY_TEXTS = (
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "Die kleine Katze öffnet das Fenster, und der alte Hund schläft. Straße, naïve café.",
-    "  two  spaces\tand a tab\nand a new line   ",
-    "def f(x):\n    return x ** 2  # 3.14159, 1,000,000 and 42%",
-    "Ελληνικά, русский, 日本語, 中文, 한국어 🙂",
-    "",
-)
-SAMPLE_SENTENCE_PIECES = 12
-_RARE_RUNS = (0xE000, 0xE040, 0x0400, 0x4E00, 0x1F600)
-
-
-def identity_sample(tokenizer: Tokenizer) -> list[str]:
-    """The texts on which `difference` compares another tokenizer's ids with `tokenizer`'s."""
-    words = tokenizer.vocabulary_texts()
-    sentences = [
-        "".join(words[i : i + SAMPLE_SENTENCE_PIECES])
-        for i in range(0, len(words), SAMPLE_SENTENCE_PIECES)
-    ]
-    rare = ["".join(map(chr, range(start, start + 64))) for start in _RARE_RUNS]
-    return [*IDENTITY_TEXTS, *words, *sentences, *rare]
-
-
-def difference(
-    ours: Tokenizer, theirs: Tokenizer, names: tuple[str, str] = ("here", "there")
-) -> str | None:
-    """None when the two are one tokenizer by the ids they give, else the first thing that differs,
-    in words (`names`: how the line calls `ours` and `theirs`): the vocabulary (each entry's id),
-    the id of each special role both name, the ids of each text of `identity_sample(ours)`.
-
-    A tokenizer is known by its ids, not by its file's bytes: transformers rewrites a
-    tokenizer.json it saves (with the truncation and padding of its last call, in its own layout)
-    without changing an id. Equal hashes of the same kind's file are answer enough for the ids."""
-    here, there = names
-    same_file = ours.kind == theirs.kind and ours.sha256 == theirs.sha256
-    if not same_file:
-        found = _vocabulary_difference(ours.vocabulary(), theirs.vocabulary())
-        if found is not None:
-            token_id, mine, other = found
-            return f"id {token_id} is {_entries(mine)} {here}, {_entries(other)} {there}"
-    for role in ROLES:
-        mine, other = getattr(ours.specials, role), getattr(theirs.specials, role)
-        if mine is not None and other is not None and mine != other:
-            return f"the {role} token is id {mine} {here}, id {other} {there}"
-    if same_file:
-        return None
-    sample = identity_sample(ours)
-    for text, mine, other in zip(sample, ours.encode_batch(sample), theirs.encode_batch(sample)):
-        if mine != other:
-            return f"{text[:40]!r} is {_ids(mine)} {here}, {_ids(other)} {there}"
-    return None
-
-
-def _vocabulary_difference(
-    ours: dict[str, int], theirs: dict[str, int]
-) -> tuple[int, list[str], list[str]] | None:
-    """The lowest id whose entries differ between two vocabularies, with each one's entries."""
-    if ours == theirs:
-        return None
-    by_id: dict[int, tuple[list[str], list[str]]] = {}
-    for side, vocabulary in enumerate((ours, theirs)):
-        for token, token_id in vocabulary.items():
-            by_id.setdefault(token_id, ([], []))[side].append(token)
-    for token_id in sorted(by_id):
-        mine, other = (sorted(entries) for entries in by_id[token_id])
-        if mine != other:
-            return token_id, mine, other
-    return None
-
-
-def _entries(tokens: list[str]) -> str:
-    return " / ".join(repr(token) for token in tokens) if tokens else "no entry"
-
-
-def _ids(ids: list[int]) -> str:
-    return str(ids[:8])[:-1] + ", ...]" if len(ids) > 8 else str(ids)
 
 
 def kind_of(path: str | Path) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline.format import FORMAT_VERSION, MANIFEST, sample_key, shard_name
 from pipeline.shard_tar import write_shard
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 
 SP = sentencepiece_specials()  # the project's SentencePiece layout
 

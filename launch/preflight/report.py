@@ -9,7 +9,7 @@ from typing import Any
 from launch.preconditions import TargetSide
 from launch.resolve import Problem
 from model import ModelConfig
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 SHOWN_SHARDS = 3  # shard names quoted per problem line; the count says how many in all
 

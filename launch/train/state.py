@@ -17,7 +17,7 @@ from launch.tracking import Tracker
 from launch.train.guard import Guard
 from launch.train.reduce import BucketedReduction
 from pipeline.load.loader import ShardLoader
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 
 def pack(

@@ -21,7 +21,7 @@ from pipeline.load.collate import MLMMasking, pack
 from pipeline.load.config import global_batch_size
 from pipeline.load.mixture import Source
 from pipeline.load.shards import Shard, ShardError, decode_sample, read_shard, sample_sizes
-from pipeline.tokenizer import Specials
+from pipeline.specials import Specials
 
 # Tags that keep the seeded streams apart: the shard order, the in-shard orders and the MLM masks
 # must not be drawn from the same numbers even when their other key parts coincide.

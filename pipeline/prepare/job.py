@@ -91,10 +91,10 @@ from pipeline.prepare.train_tokenizer import BottomKSample, train
 from pipeline.prepare.units import Unit, stream_chunks
 from pipeline.tokenizer import (
     Tokenizer,
-    difference,
     load_tokenizer,
     tokenizer_from_files,
 )
+from pipeline.tokenizer_identity import difference
 
 USAGE = "usage: python -m pipeline.prepare CONFIG.yaml [key.sub=value ...]"
 LOCK_SUFFIX = ".lock"  # OUTPUT_DIR.lock: held for the run, so that one output has one writer

@@ -5,7 +5,7 @@ the `tokenizers` library.
 The model is trained on a sample capped at `sample_texts` texts: the ones with the smallest
 salted hashes ("bottom-k" sampling), which is reproducible, independent of input order and of how
 the corpus is split over workers, and needs memory for the sample only. Its reserved ids are
-`pipeline.tokenizer.SENTENCEPIECE_SPECIALS`, in that order, then the language tags.
+`pipeline.specials.SENTENCEPIECE_SPECIALS`, in that order, then the language tags.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sentencepiece as spm
 
 from common.configure import UserError
 from pipeline.prepare.config import TokenizerConfig
-from pipeline.tokenizer import HF_FILE, SENTENCEPIECE_FILE, SENTENCEPIECE_SPECIALS
+from pipeline.specials import SENTENCEPIECE_SPECIALS
+from pipeline.tokenizer import HF_FILE, SENTENCEPIECE_FILE
 
 
 class BottomKSample:

@@ -25,11 +25,8 @@ from model import ModelConfig, StackConfig, build_model  # noqa: E402
 from model.hf_dir import hf_config_for, load_hf_dir  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
 from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
-from pipeline.tokenizer import (  # noqa: E402
-    SENTENCEPIECE_FILE,
-    load_tokenizer,
-    sentencepiece_specials,
-)
+from pipeline.specials import sentencepiece_specials  # noqa: E402
+from pipeline.tokenizer import SENTENCEPIECE_FILE, load_tokenizer  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)

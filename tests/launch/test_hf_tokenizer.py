@@ -17,7 +17,8 @@ from launch.hf_tokenizer import save_hf_tokenizer  # noqa: E402
 from pipeline.prepare.config import TokenizerConfig  # noqa: E402
 from pipeline.prepare.readers import read_mo  # noqa: E402
 from pipeline.prepare.train_tokenizer import train_tokenizer  # noqa: E402
-from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, load_tokenizer  # noqa: E402
+from pipeline.specials import SENTENCEPIECE_SPECIALS  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 # The default corpus's languages, and scripts its vocabulary mostly lacks.
 CORPUS_LANGS = ("de",)

@@ -70,7 +70,7 @@ def train(data: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedPro
 
 
 def test_a_tokenizer_saved_again_is_the_same_by_its_ids(hf_layouts, resaved, tmp_path):
-    from pipeline.tokenizer import difference  # here: the end-to-end tests run without it
+    from pipeline.tokenizer_identity import difference  # here: the end-to-end tests run without it
 
     original = hf_layouts["gpt2"] / "tokenizer.json"
     assert file_sha256(resaved / "tokenizer.json") != file_sha256(original)

@@ -33,7 +33,7 @@ from launch.preconditions import check_writable_dir, data_fits_model, input_posi
 from model import ModelConfig
 from pipeline.format import FIELDS, MANIFEST, decode_array, read_manifest
 from pipeline.load.shards import Shard, read_shard
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 
 PYTHON = sys.executable
 LINUX = pytest.mark.skipif(

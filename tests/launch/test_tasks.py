@@ -10,7 +10,7 @@ from launch.tasks import TASKS
 from model import ModelConfig, ModelOutput, build_model, training_flops
 from model.loss import IGNORE_INDEX
 from pipeline.format import BATCH_FIELDS, DATASET_FOR_TASK
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 
 SP = sentencepiece_specials()  # the project's SentencePiece layout
 

@@ -22,7 +22,7 @@ from launch.decoding import length_sorted_batches, source_ids
 from launch.evaluate import rank_batches, read_pairs, score
 from launch.main.plan import torchrun
 from pipeline.format import read_manifest
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 
 SP = sentencepiece_specials()  # the project's SentencePiece layout
 

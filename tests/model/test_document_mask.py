@@ -267,7 +267,7 @@ def test_flex_attention_and_compiled_blocks_after_the_trainers_tf32_setting():
 
 def test_collate_numbers_documents_from_doc_starts():
     from pipeline.load.collate import pack, unpack
-    from pipeline.tokenizer import sentencepiece_specials
+    from pipeline.specials import sentencepiece_specials
 
     samples = [
         [np.array([9, 9, 3, 9, 3, 9], np.uint16), np.array([0, 3, 5], np.uint16)],
@@ -314,7 +314,7 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
     from pipeline.format import decode_array
     from pipeline.load.shards import Shard, read_shard
     from pipeline.shard_tar import write_shard
-    from pipeline.tokenizer import sentencepiece_specials
+    from pipeline.specials import sentencepiece_specials
 
     eos = sentencepiece_specials().eos
 

@@ -23,7 +23,7 @@ from pipeline.load import epoch as epoch_module  # where a batch reads its shard
 from pipeline.load.config import LoaderConfig
 from pipeline.load.loader import ShardLoader
 from pipeline.shard_tar import write_shard
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 from tests.shardtools import (
     FIRST_ID,
     TOKENIZER_SHA256,

@@ -15,7 +15,7 @@ from pipeline.format import FIELDS, sample_key, shard_name
 from pipeline.load.loader import ShardLoader
 from pipeline.load.mixture import mixture_shares
 from pipeline.shard_tar import write_shard
-from pipeline.tokenizer import sentencepiece_specials
+from pipeline.specials import sentencepiece_specials
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
 
 SP = sentencepiece_specials()  # the project's SentencePiece layout

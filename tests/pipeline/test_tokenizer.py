@@ -8,7 +8,8 @@ from corpora import synthetic_pairs
 from common.configure import UserError
 from pipeline.prepare.config import TokenizerConfig
 from pipeline.prepare.train_tokenizer import BottomKSample, train_tokenizer
-from pipeline.tokenizer import SENTENCEPIECE_SPECIALS, SentencePieceTokenizer, _in_thread_binding
+from pipeline.specials import SENTENCEPIECE_SPECIALS
+from pipeline.tokenizer import SentencePieceTokenizer, _in_thread_binding
 
 
 @pytest.fixture(scope="module")
