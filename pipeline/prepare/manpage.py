@@ -9,136 +9,12 @@ import re
 import unicodedata
 from collections import Counter
 
+from pipeline.prepare.roff_glyphs import ACCENTS, GLYPHS, GREEK, PREDEFINED_STRINGS
+
 # Sections whose text is command syntax rather than prose (English and manpages-de's German).
 SKIPPED_SECTIONS = frozenset({"SYNOPSIS", "SYNTAX", "ÜBERSICHT", "SYNOPSE"})
 
 _JOIN = "\x00"  # left by \c: the next input line continues this word, without a space
-
-_PREDEFINED_STRINGS = {"R": "®", "Tm": "™", "lq": "“", "rq": "”"}
-
-# groff_char(7) names of the glyphs man pages use; accented letters are composed below.
-_GLYPHS = {
-    "em": "—",
-    "en": "–",
-    "hy": "-",
-    "mi": "-",
-    "aq": "'",
-    "dq": '"',
-    "lq": "“",
-    "rq": "”",
-    "oq": "‘",
-    "cq": "’",
-    "bq": "‚",
-    "Bq": "„",
-    "Fo": "«",
-    "Fc": "»",
-    "fo": "‹",
-    "fc": "›",
-    "bu": "•",
-    "co": "(c)",
-    "rg": "®",
-    "tm": "™",
-    "sc": "§",
-    "ps": "¶",
-    "dg": "†",
-    "dd": "‡",
-    "de": "°",
-    "pl": "+",
-    "mu": "×",
-    "di": "÷",
-    "+-": "±",
-    "<=": "≤",
-    ">=": "≥",
-    "!=": "≠",
-    "==": "≡",
-    "~=": "≅",
-    "ap": "~",
-    "->": "→",
-    "<-": "←",
-    "<>": "↔",
-    "=>": "⇒",
-    "lA": "⇐",
-    "rA": "⇒",
-    "ua": "↑",
-    "da": "↓",
-    "**": "*",
-    "ga": "`",
-    "aa": "´",
-    "ti": "~",
-    "ha": "^",
-    "a^": "^",
-    "a~": "~",
-    "ad": "¨",
-    "ba": "|",
-    "or": "|",
-    "br": "|",
-    "sl": "/",
-    "rs": "\\",
-    "lB": "[",
-    "rB": "]",
-    "lC": "{",
-    "rC": "}",
-    "la": "⟨",
-    "ra": "⟩",
-    "at": "@",
-    "sh": "#",
-    "Do": "$",
-    "Eu": "€",
-    "eu": "€",
-    "Po": "£",
-    "Ye": "¥",
-    "ct": "¢",
-    "r!": "¡",
-    "r?": "¿",
-    "ss": "ß",
-    "ae": "æ",
-    "AE": "Æ",
-    "oe": "œ",
-    "OE": "Œ",
-    "/o": "ø",
-    "/O": "Ø",
-    "oa": "å",
-    "oA": "Å",
-    "12": "½",
-    "14": "¼",
-    "34": "¾",
-    "S1": "¹",
-    "S2": "²",
-    "S3": "³",
-    "fm": "′",
-    "sd": "″",
-    "ul": "_",
-    "ru": "_",
-    "rn": "‾",
-    "sq": "□",
-    "ci": "○",
-    "OK": "✓",
-    "rh": "☞",
-    "lh": "☜",
-    "if": "∞",
-    "tno": "~",
-    "pc": "·",
-    "md": "⋅",
-    "bv": "|",
-    "-D": "Ð",
-    "Sd": "ð",
-    "TP": "Þ",
-    "Tp": "þ",
-    "IJ": "Ĳ",
-    "ij": "ĳ",
-    ".i": "ı",
-}
-# \(:a, \('e, \(`a, \(^o, \(~n, \(,c: the letter with a combining mark, composed by NFC.
-_ACCENTS = {
-    ":": "\u0308",
-    "'": "\u0301",
-    "`": "\u0300",
-    "^": "\u0302",
-    "~": "\u0303",
-    ",": "\u0327",
-    "v": "\u030c",
-}
-_GREEK = dict(zip("abgdezyhiklmncoprstufxqw", "αβγδεζηθικλμνξοπρστυφχψω"))
 
 # One escape: \(xx and \[name] glyphs, \* strings, escapes taking a one-character, (xx or
 # [name] argument (font, colour, register, mark...), \s sizes, escapes with a delimited
@@ -258,12 +134,12 @@ def _arguments(rest: str) -> list[str]:
 
 
 def _named_glyph(name: str) -> str:
-    if name in _GLYPHS:
-        return _GLYPHS[name]
-    if len(name) == 2 and name[0] in _ACCENTS and name[1].isalpha():
-        return unicodedata.normalize("NFC", name[1] + _ACCENTS[name[0]])
-    if len(name) == 2 and name[0] == "*" and name[1].lower() in _GREEK:
-        letter = _GREEK[name[1].lower()]
+    if name in GLYPHS:
+        return GLYPHS[name]
+    if len(name) == 2 and name[0] in ACCENTS and name[1].isalpha():
+        return unicodedata.normalize("NFC", name[1] + ACCENTS[name[0]])
+    if len(name) == 2 and name[0] == "*" and name[1].lower() in GREEK:
+        letter = GREEK[name[1].lower()]
         return letter.upper() if name[1].isupper() else letter
     if name.startswith("u") and len(name) > 1:  # \[u00E9], \[u0065_0301]
         try:
@@ -293,7 +169,7 @@ class _Page:
         self.min_words, self.stats = min_words, stats
         self.paragraphs: list[str] = []
         self.current: list[str] = []
-        self.strings = dict(_PREDEFINED_STRINGS)
+        self.strings = dict(PREDEFINED_STRINGS)
         self.macros: dict[str, str] = {}  # user macro -> its effect: "nf", "fi", "break" or ""
         self.translate: dict[int, str] = {}
         self.nofill = self.skip_section = False
