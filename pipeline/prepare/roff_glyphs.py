@@ -3,7 +3,7 @@ strings, the accents composed onto a letter, the Greek letters (`pipeline.prepar
 
 PREDEFINED_STRINGS = {"R": "®", "Tm": "™", "lq": "“", "rq": "”"}
 
-# groff_char(7) names of the glyphs man pages use; accented letters are composed below.
+# groff_char(7) names of the glyphs man pages use; accented letters are composed from ACCENTS.
 GLYPHS = {
     "em": "—",
     "en": "–",
