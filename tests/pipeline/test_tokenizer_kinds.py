@@ -192,10 +192,12 @@ def test_bad_tokenizers_are_refused_in_one_line_and_nothing_is_written(
 
 
 # The names of the SentencePiece layout's fixed ids, and the modules that own that layout: the
-# tokenizer's own code, its training and its conversion to a Hugging Face fast tokenizer.
+# tokenizer's own code and its special tokens, its training and its conversion to a Hugging Face
+# fast tokenizer.
 FIXED_ID_NAMES = {"SENTENCEPIECE_SPECIALS", "sentencepiece_specials"}
 FIXED_ID_OWNERS = {
     "pipeline/tokenizer.py",
+    "pipeline/specials.py",
     "pipeline/prepare/train_tokenizer.py",
     "launch/hf_tokenizer.py",
 }
