@@ -127,8 +127,9 @@ def resolve_config(args: argparse.Namespace):
     """CONFIG with the bench's keys and the user's overrides; the vocabulary and the special ids
     from the dataset, as the trainer resolves them."""
     from common.configure import load_config
-    from launch.config import TrainConfig, check_config
+    from launch.config import TrainConfig
     from launch.preconditions import with_data_tokenizer
+    from launch.resolve import check_config
     from pipeline.specials import Specials
 
     cfg = load_config(

@@ -1,117 +1,38 @@
-"""Configuration schemas of the launch entry points: train, main, export,
-evaluate, translate, report.
+"""The entry points' configurations, assembled from their components' own sections: train,
+main, export, average, evaluate, translate, report.
 
-The run config embeds the model's (`model.config.ModelConfig`) and the loader's
-(`pipeline.load.config.LoaderConfig`) schemas; DeepSpeed's JSON is derived from it
-(`launch.deepspeed.config.deepspeed_config`), with the batch arithmetic done once in `BatchPlan`.
+Each component's section sits beside its code with the checks of its own fields: the model's
+(`model.config.ModelConfig`), the loader's (`pipeline.load.config.LoaderConfig`), the optimizer's
+and schedule's (`launch.optim_config`), DeepSpeed's (`launch.deepspeed.config`), the checkpoint's
+(`launch.checkpoint.config`), W&B's (`launch.tracking.WandbConfig`) and the guard's
+(`launch.train.guard.GuardConfig`). Checks that need two sections, or the task table, are the
+resolution route's (`launch.resolve.config_problems`). The batch arithmetic is done once in
+`BatchPlan`. No torch here: --help and the configuration reference load these schemas alone.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, List
+from typing import ClassVar, List
 
 from omegaconf import MISSING
 
 from common.configure import UserError
+from launch.checkpoint.config import CheckpointConfig, checkpoint_problems
+from launch.deepspeed.config import (
+    DeepSpeedConfig,
+    InferenceDeepSpeedConfig,
+    StageDeepSpeedConfig,
+    deepspeed_problems,
+)
+from launch.optim_config import OptimConfig, ScheduleConfig, optim_problems, schedule_problems
+from launch.tracking import WandbConfig, wandb_problems
+from launch.train.guard import GuardConfig, guard_problems
 from model.config import ModelConfig
-from pipeline.load.config import LoaderConfig
+from pipeline.load.config import LoaderConfig, loader_problems
 from pipeline.load.config import global_batch_size as samples_per_step
 
-if TYPE_CHECKING:  # the task table imports torch; the schemas here do not need it
-    from launch.tasks import Task
-
-PRECISIONS = ("fp32", "bf16", "fp16", "auto")
-ZERO_STAGES = (0, 1, 2, 3)  # deepspeed.zero_stage, of training and of inference alike
-DECAYS = ("cosine", "linear", "constant", "inverse_sqrt")
-
-
-# optim.implementation (launch.optim.adamw_kernels)
-ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 COMPILE_SCOPES = ("auto", "model", "blocks")  # compile_scope (`compile_scope_for`)
-
-
-@dataclass
-class OptimConfig:
-    # peak learning rate, reached after schedule.warmup_steps; with schedule.decay inverse_sqrt
-    # a scale on the paper's schedule (1.0 = Vaswani et al.: peak (d_model * warmup_steps)^-0.5)
-    lr: float = 3e-4
-    weight_decay: float = 0.1  # never on norms, biases or embeddings
-    beta1: float = 0.9  # AdamW's first-moment decay
-    beta2: float = 0.95  # AdamW's second-moment decay
-    eps: float = 1e-8  # AdamW's denominator epsilon
-    grad_clip: float = 1.0  # 0 disables clipping
-    # torch AdamW's kernel: auto (the fused one, on a GPU and on a CPU) | fused | foreach | for_loop
-    implementation: str = "auto"
-
-
-@dataclass
-class ScheduleConfig:
-    warmup_steps: int = 100  # linear warmup to optim.lr over this many optimizer steps
-    # cosine | linear | constant | inverse_sqrt: optim.lr * d_model^-0.5 * min(n^-0.5, n *
-    # warmup_steps^-1.5)
-    # at optimizer step n = 1, 2, ... (Vaswani et al. 2017; linear rise, then 1/sqrt decay)
-    decay: str = "cosine"
-    min_lr_ratio: float = 0.1  # the final lr as a fraction of optim.lr (cosine and linear)
-
-
-@dataclass
-class DeepSpeedConfig:
-    # 0, 1, 2 or 3. 0 on more than one rank: the trainer reduces the gradients during the
-    # backward (launch.train.reduce), the fastest for models whose states fit one device
-    zero_stage: int = 2
-    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
-    offload_params: bool = False  # parameters to CPU (stage 3)
-    # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only) | auto: bf16 where this machine
-    # multiplies bf16 matrices at least as fast as fp32 ones (a GPU with bf16; a CPU with AMX or
-    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower). bf16 is
-    # DeepSpeed's under ZeRO (bf16 weights, fp32 masters), torch's autocast at stage 0 (fp32
-    # weights and gradients, bf16 matmuls)
-    precision: str = "fp32"
-    initial_scale_power: int = 16  # fp16 only: the dynamic loss scale starts at 2**this
-    # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's
-    # default (100,000). Tiny test models need 0, or ZeRO-3 partitions none of their tensors.
-    zero3_persistence_threshold: int = -1
-    # A user's own DeepSpeed JSON, merged over the derived dict (its batch keys must agree).
-    config_file: str = ""
-
-
-@dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # 0: only at the end
-    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
-
-
-@dataclass
-class WandbConfig:
-    """Weights & Biases. A key set here wins over its environment variable, which wins over the
-    default (`launch.tracking.wandb_settings`), so that `WANDB_MODE=online sbatch ...` works with
-    the shipped configs, which leave these unset."""
-
-    mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else offline
-    project: str = ""  # W&B project; "" = $WANDB_PROJECT, else pretrain-pipeline
-    entity: str = ""  # W&B team or user; "" = $WANDB_ENTITY, else your default entity
-    # W&B run group (a main job's stages share one); "" = $WANDB_RUN_GROUP, else none
-    group: str = ""
-    name: str = ""  # W&B run name; "" = the name of run_dir
-    tags: list = field(default_factory=list)  # W&B run tags
-
-
-@dataclass
-class GuardConfig:
-    """Guarded steps: a step is skipped on every rank when its loss is not finite on
-    any rank, or spikes."""
-
-    # End the job (with a checkpoint of the last good weights) after more skipped steps in a row
-    # than this.
-    max_consecutive_skips: int = 5
-    # Skip a step whose loss exceeds the mean of the last spike_window steps by this many standard
-    # deviations; 0: off.
-    spike_factor: float = 0.0
-    spike_warmup_steps: int = 100  # applied steps before the spike test starts
-    # applied steps whose losses give the running mean and standard deviation
-    spike_window: int = 100
 
 
 @dataclass
@@ -248,64 +169,12 @@ def compile_scope_for(cfg: TrainConfig, cuda: bool) -> str:
     )
 
 
-def check_config(cfg: TrainConfig) -> Task:
-    """The run's task, or a UserError with the first of `config_problems`.
-
-    The model config's own checks (`ModelConfig.validate`) run once, where the model is built:
-    `model.vocab_size: 0` is only resolved from the data then."""
-    from launch.tasks import TASKS
-
-    problems = config_problems(cfg)
-    if problems:
-        raise UserError(problems[0])
-    return TASKS[cfg.task]
-
-
-def _wandb_check(wandb: WandbConfig) -> tuple[bool, str]:
-    """The W&B mode as the run would take it (the key, else WANDB_MODE): one W&B knows."""
-    from launch.tracking import wandb_settings
-
-    try:
-        wandb_settings(wandb)
-        return True, ""
-    except UserError as err:
-        return False, str(err)
-
-
-def _optim_checks(optim: OptimConfig) -> list[tuple[bool, str]]:
-    """AdamW's ranges, which torch checks only as the optimizer is built (after the process group
-    is up, in a traceback); NaN fails every comparison, so each is refused here too."""
-    return [
-        (
-            math.isfinite(optim.lr) and optim.lr >= 0,
-            f"optim.lr: {optim.lr} must be a finite number, 0 or more",
-        ),
-        (
-            math.isfinite(optim.weight_decay) and optim.weight_decay >= 0,
-            f"optim.weight_decay: {optim.weight_decay} must be a finite number, 0 or more",
-        ),
-        (0 <= optim.beta1 < 1, f"optim.beta1: {optim.beta1} must be in [0, 1)"),
-        (0 <= optim.beta2 < 1, f"optim.beta2: {optim.beta2} must be in [0, 1)"),
-        (
-            math.isfinite(optim.eps) and optim.eps >= 0,
-            f"optim.eps: {optim.eps} must be a finite number, 0 or more",
-        ),
-        (
-            math.isfinite(optim.grad_clip) and optim.grad_clip >= 0,
-            f"optim.grad_clip: {optim.grad_clip} must be 0 (off) or a positive finite number",
-        ),
-    ]
-
-
-def config_problems(cfg: TrainConfig) -> list[str]:
-    """Every cross-field problem the types cannot express, each message starting with its key;
-    empty if none. All of them, not only the first: a dry run (`launch.preflight`)
-    lists them at once."""
-    from launch.tasks import TASKS
-
-    task = TASKS.get(cfg.task)
+def field_problems(cfg: TrainConfig) -> list[str]:
+    """The problems of the run's own fields, then of each section's (each section's own checks,
+    beside its code), every message starting with its key; empty if none. What needs two
+    sections or the task table is checked on the resolution route
+    (`launch.resolve.config_problems`)."""
     checks = [
-        (task is not None, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
         (cfg.max_steps > 0, "max_steps: must be positive"),
         (cfg.grad_accum > 0, "grad_accum: must be positive"),
         (cfg.global_batch_size >= 0, "global_batch_size: must be 0 (use grad_accum) or positive"),
@@ -313,58 +182,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
             not (cfg.global_batch_size and cfg.grad_accum != 1),
             "global_batch_size: set it or grad_accum, not both (grad_accum is derived from it)",
         ),
-        (cfg.data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
-        (
-            zero_stage_problem(cfg.deepspeed.zero_stage) is None,
-            zero_stage_problem(cfg.deepspeed.zero_stage),
-        ),
-        (
-            cfg.deepspeed.precision in PRECISIONS,
-            f"deepspeed.precision: {cfg.deepspeed.precision!r} is not one "
-            f"of {', '.join(PRECISIONS)}",
-        ),
-        (
-            not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
-            "deepspeed.offload_params: needs zero_stage 3",
-        ),
-        (
-            not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
-            "deepspeed.offload_optimizer: needs zero_stage >= 1",
-        ),
-        (
-            cfg.optim.implementation in ADAMW_IMPLEMENTATIONS,
-            f"optim.implementation: {cfg.optim.implementation!r} is not one of "
-            f"{', '.join(ADAMW_IMPLEMENTATIONS)}",
-        ),
-        (
-            cfg.optim.implementation == "auto" or not cfg.deepspeed.offload_optimizer,
-            "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's "
-            "CPU Adam steps; leave it auto",
-        ),
-        *_optim_checks(cfg.optim),
-        (
-            cfg.schedule.warmup_steps >= 0,
-            f"schedule.warmup_steps: {cfg.schedule.warmup_steps} must be 0 or more",
-        ),
-        (
-            math.isfinite(cfg.schedule.min_lr_ratio) and cfg.schedule.min_lr_ratio >= 0,
-            f"schedule.min_lr_ratio: {cfg.schedule.min_lr_ratio} must "
-            "be a finite number, 0 or more",
-        ),
-        (
-            cfg.schedule.decay in DECAYS,
-            f"schedule.decay: {cfg.schedule.decay!r} is not one of {', '.join(DECAYS)}",
-        ),
-        (
-            cfg.schedule.decay != "inverse_sqrt" or cfg.schedule.warmup_steps > 0,
-            "schedule.warmup_steps: inverse_sqrt needs a positive warmup "
-            "(the formula divides by it)",
-        ),
-        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last: must be at least 1"),
-        (cfg.guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
-        (cfg.guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
-        (cfg.guard.spike_window >= 2, "guard.spike_window: must be at least 2"),
-        (0 <= cfg.data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
         (cfg.lm_eval.every >= 0, "lm_eval.every: must be 0 (off) or positive"),
         (cfg.lm_eval.limit >= 0, "lm_eval.limit: must be 0 (all) or positive"),
         (cfg.profile_start >= 0, "profile_start: must be 0 (off) or a step number"),
@@ -373,58 +190,22 @@ def config_problems(cfg: TrainConfig) -> list[str]:
             cfg.compile_scope in COMPILE_SCOPES,
             f"compile_scope: {cfg.compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}",
         ),
-        (
-            not (cfg.compile_scope == "model" and cfg.deepspeed.zero_stage == 3),
-            "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in "
-            "hooks that break the graph); use blocks or auto",
-        ),
     ]
-    checks.append(_wandb_check(cfg.wandb))
-    if task is not None:  # the rules below depend on what the task is
-        checks.append(
-            (
-                cfg.model.arch == task.arch,
-                f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}",
-            )
-        )
-        warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
-        checks.append(
-            (
-                task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
-                f"init: warm starting is for task {' or '.join(warm_startable)}",
-            )
-        )
-    if cfg.lm_eval.every:
-        checks.append(
-            (
-                cfg.task == "causal_lm",
-                f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}",
-            )
-        )
-    return [message for ok, message in checks if not ok]
-
-
-def zero_stage_problem(stage: int) -> str | None:
-    """The one check of `deepspeed.zero_stage`, for training and inference alike."""
-    if stage in ZERO_STAGES:
-        return None
-    return f"deepspeed.zero_stage: {stage} is not 0, 1, 2 or 3"
+    return [
+        *(message for ok, message in checks if not ok),
+        *loader_problems(cfg.data),
+        *deepspeed_problems(cfg.deepspeed),
+        *optim_problems(cfg.optim),
+        *schedule_problems(cfg.schedule),
+        *checkpoint_problems(cfg.checkpoint),
+        *guard_problems(cfg.guard),
+        *wandb_problems(cfg.wandb),
+    ]
 
 
 # The schemas of the other launch entry points. Each takes `[CONFIG.yaml] [key.sub=value ...]`
 # (`common.configure.parse_cli`) except the main job, which, like training, takes a YAML;
 # a field set to MISSING has no default and must be given.
-
-
-@dataclass
-class StageDeepSpeedConfig:
-    zero_stage: int = 2  # deepspeed.zero_stage of every training run
-
-
-@dataclass
-class InferenceDeepSpeedConfig:
-    zero_stage: int = 0  # 0, 1, 2 or 3; only 3 partitions anything at inference (the parameters)
-    config_file: str = ""  # a DeepSpeed JSON merged over the derived one (ZeRO-3)
 
 
 @dataclass
@@ -539,30 +320,6 @@ class EvaluateConfig:
     deepspeed: InferenceDeepSpeedConfig = field(default_factory=InferenceDeepSpeedConfig)
     threads_per_rank: int = 0  # threads per rank for torch on CPU; 0 = cores / local ranks
     dist_timeout_s: int = 600  # a rank that stops answering fails the job after this long
-
-
-@dataclass
-class LmEvalConfig:
-    """A GPT's scores on lm-evaluation-harness tasks built from held-out text
-    (`python -m launch.lm_eval checkpoint=DIR`)."""
-
-    checkpoint: str = MISSING  # an exported GPT directory (launch.export, format=ours or format=hf)
-    # cloze | choice (docs/design.md#scoring-with-lm-evaluation-harness)
-    tasks: List[str] = field(default_factory=lambda: ["cloze", "choice"])
-    # the prepared dataset the tasks are built from; "" = the one the model was trained on
-    data_dir: str = ""
-    split: str = "valid"  # the held-out split read: valid | test
-    limit: int = 0  # the first N docs of each task; 0 = all
-    seed: int = 1234  # draws the choice task's distractors and their order
-    # ours: our model through launch.lm_eval's OurLM; hf: lm-eval's HFLM over a Hugging Face export;
-    # auto: hf where the directory is a Hugging Face one (its config.json has no "model" section)
-    format: str = "auto"
-    out: str = ""  # the results JSON written; "" = CHECKPOINT/lm_eval-SPLIT.json
-    micro_batch_size: int = 16  # requests per forward
-    device: str = ""  # torch device; "" = cuda if available, else cpu
-    bootstrap_iters: int = 0  # lm-eval's bootstrap resamples for standard errors; 0 = none
-    # W&B run of the scores (mode disabled: none)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

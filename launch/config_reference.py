@@ -30,12 +30,12 @@ from launch.config import (
     AverageConfig,
     EvaluateConfig,
     ExportConfig,
-    LmEvalConfig,
     MainConfig,
     ReportConfig,
     TrainConfig,
     TranslateConfig,
 )
+from launch.lm_eval.config import LmEvalConfig
 from pipeline.prepare.config import PrepareConfig
 from pipeline.validate import ValidateConfig
 

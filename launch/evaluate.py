@@ -43,7 +43,7 @@ from common.hashing import file_sha256
 from common.progress import meter
 from launch import distributed as dist
 from launch import launcher
-from launch.config import EvaluateConfig, zero_stage_problem
+from launch.config import EvaluateConfig
 from launch.decoding import (
     Checkpoint,
     check_decoding,
@@ -55,6 +55,7 @@ from launch.decoding import (
     source_ids,
     translate_ids,
 )
+from launch.deepspeed.config import zero_stage_problem
 from launch.preconditions import check_writable_dir
 from pipeline import remote
 from pipeline.format import (

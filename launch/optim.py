@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from launch.config import ADAMW_IMPLEMENTATIONS, OptimConfig, ScheduleConfig
+from launch.optim_config import ADAMW_IMPLEMENTATIONS, OptimConfig, ScheduleConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.configure import UserError
-from launch.config import BatchPlan, TrainConfig, batch_plan, config_problems
+from launch.config import BatchPlan, TrainConfig, batch_plan, field_problems
 from launch.lm_eval.tasks import training_problem
 from launch.preconditions import TargetSide, data_fits_model, target_side, with_data_tokenizer
 from launch.tasks import TASKS, Task
@@ -29,6 +29,60 @@ from pipeline.format import (
     vocabulary_problem,
 )
 from pipeline.specials import Specials
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """Every problem the types cannot express, each message starting with its key; empty if
+    none. The task's name first, then each field's and section's own (`field_problems`), then
+    what needs two sections or the task table. All of them, not only the first: a dry run
+    (`launch.preflight`) lists them at once."""
+    task = TASKS.get(cfg.task)
+    ds = cfg.deepspeed
+    checks = [
+        (task is not None, f"task: {cfg.task!r} is not one of {', '.join(TASKS)}"),
+        *((False, message) for message in field_problems(cfg)),
+        (
+            cfg.optim.implementation == "auto" or not ds.offload_optimizer,
+            "optim.implementation: with deepspeed.offload_optimizer DeepSpeed's "
+            "CPU Adam steps; leave it auto",
+        ),
+        (
+            not (cfg.compile_scope == "model" and ds.zero_stage == 3),
+            "compile_scope: model needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers parameters in "
+            "hooks that break the graph); use blocks or auto",
+        ),
+    ]
+    if task is not None:  # the rules below depend on what the task is
+        warm_startable = [name for name, t in TASKS.items() if t.warm_startable]
+        checks += [
+            (
+                cfg.model.arch == task.arch,
+                f"model.arch: task {cfg.task} trains {task.arch}, not {cfg.model.arch}",
+            ),
+            (
+                task.warm_startable or not (cfg.init.encoder or cfg.init.decoder),
+                f"init: warm starting is for task {' or '.join(warm_startable)}",
+            ),
+        ]
+    if cfg.lm_eval.every:
+        checks.append(
+            (
+                cfg.task == "causal_lm",
+                f"lm_eval.every: the lm-eval tasks score a causal_lm, not {cfg.task}",
+            )
+        )
+    return [message for ok, message in checks if not ok]
+
+
+def check_config(cfg: TrainConfig) -> Task:
+    """The run's task, or a UserError with the first of `config_problems`.
+
+    The model config's own checks (`ModelConfig.validate`) run once, where the model is built:
+    `model.vocab_size: 0` is only resolved from the data then."""
+    problems = config_problems(cfg)
+    if problems:
+        raise UserError(problems[0])
+    return TASKS[cfg.task]
 
 
 @dataclass(frozen=True)

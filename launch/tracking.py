@@ -19,9 +19,25 @@ import string
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.progress import interval, remaining
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases. A key set here wins over its environment variable, which wins over the
+    default (`launch.tracking.wandb_settings`), so that `WANDB_MODE=online sbatch ...` works with
+    the shipped configs, which leave these unset."""
+
+    mode: str = ""  # online | offline | disabled; "" = $WANDB_MODE, else offline
+    project: str = ""  # W&B project; "" = $WANDB_PROJECT, else pretrain-pipeline
+    entity: str = ""  # W&B team or user; "" = $WANDB_ENTITY, else your default entity
+    # W&B run group (a main job's stages share one); "" = $WANDB_RUN_GROUP, else none
+    group: str = ""
+    name: str = ""  # W&B run name; "" = the name of run_dir
+    tags: list = field(default_factory=list)  # W&B run tags
 
 
 def read_metrics_rows(run_dir: Path) -> list[dict]:
@@ -88,6 +104,18 @@ def wandb_settings(cfg, env=None) -> dict:
         raise UserError(f"{source}={mode}: W&B's mode is one of online, offline or disabled")
     resolved["mode"] = (WANDB_MODES[mode], source)
     return resolved
+
+
+def wandb_problems(wandb: WandbConfig) -> list[str]:
+    """`wandb.*`'s problem: the mode as the run would take it (the key, else WANDB_MODE) must be
+    one W&B knows."""
+    from common.configure import UserError
+
+    try:
+        wandb_settings(wandb)
+        return []
+    except UserError as err:
+        return [str(err)]
 
 
 def wandb_dir(run_dir: str | Path) -> Path:

@@ -1,16 +1,87 @@
-"""The DeepSpeed JSON of a run, derived once from the run config and its batch plan
-(`launch.config.BatchPlan`); a user's conflicting keys refused by name."""
+"""DeepSpeed's section of the configs (`deepspeed.*` of training, the main job and evaluation)
+with its checks, and the DeepSpeed JSON of a run derived once from the run config and its batch
+plan (`launch.config.BatchPlan`); a user's conflicting keys refused by name. torch is imported
+where a JSON is built, not with the schema."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from common.configure import UserError
-from launch.config import BatchPlan, TrainConfig
+
+if TYPE_CHECKING:
+    from launch.config import BatchPlan, TrainConfig
+
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")  # deepspeed.precision
+ZERO_STAGES = (0, 1, 2, 3)  # deepspeed.zero_stage, of training and of inference alike
+
+
+@dataclass
+class DeepSpeedConfig:
+    # 0, 1, 2 or 3. 0 on more than one rank: the trainer reduces the gradients during the
+    # backward (launch.train.reduce), the fastest for models whose states fit one device
+    zero_stage: int = 2
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage >= 1)
+    offload_params: bool = False  # parameters to CPU (stage 3)
+    # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only) | auto: bf16 where this machine
+    # multiplies bf16 matrices at least as fast as fp32 ones (a GPU with bf16; a CPU with AMX or
+    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower). bf16 is
+    # DeepSpeed's under ZeRO (bf16 weights, fp32 masters), torch's autocast at stage 0 (fp32
+    # weights and gradients, bf16 matmuls)
+    precision: str = "fp32"
+    initial_scale_power: int = 16  # fp16 only: the dynamic loss scale starts at 2**this
+    # ZeRO-3 keeps tensors under this many elements whole on every rank; -1: DeepSpeed's
+    # default (100,000). Tiny test models need 0, or ZeRO-3 partitions none of their tensors.
+    zero3_persistence_threshold: int = -1
+    # A user's own DeepSpeed JSON, merged over the derived dict (its batch keys must agree).
+    config_file: str = ""
+
+
+@dataclass
+class StageDeepSpeedConfig:
+    zero_stage: int = 2  # deepspeed.zero_stage of every training run
+
+
+@dataclass
+class InferenceDeepSpeedConfig:
+    zero_stage: int = 0  # 0, 1, 2 or 3; only 3 partitions anything at inference (the parameters)
+    config_file: str = ""  # a DeepSpeed JSON merged over the derived one (ZeRO-3)
+
+
+def zero_stage_problem(stage: int) -> str | None:
+    """The one check of `deepspeed.zero_stage`, for training and inference alike."""
+    if stage in ZERO_STAGES:
+        return None
+    return f"deepspeed.zero_stage: {stage} is not 0, 1, 2 or 3"
+
+
+def deepspeed_problems(ds: DeepSpeedConfig) -> list[str]:
+    """`deepspeed.*`'s problems in training, each message starting with its key."""
+    checks = [
+        (zero_stage_problem(ds.zero_stage) is None, zero_stage_problem(ds.zero_stage)),
+        (
+            ds.precision in PRECISIONS,
+            f"deepspeed.precision: {ds.precision!r} is not one of {', '.join(PRECISIONS)}",
+        ),
+        (
+            not ds.offload_params or ds.zero_stage == 3,
+            "deepspeed.offload_params: needs zero_stage 3",
+        ),
+        (
+            not ds.offload_optimizer or ds.zero_stage >= 1,
+            "deepspeed.offload_optimizer: needs zero_stage >= 1",
+        ),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool = False) -> dict:
@@ -36,15 +107,15 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
     if ds.zero_stage > 0:
         zero: dict[str, Any] = {
             "stage": ds.zero_stage,
-            "overlap_comm": torch.cuda.is_available(),
+            "overlap_comm": _cuda(),
             "contiguous_gradients": True,
         }
         if ds.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _cuda()}
         if ds.zero_stage == 3 and ds.zero3_persistence_threshold >= 0:
             zero["stage3_param_persistence_threshold"] = ds.zero3_persistence_threshold
         if ds.offload_params:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": _cuda()}
         config["zero_optimization"] = zero
     if ds.precision == "bf16" and ds.zero_stage == 0:
         # Without ZeRO, DeepSpeed's bf16 accumulates the gradients in bf16 (`_bf16_accumulation`);
@@ -55,7 +126,7 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan, *, load_universal: bool 
     elif ds.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif ds.precision == "fp16":
-        if not torch.cuda.is_available():
+        if not _cuda():
             raise UserError("deepspeed.precision: fp16 needs a GPU; use fp32 or bf16 on CPU")
         config["fp16"] = {
             "enabled": True,
@@ -150,7 +221,7 @@ def inference_config(micro_batch_size: int, world_size: int, user: dict | None =
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": 3, "overlap_comm": torch.cuda.is_available()},
+        "zero_optimization": {"stage": 3, "overlap_comm": _cuda()},
     }
     batch_keys = (
         "train_batch_size",

@@ -1,7 +1,7 @@
 """`python -m launch.lm_eval checkpoint=DIR [tasks=[cloze,choice]] [key=value ...]`: an
 exported GPT's scores.
 
-The keys are `launch.config.LmEvalConfig`'s (`--help` lists them). DIR is an export of
+The keys are `launch.lm_eval.config.LmEvalConfig`'s (`--help` lists them). DIR is an export of
 `launch.export`: ours (scored through `OurLM`) or format=hf (through lm-eval's `HFLM`, which
 loads it with `transformers` and its fast tokenizer). The tasks are built from the held-out split
 of the dataset the model was trained on (`launch.lm_eval.tasks`); everything is checked before
@@ -18,7 +18,7 @@ from pathlib import Path
 from common.atomic import atomic_write
 from common.configure import UserError, config_to_dict, parse_cli
 from common.hashing import file_sha256
-from launch.config import LmEvalConfig
+from launch.lm_eval.config import LmEvalConfig
 from launch.lm_eval.tasks import check_tasks, held_out_texts
 
 USAGE = """usage: python -m launch.lm_eval [CONFIG.yaml] checkpoint=DIR [tasks=[cloze,choice]] \

@@ -34,7 +34,7 @@ class Report:
 
     def problem_line(self, line: str) -> None:
         """A message that already starts with its key
-        (`launch.config.config_problems`, UserErrors)."""
+        (`launch.resolve.config_problems`, UserErrors)."""
         self.problems.append(Problem.from_line(line))
 
 

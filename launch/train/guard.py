@@ -12,11 +12,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.configure import UserError
-from launch import distributed as dist
 from launch.train.step_result import StepResult
 
 if TYPE_CHECKING:
     from launch.train.state import Run
+
+
+@dataclass
+class GuardConfig:
+    """Guarded steps: a step is skipped on every rank when its loss is not finite on
+    any rank, or spikes."""
+
+    # End the job (with a checkpoint of the last good weights) after more skipped steps in a row
+    # than this.
+    max_consecutive_skips: int = 5
+    # Skip a step whose loss exceeds the mean of the last spike_window steps by this many standard
+    # deviations; 0: off.
+    spike_factor: float = 0.0
+    spike_warmup_steps: int = 100  # applied steps before the spike test starts
+    # applied steps whose losses give the running mean and standard deviation
+    spike_window: int = 100
+
+
+def guard_problems(guard: GuardConfig) -> list[str]:
+    """`guard.*`'s problems, each message starting with its key."""
+    checks = [
+        (guard.max_consecutive_skips >= 0, "guard.max_consecutive_skips: must be 0 or more"),
+        (guard.spike_factor >= 0, "guard.spike_factor: must be 0 (off) or positive"),
+        (guard.spike_window >= 2, "guard.spike_window: must be at least 2"),
+    ]
+    return [message for ok, message in checks if not ok]
 
 
 @dataclass
@@ -92,6 +117,8 @@ def guard_step(run: Run, result: StepResult) -> tuple[dict, str | None]:
         run.guard.record(result.loss, bool(result.skipped))
     if result.skipped and not overflow:
         # One gather, on a skipped step only: each rank's sample keys and its non-finite losses.
+        from launch import distributed as dist  # torch: not with the schema
+
         gathered = dist.all_gather_object((step_sample_keys(run, result), result.non_finite_here))
         keys = [key for rank_keys, _ in gathered for key in rank_keys]
         if run.denv.is_main:

@@ -77,6 +77,15 @@ class LoaderConfig:
     allow_data_change: bool = False
 
 
+def loader_problems(data: LoaderConfig) -> list[str]:
+    """`data.*`'s problems that the types cannot express, each message starting with its key."""
+    checks = [
+        (data.micro_batch_size > 0, "data.micro_batch_size: must be positive"),
+        (0 <= data.max_bad_fraction <= 1, "data.max_bad_fraction: must be in [0, 1]"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
 def global_batch_size(micro_batch_size: int, grad_accum: int, world_size: int) -> int:
     """Samples per optimizer step: micro batch x accumulation x ranks. The one owner of the
     product: the loader cuts the epoch's stream by it and the trainer's BatchPlan reports it."""

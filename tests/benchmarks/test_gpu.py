@@ -509,8 +509,8 @@ def test_adamw_on_a_gpu_is_the_fused_kernel_and_follows_foreach():
     """`launch.optim.build_optimizer` asks for torch's fused AdamW on a GPU while the parameters
     are still on the CPU (DeepSpeed moves the model after): once moved, its steps run the fused
     kernel (state on the GPU) and follow the multi-tensor `foreach` kernels within float32 rounding."""
-    from launch.config import OptimConfig
     from launch.optim import build_optimizer
+    from launch.optim_config import OptimConfig
 
     cfg = run_config("gpt", **{"model.max_seq_len": 128}).model
     torch.manual_seed(0)

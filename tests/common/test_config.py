@@ -101,7 +101,8 @@ def test_every_config_in_configs_validates(path):
 
         assert check_main(load_config(MainConfig, path))
         return
-    from launch.config import TrainConfig, check_config
+    from launch.config import TrainConfig
+    from launch.resolve import check_config
 
     cfg = load_config(TrainConfig, path)
     if cfg.model.vocab_size == 0:  # taken from the dataset at run time

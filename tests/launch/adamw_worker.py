@@ -24,10 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch import distributed  # noqa: E402
-from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig  # noqa: E402
-from launch.deepspeed.config import deepspeed_config  # noqa: E402
+from launch.config import BatchPlan, TrainConfig  # noqa: E402
+from launch.deepspeed.config import (
+    DeepSpeedConfig,
+    deepspeed_config,  # noqa: E402
+)
 from launch.deepspeed.engine import Engine  # noqa: E402
 from launch.optim import build_optimizer, build_scheduler  # noqa: E402
+from launch.optim_config import OptimConfig, ScheduleConfig
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.load.config import LoaderConfig  # noqa: E402
 

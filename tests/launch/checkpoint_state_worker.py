@@ -28,10 +28,14 @@ from launch import distributed as dist  # noqa: E402
 from launch.checkpoint.restore import load_state  # noqa: E402
 from launch.checkpoint.save import Checkpointer, SaveTarget  # noqa: E402
 from launch.checkpoint.state import CheckpointState, rng_state  # noqa: E402
-from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, TrainConfig  # noqa: E402
-from launch.deepspeed.config import deepspeed_config  # noqa: E402
+from launch.config import BatchPlan, TrainConfig  # noqa: E402
+from launch.deepspeed.config import (
+    DeepSpeedConfig,
+    deepspeed_config,  # noqa: E402
+)
 from launch.deepspeed.engine import Engine  # noqa: E402
 from launch.optim import build_optimizer, build_scheduler  # noqa: E402
+from launch.optim_config import OptimConfig
 from model import ModelConfig, build_model  # noqa: E402
 from pipeline.load.config import LoaderConfig  # noqa: E402
 

@@ -20,7 +20,8 @@ from repo import ROOT
 from shardtools import FIRST_ID, VOCAB_SIZE, make_dataset, save_manifest
 
 from common.hashing import file_sha256
-from launch.config import TrainConfig, config_problems
+from launch.config import TrainConfig
+from launch.resolve import config_problems
 from model import ModelConfig, build_model
 from pipeline.format import sample_key
 from pipeline.shard_tar import write_shard

@@ -51,10 +51,11 @@ def make(out: Path) -> None:
     from common.configure import config_to_dict, save_config
     from launch import distributed
     from launch.checkpoint.state import CheckpointState, rng_state
-    from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
-    from launch.deepspeed.config import deepspeed_config
+    from launch.config import BatchPlan, TrainConfig
+    from launch.deepspeed.config import DeepSpeedConfig, deepspeed_config
     from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
+    from launch.optim_config import OptimConfig, ScheduleConfig
     from model import ModelConfig, build_model
     from pipeline.load.config import LoaderConfig
 

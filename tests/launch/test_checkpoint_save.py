@@ -300,10 +300,11 @@ def run_script(*args) -> subprocess.CompletedProcess:
 
 def tiny_engine(stage: int, precision: str):
     """A one-process DeepSpeed engine of a small GPT, after one step (its Adam moments exist)."""
-    from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, ScheduleConfig, TrainConfig
-    from launch.deepspeed.config import deepspeed_config
+    from launch.config import BatchPlan, TrainConfig
+    from launch.deepspeed.config import DeepSpeedConfig, deepspeed_config
     from launch.deepspeed.engine import Engine
     from launch.optim import build_optimizer, build_scheduler
+    from launch.optim_config import OptimConfig, ScheduleConfig
     from model import ModelConfig, build_model
     from pipeline.load.config import LoaderConfig
 

@@ -91,7 +91,8 @@ def test_compile_scope_auto_is_the_whole_model_where_shapes_are_fixed_and_parame
 
 def test_compile_scope_problems_are_named():
     from common.configure import load_config
-    from launch.config import TrainConfig, config_problems
+    from launch.config import TrainConfig
+    from launch.resolve import config_problems
 
     cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_gpt.yaml", ["compile_scope=graph"])
     assert config_problems(cfg) == ["compile_scope: 'graph' is not one of auto, model, blocks"]

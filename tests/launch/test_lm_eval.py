@@ -235,8 +235,9 @@ def test_command_scores_both_tasks_with_nothing_downloaded(tiny_dataset, tmp_pat
     ]
     assert [(h["_step"], {k: h[k] for k in metrics}) for h in history] == [(7, metrics)]
 
-    from launch.config import LmEvalConfig, WandbConfig
     from launch.lm_eval.command import lm_eval_scores
+    from launch.lm_eval.config import LmEvalConfig
+    from launch.tracking import WandbConfig
 
     out = tmp_path / "hf.json"
     theirs = lm_eval_scores(
@@ -255,8 +256,8 @@ def test_command_scores_both_tasks_with_nothing_downloaded(tiny_dataset, tmp_pat
 
 
 def test_bad_input_is_one_line_exit_2(tiny_dataset, tmp_path):
-    from launch.config import LmEvalConfig
     from launch.lm_eval.command import lm_eval_scores
+    from launch.lm_eval.config import LmEvalConfig
 
     ours_dir, hf_dir = export_both("gpt2", tiny_dataset, tmp_path)
     run = run_lm_eval(f"checkpoint={ours_dir}", "tasks=[cloze,lambada]")
@@ -301,9 +302,10 @@ def test_training_logs_lm_eval_metrics_every_n_steps(tiny_dataset, tmp_path):
     }
 
     # The figures are the command's on the step's export.
-    from launch.config import LmEvalConfig, WandbConfig
     from launch.export import export
     from launch.lm_eval.command import lm_eval_scores
+    from launch.lm_eval.config import LmEvalConfig
+    from launch.tracking import WandbConfig
 
     export(run_dir, tmp_path / "export")
     scored = lm_eval_scores(

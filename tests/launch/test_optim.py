@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.config import DeepSpeedConfig, OptimConfig, TrainConfig, config_problems
+from launch.config import TrainConfig
+from launch.deepspeed.config import DeepSpeedConfig
 from launch.optim import adamw_kernels, build_optimizer
+from launch.optim_config import OptimConfig
+from launch.resolve import config_problems
 from model import ModelConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[2]

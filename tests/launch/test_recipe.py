@@ -20,9 +20,11 @@ from repo import ROOT
 
 from common.configure import UserError, load_config
 from launch.average import average_state_dicts
-from launch.config import ScheduleConfig, TrainConfig, config_problems
+from launch.config import TrainConfig
 from launch.main.plan import python_launcher
 from launch.optim import build_scheduler, lr_multiplier
+from launch.optim_config import ScheduleConfig
+from launch.resolve import config_problems
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 

@@ -11,9 +11,9 @@ from repo import ROOT
 from trainruns import TINY
 
 from common.configure import UserError
-from launch.config import MainConfig, WandbConfig
+from launch.config import MainConfig
 from launch.main.plan import wandb_group
-from launch.tracking import wandb_settings
+from launch.tracking import WandbConfig, wandb_settings
 
 WANDB_VARIABLES = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP")
 

@@ -10,7 +10,9 @@ import pytest
 from trainruns import DROPOUT_ZERO3, metrics, train
 
 from common.configure import UserError
-from launch.config import BatchPlan, DeepSpeedConfig, OptimConfig, TrainConfig
+from launch.config import BatchPlan, TrainConfig
+from launch.deepspeed.config import DeepSpeedConfig
+from launch.optim_config import OptimConfig
 
 
 def _config(stage: int, precision: str, config_file: str = "") -> dict:
