@@ -127,9 +127,17 @@ def bare_loader(urls: list[str], num_workers: int) -> DataLoader:
 
 def our_loader(data_dir: Path, num_workers: int):
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     return ShardLoader(
-        str(data_dir), TASK, SPLIT, micro_batch_size=MICRO_BATCH, num_workers=num_workers, seed=0
+        LoaderPlan(
+            str(data_dir),
+            TASK,
+            SPLIT,
+            micro_batch_size=MICRO_BATCH,
+            num_workers=num_workers,
+            seed=0,
+        )
     )
 
 

@@ -38,6 +38,7 @@ from launch.optim import parameter_groups
 from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from pipeline.load.loader import ShardLoader
+from pipeline.load.plan import LoaderPlan
 from tests.shardtools import VOCAB_SIZE, make_dataset
 
 gpu = pytest.mark.gpu
@@ -60,11 +61,13 @@ def trainer_inputs(
     """`count` micro batches of model inputs, on `device`, made the way launch.train makes them."""
     make_dataset(data_dir, packed=[micro_batch_size * count], seq_len=seq_len)
     loader = ShardLoader(
-        str(data_dir),
-        task,
-        "train",
-        micro_batch_size=micro_batch_size,
-        pin_memory=device.type == "cuda",
+        LoaderPlan(
+            str(data_dir),
+            task,
+            "train",
+            micro_batch_size=micro_batch_size,
+            pin_memory=device.type == "cuda",
+        )
     )
     try:
         batches = list(loader)[:count]
@@ -392,17 +395,19 @@ def test_a_training_step_does_not_wait_for_the_device_in_our_code(tiny_dataset, 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("task", ["causal_lm", "mlm"])
 def test_loader_pins_its_batches(task, num_workers, tmp_path):
-    """ShardLoader(pin_memory=True), as launch.train builds it on CUDA, yields page-locked
+    """A ShardLoader planned with pin_memory=True (launch.train on CUDA) yields page-locked
     tensors (whose copy to the GPU is asynchronous), with and without workers; without it, none."""
     make_dataset(tmp_path, packed=[16], seq_len=64)
     for pin in (True, False):
         loader = ShardLoader(
-            str(tmp_path),
-            task,
-            "train",
-            micro_batch_size=4,
-            num_workers=num_workers,
-            pin_memory=pin,
+            LoaderPlan(
+                str(tmp_path),
+                task,
+                "train",
+                micro_batch_size=4,
+                num_workers=num_workers,
+                pin_memory=pin,
+            )
         )
         try:
             batches = list(loader)
@@ -438,7 +443,9 @@ def test_every_tensor_the_trainer_copies_to_the_gpu_is_pinned(task, tmp_path):
             return out
 
     make_dataset(tmp_path, packed=[8], seq_len=64)
-    loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4, pin_memory=True)
+    loader = ShardLoader(
+        LoaderPlan(str(tmp_path), task, "train", micro_batch_size=4, pin_memory=True)
+    )
     try:
         batch = next(iter(loader))
     finally:

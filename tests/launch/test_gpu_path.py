@@ -20,6 +20,7 @@ from launch.tasks import TASKS
 from model import ModelConfig, build_model
 from model.loss import IGNORE_INDEX
 from pipeline.load.loader import ShardLoader
+from pipeline.load.plan import LoaderPlan
 from tests.shardtools import make_dataset
 
 TINY_SYNC = [
@@ -142,8 +143,8 @@ def test_persistent_workers_keep_the_order_across_epochs_and_abandoned_passes(tm
     loader without workers."""
     make_dataset(tmp_path, packed=UNEVEN)
     kw = dict(micro_batch_size=4, grad_accum=1, seed=3)
-    workers = ShardLoader(str(tmp_path), "causal_lm", "train", num_workers=2, **kw)
-    plain = ShardLoader(str(tmp_path), "causal_lm", "train", num_workers=0, **kw)
+    workers = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", num_workers=2, **kw))
+    plain = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", num_workers=0, **kw))
     try:
         assert_same_batches(list(workers), list(plain))  # epoch 0
         pids = _worker_pids(workers)

@@ -153,6 +153,7 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     from launch.model_dir import load_model_dir
     from launch.tasks import TASKS
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     model, meta = load_model_dir(out)
     assert meta["step"] == 6 and meta["task"] == "mlm"
@@ -161,13 +162,15 @@ def test_wandb_offline_files_and_export(tiny_dataset, tmp_path):
     with torch.no_grad():
         for rank in range(2):  # the engine evaluated with 2 ranks: the same shares, the same masks
             loader = ShardLoader(
-                str(tiny_dataset),
-                "mlm",
-                "valid",
-                micro_batch_size=4,
-                rank=rank,
-                world_size=2,
-                seed=0,
+                LoaderPlan(
+                    str(tiny_dataset),
+                    "mlm",
+                    "valid",
+                    micro_batch_size=4,
+                    rank=rank,
+                    world_size=2,
+                    seed=0,
+                )
             )
             for batch in loader:
                 inputs = task.model_inputs(batch)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from launch.distributed import read_env, run_rank  # noqa: E402
 from launch.launcher import die_with_parent  # noqa: E402
 from pipeline.load.loader import ShardLoader  # noqa: E402
+from pipeline.load.plan import LoaderPlan
 from tests.shardtools import batch_ids  # noqa: E402
 
 MICRO_BATCH, WORKERS, SEED = 4, 2, 5
@@ -42,14 +43,16 @@ def main(data_dir: str, out_dir: str, epochs: int) -> None:
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     loader = ShardLoader(
-        data_dir,
-        "causal_lm",
-        "train",
-        micro_batch_size=MICRO_BATCH,
-        rank=denv.rank,
-        world_size=denv.world_size,
-        num_workers=WORKERS,
-        seed=SEED,
+        LoaderPlan(
+            data_dir,
+            "causal_lm",
+            "train",
+            micro_batch_size=MICRO_BATCH,
+            rank=denv.rank,
+            world_size=denv.world_size,
+            num_workers=WORKERS,
+            seed=SEED,
+        )
     )
     report = []
     for epoch in range(epochs):

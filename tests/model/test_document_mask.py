@@ -344,6 +344,7 @@ def with_doc_starts(old_dir: Path, new_dir: Path) -> None:
 def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tmp_path, task):
     from common.configure import UserError
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
     from tests.shardtools import make_dataset
 
     old, new = tmp_path / "old", tmp_path / "new"
@@ -353,7 +354,9 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
     def batches(data_dir, **kw):
         return list(
             ShardLoader(
-                str(data_dir), task, "train", micro_batch_size=2, num_workers=1, seed=3, **kw
+                LoaderPlan(
+                    str(data_dir), task, "train", micro_batch_size=2, num_workers=1, seed=3, **kw
+                )
             )
         )
 
@@ -380,17 +383,22 @@ def test_loader_document_ids_follow_the_eos_and_the_flag_off_is_todays_stream(tm
     )
     assert "document_ids" not in TASKS[task].model_inputs(before[0], torch.device("cpu"))
     with pytest.raises(UserError, match="prepared without document boundaries.*prepare it again"):
-        ShardLoader(str(old), task, "train", micro_batch_size=2, document_mask=True)
+        ShardLoader(LoaderPlan(str(old), task, "train", micro_batch_size=2, document_mask=True))
 
 
 def test_document_mask_is_for_packed_blocks_only(tmp_path):
     from common.configure import UserError
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
     from tests.shardtools import make_dataset
 
     make_dataset(tmp_path, translation=[4])
     with pytest.raises(UserError, match="document_mask applies to packed blocks"):
-        ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=2, document_mask=True)
+        ShardLoader(
+            LoaderPlan(
+                str(tmp_path), "translation", "train", micro_batch_size=2, document_mask=True
+            )
+        )
 
 
 # --- end to end ---------------------------------------------------------------------------------
@@ -400,9 +408,10 @@ def test_prepared_blocks_number_their_documents_after_each_eos(tiny_dataset):
     """What pipeline.prepare writes, as the loader hands it out: a new document at 0 and right
     after each </s> of a block, in every block of an epoch."""
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     loader = ShardLoader(
-        str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True
+        LoaderPlan(str(tiny_dataset), "causal_lm", "train", micro_batch_size=8, document_mask=True)
     )
     documents_seen = 0
     for batch in loader:

@@ -22,6 +22,7 @@ from pipeline.format import BATCH_FIELDS
 from pipeline.load import epoch as epoch_module  # where a batch reads its shards
 from pipeline.load.config import LoaderConfig
 from pipeline.load.loader import ShardLoader
+from pipeline.load.plan import LoaderPlan
 from pipeline.shard_tar import write_shard
 from pipeline.specials import sentencepiece_specials
 from tests.shardtools import (
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def epoch_batches(data_dir, task="causal_lm", **kw):
-    return list(ShardLoader(str(data_dir), task, "train", **kw))
+    return list(ShardLoader(LoaderPlan(str(data_dir), task, "train", **kw)))
 
 
 @pytest.mark.parametrize(
@@ -53,14 +54,16 @@ def test_every_sample_once_across_ranks_and_workers(tmp_path, sizes, num_workers
     seen, counts = [], []
     for rank in range(world):
         loader = ShardLoader(
-            str(tmp_path),
-            "causal_lm",
-            "train",
-            micro_batch_size=micro,
-            rank=rank,
-            world_size=world,
-            num_workers=num_workers,
-            seed=3,
+            LoaderPlan(
+                str(tmp_path),
+                "causal_lm",
+                "train",
+                micro_batch_size=micro,
+                rank=rank,
+                world_size=world,
+                num_workers=num_workers,
+                seed=3,
+            )
         )
         batches = list(loader)
         assert all(b["input_ids"].shape == (micro, 8) for b in batches)
@@ -94,7 +97,9 @@ def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path):
     assert order(seed=1, epoch=2) != order(seed=2, epoch=2)
 
     # Iterating again serves the next epoch, as a loader built at that epoch would.
-    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1, epoch=2)
+    loader = ShardLoader(
+        LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1, epoch=2)
+    )
     list(loader)
     assert_same_batches(list(loader), epoch_batches(tmp_path, micro_batch_size=4, seed=1, epoch=3))
 
@@ -103,10 +108,10 @@ def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path):
 def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
     make_dataset(tmp_path, packed=UNEVEN, translation=UNEVEN)
     kw = dict(micro_batch_size=3, rank=1, world_size=2, seed=7)
-    uninterrupted = ShardLoader(str(tmp_path), task, "train", num_workers=2, **kw)
+    uninterrupted = ShardLoader(LoaderPlan(str(tmp_path), task, "train", num_workers=2, **kw))
     full = list(uninterrupted) + list(uninterrupted)  # epochs 0 and 1
 
-    interrupted = ShardLoader(str(tmp_path), task, "train", num_workers=2, **kw)
+    interrupted = ShardLoader(LoaderPlan(str(tmp_path), task, "train", num_workers=2, **kw))
     taken = []
     for batch in interrupted:  # the workers have prefetched beyond this point
         taken.append(batch)
@@ -117,7 +122,7 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
     assert state["epoch"] == 0 and state["samples_consumed"] == 5 * 3 * 2
 
     # Another process, another num_workers, another rank's copy of the state: the same batches.
-    resumed = ShardLoader(str(tmp_path), task, "train", num_workers=0, **kw)
+    resumed = ShardLoader(LoaderPlan(str(tmp_path), task, "train", num_workers=0, **kw))
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert resumed.epoch == 1
@@ -126,13 +131,13 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, task):
 
 def test_resume_at_epoch_end_starts_the_next_epoch(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
-    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+    loader = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4))
     batches = iter(loader)
     for _ in range(len(loader)):
         next(batches)
     state = loader.state_dict()
     assert (state["epoch"], state["samples_consumed"]) == (1, 0)
-    resumed = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+    resumed = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4))
     resumed.load_state_dict(state)
     assert_same_batches(list(resumed), epoch_batches(tmp_path, micro_batch_size=4, epoch=1))
 
@@ -153,7 +158,7 @@ def test_resume_skips_shards_without_decoding_them(tmp_path, monkeypatch):
     start = len(full) - 3
 
     opened.clear()
-    resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
+    resumed = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", **kw))
     resumed.load_state_dict({**resumed.state_dict(), "samples_consumed": start * 4})
     rest = list(resumed)
     assert_same_batches(rest, full[start:])
@@ -214,13 +219,15 @@ def test_corrupt_shards_are_skipped_and_ranks_stay_equal(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pipeline.load.loader"):
         for rank in range(2):
             loader = ShardLoader(
-                str(tmp_path),
-                "causal_lm",
-                "train",
-                micro_batch_size=4,
-                rank=rank,
-                world_size=2,
-                num_workers=2,
+                LoaderPlan(
+                    str(tmp_path),
+                    "causal_lm",
+                    "train",
+                    micro_batch_size=4,
+                    rank=rank,
+                    world_size=2,
+                    num_workers=2,
+                )
             )
             batches = list(loader)
             assert len(batches) == len(loader) == sum(sizes) // 8
@@ -247,7 +254,7 @@ def test_resume_repeats_the_same_fillers(tmp_path, rank):
     kw = dict(micro_batch_size=4, rank=rank, world_size=2, seed=4)
     full = epoch_batches(tmp_path, **kw)
     for start in range(1, len(full)):
-        resumed = ShardLoader(str(tmp_path), "causal_lm", "train", **kw)
+        resumed = ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", **kw))
         resumed.load_state_dict({**resumed.state_dict(), "samples_consumed": start * 4 * 2})
         assert_same_batches(list(resumed), full[start:])
 
@@ -334,11 +341,13 @@ def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
             cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64
         )
     with pytest.raises(UserError, match="manifest"):
-        ShardLoader(str(tmp_path / "nowhere"), "causal_lm", "train", micro_batch_size=4)
+        ShardLoader(LoaderPlan(str(tmp_path / "nowhere"), "causal_lm", "train", micro_batch_size=4))
     with pytest.raises(UserError, match="translation"):
-        ShardLoader(str(tmp_path), "translation", "train", micro_batch_size=4)
+        ShardLoader(LoaderPlan(str(tmp_path), "translation", "train", micro_batch_size=4))
     with pytest.raises(UserError, match="fewer than one global batch"):
-        ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=4)
+        ShardLoader(
+            LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=4)
+        )
 
 
 @pytest.mark.parametrize(
@@ -368,7 +377,7 @@ def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(
     change(manifest["datasets"]["packed"]["splits"]["train"]["shards"])
     save_manifest(tmp_path, manifest)
     with pytest.raises(UserError) as err:
-        ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4)
+        ShardLoader(LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4))
     assert str(err.value).startswith(f"{tmp_path}/manifest.json: {expected}") and "\n" not in str(
         err.value
     )
@@ -377,9 +386,11 @@ def test_a_manifest_repeating_a_shard_or_counting_no_samples_in_one_is_refused(
 def test_state_from_another_plan_is_refused(tmp_path):
     make_dataset(tmp_path, packed=UNEVEN)
     state = ShardLoader(
-        str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2
+        LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=2)
     ).state_dict()
-    other = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=3)
+    other = ShardLoader(
+        LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4, world_size=3)
+    )
     with pytest.raises(UserError, match="global_batch_size: saved 8, now 12"):
         other.load_state_dict(state)
 
@@ -402,14 +413,16 @@ def steps_of(
     per_rank = []
     for rank in range(world_size):
         loader = ShardLoader(
-            str(data_dir),
-            task,
-            "train",
-            micro_batch_size=micro_batch_size,
-            grad_accum=grad_accum,
-            rank=rank,
-            world_size=world_size,
-            **kw,
+            LoaderPlan(
+                str(data_dir),
+                task,
+                "train",
+                micro_batch_size=micro_batch_size,
+                grad_accum=grad_accum,
+                rank=rank,
+                world_size=world_size,
+                **kw,
+            )
         )
         if state is not None:
             loader.load_state_dict(state)
@@ -435,13 +448,15 @@ def test_resume_on_another_world_size_continues_the_same_steps(tmp_path):
     for done in (1, 5, len(uninterrupted) - 1):
         two_ranks = [
             ShardLoader(
-                str(tmp_path),
-                "causal_lm",
-                "train",
-                micro_batch_size=4,
-                rank=r,
-                world_size=2,
-                seed=9,
+                LoaderPlan(
+                    str(tmp_path),
+                    "causal_lm",
+                    "train",
+                    micro_batch_size=4,
+                    rank=r,
+                    world_size=2,
+                    seed=9,
+                )
             )
             for r in range(2)
         ]
@@ -464,7 +479,9 @@ def test_mlm_masks_follow_the_sample_not_the_rank(tmp_path):
     def masks(**shape):
         out = {}
         for rank in range(shape["world_size"]):
-            for batch in ShardLoader(str(tmp_path), "mlm", "train", rank=rank, seed=2, **shape):
+            for batch in ShardLoader(
+                LoaderPlan(str(tmp_path), "mlm", "train", rank=rank, seed=2, **shape)
+            ):
                 for row, sample in enumerate(batch_ids(batch)):
                     out[sample] = (
                         batch["input_ids"][row].tolist(),
@@ -479,7 +496,9 @@ def test_mlm_masks_follow_the_sample_not_the_rank(tmp_path):
 
 def test_sample_keys_name_the_samples_of_the_last_batch(tmp_path):
     manifest = make_dataset(tmp_path, packed=[5, 7])
-    loader = ShardLoader(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1)
+    loader = ShardLoader(
+        LoaderPlan(str(tmp_path), "causal_lm", "train", micro_batch_size=4, seed=1)
+    )
     by_path = {str(tmp_path / path): sorted(ids) for path, ids in shard_ids(manifest).items()}
     for batch in loader:
         keys = loader.sample_keys()
@@ -497,7 +516,7 @@ def test_workers_send_numpy_ids_not_tensors(tmp_path):
         ("mlm", {"ids", "lengths", "original_ids", "masked_positions"}),
         ("translation", {"src_ids", "src_lengths", "tgt_ids", "tgt_lengths"}),
     ]:
-        loader = ShardLoader(str(tmp_path), task, "train", micro_batch_size=4)
+        loader = ShardLoader(LoaderPlan(str(tmp_path), task, "train", micro_batch_size=4))
         _, packed, _ = loader._epoch_batches(0, 0).build(0)
         assert set(packed) == keys and all(
             isinstance(value, np.ndarray) for value in packed.values()
@@ -521,16 +540,18 @@ def test_length_grouping_keeps_the_epoch_and_batches_pairs_of_one_length(tmp_pat
     for rank in range(2):
         for out, grouping in ((plain, False), (grouped, True)):
             for batch in ShardLoader(
-                str(tmp_path),
-                "translation",
-                "train",
-                micro_batch_size=4,
-                rank=rank,
-                world_size=2,
-                num_workers=2,
-                seed=3,
-                length_grouping=grouping,
-                length_bands=1,
+                LoaderPlan(
+                    str(tmp_path),
+                    "translation",
+                    "train",
+                    micro_batch_size=4,
+                    rank=rank,
+                    world_size=2,
+                    num_workers=2,
+                    seed=3,
+                    length_grouping=grouping,
+                    length_bands=1,
+                )
             ):
                 out[0].append(batch_ids(batch))
                 out[1].append(pair_lengths(batch))
@@ -573,16 +594,18 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
         assert steps_of(tmp_path, **shape, **two) == two_bands
     two_ranks = [
         ShardLoader(
-            str(tmp_path),
-            "translation",
-            "train",
-            micro_batch_size=4,
-            rank=r,
-            world_size=2,
-            num_workers=2,
-            seed=5,
-            length_grouping=True,
-            length_bands=1,
+            LoaderPlan(
+                str(tmp_path),
+                "translation",
+                "train",
+                micro_batch_size=4,
+                rank=r,
+                world_size=2,
+                num_workers=2,
+                seed=5,
+                length_grouping=True,
+                length_bands=1,
+            )
         )
         for r in range(2)
     ]
@@ -602,19 +625,21 @@ def test_length_grouping_steps_do_not_depend_on_world_size_and_resume_exactly(tm
             True,
             1,
             ShardLoader(
-                str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2
+                LoaderPlan(str(tmp_path), "translation", "train", micro_batch_size=4, world_size=2)
             ).state_dict(),
         ),
     ):
         other = ShardLoader(
-            str(tmp_path),
-            "translation",
-            "train",
-            micro_batch_size=4,
-            world_size=2,
-            seed=5,
-            length_grouping=grouping,
-            length_bands=bands,
+            LoaderPlan(
+                str(tmp_path),
+                "translation",
+                "train",
+                micro_batch_size=4,
+                world_size=2,
+                seed=5,
+                length_grouping=grouping,
+                length_bands=bands,
+            )
         )
         with pytest.raises(UserError, match="length_grouping: saved"):
             other.load_state_dict(saved)
@@ -631,14 +656,16 @@ def test_length_grouping_gives_every_rank_about_the_same_tokens_each_step(tmp_pa
             per_rank = []
             for rank in range(shape["world_size"]):
                 loader = ShardLoader(
-                    str(tmp_path),
-                    "translation",
-                    "train",
-                    rank=rank,
-                    seed=3,
-                    length_grouping=grouping,
-                    length_bands=bands,
-                    **shape,
+                    LoaderPlan(
+                        str(tmp_path),
+                        "translation",
+                        "train",
+                        rank=rank,
+                        seed=3,
+                        length_grouping=grouping,
+                        length_bands=bands,
+                        **shape,
+                    )
                 )
                 per_rank.append([sum(pair_lengths(b)) for b in loader])
             a = shape["grad_accum"]
@@ -666,16 +693,18 @@ def test_more_length_bands_mix_more_lengths_a_step_and_a_round_keeps_one(tmp_pat
         per_round, per_step = [], []
         for loader in [
             ShardLoader(
-                str(tmp_path),
-                "translation",
-                "train",
-                micro_batch_size=2,
-                grad_accum=2,
-                world_size=2,
-                rank=rank,
-                seed=3,
-                length_grouping=True,
-                length_bands=bands,
+                LoaderPlan(
+                    str(tmp_path),
+                    "translation",
+                    "train",
+                    micro_batch_size=2,
+                    grad_accum=2,
+                    world_size=2,
+                    rank=rank,
+                    seed=3,
+                    length_grouping=True,
+                    length_bands=bands,
+                )
             )
             for rank in range(2)
         ]:
@@ -691,13 +720,15 @@ def test_more_length_bands_mix_more_lengths_a_step_and_a_round_keeps_one(tmp_pat
     assert spans[2][0] <= 2 and spans[1][0] <= 2, spans  # a round does not
     with pytest.raises(UserError, match="data.length_bands: 3 must be a positive divisor"):
         ShardLoader(
-            str(tmp_path),
-            "translation",
-            "train",
-            micro_batch_size=4,
-            world_size=2,
-            length_grouping=True,
-            length_bands=3,
+            LoaderPlan(
+                str(tmp_path),
+                "translation",
+                "train",
+                micro_batch_size=4,
+                world_size=2,
+                length_grouping=True,
+                length_bands=3,
+            )
         )
 
 
@@ -708,7 +739,9 @@ def test_a_process_that_exits_with_a_loader_still_open_ends(tiny_dataset):
     now, and the workers end by themselves."""
     script = (
         "from pipeline.load.loader import ShardLoader\n"
-        f"loader = ShardLoader({str(tiny_dataset)!r}, 'causal_lm', 'train', micro_batch_size=2, num_workers=1)\n"
+        "from pipeline.load.plan import LoaderPlan\n"
+        f"loader = ShardLoader(LoaderPlan({str(tiny_dataset)!r}, 'causal_lm', 'train', "
+        "micro_batch_size=2, num_workers=1))\n"
         "batches = iter(loader)\nnext(batches)\nkept = [loader, batches]\nprint('exiting', flush=True)\n"
     )
     try:

@@ -14,6 +14,7 @@ from common.configure import UserError
 from pipeline.format import FIELDS, sample_key, shard_name
 from pipeline.load.loader import ShardLoader
 from pipeline.load.mixture import mixture_shares
+from pipeline.load.plan import LoaderPlan
 from pipeline.shard_tar import write_shard
 from pipeline.specials import sentencepiece_specials
 from tests.shardtools import FIRST_ID, TOKENIZER_SHA256, VOCAB_SIZE, save_manifest
@@ -78,7 +79,9 @@ def ids_of(batch) -> list[int]:
 def loader(data_dir, mixture, **kw) -> ShardLoader:
     kw = {"micro_batch_size": 4, **kw}
     return ShardLoader(
-        str(data_dir), "causal_lm", "train", mixture=mixture, seed=kw.pop("seed", 7), **kw
+        LoaderPlan(
+            str(data_dir), "causal_lm", "train", mixture=mixture, seed=kw.pop("seed", 7), **kw
+        )
     )
 
 

@@ -29,6 +29,7 @@ from common.configure import UserError
 from launch.main.plan import python_launcher
 from pipeline import remote
 from pipeline.load.loader import ShardLoader
+from pipeline.load.plan import LoaderPlan
 from pipeline.remote import FetchConfig
 from tests.shardtools import make_dataset
 
@@ -133,7 +134,7 @@ def served(tmp_path):
 
 
 def batches(data_dir, state=None, **kw) -> tuple[list[dict], ShardLoader]:
-    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4, **kw)
+    loader = ShardLoader(LoaderPlan(str(data_dir), "causal_lm", "train", micro_batch_size=4, **kw))
     if state is not None:
         loader.load_state_dict(state)
     try:
@@ -152,7 +153,7 @@ def assert_same_batches(a, b):
 
 def shards_read(data_dir: Path, state: dict | None = None) -> set[str]:
     """The shards (relative to the served root) that an epoch, or its rest after `state`, reads."""
-    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4)
+    loader = ShardLoader(LoaderPlan(str(data_dir), "causal_lm", "train", micro_batch_size=4))
     if state is not None:
         loader.load_state_dict(state)
     read = set()
@@ -162,7 +163,7 @@ def shards_read(data_dir: Path, state: dict | None = None) -> set[str]:
 
 
 def mid_epoch_state(data_dir, batch: int) -> dict:
-    loader = ShardLoader(str(data_dir), "causal_lm", "train", micro_batch_size=4)
+    loader = ShardLoader(LoaderPlan(str(data_dir), "causal_lm", "train", micro_batch_size=4))
     stream = iter(loader)
     for _ in range(batch):
         next(stream)
@@ -188,14 +189,16 @@ def test_the_url_gives_the_local_batches_also_after_a_resume(served, num_workers
 
 def test_shards_are_prefetched_ahead_of_the_reader_and_no_further(served):
     order = []  # the shards in the order the epoch first reads them
-    local = ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4)
+    local = ShardLoader(LoaderPlan(str(served.local), "causal_lm", "train", micro_batch_size=4))
     for _ in local:
         for key in local.sample_keys():
             shard = str(Path(key.split("#")[0]).relative_to(served.local.parent))
             if shard not in order:
                 order.append(shard)
     loader = ShardLoader(
-        served.url, "causal_lm", "train", micro_batch_size=4, fetch=served.fetch(prefetch=2)
+        LoaderPlan(
+            served.url, "causal_lm", "train", micro_batch_size=4, fetch=served.fetch(prefetch=2)
+        )
     )
     stream = iter(loader)
     next(stream)
@@ -233,7 +236,12 @@ def test_a_resume_fetches_no_shard_lying_before_the_resume_point(served):
     resumed, _ = batches(served.url, state, fetch=served.fetch())
     assert (
         len(resumed)
-        == len(list(ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=4))) - 20
+        == len(
+            list(
+                ShardLoader(LoaderPlan(str(served.local), "causal_lm", "train", micro_batch_size=4))
+            )
+        )
+        - 20
     )
     assert set(served.shard_requests()) == needed
 
@@ -382,28 +390,32 @@ def test_an_unreachable_or_unknown_url_is_one_line(served):
         UserError, match=r"no manifest\.json at http://127\.0\.0\.1:\d+/nowhere: not a prepared"
     ):
         ShardLoader(
-            f"http://127.0.0.1:{port}/nowhere",
-            "causal_lm",
-            "train",
-            micro_batch_size=4,
-            fetch=served.fetch(retries=0),
+            LoaderPlan(
+                f"http://127.0.0.1:{port}/nowhere",
+                "causal_lm",
+                "train",
+                micro_batch_size=4,
+                fetch=served.fetch(retries=0),
+            )
         )
     served.server.shutdown()
     served.server.server_close()
     with pytest.raises(UserError, match="cannot fetch the manifest") as err:
         ShardLoader(
-            f"http://127.0.0.1:{port}/data",
-            "causal_lm",
-            "train",
-            micro_batch_size=4,
-            fetch=FetchConfig(retries=1, backoff_s=0.01),
+            LoaderPlan(
+                f"http://127.0.0.1:{port}/data",
+                "causal_lm",
+                "train",
+                micro_batch_size=4,
+                fetch=FetchConfig(retries=1, backoff_s=0.01),
+            )
         )
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="unknown protocol 'nosuch'"):
-        ShardLoader("nosuch://bucket/data", "causal_lm", "train", micro_batch_size=4)
+        ShardLoader(LoaderPlan("nosuch://bucket/data", "causal_lm", "train", micro_batch_size=4))
     if importlib.util.find_spec("s3fs") is None:
         with pytest.raises(UserError, match="s3fs"):
-            ShardLoader("s3://bucket/data", "causal_lm", "train", micro_batch_size=4)
+            ShardLoader(LoaderPlan("s3://bucket/data", "causal_lm", "train", micro_batch_size=4))
 
 
 def test_training_from_the_url_equals_training_from_the_local_path(tiny_dataset, tmp_path):
@@ -545,7 +557,7 @@ def train_from(url: str, run_dir: Path, cache: Path, *overrides: str, nproc: int
 
 def answer_the_first_shard_only(served: Served) -> None:
     """Serve the shard the trainer's stream begins with (data.seed 0); hang on every other."""
-    loader = ShardLoader(str(served.local), "causal_lm", "train", micro_batch_size=1)
+    loader = ShardLoader(LoaderPlan(str(served.local), "causal_lm", "train", micro_batch_size=1))
     next(iter(loader))
     (key,) = loader.sample_keys()
     served.server.answer_only = {
