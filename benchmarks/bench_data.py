@@ -91,7 +91,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from pipeline.prepare.work import ENCODE_CHUNK  # noqa: E402
+from pipeline.prepare.encode import ENCODE_CHUNK  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "gettext-en-de"
 MICRO_BATCH = 32
@@ -306,9 +306,10 @@ def run_prepare(cfg) -> dict:
 def encode_work_texts(cfg, work_dir: Path) -> list[str]:
     """Exactly the texts `encode_bucket` hands to SentencePiece, gathered with the pipeline's own functions."""
     from pipeline.format import DATASET_FOR_TASK, SPLITS
+    from pipeline.prepare.encode import unique_chunks
+    from pipeline.prepare.scan import MONO, PAIRS, scan_unit
     from pipeline.prepare.sources import expand_paths, plan_units, source_list
     from pipeline.prepare.units import stream_chunks
-    from pipeline.prepare.work import MONO, PAIRS, scan_unit, unique_chunks
 
     units = [
         chunk

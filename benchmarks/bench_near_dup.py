@@ -1,4 +1,4 @@
-"""Near-duplicate removal: pipeline.prepare.curate.minhash against datatrove's MinHash pipeline.
+"""Near-duplicate removal: pipeline.prepare.curate (minhash, lsh) against datatrove's MinHash.
 
     python benchmarks/near_dup_corpus.py /tmp/ndc --docs 20000
     python benchmarks/bench_near_dup.py /tmp/ndc [--datatrove-python /tmp/dtvenv/bin/python]
@@ -46,7 +46,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.prepare.curate import lsh  # noqa: E402
 from pipeline.prepare.curate import minhash as mh  # noqa: E402
+from pipeline.prepare.curate.near_dedup_config import NearDedupConfig  # noqa: E402
 
 DATATROVE_RUNNER = textwrap.dedent(
     """
@@ -175,7 +177,7 @@ def quality(removed: set, cluster_of: dict, truth: dict, exact: Exact, tclusters
     }
 
 
-def run_ours(corpus: Path, cfg: mh.NearDedupConfig, partitions: int, unit_docs: int, out: Path):
+def run_ours(corpus: Path, cfg: NearDedupConfig, partitions: int, unit_docs: int, out: Path):
     t0 = time.perf_counter()
     with open(corpus / "corpus.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -183,7 +185,7 @@ def run_ours(corpus: Path, cfg: mh.NearDedupConfig, partitions: int, unit_docs: 
     ids = np.array([r["id"] for r in rows], dtype=np.uint64)
     work = Path(tempfile.mkdtemp(prefix="ours_", dir=out))
     units = max(1, -(-len(texts) // unit_docs))
-    removed, kept, skipped = mh.near_duplicates_local(
+    removed, kept, skipped = lsh.near_duplicates_local(
         texts, cfg, work / "bands", partitions=partitions, ids=ids, units=units
     )
     gone = set(removed.tolist())
@@ -197,7 +199,7 @@ def run_ours(corpus: Path, cfg: mh.NearDedupConfig, partitions: int, unit_docs: 
     return {"seconds": seconds, "removed": removed.tolist(), "cluster_of": cluster_of}
 
 
-def run_datatrove(python: str, corpus: Path, cfg: mh.NearDedupConfig, out: Path):
+def run_datatrove(python: str, corpus: Path, cfg: NearDedupConfig, out: Path):
     work = Path(tempfile.mkdtemp(prefix="datatrove_", dir=out))
     script = work / "runner.py"
     script.write_text(DATATROVE_RUNNER)
@@ -234,10 +236,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("corpus", type=Path)
     ap.add_argument("--datatrove-python", default="")
-    ap.add_argument("--bands", type=int, default=mh.NearDedupConfig.bands)
-    ap.add_argument("--rows", type=int, default=mh.NearDedupConfig.rows)
-    ap.add_argument("--ngram", type=int, default=mh.NearDedupConfig.ngram)
-    ap.add_argument("--threshold", type=float, default=mh.NearDedupConfig.threshold)
+    ap.add_argument("--bands", type=int, default=NearDedupConfig.bands)
+    ap.add_argument("--rows", type=int, default=NearDedupConfig.rows)
+    ap.add_argument("--ngram", type=int, default=NearDedupConfig.ngram)
+    ap.add_argument("--threshold", type=float, default=NearDedupConfig.threshold)
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--unit-docs", type=int, default=2000)
     ap.add_argument(
@@ -247,7 +249,7 @@ def main() -> None:
         "permutations whose LSH threshold is nearest 0.8 on their own (16x16: 0.841)",
     )
     args = ap.parse_args()
-    cfg = mh.NearDedupConfig(
+    cfg = NearDedupConfig(
         enabled=True,
         ngram=args.ngram,
         bands=args.bands,
@@ -260,7 +262,7 @@ def main() -> None:
     texts = [json.loads(line)["text"] for line in open(args.corpus / "corpus.jsonl")]
     exact = Exact(texts, cfg.ngram)
     tclusters = truth_clusters(truth, exact)
-    print(mh.describe(cfg))
+    print(lsh.describe(cfg))
     out = Path(tempfile.mkdtemp(prefix="bench_near_dup_"))
     results = []
     try:

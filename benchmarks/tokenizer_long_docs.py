@@ -5,7 +5,7 @@ size, `pipeline.prepare.train_tokenizer.sample_pieces`).
 
 A generated web-like corpus: 20,000 documents of made-up words, a fifth of them 10,000-40,000
 characters long, the rest 200-3,000. The sample is the train split's bottom-k by salted hash, as
-`pipeline.prepare.work.scan_unit` draws it, with the web example's `max_doc_chars`. Prints one
+`pipeline.prepare.scan.scan_unit` draws it, with the web example's `max_doc_chars`. Prints one
 line per way; asserts nothing.
 
     python benchmarks/tokenizer_long_docs.py [--docs 20000] [--sample 200000]
@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.prepare.readers import chunk_text  # noqa: E402
+from pipeline.prepare.scan import assign_split  # noqa: E402
 from pipeline.prepare.train_tokenizer import BottomKSample, sample_pieces  # noqa: E402
 from pipeline.prepare.units import text_hash  # noqa: E402
-from pipeline.prepare.work import assign_split  # noqa: E402
 
 LIMIT, SALT, MAX_DOC_CHARS, LONG = 4192, "split-v1", 100_000, 10_000
 

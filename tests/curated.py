@@ -67,8 +67,8 @@ PII = "Questions about this text go to jane.doe@mailhost.org or to the server at
 
 def split_of(text: str, valid: float, test: float, salt: str = "split-v1") -> str:
     """The split prepare gives a document (the dataset's rule: its cleaned text's salted hash)."""
+    from pipeline.prepare.scan import assign_split
     from pipeline.prepare.units import clean_text, text_hash
-    from pipeline.prepare.work import assign_split
 
     return assign_split(text_hash(clean_text(text), salt), valid, test)
 

@@ -4,7 +4,7 @@ A `TemplateLM`, so lm-eval itself splits each (context, continuation) into token
 for its `HFLM` (the whole text encoded, the context's tokens cut off the front); the same
 requests through `HFLM` over our Hugging Face export give the same log-likelihoods
 (tests/launch/test_lm_eval.py). An empty context, and each rolling window's first token, is
-conditioned on the token every document follows in training (`pipeline.prepare.work._Packer`):
+conditioned on the token every document follows in training (`pipeline.prepare.encode._Packer`):
 the last of its tokenizer's document prefix (Llama's <s>), else the end of the previous
 document (ours </s>, GPT-2's <|endoftext|>); it is also the `prefix_token_id` HFLM is given for
 our exports.

@@ -24,8 +24,8 @@ from launch.preflight.sources import check_source_fits
 from launch.run_config import training_config
 from model.config import STACKS
 from pipeline.format import MANIFEST
+from pipeline.prepare.checks import check_config as check_prepare_config
 from pipeline.prepare.config import PrepareConfig
-from pipeline.prepare.job import check_config as check_prepare_config
 from pipeline.prepare.sources import expand_paths, source_list, source_where
 
 STACK_OF = dict(zip(STACKS, (0, 1)))  # (encoder, decoder) index of a start's side

@@ -12,9 +12,9 @@ from typing import List
 from pipeline.format import TASKS
 from pipeline.prepare.curate.decontaminate import DecontaminationConfig
 from pipeline.prepare.curate.language import LanguageConfig
-from pipeline.prepare.curate.minhash import NearDedupConfig
+from pipeline.prepare.curate.near_dedup_config import NearDedupConfig
 from pipeline.prepare.curate.pii import PiiConfig
-from pipeline.prepare.curate.quality import QualityConfig
+from pipeline.prepare.curate.quality_config import QualityConfig
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 
 from common.storage import byte_size
 from pipeline.prepare.config import PrepareConfig
-from pipeline.prepare.curate import minhash
+from pipeline.prepare.curate import lsh
 from pipeline.prepare.curate.decisions import Curation
 from pipeline.prepare.curate.decontaminate import (
     EvalKeys,
@@ -30,9 +30,9 @@ from pipeline.prepare.curate.decontaminate import (
 from pipeline.prepare.curate.neardup import SketchStore, shuffle_partition
 from pipeline.prepare.curate.tally import Tally
 from pipeline.prepare.rss import peak_rss_mb, reset_peak_rss
+from pipeline.prepare.scan import MONO, PAIRS, bucket_file
 from pipeline.prepare.sources import source_list
 from pipeline.prepare.units import Unit
-from pipeline.prepare.work import MONO, PAIRS, bucket_file
 
 DROPPED_DIR = "dropped"  # DATASET/dropped/SOURCE/RULE.jsonl: samples of what each rule dropped
 # a near-duplicate band record is 16 bytes on disk; the shuffle holds about three copies of its
@@ -47,7 +47,7 @@ def partitions_sized(cfg: PrepareConfig, input_bytes: int) -> PrepareConfig:
     if not near.enabled or near.partitions > 0:
         return cfg
     records = near.bands * max(1, input_bytes // 200)  # a text of about 200 bytes at the least
-    partitions = minhash.choose_partitions(records)
+    partitions = lsh.choose_partitions(records)
     return dataclasses.replace(cfg, near_dedup=dataclasses.replace(near, partitions=partitions))
 
 
@@ -56,7 +56,7 @@ def near_duplicates(
 ) -> tuple[Curation, dict]:
     """The shuffle and the clusters: ids to drop, and the facts for the manifest."""
     near = cfg.near_dedup
-    log(f"prepare: near-duplicates: {minhash.describe(near)}; {near.partitions} partitions")
+    log(f"prepare: near-duplicates: {lsh.describe(near)}; {near.partitions} partitions")
     results = run_tasks(
         shuffle_partition,
         [(p,) for p in range(near.partitions)],
@@ -69,11 +69,11 @@ def near_duplicates(
     edges = np.unique(np.concatenate(edges), axis=0) if edges else np.empty((0, 2), np.uint64)
     # a text joined only through a chain is removed only beside a kept text it is itself like
     store = SketchStore(str(work_dir))
-    removed, partners = minhash.clusters(edges, store.similarity, near)
+    removed, partners = lsh.clusters(edges, store.similarity, near)
     order = np.argsort(removed)
     removed, partners = removed[order], partners[order]
     facts = {
-        "parameters": minhash.describe(near),
+        "parameters": lsh.describe(near),
         "candidate_pairs": sum(r["candidates"] for r in results),
         "verified_pairs": int(len(edges)),
         "removed": int(len(removed)),

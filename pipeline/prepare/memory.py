@@ -5,7 +5,7 @@ A worker runs one task at a time, so its peak is its own resident size plus the 
 scan task and an encode task hold:
 
 - an encode task (one dataset's bucket, split by split) keeps a set of the 8-byte digests of the
-  records it has written, to drop duplicates (`work.unique_chunks`): about SEEN_BYTES per
+  records it has written, to drop duplicates (`encode.unique_chunks`): about SEEN_BYTES per
   distinct record of the bucket's largest split, the train split; and a chunk of ENCODE_CHUNK
   texts with their token ids as Python lists (about ENCODE_BYTES_PER_TEXT_BYTE of memory per
   byte of text);
@@ -40,14 +40,13 @@ from common.cgroup import memory_left
 from common.configure import UserError
 from pipeline.format import shard_sets
 from pipeline.prepare.config import PrepareConfig
-from pipeline.prepare.curate import minhash
+from pipeline.prepare.curate import lsh, minhash
 from pipeline.prepare.curate.neardup import FLUSH_TEXTS
+from pipeline.prepare.encode import ENCODE_CHUNK
 from pipeline.prepare.readers import chunk_text, is_parallel, read_unit
+from pipeline.prepare.scheduling import SCAN_TASKS_PER_WORKER
 from pipeline.prepare.sources import decompressed_size, source_list
 from pipeline.prepare.units import Unit, stream_chunks
-from pipeline.prepare.work import ENCODE_CHUNK
-
-SCAN_TASKS_PER_WORKER = 4  # as `job.scan_batches` groups units
 
 MB = 1 << 20
 BASE_MB = 180  # a worker with the prepare code, Ray, SentencePiece and numpy loaded, no task run
@@ -76,12 +75,12 @@ WORD_BYTES = 96
 # their shingles (numpy, 8 bytes each): 40 bytes per byte of text measured for the arrays alone,
 # 80 counted with what the allocator keeps of them (a 1 GB corpus's scan tasks peaked at 397 MiB:
 # docs/results.md#curation-at-scale); a shuffle task verifies VERIFY_EDGES candidate pairs at a
-# time (`minhash.verify`'s chunk), holding their two texts' sketches. Decontamination hashes a
+# time (`lsh.verify`'s chunk), holding their two texts' sketches. Decontamination hashes a
 # chunk of ENCODE_CHUNK texts in the encode the same way (29
 # bytes per byte measured, 64 counted).
 SIGN_BYTES_PER_TEXT_BYTE = 80
 DECONTAMINATE_BYTES_PER_TEXT_BYTE = 64
-VERIFY_EDGES = minhash.VERIFY_CHUNK
+VERIFY_EDGES = lsh.VERIFY_CHUNK
 SKETCH_OBJECT_BYTES = 200  # a numpy array's header and its place in a dict
 BYTES_PER_WORD = 5  # of text, for the decontamination keys (one 8-byte n-gram hash a word)
 
@@ -240,7 +239,7 @@ def estimate_worker_memory(
             FLUSH_TEXTS * text_bytes * SIGN_BYTES_PER_TEXT_BYTE
         )
         scan += signing
-        shuffle = minhash.memory_per_task(int(mono_texts * near.bands), near.partitions)
+        shuffle = lsh.memory_per_task(int(mono_texts * near.bands), near.partitions)
         # the sketches of VERIFY_EDGES pairs verified at a time, each in a numpy array of its own
         shuffle += 2 * VERIFY_EDGES * (minhash.SKETCH * 4 + SKETCH_OBJECT_BYTES)
         encode += 16 * mono_texts  # the removed ids and the sample's, worst case all

@@ -1,9 +1,11 @@
-"""A Ray task's peak resident memory, for the log and the benchmarks (never the manifest, whose
-bytes do not depend on the machine)."""
+"""A Ray task's peak resident memory and CPU seconds, for the log and the benchmarks (never the
+manifest, whose bytes do not depend on the machine)."""
 
 from __future__ import annotations
 
+import os
 import resource
+import time
 
 
 def reset_peak_rss() -> None:
@@ -35,3 +37,12 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_noted(results: list[dict], cpu_started: float) -> list[dict]:
+    """The task's CPU seconds on its first result, and the worker's pid on each: for benchmarks,
+    which add them up per worker (a figure that machine load does not change), not the manifest."""
+    for position, result in enumerate(results):
+        result["task_cpu_s"] = time.process_time() - cpu_started if position == 0 else 0.0
+        result["worker_pid"] = os.getpid()
+    return results

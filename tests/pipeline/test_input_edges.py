@@ -34,9 +34,9 @@ from pipeline.format import MANIFEST
 from pipeline.prepare import memory
 from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.readers import check_usable, describe_skipped, read_unit
+from pipeline.prepare.scan import assign_split
 from pipeline.prepare.sources import check_sources, expand_paths, plan_units, source_list
 from pipeline.prepare.units import Unit, clean_text, text_hash
-from pipeline.prepare.work import assign_split
 
 # This checkout's code, whatever the working directory (the tests below run the commands in
 # tmp_path, where the defaults' relative paths would land).
@@ -315,20 +315,20 @@ def test_the_memory_check_keeps_the_driver_s_share_and_refuses_a_training_that_d
 ):
     """Workers share what is left after the driver and Ray's own processes; the tokenizer's
     training runs beside idle workers and is checked on its own, each refusal one line."""
-    from pipeline.prepare import job
+    from pipeline.prepare import checks
 
     mib = 1 << 20
     cfg = load_config(PrepareConfig, None, ["source.paths=[x]", "ray.num_workers=2"])
-    monkeypatch.setattr(job, "available_bytes", lambda: 2000 * mib)
+    monkeypatch.setattr(checks, "available_bytes", lambda: 2000 * mib)
     head = memory.HEAD_MB * mib
     fits = memory.MemoryEstimate(((2000 * mib - head) // 2), "w", "r", train_bytes=0)
-    assert job.check_memory(cfg, fits, lambda msg: None) == fits.peak_bytes
+    assert checks.check_memory(cfg, fits, lambda msg: None) == fits.peak_bytes
     over = memory.MemoryEstimate(fits.peak_bytes + mib, "w", "lower it", train_bytes=0)
     with pytest.raises(UserError, match=r"available for ray.num_workers=2 \(.* of it for the "):
-        job.check_memory(cfg, over, lambda msg: None)
+        checks.check_memory(cfg, over, lambda msg: None)
     idle = 2 * memory.BASE_MB * mib
     training = memory.MemoryEstimate(300 * mib, "w", "r", train_bytes=2000 * mib - head - idle)
-    assert job.check_memory(cfg, training, lambda msg: None) == 300 * mib
+    assert checks.check_memory(cfg, training, lambda msg: None) == 300 * mib
     training.train_bytes += mib
     with pytest.raises(UserError, match=r"^training the tokenizer on its sample needs about "):
-        job.check_memory(cfg, training, lambda msg: None)
+        checks.check_memory(cfg, training, lambda msg: None)

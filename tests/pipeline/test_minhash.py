@@ -1,4 +1,4 @@
-"""Near-duplicate removal (pipeline.prepare.curate.minhash): signatures, LSH band keys, the
+"""Near-duplicate removal (pipeline.prepare.curate.minhash, .lsh): signatures, LSH band keys, the
 partitioned shuffle, verification and clusters, on texts made here."""
 
 import json
@@ -12,8 +12,9 @@ import pytest
 from repo import ROOT
 
 from common.configure import UserError
+from pipeline.prepare.curate import lsh
 from pipeline.prepare.curate import minhash as mh
-from pipeline.prepare.curate.minhash import NearDedupConfig
+from pipeline.prepare.curate.near_dedup_config import NearDedupConfig
 
 
 def words(n, rng):
@@ -37,7 +38,8 @@ def test_signatures_same_in_another_process():
     here = mh.signatures(texts, cfg)
     code = (
         "import json, sys; from pipeline.prepare.curate import minhash as mh; "
-        "s = mh.signatures(json.loads(sys.argv[1]), mh.NearDedupConfig()); "
+        "from pipeline.prepare.curate.near_dedup_config import NearDedupConfig; "
+        "s = mh.signatures(json.loads(sys.argv[1]), NearDedupConfig()); "
         "print(json.dumps(s.tolist()))"
     )
     out = subprocess.run(
@@ -82,7 +84,7 @@ def test_band_keys_equal_for_identical_texts_and_differ_by_band():
     cfg = NearDedupConfig()
     rng = random.Random(2)
     a = " ".join(words(200, rng))
-    keys = mh.band_keys(mh.signatures([a, a.upper(), a + " tail words here now"], cfg), cfg)
+    keys = lsh.band_keys(mh.signatures([a, a.upper(), a + " tail words here now"], cfg), cfg)
     assert keys.dtype == np.uint64 and keys.shape == (3, cfg.bands)
     assert np.array_equal(keys[0], keys[1])
     assert len(set(keys[0].tolist())) == cfg.bands  # the band index is mixed in
@@ -113,7 +115,7 @@ def corpus(rng):
 
 
 def run(texts, cfg, tmp_path, partitions, units=1):
-    removed, kept, _ = mh.near_duplicates_local(
+    removed, kept, _ = lsh.near_duplicates_local(
         texts, cfg, tmp_path / f"p{partitions}u{units}", partitions=partitions, units=units
     )
     return removed.tolist(), kept.tolist()
@@ -137,22 +139,22 @@ def test_result_independent_of_partitions_and_units(tmp_path):
 def test_candidate_pairs_from_partition_files(tmp_path):
     keys = np.array([[5, 9], [5, 1], [7, 9], [5, 9]], dtype=np.uint64)
     ids = np.array([40, 10, 30, 20], dtype=np.uint64)
-    mh.write_band_records(lambda p: tmp_path / f"a{p}.bin", keys[:2], ids[:2], 2)
-    mh.write_band_records(lambda p: tmp_path / f"b{p}.bin", keys[2:], ids[2:], 2)
-    edges = [mh.candidate_pairs(sorted(tmp_path.glob(f"?{p}.bin"))) for p in range(2)]
+    lsh.write_band_records(lambda p: tmp_path / f"a{p}.bin", keys[:2], ids[:2], 2)
+    lsh.write_band_records(lambda p: tmp_path / f"b{p}.bin", keys[2:], ids[2:], 2)
+    edges = [lsh.candidate_pairs(sorted(tmp_path.glob(f"?{p}.bin"))) for p in range(2)]
     got = np.concatenate(edges).tolist()
     # key 5: 10, 20, 40 and key 9: 20, 30, 40, every pair of each (small buckets)
     assert sorted(map(tuple, got)) == [(10, 20), (10, 40), (20, 30), (20, 40), (30, 40)]
     # the most joined text is kept (20 and 40 have three partners: the first of them)
-    removed, kept = mh.clusters(np.array(got, dtype=np.uint64))
+    removed, kept = lsh.clusters(np.array(got, dtype=np.uint64))
     assert removed.tolist() == [10, 30, 40] and kept.tolist() == [20, 20, 20]
 
 
 def test_a_big_bucket_is_joined_as_a_star(tmp_path):
-    n = mh.SMALL_BUCKET + 3
+    n = lsh.SMALL_BUCKET + 3
     ids = np.arange(100, 100 + n, dtype=np.uint64)
-    mh.write_band_records(lambda p: tmp_path / "a.bin", np.full((n, 1), 7, np.uint64), ids, 1)
-    got = mh.candidate_pairs([tmp_path / "a.bin"]).tolist()
+    lsh.write_band_records(lambda p: tmp_path / "a.bin", np.full((n, 1), 7, np.uint64), ids, 1)
+    got = lsh.candidate_pairs([tmp_path / "a.bin"]).tolist()
     assert got == [[100, int(i)] for i in ids[1:]]
 
 
@@ -164,7 +166,7 @@ def test_verify_drops_low_similarity_candidate():
     far = " ".join(w if i % 4 else "zz" for i, w in enumerate(a))
     store = sketched([" ".join(a), near, far], cfg)
     edges = np.array([[0, 1], [0, 2]], dtype=np.uint64)
-    assert mh.verify(edges, store.similarity, cfg).tolist() == [[0, 1]]
+    assert lsh.verify(edges, store.similarity, cfg).tolist() == [[0, 1]]
 
 
 def sketched(texts, cfg):
@@ -190,10 +192,10 @@ def test_sketch_similarity_exact_when_whole_and_close_when_cut():
 
 
 def test_sizing_helpers_and_describe():
-    assert mh.choose_partitions(0) == 1
-    assert mh.choose_partitions(10_000_000 * 32, 256 << 20) == 77
-    assert mh.memory_per_task(1000, 10, skew=1.0) == 100 * mh.TASK_BYTES_PER_RECORD
-    line = mh.describe(NearDedupConfig())
+    assert lsh.choose_partitions(0) == 1
+    assert lsh.choose_partitions(10_000_000 * 32, 256 << 20) == 77
+    assert lsh.memory_per_task(1000, 10, skew=1.0) == 100 * lsh.TASK_BYTES_PER_RECORD
+    line = lsh.describe(NearDedupConfig())
     assert "0.648" in line and "0.85:1.000" in line and "\n" not in line
 
 
@@ -226,10 +228,10 @@ def test_clusters_keep_a_document_joined_only_through_a_chain():
         return np.array([sims[tuple(sorted((int(x), int(y))))] for x, y in zip(a, b)])
 
     edges = np.array([[0, 1], [1, 2], [2, 3]], dtype=np.uint64)
-    removed, kept = mh.clusters(edges)
+    removed, kept = lsh.clusters(edges)
     assert removed.tolist() == [0, 2, 3] and kept.tolist() == [1, 1, 1]
-    removed, kept = mh.clusters(edges, similarity, cfg)
+    removed, kept = lsh.clusters(edges, similarity, cfg)
     assert removed.tolist() == [0, 2] and kept.tolist() == [1, 1]
     sims[(1, 3)] = 0.75  # within CHAIN_MARGIN of the threshold: removed beside 1
-    removed, kept = mh.clusters(edges, similarity, cfg)
+    removed, kept = lsh.clusters(edges, similarity, cfg)
     assert removed.tolist() == [0, 2, 3] and kept.tolist() == [1, 1, 1]

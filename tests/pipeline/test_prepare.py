@@ -593,14 +593,14 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     """The streamed encode stage (dedup, encode, pack and write ENCODE_CHUNK texts at a time)
     gives the same shards whatever the chunk size: here 7 texts against 100,000 (all at once)."""
     from common.configure import load_config
-    from pipeline.prepare import work
+    from pipeline.prepare import encode, scan
     from pipeline.prepare.config import PrepareConfig
     from pipeline.prepare.sources import expand_paths, plan_units
     from pipeline.prepare.train_tokenizer import train_tokenizer
 
     cfg = load_config(PrepareConfig, None, prepare_args(tiny_corpus, tmp_path / "unused"))
     units = plan_units(expand_paths(cfg.source), cfg.source, 1 << 20)
-    results = [work.scan_unit(i, unit, cfg, str(tmp_path / "work")) for i, unit in enumerate(units)]
+    results = [scan.scan_unit(i, unit, cfg, str(tmp_path / "work")) for i, unit in enumerate(units)]
     model = {
         "tokenizer.model": train_tokenizer(
             [text for result in results for _, text in result["sample"]], cfg.tokenizer
@@ -608,10 +608,10 @@ def test_encode_output_does_not_depend_on_how_texts_are_chunked(tiny_corpus, tmp
     }
     outputs = {}
     for chunk in (7, 100_000):
-        monkeypatch.setattr(work, "ENCODE_CHUNK", chunk)
+        monkeypatch.setattr(encode, "ENCODE_CHUNK", chunk)
         out = tmp_path / f"out{chunk}"
         outputs[chunk] = [
-            work.encode_splits(
+            encode.encode_splits(
                 dataset, bucket, [0] * len(units), str(tmp_path / "work"), str(out), model, cfg
             )
             for dataset in ("packed", "translation")
@@ -632,7 +632,7 @@ def test_tokenizer_sample_shares():
     """Slots divided by tokenizer_share; a source short of texts gives what it has and the rest go to the others."""
     from common.configure import load_config
     from pipeline.prepare.config import PrepareConfig
-    from pipeline.prepare.job import tokenizer_sample
+    from pipeline.prepare.tokenizer_sample import tokenizer_sample
     from pipeline.prepare.units import Unit
 
     def cfg(k, shares):
@@ -838,8 +838,8 @@ def test_the_scratch_estimate_counts_each_text_once_per_bucket_family(tmp_path, 
 
     from common.configure import load_config
     from common.storage import byte_size
+    from pipeline.prepare.checks import scratch_need
     from pipeline.prepare.config import PrepareConfig
-    from pipeline.prepare.job import scratch_need
     from pipeline.prepare.sources import expand_paths, source_list
 
     write_web_corpus(tmp_path, n_docs=200, n_pairs=100)

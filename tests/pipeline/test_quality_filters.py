@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from common.configure import UserError
-from pipeline.prepare.curate.quality import RULES, QualityConfig, judge
+from pipeline.prepare.curate.quality import judge
+from pipeline.prepare.curate.quality_config import RULES, QualityConfig
 
 
 def only(rule: str, **sets) -> QualityConfig:
@@ -480,14 +481,14 @@ def test_config_is_an_omegaconf_schema_with_every_field_documented():
     from omegaconf import OmegaConf
 
     from common.configure import field_comments
-    from pipeline.prepare.curate import quality
+    from pipeline.prepare.curate import quality_config
 
     for schema in (
         QualityConfig,
-        quality.GopherQualityConfig,
-        quality.GopherRepetitionConfig,
-        quality.C4Config,
-        quality.FineWebConfig,
+        quality_config.GopherQualityConfig,
+        quality_config.GopherRepetitionConfig,
+        quality_config.C4Config,
+        quality_config.FineWebConfig,
     ):
         assert all(field_comments(schema).values()), schema
     listed = field_comments(QualityConfig)["disabled_rules"]

@@ -607,7 +607,7 @@ def test_legacy_source_is_a_list_of_one_named_default():
 
 
 def test_units_shrink_for_small_inputs_and_the_last_scan_tasks_are_small(tmp_path):
-    from pipeline.prepare.job import scan_batches
+    from pipeline.prepare.scheduling import scan_batches
     from pipeline.prepare.sources import MIN_UNIT_BYTES, UNITS_WANTED, planned_unit_bytes
 
     mib = 1 << 20

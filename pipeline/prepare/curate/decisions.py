@@ -1,6 +1,6 @@
 """What the corpus-wide curation stages decided, as the encode tasks apply it: the ids the
 near-duplicate stage removed, and the evaluation texts' keys that training texts must not share
-(`curation.py` decides them between the scan and the encode; `work.encode_bucket` applies them).
+(`curation.py` decides them between the scan and the encode; `encode.encode_bucket` applies them).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The near-duplicate stage's work files and tasks (`minhash` holds the arithmetic):
+"""The near-duplicate stage's work files and tasks (`minhash` and `lsh` hold the arithmetic):
 
 scan (per unit): each monolingual text signed, its band keys appended to one file per partition
 (`lsh-PPPP.bin`) and its sketch (`minhash.sketches`) to `sketch.bin` -> shuffle (a Ray task per
 partition): the records of one partition from every unit, grouped by key into candidate pairs,
 each verified by the Jaccard similarity of the two texts' sketches -> driver: clusters joined,
-one text of each kept (`minhash.clusters`) -> encode: the others dropped as their lines are read.
+one text of each kept (`lsh.clusters`) -> encode: the others dropped as their lines are read.
 
 A text's band keys carry its split, so clusters never cross splits: a training text close to a
 test text is decontamination's to drop, and the test split keeps its own.
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.format import SPLITS
-from pipeline.prepare.curate import minhash
-from pipeline.prepare.curate.minhash import NearDedupConfig
+from pipeline.prepare.curate import lsh, minhash
+from pipeline.prepare.curate.near_dedup_config import NearDedupConfig
 from pipeline.prepare.curate.tally import Tally
 from pipeline.prepare.rss import peak_rss_mb, reset_peak_rss
 
@@ -78,13 +78,13 @@ class Signer:
         signatures = minhash.minhash(hashes, offsets, self.cfg)
         values, ends = minhash.sketches(hashes, offsets)
         del hashes, offsets
-        keys = minhash.band_keys(signatures, self.cfg)  # (N, bands)
+        keys = lsh.band_keys(signatures, self.cfg)  # (N, bands)
         with np.errstate(over="ignore"):
             salt = np.array(_SPLIT_SALT, dtype=np.uint64)[splits]
             keys = keys ^ salt[:, None]
         folder = unit_dir(self.work_dir, self.unit_index)
         folder.mkdir(parents=True, exist_ok=True)
-        minhash.write_band_records(
+        lsh.write_band_records(
             lambda p: partition_file(self.work_dir, self.unit_index, p), keys, ids, self.partitions
         )
         for path, array in zip(
@@ -144,9 +144,9 @@ def shuffle_partition(partition: int, n_units: int, work_dir: str, cfg: NearDedu
     reset_peak_rss()
     cpu = time.process_time()
     paths = [partition_file(work_dir, u, partition) for u in range(n_units)]
-    candidates = minhash.candidate_pairs([p for p in paths if p.is_file()])
+    candidates = lsh.candidate_pairs([p for p in paths if p.is_file()])
     store = SketchStore(work_dir)
-    verified = minhash.verify(candidates, store.similarity, cfg) if len(candidates) else candidates
+    verified = lsh.verify(candidates, store.similarity, cfg) if len(candidates) else candidates
     return {
         "partition": partition,
         "candidates": int(len(candidates)),
