@@ -100,14 +100,17 @@ def open_rank(config: Path, overrides: list[str], n_batches: int):
     from launch.config import TrainConfig
     from launch.tasks import TASKS
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     cfg = load_config(TrainConfig, config, overrides)
     denv = dist.read_env()
     dist.set_threads(cfg.threads_per_rank, denv)
     dist.init_process_group(denv, cfg.dist_timeout_s)
     task = TASKS[cfg.task]
-    loader = ShardLoader.from_config(
-        cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size
+    loader = ShardLoader(
+        LoaderPlan.from_config(
+            cfg.data, task.name, "train", rank=denv.rank, world_size=denv.world_size
+        )
     )
     batches = []
     for batch in loader:

@@ -56,12 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     from launch.tasks import TASKS
     from model import build_model
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     torch.set_num_threads(1)
     cfg = load_config(
         TrainConfig, args.config, [f"data.data_dir={args.data}", "data.num_workers=0"]
     )
-    loader = ShardLoader.from_config(cfg.data, "translation", "train", rank=0, world_size=2)
+    loader = ShardLoader(
+        LoaderPlan.from_config(cfg.data, "translation", "train", rank=0, world_size=2)
+    )
     cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, vocab_size=loader.vocab_size)
     )

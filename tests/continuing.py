@@ -75,9 +75,10 @@ def first_batch(run_dir: Path, task: str) -> dict:
     from launch.config import TrainConfig
     from launch.tasks import TASKS
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    loader = ShardLoader.from_config(cfg.data, task, "train", rank=0, world_size=1)
+    loader = ShardLoader(LoaderPlan.from_config(cfg.data, task, "train", rank=0, world_size=1))
     return TASKS[task].model_inputs(next(iter(loader)))
 
 

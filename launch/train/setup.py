@@ -37,6 +37,7 @@ from pipeline import remote
 from pipeline.format import ManifestError
 from pipeline.load.loader import ShardLoader
 from pipeline.load.mixture import describe_mixture
+from pipeline.load.plan import LoaderPlan
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -147,7 +148,7 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv, handle: DatasetH
     loaders = {}
     for split in ("train", "valid"):
         try:
-            loaders[split] = ShardLoader.from_config(
+            plan = LoaderPlan.from_config(
                 cfg.data,
                 task.name,
                 split,
@@ -156,8 +157,9 @@ def open_data(cfg: TrainConfig, task: Task, denv: dist.DistEnv, handle: DatasetH
                 grad_accum=cfg.grad_accum if split == "train" else 1,
                 expected_tokenizer_sha256=handle.tokenizer_sha256,
                 pin_memory=torch.cuda.is_available(),
-                dataset=handle.dataset,
+                fetch=handle.dataset.fetch,
             )
+            loaders[split] = ShardLoader(plan, manifest=handle.dataset.manifest)
         except ManifestError:  # a damaged manifest stops the run, whichever split it damages
             raise
         except UserError as err:  # e.g. a valid split smaller than one global batch

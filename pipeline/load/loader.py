@@ -16,7 +16,6 @@ from common.configure import UserError
 from pipeline import remote
 from pipeline.format import (
     MANIFEST,
-    Dataset,
     dataset_specials,
     field_vocab,
     has_target_tokenizer,
@@ -24,7 +23,6 @@ from pipeline.format import (
     shard_entries,
 )
 from pipeline.load.collate import MLMMasking, unpack
-from pipeline.load.config import LoaderConfig
 from pipeline.load.epoch import FILLER, EpochBatches, rank_epoch, seeded_rng
 from pipeline.load.mixture import DEFAULT_SOURCE, describe_mixture, epoch_sources
 from pipeline.load.plan import LoaderPlan
@@ -180,34 +178,6 @@ class ShardLoader:
         )
         if self.mixed:
             log.info("%s/%s mixture: %s", self.task, self.split, describe_mixture(self.sources))
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: LoaderConfig,
-        task: str,
-        split: str,
-        *,
-        rank: int,
-        world_size: int,
-        grad_accum: int = 1,
-        expected_tokenizer_sha256: str | None = None,
-        pin_memory: bool = False,
-        dataset: Dataset | None = None,
-    ) -> ShardLoader:
-        """A loader of `cfg.data_dir` (or of `dataset`, opened from it already)."""
-        plan = LoaderPlan.from_config(
-            cfg,
-            task,
-            split,
-            rank=rank,
-            world_size=world_size,
-            grad_accum=grad_accum,
-            expected_tokenizer_sha256=expected_tokenizer_sha256,
-            pin_memory=pin_memory,
-            fetch=dataset.fetch if dataset else None,
-        )
-        return cls(plan, dataset.manifest if dataset else None)
 
     def __len__(self) -> int:
         return self._num_batches

@@ -97,10 +97,13 @@ def first_batch(run_dir: Path, task_name: str = "causal_lm") -> dict:
     from launch.config import TrainConfig
     from launch.tasks import TASKS
     from pipeline.load.loader import ShardLoader
+    from pipeline.load.plan import LoaderPlan
 
     cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    loader = ShardLoader.from_config(
-        cfg.data, task_name, "train", rank=0, world_size=1, grad_accum=cfg.grad_accum
+    loader = ShardLoader(
+        LoaderPlan.from_config(
+            cfg.data, task_name, "train", rank=0, world_size=1, grad_accum=cfg.grad_accum
+        )
     )
     return TASKS[task_name].model_inputs(next(iter(loader)))
 

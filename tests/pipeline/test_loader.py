@@ -333,12 +333,21 @@ def test_translation_collation(tmp_path):
 def test_tokenizer_mismatch_and_missing_data_are_user_errors(tmp_path):
     make_dataset(tmp_path, packed=[8])
     cfg = LoaderConfig(data_dir=str(tmp_path), micro_batch_size=4, num_workers=0)
-    ShardLoader.from_config(
-        cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256=TOKENIZER_SHA256
+    ShardLoader(
+        LoaderPlan.from_config(
+            cfg,
+            "causal_lm",
+            "train",
+            rank=0,
+            world_size=1,
+            expected_tokenizer_sha256=TOKENIZER_SHA256,
+        )
     )
     with pytest.raises(UserError, match="tokenizer sha256"):
-        ShardLoader.from_config(
-            cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64
+        ShardLoader(
+            LoaderPlan.from_config(
+                cfg, "causal_lm", "train", rank=0, world_size=1, expected_tokenizer_sha256="0" * 64
+            )
         )
     with pytest.raises(UserError, match="manifest"):
         ShardLoader(LoaderPlan(str(tmp_path / "nowhere"), "causal_lm", "train", micro_batch_size=4))
