@@ -11,13 +11,13 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+from mdprose import prose_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 README_LIMIT = 16_000  # bytes (issue #26): past it, the how-to gets lost again
 
-FENCE = re.compile(r"^\s*(```|~~~)")
 # a closing run of #s follows a space
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
 INLINE_LINK = re.compile(
@@ -26,18 +26,6 @@ INLINE_LINK = re.compile(
 REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
 HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"", re.IGNORECASE)
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
-
-
-def prose_lines(text: str) -> list[str]:
-    """The lines outside fenced code blocks."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        if FENCE.match(line):
-            fenced = not fenced
-            continue
-        if not fenced:
-            lines.append(line)
-    return lines
 
 
 def slug(heading: str) -> str:

@@ -57,7 +57,7 @@ class LoaderConfig:
     length_grouping: bool = False
     # Length bands a step draws from (a divisor of the global batch). One band gives every step
     # pairs of one length (short labels in one, long sentences in the next); two keep two lengths
-    # a step, as the older per-rank groups did, and score as well over five sample orders
+    # a step, and score at least as well as one-batch groups over five sample orders
     # (docs/results.md). Where bands outnumber a step's rounds (grad_accum), a batch mixes bands
     # and pads to the longest.
     length_bands: int = 2
