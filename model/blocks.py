@@ -23,6 +23,7 @@ from model.attention import (
 )
 from model.cache import KVCache, LayerCache
 from model.config import GATED_ACTIVATIONS, ModelConfig
+from model.moe import MoE
 from model.positions import Rotary, positions_from_mask, positions_in_documents, sinusoids
 
 
@@ -41,6 +42,9 @@ class ModelOutput(NamedTuple):
     # (N, V) at the N scored positions only, in the row-major order of `labels != IGNORE_INDEX`:
     # what BERT's head computes when given labels (see `model.bert`).
     scored_logits: Optional[Tensor] = None
+    # A mixture of experts' routers' auxiliary losses, weighted and summed over the MoE layers
+    # (`model.moe`), when labels were given to a model that has some; not in `loss`.
+    aux_loss: Optional[Tensor] = None
 
 
 def make_activation(name: str) -> nn.Module:
@@ -78,7 +82,15 @@ def make_attention(cfg: ModelConfig, self_attention: bool = True) -> Attention:
     )
 
 
-def make_mlp(cfg: ModelConfig) -> nn.Module:
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """Block `layer`'s MLP: a mixture of experts where `cfg.is_moe_layer(layer)`."""
+    if cfg.is_moe_layer(layer):
+        shared = cfg.moe.shared_d_ff
+        return MoE(
+            cfg,
+            make_activation(cfg.activation),
+            GatedMLP(cfg.d_model, shared, cfg.activation, bias=False) if shared else None,
+        )
     if cfg.activation in GATED_ACTIVATIONS:
         return GatedMLP(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias)
     return MLP(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias)
@@ -120,13 +132,13 @@ class Block(nn.Module):
     """Self-attention and MLP sublayers, each a residual branch with its own norm: before the
     sublayer (pre), after the sum (post), or on the sublayer's output (post_branch, OLMo 2)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.norm_position = cfg.norm_position
         self.attn_norm = make_norm(cfg)
         self.attn = make_attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.drop = nn.Dropout(cfg.dropout)
 
     def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
@@ -137,8 +149,10 @@ class Block(nn.Module):
         return norm(x + self.drop(sublayer(x)))
 
     def residual_projections(self) -> List[nn.Linear]:
-        """The layers that write into the residual stream (GPT-2 scales their init)."""
-        return [self.attn.out_proj, self.mlp.proj]
+        """The layers that write into the residual stream (GPT-2 scales their init); an MoE's
+        experts keep theirs."""
+        mlp = self.mlp.shared_expert if isinstance(self.mlp, MoE) else self.mlp
+        return [self.attn.out_proj] + ([mlp.proj] if mlp is not None else [])
 
     def forward(
         self,
@@ -160,8 +174,8 @@ class Block(nn.Module):
 class DecoderBlock(Block):
     """A Block plus cross-attention to the encoder memory, between self-attention and MLP."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__(cfg, layer)
         self.cross_attn_norm = make_norm(cfg)
         self.cross_attn = make_attention(cfg, self_attention=False)
 
@@ -244,6 +258,11 @@ def init_weights(module: nn.Module, std: float) -> None:
             nn.init.zeros_(module.bias)
 
 
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The mixture-of-experts layers of `model`, in block order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
 def attention_kernels(model: nn.Module) -> list[str]:
     """What the stacks of `model` ran their self-attention on in their last forward."""
     return sorted(
@@ -273,7 +292,7 @@ class Transformer(nn.Module):
         self.embed = Embeddings(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block = DecoderBlock if cross_attention else Block
-        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         # Rotary positions: one (cos, sin) table for every block's self-attention.
         self.rotary = (

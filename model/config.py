@@ -29,7 +29,10 @@ POSITIONS = ("learned", "sinusoidal", "rope")
 STACKS = ("encoder", "decoder")
 # The Hugging Face decoder families a GPT exports as (`model.hf_decoders`); "": the one its
 # options call for.
-FAMILIES = ("", "llama", "qwen2", "qwen3", "mistral", "olmo2")
+FAMILIES = ("", "llama", "qwen2", "qwen3", "mistral", "olmo2", "olmoe", "qwen3_moe", "mixtral")
+# How a router scores the experts: a softmax over them (Mixtral, OLMoE, Qwen3-MoE) or a sigmoid
+# each (DeepSeek-V3).
+ROUTER_SCORES = ("softmax", "sigmoid")
 # A gated MLP's default width is rounded up to a multiple of this (Llama's `multiple_of`).
 GATED_D_FF_MULTIPLE = 256
 
@@ -41,6 +44,34 @@ def default_d_ff(d_model: int, activation: str) -> int:
     if activation in GATED_ACTIVATIONS:
         return -(-(8 * d_model // 3) // GATED_D_FF_MULTIPLE) * GATED_D_FF_MULTIPLE
     return 4 * d_model
+
+
+@dataclass
+class MoEConfig:
+    """A mixture of experts in place of the MLP (arch=gpt, a gated activation): a router sends
+    each token to top_k of `experts` gated MLPs and sums their outputs weighted by its scores
+    (`model.moe`)."""
+
+    experts: int = 0  # gated MLPs per MoE layer; 0: a dense MLP in every layer
+    top_k: int = 2  # experts each token goes to
+    # layers i with (i + 1) % every == 0 are MoE, the others dense (Qwen3-MoE's
+    # decoder_sparse_step); 1: every layer
+    every: int = 1
+    d_ff: int = 0  # each expert's hidden width; 0: model.d_ff
+    score: str = "softmax"  # softmax | sigmoid: the router's scores of the experts
+    # the top_k scores rescaled to sum to 1 (Mixtral, Qwen3-MoE); false: as scored (OLMoE)
+    normalize_top_k: bool = True
+    # a shared expert of this width that every token also goes through (DeepSeek); 0: none
+    shared_d_ff: int = 0
+    # 0: dropless (every token reaches its top_k experts). Otherwise an expert takes at most
+    # ceil(capacity_factor x tokens x top_k / experts) of a micro batch's tokens, first choices
+    # first; a token past that is dropped by that expert (its residual stream passes it on).
+    capacity_factor: float = 0.0
+    # weight of the load-balancing loss (Switch Transformer: experts x sum over experts of the
+    # fraction of tokens sent there x the mean router probability there), added to the loss
+    aux_loss_coef: float = 0.01
+    # weight of the router z-loss (ST-MoE: the mean squared logsumexp of the router's logits)
+    z_loss_coef: float = 0.0
 
 
 @dataclass
@@ -121,6 +152,7 @@ class ModelConfig:
     # The Hugging Face class a format=hf export writes: llama | qwen2 | qwen3 | mistral | olmo2,
     # set by init.model from such a directory; "": the one the options call for. Computes nothing.
     family: str = ""
+    moe: MoEConfig = field(default_factory=MoEConfig)  # arch=gpt only
     # recompute each block in the backward pass to save memory
     activation_checkpointing: bool = False
     label_smoothing: float = 0.1  # seq2seq only
@@ -169,6 +201,15 @@ class ModelConfig:
     def attention_width(self) -> int:
         """The query projection's outputs (and the output projection's inputs): n_heads heads."""
         return self.n_heads * self.head_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) has a mixture of experts in place of its MLP."""
+        return self.moe.experts > 0 and (layer + 1) % self.moe.every == 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each expert's hidden width: moe.d_ff, or d_ff where that is 0."""
+        return self.moe.d_ff or self.d_ff
 
     def for_stack(self, stack: str) -> "ModelConfig":
         """The flat config of a Seq2Seq's `encoder` or `decoder` stack, overrides applied
@@ -280,6 +321,7 @@ def _check_stack(cfg: ModelConfig, parent: ModelConfig, stack: str) -> None:
         cfg.norm_position != "post_branch" or cfg.arch == "gpt",
         "norm_position='post_branch': only arch=gpt takes it",
     )
+    _check_moe(cfg)
     if cfg.positions == "sinusoidal":
         _check(
             cfg.d_model % 2 == 0,
@@ -304,6 +346,33 @@ def _check_ids(cfg: ModelConfig, stack: str) -> None:
             0 <= value < cfg.vocab_size or (name == "mask_id" and value == -1),
             f"{prefix}{name}={value}: outside the vocabulary [0, {cfg.vocab_size})",
         )
+
+
+def _check_moe(cfg: ModelConfig) -> None:
+    moe = cfg.moe
+    _check(moe.experts >= 0, f"moe.experts={moe.experts}: must be >= 0 (0 = dense)")
+    if not moe.experts:
+        return
+    _check(cfg.arch == "gpt", f"moe.experts={moe.experts}: only arch=gpt has MoE layers")
+    _check(
+        cfg.activation in GATED_ACTIVATIONS,
+        f"moe.experts={moe.experts}: experts are gated MLPs; activation={cfg.activation!r} is not "
+        f"one of {GATED_ACTIVATIONS}",
+    )
+    _check(
+        1 <= moe.top_k <= moe.experts,
+        f"moe.top_k={moe.top_k}: must be between 1 and moe.experts={moe.experts}",
+    )
+    _check(moe.every >= 1, f"moe.every={moe.every}: must be >= 1")
+    _check(moe.d_ff >= 0, f"moe.d_ff={moe.d_ff}: must be >= 0 (0 = d_ff)")
+    _check(moe.shared_d_ff >= 0, f"moe.shared_d_ff={moe.shared_d_ff}: must be >= 0 (0 = none)")
+    _check(moe.score in ROUTER_SCORES, f"moe.score={moe.score!r}: expected one of {ROUTER_SCORES}")
+    _check(
+        moe.capacity_factor >= 0,
+        f"moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0 = dropless)",
+    )
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        _check(getattr(moe, name) >= 0, f"moe.{name}={getattr(moe, name)}: must be >= 0")
 
 
 def _check(ok: bool, message: str) -> None:

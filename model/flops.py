@@ -8,10 +8,21 @@ from __future__ import annotations
 from model.config import GATED_ACTIVATIONS, ModelConfig
 
 
-def _block_params(cfg: ModelConfig) -> int:
-    """A block's matmul weights: attention (`_attention_params`) and the MLP."""
+def _block_params(cfg: ModelConfig, layer: int = 0) -> int:
+    """A block's matmul weights a token goes through: attention (`_attention_params`) and the
+    MLP; in a mixture of experts the router, its top_k experts and the shared expert."""
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        experts = moe.top_k * 3 * cfg.d_model * cfg.expert_d_ff
+        return _attention_params(cfg) + cfg.d_model * (moe.experts + 3 * moe.shared_d_ff) + experts
     mlp_matrices = 3 if cfg.activation in GATED_ACTIVATIONS else 2
     return _attention_params(cfg) + mlp_matrices * cfg.d_model * cfg.d_ff
+
+
+def inactive_params(cfg: ModelConfig) -> int:
+    """The experts' weights a token does not go through: experts - top_k of every MoE layer."""
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    return moe_layers * (cfg.moe.experts - cfg.moe.top_k) * 3 * cfg.d_model * cfg.expert_d_ff
 
 
 def _attention_params(cfg: ModelConfig) -> int:
@@ -29,7 +40,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     docs/design.md#modelflopspy."""
     head = cfg.d_model * cfg.vocab_size
     if cfg.arch == "gpt":
-        return cfg.n_layers * _block_params(cfg) + head
+        return sum(_block_params(cfg, i) for i in range(cfg.n_layers)) + head
     if cfg.arch == "bert":
         return cfg.n_layers * _block_params(cfg) + cfg.d_model**2 + head
     enc, dec = cfg.for_stack("encoder"), cfg.for_stack("decoder")
@@ -81,7 +92,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, tgt_len: int = 0) -> float:
 
 def llmc_flops_per_token(cfg: ModelConfig, n_parameters: int, seq_len: int) -> float:
     """llm.c's training FLOPs per token of a T-token sequence: 6 N + 6 L d T, N all parameters
-    (docs/design.md#modelflopspy); NaN for Seq2Seq, which it does not cover."""
+    (docs/design.md#modelflopspy), but for a mixture of experts the experts a token does not go
+    through; NaN for Seq2Seq, which it does not cover."""
     if cfg.arch == "seq2seq":
         return float("nan")
-    return 6.0 * n_parameters + 6.0 * cfg.n_layers * cfg.d_model * seq_len
+    active = n_parameters - inactive_params(cfg)
+    return 6.0 * active + 6.0 * cfg.n_layers * cfg.d_model * seq_len

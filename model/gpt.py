@@ -15,7 +15,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from model.blocks import ModelOutput, Transformer, init_weights
+from model.blocks import ModelOutput, Transformer, init_weights, moe_layers
 from model.cache import KVCache
 from model.config import ModelConfig
 from model.generation import generate_causal
@@ -61,7 +61,11 @@ class GPT(Transformer):
         )
         if labels is None:
             return ModelOutput(logits=self.lm_head(h))  # (B, T, V)
-        return ModelOutput(loss=self.lm_head(h, labels, label_smoothing))
+        moe = moe_layers(self)
+        return ModelOutput(
+            loss=self.lm_head(h, labels, label_smoothing),
+            aux_loss=sum(layer.aux_loss for layer in moe) if moe else None,
+        )
 
     # Decoding options are defined once, by the function: `gpt.generate(input_ids, ...)`.
     generate = generate_causal

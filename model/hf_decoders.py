@@ -1,5 +1,6 @@
 """Our GPT <-> Hugging Face's Llama-shaped decoders: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2.5),
-Qwen3ForCausalLM, MistralForCausalLM and Olmo2ForCausalLM.
+Qwen3ForCausalLM, MistralForCausalLM and Olmo2ForCausalLM, and the mixtures of experts
+OlmoeForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM (`model.moe`).
 
 All five are a pre-LN (OLMo 2: post_branch) stack of RMSNorm, rotary attention with grouped
 key/value heads and a SwiGLU MLP; a `Family` says what sets each apart (q/k/v biases, query/key
@@ -20,6 +21,7 @@ from torch import Tensor
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.hf import require, special_ids
+from model.hf_moe import moe_from_hf, moe_to_hf, require_moe
 
 StateDict = Dict[str, Tensor]
 
@@ -36,6 +38,12 @@ DECODER_LAYER = {
     "mlp.proj": "mlp.down_proj",
 }
 PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# An MoE layer's keys, ours -> theirs: the router and the stacked experts.
+MOE_LAYER = {
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj": "mlp.experts.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,13 @@ class Family:
     has_mlp_bias: bool = False
     has_head_dim: bool = True
     has_window: bool = False
+    # A mixture of experts: its config's name of the expert count, of the experts' width, and
+    # whether it has norm_topk_prob (else the top-k weights are always normalized) and
+    # decoder_sparse_step (else every layer is MoE).
+    experts_key: str = ""
+    expert_width_key: str = "intermediate_size"
+    has_norm_topk: bool = True
+    has_sparse_step: bool = False
 
 
 FAMILIES = {
@@ -103,6 +118,42 @@ FAMILIES = {
         norms={"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"},
         refused_unless={"attention_bias": False},
     ),
+    "olmoe": Family(
+        "OLMoE",
+        "olmoe",
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        fixed=dict(norm_position="pre", qk_norm="projection", qkv_bias=False, bias=False),
+        refused_unless={"attention_bias": False, "clip_qkv": None},
+        has_head_dim=False,
+        experts_key="num_experts",
+    ),
+    "qwen3_moe": Family(
+        "Qwen3-MoE",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        fixed=dict(norm_position="pre", qk_norm="head", qkv_bias=False, bias=False),
+        refused_unless={
+            "use_sliding_window": False,
+            "attention_bias": False,
+            "mlp_only_layers": [],
+        },
+        experts_key="num_local_experts",
+        expert_width_key="moe_intermediate_size",
+        has_sparse_step=True,
+    ),
+    "mixtral": Family(
+        "Mixtral",
+        "mixtral",
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        fixed=dict(norm_position="pre", qk_norm="none", qkv_bias=False, bias=False),
+        refused_unless={"router_jitter_noise": 0.0},
+        has_window=True,
+        experts_key="num_local_experts",
+        has_norm_topk=False,
+    ),
 }
 
 
@@ -110,8 +161,11 @@ def family_of(cfg: ModelConfig) -> Family:
     """The family our GPT exports as: `cfg.family` where set, else the one its options call for
     (post_branch norms: OLMo 2; per-head query/key norms: Qwen3; q/k/v biases alone: Qwen2.5; a
     sliding window: Mistral; otherwise Llama). ValueError if that family cannot compute it."""
+    moe = cfg.moe.experts > 0
     if cfg.family:
         family = FAMILIES[cfg.family]
+    elif moe:
+        family = FAMILIES[{"projection": "olmoe", "head": "qwen3_moe"}.get(cfg.qk_norm, "mixtral")]
     elif cfg.norm_position == "post_branch":
         family = FAMILIES["olmo2"]
     elif cfg.qk_norm == "head":
@@ -123,6 +177,13 @@ def family_of(cfg: ModelConfig) -> Family:
     else:
         family = FAMILIES["llama"]
     require(cfg, family.model_class, **DECODER_CONVENTIONS, **family.fixed)
+    if moe != bool(family.experts_key):
+        raise ValueError(
+            f"moe.experts={cfg.moe.experts}: Hugging Face's {family.model_class} is "
+            + ("a mixture of experts" if family.experts_key else "dense")
+        )
+    if moe:
+        require_moe(cfg, family)
     if not family.has_window and cfg.sliding_window:
         raise ValueError(
             f"sliding_window={cfg.sliding_window}: Hugging Face's {family.model_class} "
@@ -178,6 +239,9 @@ def config_from_hf_decoder(hf_config, **overrides) -> ModelConfig:
     kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
     fields = dict(DECODER_CONVENTIONS, **family.fixed)
     fields.update(bias=bias)
+    d_ff = hf_config.intermediate_size
+    if family.experts_key:
+        fields["moe"], d_ff = moe_from_hf(hf_config, family)
     cfg = ModelConfig(
         **fields,
         family=family.model_type,
@@ -187,7 +251,7 @@ def config_from_hf_decoder(hf_config, **overrides) -> ModelConfig:
         n_heads=hf_config.num_attention_heads,
         n_kv_heads=0 if kv_heads == hf_config.num_attention_heads else kv_heads,
         head_dim=0 if head_dim in (None, default_head) else head_dim,
-        d_ff=hf_config.intermediate_size,
+        d_ff=d_ff,
         max_seq_len=hf_config.max_position_embeddings,
         dropout=float(hf_config.attention_dropout or 0.0),
         rope_theta=_rope_theta(hf_config, family),
@@ -216,10 +280,12 @@ def hf_decoder_config(cfg: ModelConfig):
         extra["sliding_window"] = cfg.sliding_window or None
     if "use_sliding_window" in family.refused_unless:
         extra["use_sliding_window"] = False
+    extra["intermediate_size"] = cfg.d_ff
+    if family.experts_key:
+        extra.update(moe_to_hf(cfg, family))
     return getattr(transformers, family.config_class)(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads,
@@ -248,6 +314,8 @@ def _key_pairs(n_layers: int, family: Family) -> list[tuple[str, str]]:
         for ours, theirs in {**DECODER_LAYER, **family.norms}.items():
             for kind in ("weight", "bias"):
                 pairs.append((f"blocks.{i}.{ours}.{kind}", f"model.layers.{i}.{theirs}.{kind}"))
+        if family.experts_key:
+            pairs += [(f"blocks.{i}.{a}", f"model.layers.{i}.{b}") for a, b in MOE_LAYER.items()]
     return pairs
 
 

@@ -24,7 +24,7 @@ SOURCE_CLASSES = {"gpt": GPT, "bert": BERT}
 ARCHITECTURE_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "activation", "norm",
     "norm_position", "positions", "rope_theta", "layer_norm_eps", "bias", "pad_id", "bos_id",
-    "eos_id", "mask_id", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
+    "eos_id", "mask_id", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "moe",
 )  # fmt: skip
 # A stack's vocabulary: its size and special ids, the stack's own when the sides' tokenizers differ.
 VOCABULARY_FIELDS = ("vocab_size", "pad_id", "bos_id", "eos_id", "mask_id")

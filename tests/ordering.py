@@ -35,8 +35,11 @@ COSTLIEST_FIRST = [
     "benchmarks/test_gpu.py",  # 187 (its CPU tests)
     "launch/test_offload.py",  # 186
     "launch/test_llama_train.py",  # 136
-    # 49 alone at load ~1 (not measured in `make test`): four 20-step runs, eight exports
+    # 49 alone at load ~1 with four families (not measured in `make test`): now seven 20-step
+    # runs, fourteen exports
     "launch/test_decoder_families.py",
+    # not measured: two 8-step runs on 2 ranks
+    "launch/test_moe_train.py",
     # 33 alone at load ~1 (not measured in `make test`): a prepare and a tiny run without
     # transformers
     "launch/test_optional_packages.py",

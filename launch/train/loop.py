@@ -212,6 +212,11 @@ def _train_metrics(run: Run, result: StepResult, grad_norm, window: ThroughputWi
     }
     if run.engine.loss_scale is not None:  # fp16: DeepSpeed's dynamic loss scale
         metrics["train/loss_scale"] = run.engine.loss_scale
+    if result.expert_load_max_mean:  # a mixture of experts: this step's routing
+        metrics["train/aux_loss"] = result.aux_loss
+        metrics["moe/dropped_fraction"] = result.dropped_fraction
+        for i, ratio in enumerate(result.expert_load_max_mean):
+            metrics[f"moe/load_max_mean/{i}"] = ratio
     return metrics
 
 

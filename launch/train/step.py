@@ -18,6 +18,7 @@ from launch.train.guard import (
 from launch.train.state import Run
 from launch.train.step_result import StepResult
 from model import llmc_flops_per_token
+from model.blocks import moe_layers
 
 
 def train_step(run: Run, batches) -> StepResult | None:
@@ -58,6 +59,7 @@ def train_step(run: Run, batches) -> StepResult | None:
     if taken is None:
         return None
     micro, served = taken
+    moe = MoEFigures(moe_layers(run.engine.module), device)
     scored = [float(host_value(run.task.target_mask(inputs).sum())) for inputs in micro]
     if run.reduction is None:
         # Summed over the ranks and left on the device, as is every weight made from it below:
@@ -81,7 +83,11 @@ def train_step(run: Run, batches) -> StepResult | None:
             run.cfg.model, run.n_parameters, inputs["labels"].shape[1]
         )
         samples += inputs["labels"].shape[0]
-        weighted = output.loss * (scored[index] * share).to(output.loss.dtype)
+        # A mixture of experts' router losses join the objective, weighted as the LM loss is (by
+        # the micro batch's scored tokens); the LM loss alone is what the step reports.
+        objective = output.loss if output.aux_loss is None else output.loss + output.aux_loss
+        weighted = objective * (scored[index] * share).to(output.loss.dtype)
+        moe.add(output.aux_loss, scored[index])
         if index < run.plan.grad_accum - 1:
             run.engine.backward(weighted)
             run.engine.step()
@@ -99,6 +105,7 @@ def train_step(run: Run, batches) -> StepResult | None:
         sum(scored),
         # each rank's tokens in its own slot: how evenly the step's work was spread
         *(tokens if r == run.denv.rank else 0 for r in range(run.denv.world_size)),
+        *moe.figures(),  # none without experts
     ]
     spike_limit = run.guard.spike_limit()
     if run.reduction is None:
@@ -127,7 +134,7 @@ def train_step(run: Run, batches) -> StepResult | None:
     skipped_before = run.engine.skipped_steps
     run.engine.step()
     skipped = run.engine.skipped_steps > skipped_before
-    return _step_result(run, on_host.values(), served, spike_limit, skipped)
+    return _step_result(run, on_host.values(), served, spike_limit, skipped, moe)
 
 
 def _skip(figures: torch.Tensor, spike_limit: float) -> torch.Tensor:
@@ -137,14 +144,15 @@ def _skip(figures: torch.Tensor, spike_limit: float) -> torch.Tensor:
 
 
 def _step_result(
-    run: Run, values: list[float], served: list, spike_limit: float, skipped: bool
+    run: Run, values: list[float], served: list, spike_limit: float, skipped: bool, moe
 ) -> StepResult:
     """The step's figures, summed over the ranks, read on the host: the StepResult."""
     *summed, nan, pos_inf, neg_inf = values
     loss_sum, finite_scored, non_finite, tokens, flops, flops_llmc, samples, fillers, stop = summed[
         :9
     ]
-    rank_tokens = summed[10:]
+    world = run.denv.world_size
+    rank_tokens = summed[10 : 10 + world]
     # per scored token, over the finite batches
     loss = loss_sum / finite_scored if finite_scored else math.nan
     return StepResult(
@@ -160,6 +168,7 @@ def _step_result(
         served=served,
         filler_fraction=fillers / (len(run.data.train) * run.denv.world_size),
         rank_tokens_max_min=max(rank_tokens) / max(min(rank_tokens), 1.0),
+        **moe.read(summed[10 + world :], finite_scored),
     )
 
 
@@ -221,3 +230,50 @@ class HostCopy:
 
 def _stop_requested(run: Run) -> bool:
     return stop.requested() or (run.denv.is_main and stop.stop_file(run.cfg.run_dir))
+
+
+class MoEFigures:
+    """A mixture of experts' figures of a step, summed over its micro batches and (in the step's
+    one reduction) over the ranks: the routers' auxiliary loss weighted by scored tokens (on the
+    device), the assignments dropped past capacity and the tokens each expert of each MoE layer
+    took (counted on the host by the routing itself)."""
+
+    def __init__(self, layers: list, device: torch.device):
+        self.layers = layers
+        self.aux = torch.zeros((), dtype=torch.float32, device=device)
+        self.dropped = 0
+        self.load = [[0.0] * layer.n_experts for layer in layers]
+
+    def add(self, aux_loss, scored: float) -> None:
+        """After a micro batch's forward: its auxiliary loss and its layers' loads."""
+        if not self.layers:
+            return
+        self.aux = self.aux + aux_loss.detach().float() * scored
+        for counts, layer in zip(self.load, self.layers):
+            for e, taken in enumerate(layer.load.tolist()):
+                counts[e] += taken
+            self.dropped += layer.dropped
+
+    def figures(self) -> list:
+        """What joins the step's reduction: nothing without experts."""
+        if not self.layers:
+            return []
+        return [self.aux, self.dropped, *(taken for counts in self.load for taken in counts)]
+
+    def read(self, values: list[float], scored: float) -> dict:
+        """StepResult's MoE fields from the reduced `figures`."""
+        if not self.layers:
+            return {}
+        aux, dropped, *flat = values
+        by_layer, start = [], 0
+        for counts in self.load:
+            taken = flat[start : start + len(counts)]
+            start += len(counts)
+            mean = sum(taken) / len(taken)
+            by_layer.append(max(taken) / mean if mean else math.nan)
+        assigned = sum(flat) + dropped
+        return {
+            "aux_loss": aux / scored if scored else math.nan,
+            "expert_load_max_mean": by_layer,
+            "dropped_fraction": dropped / assigned if assigned else 0.0,
+        }

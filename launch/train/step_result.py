@@ -3,6 +3,7 @@ it is a count: what the guard judges and records, and the throughput window adds
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -20,3 +21,9 @@ class StepResult:
     served: list = field(default_factory=list)  # handles on this rank's batches (their keys)
     filler_fraction: float = 0.0  # this epoch's batches that stood in for unreadable data
     rank_tokens_max_min: float = 1.0  # the most tokens a rank had this step over the fewest
+    # A mixture of experts: the routers' auxiliary loss per scored token (weighted, as added to
+    # the objective; NaN without experts), each MoE layer's most tokens on one expert over the
+    # mean, and the share of token-to-expert assignments dropped past capacity.
+    aux_loss: float = math.nan
+    expert_load_max_mean: list = field(default_factory=list)
+    dropped_fraction: float = 0.0

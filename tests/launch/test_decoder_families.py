@@ -1,8 +1,9 @@
 """Continued pretraining from the decoder families users start from, as a new user would: a
 Hugging Face directory per family (a tiny random Qwen2ForCausalLM, Qwen3ForCausalLM,
-MistralForCausalLM and Olmo2ForCausalLM saved by transformers beside a tokenizer made with the
-`tokenizers` library: the byte-level BPE of conftest's GPT-2 layout for Qwen and OLMo 2, which use
-that kind, the Llama layout for Mistral) starts `launch.train` on a dataset prepared with that
+MistralForCausalLM, Olmo2ForCausalLM and the mixtures of experts OlmoeForCausalLM,
+Qwen3MoeForCausalLM and MixtralForCausalLM saved by transformers beside a tokenizer made with the
+`tokenizers` library: the byte-level BPE of conftest's GPT-2 layout for Qwen and OLMo, which use
+that kind, the Llama layout for Mistral and Mixtral) starts `launch.train` on a dataset prepared with that
 tokenizer. The first step's loss is transformers' on the same batch; after 20 steps the HF export,
 read by transformers alone, gives our logits and our greedy continuations of 20 prompts. Mistral's
 window (8) is shorter than the blocks (32) and than prompt plus continuation: without it
@@ -30,6 +31,20 @@ FAMILIES = {
     "qwen3": ("Qwen3", "gpt2", dict(head_dim=16)),
     "mistral": ("Mistral", "llama", dict(sliding_window=8)),
     "olmo2": ("Olmo2", "gpt2", {}),
+    # mixtures of experts: 4 experts, top 2 (model.moe)
+    "olmoe": ("Olmoe", "gpt2", dict(num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        "gpt2",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=True,
+        ),  # fmt: skip
+    ),
+    "mixtral": ("Mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 STEPS = 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -207,6 +222,11 @@ def test_the_dry_run_names_the_family_it_read(family_dirs, hf_layout_data, tmp_p
             "qwen3",
             dict(attention_bias=True),
             "Qwen3Config.attention_bias=True is not supported",
+        ),
+        (  # dense MLPs at listed layers: a router layout ours (every n-th layer) cannot hold
+            "qwen3_moe",
+            dict(mlp_only_layers=[0]),
+            "Qwen3MoeConfig.mlp_only_layers=[0] is not supported",
         ),
     ],
 )

@@ -173,3 +173,26 @@ def test_llmc_count_takes_every_parameter_of_an_untied_head():
         llmc_flops_per_token(untied, n[1], 8) - llmc_flops_per_token(tied, n[0], 8) == 6 * 100 * 16
     )
     assert flops_per_token(untied, 8) == flops_per_token(tied, 8)  # ours: the same matmuls
+
+
+def test_formula_equals_torch_flop_counter_for_a_mixture_of_experts():
+    """Every second layer MoE (4 experts, top 2, a shared expert): a token goes through the
+    router, its two experts and the shared one, dense layers through their MLP; llm.c's count
+    leaves the two experts it skips out of N."""
+    from model import llmc_flops_per_token
+    from model.config import MoEConfig
+
+    cfg = ModelConfig(
+        arch="gpt", vocab_size=50, d_model=16, n_layers=2, n_heads=4, d_ff=24, max_seq_len=16,
+        dropout=0.0, positions="rope", norm="rmsnorm", activation="swiglu", bias=False,
+        moe=MoEConfig(experts=4, top_k=2, every=2, d_ff=12, shared_d_ff=8),
+    )  # fmt: skip
+    model = build_model(cfg)
+    src = torch.randint(5, 50, (2, 7))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(src, labels=src).loss.backward()
+    assert counter.get_total_flops() == 2 * training_flops(cfg, 7)
+    n = sum(p.numel() for p in model.parameters())
+    skipped = 2 * 3 * 16 * 12  # two experts of (3 matrices of 16 x 12) in the one MoE layer
+    assert llmc_flops_per_token(cfg, n, 7) == 6.0 * (n - skipped) + 6.0 * 2 * 16 * 7

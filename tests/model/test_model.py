@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import model.loss as loss_module
 from model import BERT, GPT, ModelConfig, Seq2Seq, StackConfig, build_model
+from model.config import MoEConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 V = 40  # ids 0..4 are pad, unk, <s>, </s>, <mask>
@@ -571,7 +572,8 @@ def test_config_dataclass_fields_are_plain_types():
         "Optional[str]",
         "Optional[float]",
         "StackConfig",
+        "MoEConfig",
     }
-    for cls in (ModelConfig, StackConfig):
+    for cls in (ModelConfig, StackConfig, MoEConfig):
         for f in dataclasses.fields(cls):
             assert f.type in allowed, f"{cls.__name__}.{f.name}: {f.type}"
