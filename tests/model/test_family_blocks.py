@@ -9,6 +9,7 @@ by name."""
 import dataclasses
 import warnings
 
+import decoder_parity
 import pytest
 import torch
 
@@ -21,12 +22,10 @@ from model.hf_decoders import (  # noqa: E402
     config_from_hf_decoder,
     gpt_from_hf_decoder,
     gpt_state_dict_from_hf_decoder,
-    gpt_to_hf_decoder,
     hf_decoder_config,
 )
 
 V = 64
-ATOL = 1e-5
 CLASSES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "olmo2": "Olmo2"}
 # What each family's tiny config sets apart: Qwen3's heads wider than d_model / n_heads, Mistral's
 # window shorter than the sequences below, Qwen2.5's tied head as its small models have.
@@ -39,22 +38,10 @@ SHAPES = {
 
 
 def hf_model(family: str, **overrides):
-    config = dict(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
-    )  # fmt: skip
-    config.update(SHAPES[family], **overrides)
-    name = CLASSES[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(
-        getattr(transformers, f"{name}Config")(**config)
+    shape = dict(vocab_size=V, intermediate_size=48, num_hidden_layers=2)
+    return decoder_parity.tiny_hf_model(
+        CLASSES[family], 0.05, **{**shape, **SHAPES[family], **overrides}
     )
-    with torch.no_grad():  # norms and biases away from 1 and 0, so no mapping hides behind them
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.eval()
 
 
 def ids(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -62,33 +49,14 @@ def ids(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def left_padded(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = ids(rows, length, seed=seed)
-    mask = torch.ones_like(x)
-    mask[1, :3] = 0
-    x[1, :3] = 0
-    return x, mask
+    return decoder_parity.left_padded(rows, length, seed, V)
 
 
 @pytest.mark.parametrize("family", CLASSES)
 def test_transformers_model_into_ours_and_back(family):
-    theirs = hf_model(family)
-    ours = gpt_from_hf_decoder(theirs).eval()
-    assert ours.cfg.family == family
-    x, mask = left_padded(2, 20, seed=1)
-    real = mask.bool()
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=1e-5, atol=ATOL)
-        torch.testing.assert_close(
-            ours(x, mask).logits[real],
-            theirs(x, attention_mask=mask).logits[real],
-            rtol=1e-5,
-            atol=ATOL,
-        )
-    back = gpt_to_hf_decoder(ours).eval()
-    assert type(back).__name__ == f"{CLASSES[family]}ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
-    assert gpt_from_hf_decoder(back).cfg == ours.cfg
+    decoder_parity.assert_into_ours_and_back(
+        hf_model(family), family, f"{CLASSES[family]}ForCausalLM", V
+    )
 
 
 def test_each_family_sets_its_own_fields():
@@ -115,17 +83,7 @@ def test_each_family_sets_its_own_fields():
 @pytest.mark.parametrize("family", CLASSES)
 def test_greedy_generation_with_the_cache_equals_transformers(family):
     """Left-padded prompts of 6 and 14 new tokens each: Mistral's window of 5 slides over them."""
-    theirs = hf_model(family)
-    ours = gpt_from_hf_decoder(theirs).eval()
-    prompts, mask = left_padded(3, 6, seed=4)
-    mine = ours.generate(prompts, mask, max_new_tokens=14)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = theirs.generate(
-            prompts, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None
-        )
-    assert torch.equal(mine, got)
-    assert len(set(map(tuple, got[:, 6:].tolist()))) == 3
+    decoder_parity.assert_greedy_equal(hf_model(family), V)
 
 
 def windowed(window: int, **overrides) -> GPT:

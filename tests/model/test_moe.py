@@ -7,8 +7,8 @@ against a token-by-token computation, dropless and past capacity; fields a famil
 and bad settings are refused by name."""
 
 import dataclasses
-import warnings
 
+import decoder_parity
 import pytest
 import torch
 
@@ -20,12 +20,10 @@ from model.config import MoEConfig  # noqa: E402
 from model.hf_decoders import (  # noqa: E402
     config_from_hf_decoder,
     gpt_from_hf_decoder,
-    gpt_to_hf_decoder,
     hf_decoder_config,
 )
 
 V = 64
-ATOL = 1e-5
 CLASSES = {"olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 SHAPES = {
     "olmoe": dict(intermediate_size=24, num_experts=6, norm_topk_prob=False),
@@ -43,52 +41,19 @@ SHAPES = {
 
 
 def hf_model(family: str, **overrides):
-    config = dict(
-        vocab_size=V, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
-    )  # fmt: skip
-    config.update(SHAPES[family], **overrides)
-    name = CLASSES[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(
-        getattr(transformers, f"{name}Config")(**config)
+    """Large enough weights (noise 0.2) that the routers' choices differ from token to token."""
+    shape = dict(vocab_size=V, num_hidden_layers=4, num_experts_per_tok=2)
+    return decoder_parity.tiny_hf_model(
+        CLASSES[family], 0.2, **{**shape, **SHAPES[family], **overrides}
     )
-    with torch.no_grad():  # large enough weights that the routers' choices differ by token
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
-
-
-def left_padded(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randint(3, V, (rows, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(x)
-    mask[1, :3] = 0
-    x[1, :3] = 0
-    return x, mask
 
 
 @pytest.mark.parametrize("family", CLASSES)
 def test_transformers_moe_into_ours_and_back(family):
-    theirs = hf_model(family)
-    ours = gpt_from_hf_decoder(theirs).eval()
-    assert ours.cfg.family == family and ours.cfg.moe.experts == 6
-    x, mask = left_padded(2, 20, seed=1)
-    real = mask.bool()
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=1e-5, atol=ATOL)
-        torch.testing.assert_close(
-            ours(x, mask).logits[real],
-            theirs(x, attention_mask=mask).logits[real],
-            rtol=1e-5,
-            atol=ATOL,
-        )
-    back = gpt_to_hf_decoder(ours).eval()
-    assert type(back).__name__ == f"{CLASSES[family]}ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
-    assert gpt_from_hf_decoder(back).cfg == ours.cfg
+    ours = decoder_parity.assert_into_ours_and_back(
+        hf_model(family), family, f"{CLASSES[family]}ForCausalLM", V
+    )
+    assert ours.cfg.moe.experts == 6
 
 
 def test_each_family_sets_its_own_moe_fields():
@@ -105,17 +70,7 @@ def test_each_family_sets_its_own_moe_fields():
 
 @pytest.mark.parametrize("family", CLASSES)
 def test_greedy_generation_with_the_cache_equals_transformers(family):
-    theirs = hf_model(family)
-    ours = gpt_from_hf_decoder(theirs).eval()
-    prompts, mask = left_padded(3, 6, seed=4)
-    mine = ours.generate(prompts, mask, max_new_tokens=14)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = theirs.generate(
-            prompts, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None
-        )
-    assert torch.equal(mine, got)
-    assert len(set(map(tuple, got[:, 6:].tolist()))) == 3
+    decoder_parity.assert_greedy_equal(hf_model(family), V)
 
 
 def test_load_balancing_loss_equals_transformers():
