@@ -24,7 +24,7 @@ def training_config(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
 def choose_precision() -> tuple[str, str]:
     """What `deepspeed.precision: auto` is on this machine, and why: bf16 on a GPU that computes
     it, fp32 on one that does not; on a CPU, bf16 where its measured bf16 GEMMs are at least as
-    fast as its fp32 ones (AMX: several times faster), else fp32 (AVX2 alone: ~50x slower)."""
+    fast as its fp32 ones (AMX: several times faster), else fp32 (AVX2 alone: ~100x slower)."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         if torch.cuda.is_bf16_supported():

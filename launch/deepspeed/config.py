@@ -28,7 +28,7 @@ class DeepSpeedConfig:
     offload_params: bool = False  # parameters to CPU (stage 3)
     # fp32 | bf16 | fp16 (fp16 with dynamic loss scaling, GPU only) | auto: bf16 where this machine
     # multiplies bf16 matrices at least as fast as fp32 ones (a GPU with bf16; a CPU with AMX or
-    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~50x slower). bf16 is
+    # AVX512-BF16, measured once), else fp32 (an AVX2 CPU's bf16 GEMMs are ~100x slower). bf16 is
     # DeepSpeed's under ZeRO (bf16 weights, fp32 masters), torch's autocast at stage 0 (fp32
     # weights and gradients, bf16 matmuls)
     precision: str = "fp32"
